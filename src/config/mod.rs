@@ -1,0 +1,331 @@
+//! The policy file: its serde schema, and reading it with errors that point at the file, line,
+//! column and field a person has to fix.
+//!
+//! Values are parsed into their real types while the YAML is read (durations, key parts, URLs,
+//! methods, names), so a wrong value is reported at its own position. Checks that relate one
+//! part of the file to another (unknown upstream, duplicate names) happen in `policy`, using
+//! the positions kept here with `Spanned`.
+
+mod duration;
+mod types;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+pub use serde_saphyr::Spanned;
+
+pub use duration::ConfigDuration;
+pub use types::{KeyPart, MethodName, Name, PathPrefix, RedisUrl, Status, UpstreamUrl};
+
+/// Default timeout of one store call, including waiting for a pooled connection.
+pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 50;
+/// Default number of pooled Redis connections.
+pub const DEFAULT_POOL_SIZE: usize = 32;
+/// Default prefix of every key sluice writes to the store.
+pub const DEFAULT_KEY_PREFIX: &str = "sluice";
+/// Default time allowed to open a TCP connection to an upstream.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
+/// Default time allowed for an upstream to answer with its response headers.
+pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 30_000;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    #[serde(default)]
+    pub store: StoreConfig,
+    #[serde(default)]
+    pub upstreams: BTreeMap<Name, UpstreamConfig>,
+    pub routes: Vec<RouteConfig>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    pub redis: Option<RedisConfig>,
+    #[serde(default = "default_key_prefix")]
+    pub key_prefix: Name,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            redis: None,
+            key_prefix: default_key_prefix(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisConfig {
+    pub url: RedisUrl,
+    #[serde(default = "default_store_timeout")]
+    pub timeout: ConfigDuration,
+    #[serde(default = "default_pool_size")]
+    pub pool_size: NonZeroUsize,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    pub url: UpstreamUrl,
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout: ConfigDuration,
+    #[serde(default = "default_upstream_timeout")]
+    pub timeout: ConfigDuration,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub name: Spanned<Name>,
+    #[serde(rename = "match")]
+    pub matcher: MatchConfig,
+    pub upstream: Option<Spanned<Name>>,
+    pub respond: Option<Spanned<RespondConfig>>,
+    #[serde(default)]
+    pub limits: Vec<LimitConfig>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MatchConfig {
+    pub path_prefix: PathPrefix,
+    #[serde(default)]
+    pub methods: Vec<MethodName>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RespondConfig {
+    pub status: Status,
+    #[serde(default)]
+    pub body: String,
+    #[serde(default = "default_content_type")]
+    pub content_type: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitConfig {
+    pub name: Spanned<Name>,
+    pub key: Spanned<Vec<KeyPart>>,
+    pub requests: NonZeroU32,
+    pub window: ConfigDuration,
+}
+
+fn default_key_prefix() -> Name {
+    Name::new_unchecked(DEFAULT_KEY_PREFIX)
+}
+fn default_store_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_STORE_TIMEOUT_MS))
+}
+fn default_pool_size() -> NonZeroUsize {
+    NonZeroUsize::new(DEFAULT_POOL_SIZE).unwrap_or(NonZeroUsize::MIN)
+}
+fn default_connect_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS))
+}
+fn default_upstream_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_UPSTREAM_TIMEOUT_MS))
+}
+fn default_content_type() -> String {
+    "text/plain; charset=utf-8".to_owned()
+}
+
+/// A position in the policy file (1-based line and column; 0 when unknown).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Position {
+    pub line: u64,
+    pub column: u64,
+}
+
+impl<T> From<&Spanned<T>> for Position {
+    fn from(spanned: &Spanned<T>) -> Self {
+        Position {
+            line: spanned.referenced.line(),
+            column: spanned.referenced.column(),
+        }
+    }
+}
+
+/// Why a policy file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{}: cannot read the file: {source}", file.display())]
+    Read {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {message}", Located { file, position, field })]
+    Invalid {
+        file: PathBuf,
+        position: Position,
+        field: String,
+        message: String,
+    },
+}
+
+impl ConfigError {
+    pub fn invalid(
+        file: &Path,
+        position: Position,
+        field: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        ConfigError::Invalid {
+            file: file.to_owned(),
+            position,
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Renders `file:line:column: field` the way compilers do, so editors can jump to it.
+struct Located<'a> {
+    file: &'a Path,
+    position: &'a Position,
+    field: &'a str,
+}
+
+impl fmt::Display for Located<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file.display())?;
+        if self.position.line > 0 {
+            write!(f, ":{}:{}", self.position.line, self.position.column)?;
+        }
+        if !self.field.is_empty() {
+            write!(f, ": {}", self.field)?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads and parses the policy file at `file`.
+pub fn load(file: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
+        file: file.to_owned(),
+        source,
+    })?;
+    parse(&text, file)
+}
+
+/// Parses policy text; `file` is only used to name the source in errors.
+pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
+    let mut failed_at = String::new();
+    let result = serde_saphyr::with_deserializer_from_str_with_options(text, options(), |de| {
+        serde_path_to_error::deserialize(de).map_err(|err| {
+            failed_at = err.path().to_string();
+            err.into_inner()
+        })
+    });
+    result.map_err(|err| {
+        let position = err
+            .location()
+            .map(|l| Position {
+                line: l.line(),
+                column: l.column(),
+            })
+            .unwrap_or_default();
+        // serde_path_to_error writes `.` for the document root.
+        let field = if failed_at == "." { "" } else { &failed_at };
+        ConfigError::invalid(file, position, field, plain_message(&err))
+    })
+}
+
+/// Limits that keep a hostile or broken file (deep nesting, alias bombs) from using much time
+/// or memory; a real policy is far below every one of them.
+fn options() -> serde_saphyr::Options {
+    serde_saphyr::options! {
+        with_snippet: false,
+        budget: serde_saphyr::budget! {
+            max_reader_input_bytes: Some(16 * 1024 * 1024),
+            max_events: 200_000,
+            max_aliases: 1_000,
+            max_anchors: 1_000,
+            max_depth: 32,
+            max_nodes: 100_000,
+            max_total_scalar_bytes: 16 * 1024 * 1024,
+            max_recorded_anchor_events: 50_000,
+        },
+        alias_limits: serde_saphyr::alias_limits! {
+            max_total_replayed_events: 50_000,
+        },
+    }
+}
+
+/// The parser appends " at line L, column C"; we print the position up front instead.
+fn plain_message(err: &serde_saphyr::Error) -> String {
+    let text = err.to_string();
+    match text.rfind(" at line ") {
+        Some(cut) => text[..cut].to_owned(),
+        None => text,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error_of(yaml: &str) -> String {
+        match parse(yaml, Path::new("test.yaml")) {
+            Ok(_) => panic!("expected an error for:\n{yaml}"),
+            Err(err) => err.to_string(),
+        }
+    }
+
+    const HEAD: &str = "listen: 127.0.0.1:8080\nadmin_listen: 127.0.0.1:9090\n";
+
+    #[test]
+    fn a_bad_duration_names_line_column_and_field() {
+        let yaml = format!(
+            "{HEAD}routes:\n  - name: x\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 5, window: thirty }}\n"
+        );
+        let err = error_of(&yaml);
+        assert!(
+            err.starts_with("test.yaml:8:63: routes[0].limits[0].window: expected a duration"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let yaml = format!("{HEAD}routes: []\nstore: {{ redis_url: x }}\n");
+        let err = error_of(&yaml);
+        assert!(err.contains("test.yaml:4:10"), "{err}");
+        assert!(err.contains("unknown field `redis_url`"), "{err}");
+    }
+
+    #[test]
+    fn zero_requests_are_refused() {
+        let yaml = format!(
+            "{HEAD}routes:\n  - name: x\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits: [{{ name: a, key: [client_ip], requests: 0, window: 1s }}]\n"
+        );
+        let err = error_of(&yaml);
+        assert!(err.contains("routes[0].limits[0].requests"), "{err}");
+    }
+
+    #[test]
+    fn alias_bombs_are_refused() {
+        let mut yaml = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
+        for (name, prev) in ["b", "c", "d", "e", "f", "g", "h", "i"]
+            .iter()
+            .zip(["a", "b", "c", "d", "e", "f", "g", "h"])
+        {
+            let refs = vec![format!("*{prev}"); 10].join(", ");
+            yaml.push_str(&format!("{name}: &{name} [{refs}]\n"));
+        }
+        let started = std::time::Instant::now();
+        let result: Result<BTreeMap<String, serde_json::Value>, _> =
+            serde_saphyr::from_str_with_options(&yaml, options());
+        assert!(result.is_err(), "a billion laughs must not parse");
+        assert!(started.elapsed() < std::time::Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,247 @@
+//! Typed values of the policy file. Each is checked once, when the YAML is read, so the rest of
+//! sluice never handles a raw string where one of these belongs.
+
+use std::fmt;
+use std::str::FromStr;
+
+use http::header::HeaderName;
+use http::uri::{Authority, Scheme};
+use http::{Method, StatusCode, Uri};
+use serde::de::{Deserialize, Deserializer, Error as _};
+
+/// Implements `Deserialize` for a type through its `FromStr`, so the parse error becomes the
+/// message reported at the value's position.
+macro_rules! deserialize_via_from_str {
+    ($($ty:ty),* $(,)?) => {$(
+        impl<'de> Deserialize<'de> for $ty {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                let text = String::deserialize(deserializer)?;
+                text.parse().map_err(D::Error::custom)
+            }
+        }
+    )*};
+}
+
+deserialize_via_from_str!(Name, KeyPart, MethodName, PathPrefix, UpstreamUrl, RedisUrl);
+
+/// The name of a route, limit, upstream or key prefix. Names appear in Redis keys, metric
+/// labels and the `RateLimit-Policy` field, so they are kept to characters that are safe in
+/// all three without quoting.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Name(String);
+
+impl Name {
+    pub const MAX_LEN: usize = 64;
+
+    pub(crate) fn new_unchecked(name: &str) -> Name {
+        Name(name.to_owned())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for Name {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let valid_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+        if text.is_empty() || text.len() > Name::MAX_LEN || !text.chars().all(valid_char) {
+            return Err(format!(
+                "a name is 1 to {} characters of A-Z, a-z, 0-9, `-`, `_`, `.`; got `{text}`",
+                Name::MAX_LEN
+            ));
+        }
+        Ok(Name(text.to_owned()))
+    }
+}
+
+/// One part of a limit's key: where in the request the identity comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPart {
+    /// The address of the TCP peer.
+    ClientIp,
+    /// The value of a request header; absent → the limit falls back to the client IP.
+    Header(HeaderName),
+}
+
+impl FromStr for KeyPart {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if text == "client_ip" {
+            return Ok(KeyPart::ClientIp);
+        }
+        if let Some(name) = text.strip_prefix("header:") {
+            return HeaderName::from_bytes(name.as_bytes())
+                .map(KeyPart::Header)
+                .map_err(|_| format!("`{name}` is not a valid header name"));
+        }
+        Err(format!(
+            "expected a key part `client_ip` or `header:NAME`, got `{text}`"
+        ))
+    }
+}
+
+/// An HTTP method a route matches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MethodName(pub Method);
+
+impl FromStr for MethodName {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        // Methods are case-sensitive (RFC 9110 §9.1); `post` is not `POST`, so say so.
+        if text.bytes().any(|b| b.is_ascii_lowercase()) {
+            return Err(format!(
+                "methods are case-sensitive: write `{}`, not `{text}`",
+                text.to_ascii_uppercase()
+            ));
+        }
+        Method::from_bytes(text.as_bytes())
+            .map(MethodName)
+            .map_err(|_| format!("`{text}` is not a valid HTTP method"))
+    }
+}
+
+/// A path prefix a route matches; it always starts with `/`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathPrefix(pub String);
+
+impl FromStr for PathPrefix {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if !text.starts_with('/') || text.contains(['?', '#']) || text.contains(char::is_whitespace)
+        {
+            return Err(format!(
+                "a path prefix starts with `/` and has no query, fragment or spaces; got `{text}`"
+            ));
+        }
+        Ok(PathPrefix(text.to_owned()))
+    }
+}
+
+/// The status of a direct response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Status(pub StatusCode);
+
+impl<'de> Deserialize<'de> for Status {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let code = u16::deserialize(deserializer)?;
+        StatusCode::from_u16(code)
+            .ok()
+            .filter(|s| s.as_u16() >= 200)
+            .map(Status)
+            .ok_or_else(|| D::Error::custom(format!("expected a status from 200 to 999, got {code}")))
+    }
+}
+
+/// Where an upstream lives: `http://host:port` with an optional base path that is put in
+/// front of every forwarded path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamUrl {
+    pub authority: Authority,
+    /// Empty, or a path starting with `/` and not ending with one.
+    pub base_path: String,
+}
+
+impl FromStr for UpstreamUrl {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let uri: Uri = text
+            .parse()
+            .map_err(|e| format!("`{text}` is not a URL: {e}"))?;
+        match uri.scheme() {
+            Some(s) if *s == Scheme::HTTP => {}
+            Some(s) if *s == Scheme::HTTPS => {
+                return Err(format!(
+                    "`{text}`: https upstreams are not supported yet; use http"
+                ))
+            }
+            _ => return Err(format!("expected a URL like http://127.0.0.1:3000, got `{text}`")),
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| format!("`{text}` has no host"))?;
+        if authority.as_str().contains('@') {
+            return Err(format!("`{text}`: credentials in upstream URLs are not supported"));
+        }
+        if uri.query().is_some() {
+            return Err(format!("`{text}`: an upstream URL cannot have a query"));
+        }
+        let base_path = uri.path().trim_end_matches('/').to_owned();
+        Ok(UpstreamUrl {
+            authority,
+            base_path,
+        })
+    }
+}
+
+/// A Redis URL (`redis://[user:password@]host:port/db`), checked but kept as written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisUrl(pub String);
+
+impl FromStr for RedisUrl {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        use redis::IntoConnectionInfo;
+        text.into_connection_info()
+            .map(|_| RedisUrl(text.to_owned()))
+            .map_err(|e| format!("expected a URL like redis://127.0.0.1:6379/0: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_restricted() {
+        assert!("per-ip".parse::<Name>().is_ok());
+        assert!("tenant.v2_x".parse::<Name>().is_ok());
+        assert!("".parse::<Name>().is_err());
+        assert!("a b".parse::<Name>().is_err());
+        assert!("a\"b".parse::<Name>().is_err());
+        assert!("x".repeat(65).parse::<Name>().is_err());
+    }
+
+    #[test]
+    fn key_parts() {
+        assert_eq!("client_ip".parse::<KeyPart>(), Ok(KeyPart::ClientIp));
+        assert_eq!(
+            "header:X-Api-Key".parse::<KeyPart>(),
+            Ok(KeyPart::Header(HeaderName::from_static("x-api-key")))
+        );
+        assert!("header:bad header".parse::<KeyPart>().is_err());
+        assert!("cookie:x".parse::<KeyPart>().is_err());
+    }
+
+    #[test]
+    fn upstream_urls() {
+        let url: UpstreamUrl = "http://127.0.0.1:3000".parse().unwrap();
+        assert_eq!(url.authority.as_str(), "127.0.0.1:3000");
+        assert_eq!(url.base_path, "");
+        let url: UpstreamUrl = "http://api.internal/v1/".parse().unwrap();
+        assert_eq!(url.base_path, "/v1");
+        assert!("https://x".parse::<UpstreamUrl>().is_err());
+        assert!("127.0.0.1:3000".parse::<UpstreamUrl>().is_err());
+        assert!("http://x/?a=1".parse::<UpstreamUrl>().is_err());
+    }
+
+    #[test]
+    fn methods_are_case_sensitive() {
+        assert!("POST".parse::<MethodName>().is_ok());
+        assert!("post".parse::<MethodName>().is_err());
+    }
+}

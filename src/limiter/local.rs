@@ -1,0 +1,151 @@
+//! The in-process store: the sliding-window log in this process's memory, for a single
+//! instance (no Redis configured). Same semantics as the Redis script; the clock is this
+//! process's monotonic clock.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use super::sliding_log;
+use super::{Check, Decision};
+
+/// How often logs that have emptied are dropped, so memory follows live keys only.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+struct Log {
+    times: VecDeque<u64>,
+    window_us: u64,
+}
+
+type Logs = HashMap<String, Log>;
+
+pub struct LocalStore {
+    logs: Arc<Mutex<Logs>>,
+    epoch: Instant,
+}
+
+impl LocalStore {
+    /// Creates the store and starts its sweeper on the current Tokio runtime.
+    pub fn new() -> LocalStore {
+        let logs = Arc::new(Mutex::new(HashMap::new()));
+        let epoch = Instant::now();
+        tokio::spawn(sweep(Arc::downgrade(&logs), epoch));
+        LocalStore { logs, epoch }
+    }
+
+    pub fn decide(&self, checks: &[Check]) -> Decision {
+        let now = micros_since(self.epoch);
+        let mut logs = lock(&self.logs);
+        let mut admitted = true;
+        let mut retry_after = 0;
+        for check in checks {
+            let window_us = window_micros(check.window);
+            let Some(log) = logs.get_mut(&check.key) else {
+                continue;
+            };
+            log.window_us = window_us;
+            sliding_log::prune(&mut log.times, window_us, now);
+            if !sliding_log::has_room(&log.times, check.requests) {
+                admitted = false;
+                retry_after = retry_after.max(sliding_log::until_more_room(
+                    &log.times,
+                    check.requests,
+                    window_us,
+                    now,
+                ));
+            }
+        }
+        let mut limits = Vec::with_capacity(checks.len());
+        for check in checks {
+            let window_us = window_micros(check.window);
+            let log = match logs.get_mut(&check.key) {
+                Some(log) => log,
+                None => logs.entry(check.key.clone()).or_insert(Log {
+                    times: VecDeque::new(),
+                    window_us,
+                }),
+            };
+            if admitted {
+                log.times.push_back(now);
+            }
+            limits.push(sliding_log::state(&log.times, check.requests, window_us, now));
+        }
+        Decision {
+            admitted,
+            retry_after: Duration::from_micros(retry_after),
+            limits,
+        }
+    }
+}
+
+fn window_micros(window: Duration) -> u64 {
+    u64::try_from(window.as_micros()).unwrap_or(u64::MAX)
+}
+
+fn micros_since(epoch: Instant) -> u64 {
+    u64::try_from(epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+/// A panic elsewhere while holding the lock leaves the logs consistent (every change is a
+/// single push or pop), so a poisoned lock is still safe to use.
+fn lock(logs: &Mutex<Logs>) -> MutexGuard<'_, Logs> {
+    logs.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+async fn sweep(logs: Weak<Mutex<Logs>>, epoch: Instant) {
+    let mut ticks = tokio::time::interval(SWEEP_EVERY);
+    loop {
+        ticks.tick().await;
+        let Some(logs) = logs.upgrade() else { return };
+        let now = micros_since(epoch);
+        lock(&logs).retain(|_, log| {
+            sliding_log::prune(&mut log.times, log.window_us, now);
+            !log.times.is_empty()
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(key: &str, requests: u32, window: Duration) -> Check {
+        Check {
+            key: key.to_owned(),
+            requests,
+            window,
+        }
+    }
+
+    #[tokio::test]
+    async fn admits_exactly_the_limit_and_records_no_rejection() {
+        let store = LocalStore::new();
+        let checks = [check("k", 3, Duration::from_secs(60))];
+        let remaining: Vec<u32> = (0..3)
+            .map(|_| {
+                let d = store.decide(&checks);
+                assert!(d.admitted);
+                d.limits[0].remaining
+            })
+            .collect();
+        assert_eq!(remaining, [2, 1, 0]);
+        for _ in 0..5 {
+            let d = store.decide(&checks);
+            assert!(!d.admitted);
+            assert!(d.retry_after > Duration::from_secs(59));
+        }
+        assert_eq!(lock(&store.logs)["k"].times.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_full_limit_blocks_the_others_without_draining_them() {
+        let store = LocalStore::new();
+        let tight = check("tight", 1, Duration::from_secs(60));
+        let loose = check("loose", 10, Duration::from_secs(60));
+        assert!(store.decide(&[tight.clone(), loose.clone()]).admitted);
+        let d = store.decide(&[tight, loose.clone()]);
+        assert!(!d.admitted);
+        assert_eq!(d.limits[1].remaining, 9, "a rejected request must not count");
+        assert_eq!(store.decide(&[loose]).limits[0].remaining, 8);
+    }
+}

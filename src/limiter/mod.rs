@@ -1,0 +1,130 @@
+//! The limiter: given the (key, limit) pairs of one request, decide in one atomic step whether
+//! the request is admitted, and say how much room is left.
+//!
+//! It knows nothing of HTTP. The sliding-window log is the algorithm: a request is admitted
+//! only if every limit has fewer than `requests` entries in the last `window`; if admitted, it
+//! is recorded in every limit, and if rejected, in none. `Store` runs that decision either in
+//! Redis (shared by every sluice instance) or in process memory (one instance).
+
+mod local;
+mod redis;
+pub mod sliding_log;
+
+use std::time::{Duration, Instant};
+
+use prometheus::{Histogram, IntCounter};
+
+pub use self::local::LocalStore;
+pub use self::redis::RedisStore;
+use crate::metrics::Metrics;
+
+/// One limit to check for a request: the full store key (prefix, route, limit, identity) and
+/// the limit's size.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub key: String,
+    pub requests: u32,
+    pub window: Duration,
+}
+
+/// Where one limit stands after a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitState {
+    /// Requests this limit would still admit now.
+    pub remaining: u32,
+    /// Time until this limit admits one more request than it does now (for a full limit, the
+    /// time until it admits again); zero when nothing is recorded.
+    pub reset: Duration,
+}
+
+/// The answer for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub admitted: bool,
+    /// For a rejected request, the exact time until every exhausted limit admits again.
+    pub retry_after: Duration,
+    /// One state per check, in the order the checks were given.
+    pub limits: Vec<LimitState>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("the store did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("cannot reach the store: {0}")]
+    Connection(String),
+    #[error("the store answered with an error: {0}")]
+    Script(String),
+}
+
+impl StoreError {
+    /// The `kind` label values, indexed by `kind_index`.
+    const KINDS: [&'static str; 3] = ["timeout", "connection", "script"];
+
+    fn kind_index(&self) -> usize {
+        match self {
+            StoreError::Timeout(_) => 0,
+            StoreError::Connection(_) => 1,
+            StoreError::Script(_) => 2,
+        }
+    }
+}
+
+enum Backend {
+    Local(LocalStore),
+    Redis(RedisStore),
+}
+
+/// The store every limit decision goes through, with its metrics.
+pub struct Store {
+    backend: Backend,
+    call_duration: Histogram,
+    name: &'static str,
+    error_counters: [IntCounter; StoreError::KINDS.len()],
+}
+
+impl Store {
+    pub fn local(metrics: &Metrics) -> Store {
+        Store::with_backend(Backend::Local(LocalStore::new()), "local", metrics)
+    }
+
+    pub fn redis(store: RedisStore, metrics: &Metrics) -> Store {
+        Store::with_backend(Backend::Redis(store), "redis", metrics)
+    }
+
+    fn with_backend(backend: Backend, name: &'static str, metrics: &Metrics) -> Store {
+        Store {
+            backend,
+            call_duration: metrics.store_call_duration.with_label_values(&[name]),
+            name,
+            error_counters: StoreError::KINDS
+                .map(|kind| metrics.store_errors.with_label_values(&[name, kind])),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Decides all checks of one request atomically.
+    pub async fn decide(&self, checks: &[Check]) -> Result<Decision, StoreError> {
+        let started = Instant::now();
+        let result = match &self.backend {
+            Backend::Local(store) => Ok(store.decide(checks)),
+            Backend::Redis(store) => store.decide(checks).await,
+        };
+        self.call_duration.observe(started.elapsed().as_secs_f64());
+        if let Err(err) = &result {
+            self.error_counters[err.kind_index()].inc();
+        }
+        result
+    }
+
+    /// Whether the store answers now (for readiness).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Local(_) => Ok(()),
+            Backend::Redis(store) => store.ping().await,
+        }
+    }
+}

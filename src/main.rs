@@ -1,0 +1,188 @@
+//! sluice: a rate-limiting reverse proxy. This file is the command line and start-up wiring
+//! only; the request path starts in `server` and `proxy`.
+
+mod admin;
+mod config;
+mod keys;
+mod limiter;
+mod metrics;
+mod policy;
+mod proxy;
+mod response;
+mod server;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::admin::Admin;
+use crate::limiter::{RedisStore, Store};
+use crate::metrics::Metrics;
+use crate::policy::Policy;
+use crate::proxy::Gateway;
+
+#[derive(Parser)]
+#[command(version, about = "A rate-limiting reverse proxy with exact sliding-window limits")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve traffic with the policy in the config file.
+    Run {
+        #[arg(long, default_value = "config/sluice.yaml")]
+        config: PathBuf,
+    },
+    /// Check a config file as `run` would, without serving.
+    Check {
+        #[arg(long, default_value = "config/sluice.yaml")]
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Check { config } => check(&config),
+        Command::Run { config } => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the async runtime")
+            .and_then(|runtime| runtime.block_on(run(&config))),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Everything `run` checks before it binds its listeners.
+struct Loaded {
+    config: config::Config,
+    policy: Policy,
+    metrics: Arc<Metrics>,
+}
+
+fn load(file: &Path) -> anyhow::Result<Loaded> {
+    let config = config::load(file)?;
+    let metrics = Arc::new(Metrics::new().context("cannot create the metrics registry")?);
+    let policy = Policy::compile(&config, file, &metrics)?;
+    Ok(Loaded {
+        config,
+        policy,
+        metrics,
+    })
+}
+
+fn check(file: &Path) -> anyhow::Result<()> {
+    let loaded = load(file)?;
+    println!(
+        "{}: ok ({} routes, {} upstreams, store: {})",
+        file.display(),
+        loaded.policy.routes.len(),
+        loaded.config.upstreams.len(),
+        if loaded.config.store.redis.is_some() { "redis" } else { "in-process" }
+    );
+    Ok(())
+}
+
+async fn run(file: &Path) -> anyhow::Result<()> {
+    let Loaded {
+        config,
+        policy,
+        metrics,
+    } = load(file)?;
+    let store = match &config.store.redis {
+        Some(redis) => {
+            let store = RedisStore::new(&redis.url.0, redis.pool_size.get(), redis.timeout.0)
+                .context("invalid Redis settings")?;
+            if let Err(err) = store.load_script().await {
+                tracing::warn!(error = %err, "Redis is not answering yet; limited routes answer 503 until it does");
+            }
+            Store::redis(store, &metrics)
+        }
+        None => Store::local(&metrics),
+    };
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let admin_listener = TcpListener::bind(config.admin_listen)
+        .await
+        .with_context(|| format!("cannot listen on {} (admin_listen)", config.admin_listen))?;
+    tracing::info!(
+        listen = %config.listen,
+        admin_listen = %config.admin_listen,
+        routes = policy.routes.len(),
+        store = store.name(),
+        "sluice is serving"
+    );
+
+    let gateway = Arc::new(Gateway::new(policy, store, &metrics));
+    let admin = Arc::new(Admin {
+        gateway: Arc::clone(&gateway),
+        metrics,
+    });
+    let (stop, stopping) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down: finishing requests in flight");
+        let _ = stop.send(true);
+    });
+    let serve_gateway = server::serve(
+        listener,
+        move |request, peer| {
+            let gateway = Arc::clone(&gateway);
+            async move { gateway.handle(request, peer).await }
+        },
+        stopping.clone(),
+    );
+    let serve_admin = server::serve(
+        admin_listener,
+        move |request, _peer| {
+            let admin = Arc::clone(&admin);
+            async move { admin.handle(request).await }
+        },
+        stopping,
+    );
+    tokio::join!(serve_gateway, serve_admin);
+    Ok(())
+}
+
+/// SIGTERM (Kubernetes, Docker) or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

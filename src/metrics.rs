@@ -1,0 +1,179 @@
+//! Every Prometheus metric sluice exports, defined once with its help text.
+//!
+//! Label values are route, limit and upstream names from the policy, outcomes and error kinds:
+//! never a client identity, so the number of series is bounded by the config.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    TextEncoder,
+};
+
+/// What happened to a request, as counted by `sluice_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Admitted and forwarded; the upstream answered.
+    Forwarded,
+    /// Admitted and answered by the route's direct response.
+    Responded,
+    /// Rejected with 429.
+    Limited,
+    /// Admitted, but the upstream could not be reached or timed out.
+    UpstreamError,
+    /// The store could not decide; answered 503.
+    StoreError,
+    /// No route matched, or the request was malformed; answered 4xx.
+    NoRoute,
+}
+
+impl Outcome {
+    /// The outcomes of a request that matched a route, in declaration order.
+    const ROUTED: [Outcome; 5] = [
+        Outcome::Forwarded,
+        Outcome::Responded,
+        Outcome::Limited,
+        Outcome::UpstreamError,
+        Outcome::StoreError,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Forwarded => "forwarded",
+            Outcome::Responded => "responded",
+            Outcome::Limited => "limited",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::StoreError => "store_error",
+            Outcome::NoRoute => "no_route",
+        }
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub limit_decisions: IntCounterVec,
+    pub request_duration: HistogramVec,
+    pub store_call_duration: HistogramVec,
+    pub store_errors: IntCounterVec,
+    pub upstream_errors: IntCounterVec,
+}
+
+/// Buckets for whole requests: from a fast local answer to a slow upstream.
+const REQUEST_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+/// Buckets for one store call: a Redis round trip on a LAN is tens to hundreds of µs.
+const STORE_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+];
+
+impl Metrics {
+    pub fn new() -> Result<Metrics, prometheus::Error> {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new("sluice_requests_total", "Requests handled, by route and outcome."),
+            &["route", "outcome"],
+        )?;
+        let limit_decisions = IntCounterVec::new(
+            Opts::new(
+                "sluice_limit_decisions_total",
+                "Limit decisions, by route, limit and decision (admitted or rejected).",
+            ),
+            &["route", "limit", "decision"],
+        )?;
+        let request_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_request_duration_seconds",
+                "Time from a request's headers to its response headers, by route.",
+            )
+            .buckets(REQUEST_BUCKETS.to_vec()),
+            &["route"],
+        )?;
+        let store_call_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_store_call_duration_seconds",
+                "Duration of one limiter store call (all limits of a request), by store.",
+            )
+            .buckets(STORE_BUCKETS.to_vec()),
+            &["store"],
+        )?;
+        let store_errors = IntCounterVec::new(
+            Opts::new(
+                "sluice_store_errors_total",
+                "Store calls that failed, by store and kind (timeout, connection, script).",
+            ),
+            &["store", "kind"],
+        )?;
+        let upstream_errors = IntCounterVec::new(
+            Opts::new(
+                "sluice_upstream_errors_total",
+                "Forwarded requests that got no upstream response, by upstream and kind (connect, timeout, other).",
+            ),
+            &["upstream", "kind"],
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(limit_decisions.clone()))?;
+        registry.register(Box::new(request_duration.clone()))?;
+        registry.register(Box::new(store_call_duration.clone()))?;
+        registry.register(Box::new(store_errors.clone()))?;
+        registry.register(Box::new(upstream_errors.clone()))?;
+        Ok(Metrics {
+            registry,
+            requests,
+            limit_decisions,
+            request_duration,
+            store_call_duration,
+            store_errors,
+            upstream_errors,
+        })
+    }
+
+    /// The counters and histogram of one route, resolved once so the request path does no
+    /// label lookups.
+    pub fn for_route(&self, route: &str) -> RouteMetrics {
+        let outcomes = Outcome::ROUTED.map(|o| self.requests.with_label_values(&[route, o.label()]));
+        RouteMetrics {
+            outcomes,
+            duration: self.request_duration.with_label_values(&[route]),
+        }
+    }
+
+    pub fn for_limit(&self, route: &str, limit: &str) -> LimitMetrics {
+        LimitMetrics {
+            admitted: self
+                .limit_decisions
+                .with_label_values(&[route, limit, "admitted"]),
+            rejected: self
+                .limit_decisions
+                .with_label_values(&[route, limit, "rejected"]),
+        }
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(16 * 1024);
+        // Encoding into a Vec cannot fail for the text format.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+}
+
+#[derive(Clone)]
+pub struct RouteMetrics {
+    outcomes: [IntCounter; Outcome::ROUTED.len()],
+    pub duration: Histogram,
+}
+
+impl RouteMetrics {
+    pub fn count(&self, outcome: Outcome) {
+        // `NoRoute` has no route to count under; it is counted by the gateway itself.
+        if let Some(counter) = self.outcomes.get(outcome as usize) {
+            counter.inc();
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct LimitMetrics {
+    pub admitted: IntCounter,
+    pub rejected: IntCounter,
+}

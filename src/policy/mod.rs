@@ -1,0 +1,226 @@
+//! The compiled policy: routes with their matchers, actions and limits, built once from the
+//! config and never changed afterwards. This is where the parts of the file are checked against
+//! each other (every upstream a route names exists, names are unique), with positions.
+
+mod matcher;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::HeaderValue;
+use http::uri::Authority;
+use http::{Method, StatusCode};
+
+pub use self::matcher::Matcher;
+use crate::config::{Config, ConfigError, KeyPart, LimitConfig, Name, Position, RouteConfig};
+use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
+use crate::proxy::UpstreamClient;
+use crate::response;
+
+pub struct Policy {
+    pub routes: Vec<Route>,
+}
+
+pub struct Route {
+    pub name: Name,
+    pub matcher: Matcher,
+    pub action: Action,
+    pub limits: Vec<Limit>,
+    /// The `RateLimit-Policy` field describing every limit of the route; `None` without limits.
+    pub rate_limit_policy: Option<HeaderValue>,
+    pub metrics: RouteMetrics,
+}
+
+pub enum Action {
+    Forward(Arc<Upstream>),
+    Respond(DirectResponse),
+}
+
+pub struct DirectResponse {
+    pub status: StatusCode,
+    pub body: Bytes,
+    pub content_type: HeaderValue,
+}
+
+pub struct Limit {
+    pub name: Name,
+    pub key: Vec<KeyPart>,
+    pub requests: u32,
+    pub window: Duration,
+    /// `prefix:route:limit:`; the identity completes the store key.
+    pub key_prefix: String,
+    pub metrics: LimitMetrics,
+}
+
+pub struct Upstream {
+    pub name: Name,
+    pub authority: Authority,
+    pub base_path: String,
+    pub timeout: Duration,
+    pub client: UpstreamClient,
+}
+
+impl Policy {
+    /// Checks the config as a whole and builds the policy. `file` names the source in errors.
+    pub fn compile(config: &Config, file: &Path, metrics: &Metrics) -> Result<Policy, ConfigError> {
+        if config.listen == config.admin_listen {
+            return Err(ConfigError::invalid(
+                file,
+                Position::default(),
+                "admin_listen",
+                format!("must differ from `listen` ({})", config.listen),
+            ));
+        }
+        let upstreams: HashMap<&Name, Arc<Upstream>> = config
+            .upstreams
+            .iter()
+            .map(|(name, upstream)| {
+                let compiled = Upstream {
+                    name: name.clone(),
+                    authority: upstream.url.authority.clone(),
+                    base_path: upstream.url.base_path.clone(),
+                    timeout: upstream.timeout.0,
+                    client: UpstreamClient::new(upstream.connect_timeout.0, name.as_str(), metrics),
+                };
+                (name, Arc::new(compiled))
+            })
+            .collect();
+        let mut seen: HashMap<&Name, Position> = HashMap::new();
+        let mut routes = Vec::with_capacity(config.routes.len());
+        for (index, route) in config.routes.iter().enumerate() {
+            let field = format!("routes[{index}]");
+            if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(&route.name),
+                    format!("{field}.name"),
+                    format!(
+                        "duplicate route name `{}` (first used at line {})",
+                        route.name.value, first.line
+                    ),
+                ));
+            }
+            let action = compile_action(route, &upstreams, file, &field)?;
+            let limits = compile_limits(config, route, file, &field, metrics)?;
+            routes.push(Route {
+                name: route.name.value.clone(),
+                matcher: Matcher::new(&route.matcher),
+                action,
+                rate_limit_policy: response::rate_limit_policy(&limits),
+                limits,
+                metrics: metrics.for_route(route.name.value.as_str()),
+            });
+        }
+        Ok(Policy { routes })
+    }
+
+    /// The first route, in file order, that matches the request.
+    pub fn route(&self, method: &Method, path: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.matcher.matches(method, path))
+    }
+}
+
+fn compile_action(
+    route: &RouteConfig,
+    upstreams: &HashMap<&Name, Arc<Upstream>>,
+    file: &Path,
+    field: &str,
+) -> Result<Action, ConfigError> {
+    match (&route.upstream, &route.respond) {
+        (Some(upstream), None) => upstreams
+            .get(&upstream.value)
+            .map(|u| Action::Forward(Arc::clone(u)))
+            .ok_or_else(|| {
+                let mut known: Vec<&str> = upstreams.keys().map(|n| n.as_str()).collect();
+                known.sort_unstable();
+                ConfigError::invalid(
+                    file,
+                    Position::from(upstream),
+                    format!("{field}.upstream"),
+                    format!(
+                        "unknown upstream `{}` (defined: {})",
+                        upstream.value,
+                        if known.is_empty() { "none".to_owned() } else { known.join(", ") }
+                    ),
+                )
+            }),
+        (None, Some(respond)) => {
+            let content_type = HeaderValue::from_str(&respond.value.content_type).map_err(|_| {
+                ConfigError::invalid(
+                    file,
+                    Position::from(respond),
+                    format!("{field}.respond.content_type"),
+                    "not a valid header value",
+                )
+            })?;
+            Ok(Action::Respond(DirectResponse {
+                status: respond.value.status.0,
+                body: Bytes::from(respond.value.body.clone()),
+                content_type,
+            }))
+        }
+        (Some(_), Some(respond)) => Err(ConfigError::invalid(
+            file,
+            Position::from(respond),
+            format!("{field}.respond"),
+            "a route has either `upstream` or `respond`, not both",
+        )),
+        (None, None) => Err(ConfigError::invalid(
+            file,
+            Position::from(&route.name),
+            field,
+            "a route needs `upstream` (forward) or `respond` (direct response)",
+        )),
+    }
+}
+
+fn compile_limits(
+    config: &Config,
+    route: &RouteConfig,
+    file: &Path,
+    field: &str,
+    metrics: &Metrics,
+) -> Result<Vec<Limit>, ConfigError> {
+    let mut seen: HashMap<&Name, Position> = HashMap::new();
+    route
+        .limits
+        .iter()
+        .enumerate()
+        .map(|(index, limit): (usize, &LimitConfig)| {
+            let field = format!("{field}.limits[{index}]");
+            if let Some(first) = seen.insert(&limit.name.value, Position::from(&limit.name)) {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(&limit.name),
+                    format!("{field}.name"),
+                    format!(
+                        "duplicate limit name `{}` in this route (first used at line {})",
+                        limit.name.value, first.line
+                    ),
+                ));
+            }
+            if limit.key.value.is_empty() {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(&limit.key),
+                    format!("{field}.key"),
+                    "a key needs at least one part, e.g. [client_ip]",
+                ));
+            }
+            Ok(Limit {
+                name: limit.name.value.clone(),
+                key: limit.key.value.clone(),
+                requests: limit.requests.get(),
+                window: limit.window.0,
+                key_prefix: format!(
+                    "{}:{}:{}:",
+                    config.store.key_prefix, route.name.value, limit.name.value
+                ),
+                metrics: metrics.for_limit(route.name.value.as_str(), limit.name.value.as_str()),
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,136 @@
+//! Sending an admitted request to its upstream and bringing the response back, bodies
+//! streamed both ways. An upstream that cannot be reached is a 502, one that does not answer
+//! its response headers in time is a 504.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::header::HOST;
+use http::uri::{PathAndQuery, Scheme};
+use http::{Request, Response, Uri, Version};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use prometheus::IntCounter;
+
+use super::headers;
+use crate::metrics::Metrics;
+use crate::policy::Upstream;
+
+/// How long an idle pooled upstream connection is kept.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The pooled HTTP/1.1 client of one upstream, with its error counters.
+pub struct UpstreamClient {
+    client: Client<HttpConnector, Incoming>,
+    errors: [IntCounter; ForwardError::KINDS.len()],
+}
+
+impl UpstreamClient {
+    pub fn new(connect_timeout: Duration, upstream: &str, metrics: &Metrics) -> UpstreamClient {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .build(connector);
+        UpstreamClient {
+            client,
+            errors: ForwardError::KINDS
+                .map(|kind| metrics.upstream_errors.with_label_values(&[upstream, kind])),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("cannot connect to the upstream: {0}")]
+    Connect(String),
+    #[error("the upstream did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("the upstream failed: {0}")]
+    Other(String),
+}
+
+impl ForwardError {
+    const KINDS: [&'static str; 3] = ["connect", "timeout", "other"];
+
+    fn kind_index(&self) -> usize {
+        match self {
+            ForwardError::Connect(_) => 0,
+            ForwardError::Timeout(_) => 1,
+            ForwardError::Other(_) => 2,
+        }
+    }
+}
+
+/// Forwards `request` (from `peer`) to `upstream` and returns its response with hop-by-hop
+/// fields removed.
+pub async fn forward(
+    upstream: &Upstream,
+    mut request: Request<Incoming>,
+    peer: SocketAddr,
+) -> Result<Response<Incoming>, ForwardError> {
+    let host = request
+        .headers()
+        .get(HOST)
+        .cloned()
+        .or_else(|| request.uri().authority().and_then(|a| a.as_str().parse().ok()));
+    *request.uri_mut() = upstream_uri(upstream, request.uri())?;
+    // The upstream speaks HTTP/1.1 whatever the client spoke; the client sets Host from the URI.
+    *request.version_mut() = Version::HTTP_11;
+    let headers = request.headers_mut();
+    headers::remove_hop_by_hop(headers);
+    headers.remove(HOST);
+    headers::add_forwarded(headers, peer.ip(), host);
+
+    let result = match tokio::time::timeout(upstream.timeout, upstream.client.client.request(request)).await {
+        Ok(Ok(response)) => Ok(response),
+        Ok(Err(err)) if err.is_connect() => Err(ForwardError::Connect(error_chain(&err))),
+        Ok(Err(err)) => Err(ForwardError::Other(error_chain(&err))),
+        Err(_) => Err(ForwardError::Timeout(upstream.timeout)),
+    };
+    match result {
+        Ok(mut response) => {
+            headers::remove_hop_by_hop(response.headers_mut());
+            Ok(response)
+        }
+        Err(err) => {
+            upstream.client.errors[err.kind_index()].inc();
+            Err(err)
+        }
+    }
+}
+
+fn upstream_uri(upstream: &Upstream, original: &Uri) -> Result<Uri, ForwardError> {
+    let path_and_query = original.path_and_query().map_or("/", PathAndQuery::as_str);
+    let path_and_query: PathAndQuery = if upstream.base_path.is_empty() {
+        original
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"))
+    } else {
+        format!("{}{path_and_query}", upstream.base_path)
+            .parse()
+            .map_err(|e| ForwardError::Other(format!("cannot build the upstream URI: {e}")))?
+    };
+    Uri::builder()
+        .scheme(Scheme::HTTP)
+        .authority(upstream.authority.clone())
+        .path_and_query(path_and_query)
+        .build()
+        .map_err(|e| ForwardError::Other(format!("cannot build the upstream URI: {e}")))
+}
+
+/// hyper's client errors say little at the top ("client error (Connect)"); the cause is below.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,167 @@
+//! The gateway's request path, as a fixed sequence of phases:
+//! refuse malformed requests → route → decide all limits in one store call → answer 429, or
+//! act (forward to the upstream, or the route's direct response) → add the RateLimit fields.
+//! Every request is counted once, by route and outcome.
+
+mod body;
+mod forward;
+mod harden;
+mod headers;
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use prometheus::IntCounter;
+
+pub use self::body::ProxyBody;
+pub use self::forward::UpstreamClient;
+use self::forward::ForwardError;
+use crate::keys;
+use crate::limiter::{Decision, Store};
+use crate::metrics::{Metrics, Outcome};
+use crate::policy::{Action, DirectResponse, Policy, Route};
+use crate::response;
+
+pub struct Gateway {
+    policy: Policy,
+    store: Store,
+    /// `sluice_requests_total{route="",outcome="no_route"}`: refused or unmatched requests.
+    unrouted: IntCounter,
+}
+
+impl Gateway {
+    pub fn new(policy: Policy, store: Store, metrics: &Metrics) -> Gateway {
+        Gateway {
+            policy,
+            store,
+            unrouted: metrics
+                .requests
+                .with_label_values(&["", Outcome::NoRoute.label()]),
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub async fn handle(&self, request: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        let started = Instant::now();
+        if let Some(reason) = harden::refusal(&request) {
+            self.unrouted.inc();
+            return response::problem(StatusCode::BAD_REQUEST, reason, request.uri().path(), &[]);
+        }
+        let Some(route) = self.policy.route(request.method(), request.uri().path()) else {
+            self.unrouted.inc();
+            return response::problem(
+                StatusCode::NOT_FOUND,
+                "no route matches this request",
+                request.uri().path(),
+                &[],
+            );
+        };
+        let (outcome, response) = self.handle_routed(route, request, peer).await;
+        route.metrics.count(outcome);
+        route.metrics.duration.observe(started.elapsed().as_secs_f64());
+        response
+    }
+
+    async fn handle_routed(
+        &self,
+        route: &Route,
+        request: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> (Outcome, Response<ProxyBody>) {
+        let decision = match self.decide(route, &request, peer).await {
+            Ok(decision) => decision,
+            Err(rejection) => return rejection,
+        };
+        let (outcome, mut response) = match &route.action {
+            Action::Respond(direct) => (Outcome::Responded, direct_response(direct)),
+            Action::Forward(upstream) => {
+                let path = request.uri().path().to_owned();
+                match forward::forward(upstream, request, peer).await {
+                    Ok(response) => (Outcome::Forwarded, response.map(ProxyBody::Stream)),
+                    Err(err) => {
+                        tracing::warn!(route = %route.name, upstream = %upstream.name, error = %err, "upstream failed");
+                        (
+                            Outcome::UpstreamError,
+                            upstream_problem(&err, upstream.name.as_str(), &path),
+                        )
+                    }
+                }
+            }
+        };
+        if let Some(decision) = &decision {
+            response::add_rate_limit_fields(&mut response, route, decision);
+        }
+        (outcome, response)
+    }
+
+    /// Decides the route's limits. `Ok(None)`: the route has none. `Err`: the answer to send
+    /// instead of acting (429, or 503 when the store cannot decide).
+    async fn decide(
+        &self,
+        route: &Route,
+        request: &Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Result<Option<Decision>, (Outcome, Response<ProxyBody>)> {
+        if route.limits.is_empty() {
+            return Ok(None);
+        }
+        let checks = keys::checks(route, request.headers(), peer.ip());
+        let decision = match self.store.decide(&checks).await {
+            Ok(decision) => decision,
+            Err(err) => {
+                tracing::warn!(route = %route.name, store = self.store.name(), error = %err, "store failed; refusing the request");
+                return Err((Outcome::StoreError, store_problem(request.uri().path())));
+            }
+        };
+        for (limit, state) in route.limits.iter().zip(&decision.limits) {
+            if decision.admitted {
+                limit.metrics.admitted.inc();
+            } else if state.remaining == 0 {
+                limit.metrics.rejected.inc();
+            }
+        }
+        if decision.admitted {
+            Ok(Some(decision))
+        } else {
+            let response = response::too_many_requests(route, &decision, request.uri().path());
+            Err((Outcome::Limited, response))
+        }
+    }
+}
+
+fn direct_response(direct: &DirectResponse) -> Response<ProxyBody> {
+    let mut response = Response::new(ProxyBody::full(direct.body.clone()));
+    *response.status_mut() = direct.status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, direct.content_type.clone());
+    response
+}
+
+fn upstream_problem(err: &ForwardError, upstream: &str, path: &str) -> Response<ProxyBody> {
+    let status = match err {
+        ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+        ForwardError::Connect(_) | ForwardError::Other(_) => StatusCode::BAD_GATEWAY,
+    };
+    response::problem(status, &err.to_string(), path, &[("upstream", upstream)])
+}
+
+/// The store could not decide: refuse rather than admit unchecked, and ask for a short wait.
+fn store_problem(path: &str) -> Response<ProxyBody> {
+    let mut response = response::problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the rate-limit store is unavailable; the request was not forwarded",
+        path,
+        &[],
+    );
+    response
+        .headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}

@@ -1,0 +1,144 @@
+//! What sluice itself answers: the IETF `RateLimit-Policy` / `RateLimit` fields, 429s with an
+//! exact `Retry-After`, and RFC 9457 problem details for every error it produces.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{Response, StatusCode};
+
+use crate::limiter::Decision;
+use crate::policy::{Limit, Route};
+use crate::proxy::ProxyBody;
+
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
+
+/// Whole seconds, rounded up: a client that waits this long is never early.
+pub fn ceil_seconds(duration: Duration) -> u64 {
+    duration.as_secs() + u64::from(duration.subsec_nanos() > 0)
+}
+
+/// `"per-ip";q=5;w=60, "per-key";q=100;w=1`: every limit of a route, built once per policy.
+/// Names are restricted (see `config::Name`) so they need no escaping inside the quotes.
+pub fn rate_limit_policy(limits: &[Limit]) -> Option<HeaderValue> {
+    if limits.is_empty() {
+        return None;
+    }
+    let mut field = String::new();
+    for (index, limit) in limits.iter().enumerate() {
+        if index > 0 {
+            field.push_str(", ");
+        }
+        let _ = write!(
+            field,
+            "\"{}\";q={};w={}",
+            limit.name,
+            limit.requests,
+            ceil_seconds(limit.window)
+        );
+    }
+    HeaderValue::from_str(&field).ok()
+}
+
+/// `"per-ip";r=4;t=60, ...`: where each limit stands after this decision.
+pub fn rate_limit(route: &Route, decision: &Decision) -> Option<HeaderValue> {
+    let mut field = String::with_capacity(32 * route.limits.len());
+    for (index, (limit, state)) in route.limits.iter().zip(&decision.limits).enumerate() {
+        if index > 0 {
+            field.push_str(", ");
+        }
+        let _ = write!(
+            field,
+            "\"{}\";r={};t={}",
+            limit.name,
+            state.remaining,
+            ceil_seconds(state.reset)
+        );
+    }
+    HeaderValue::from_str(&field).ok()
+}
+
+/// Adds the RateLimit fields of a decided request to a response.
+pub fn add_rate_limit_fields(response: &mut Response<ProxyBody>, route: &Route, decision: &Decision) {
+    let headers = response.headers_mut();
+    if let Some(policy) = &route.rate_limit_policy {
+        headers.insert(RATELIMIT_POLICY, policy.clone());
+    }
+    if let Some(value) = rate_limit(route, decision) {
+        headers.insert(RATELIMIT, value);
+    }
+}
+
+/// The 429 for a rejected request, naming the route and the limit that is exhausted longest.
+pub fn too_many_requests(route: &Route, decision: &Decision, path: &str) -> Response<ProxyBody> {
+    let retry_after = ceil_seconds(decision.retry_after).max(1);
+    let limit = route
+        .limits
+        .iter()
+        .zip(&decision.limits)
+        .filter(|(_, state)| state.remaining == 0)
+        .max_by_key(|(_, state)| state.reset)
+        .map_or("", |(limit, _)| limit.name.as_str());
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": "Too Many Requests",
+        "status": 429,
+        "detail": format!("route `{}`: limit `{limit}` is exhausted; retry in {retry_after} s", route.name),
+        "instance": path,
+        "route": route.name.as_str(),
+        "limit": limit,
+        "retry_after": retry_after,
+    });
+    let mut response = problem_response(StatusCode::TOO_MANY_REQUESTS, &body);
+    response
+        .headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from(retry_after));
+    add_rate_limit_fields(&mut response, route, decision);
+    response
+}
+
+/// A problem-details response for an error sluice produces itself. `extra` members are added
+/// to the standard ones.
+pub fn problem(
+    status: StatusCode,
+    detail: &str,
+    path: &str,
+    extra: &[(&str, &str)],
+) -> Response<ProxyBody> {
+    let mut body = serde_json::json!({
+        "type": "about:blank",
+        "title": status.canonical_reason().unwrap_or(""),
+        "status": status.as_u16(),
+        "detail": detail,
+        "instance": path,
+    });
+    if let Some(members) = body.as_object_mut() {
+        for (name, value) in extra {
+            members.insert((*name).to_owned(), serde_json::Value::from(*value));
+        }
+    }
+    problem_response(status, &body)
+}
+
+fn problem_response(status: StatusCode, body: &serde_json::Value) -> Response<ProxyBody> {
+    let mut response = Response::new(ProxyBody::full(Bytes::from(body.to_string())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, PROBLEM_JSON);
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_round_up() {
+        assert_eq!(ceil_seconds(Duration::from_millis(1)), 1);
+        assert_eq!(ceil_seconds(Duration::from_secs(2)), 2);
+        assert_eq!(ceil_seconds(Duration::from_millis(2001)), 3);
+        assert_eq!(ceil_seconds(Duration::ZERO), 0);
+    }
+}

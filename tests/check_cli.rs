@@ -1,0 +1,360 @@
+//! `sluice check --config FILE`: the example config is valid; every invalid
+//! config is refused with `error: FILE:LINE:COL: FIELD.PATH: message`; YAML
+//! alias bombs are refused quickly; `sluice --version` works.
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use support::{run_sluice, sluice_check, write_config};
+
+/// A valid config, written in block style so positions are unambiguous.
+const GOOD: &str = r#"listen: 127.0.0.1:8080
+admin_listen: 127.0.0.1:9090
+store:
+  redis:
+    url: redis://127.0.0.1:6379/0
+    timeout: 50ms
+    pool_size: 32
+  key_prefix: sluice
+upstreams:
+  api:
+    url: "http://127.0.0.1:3000"
+    connect_timeout: 2s
+    timeout: 30s
+routes:
+  - name: login
+    match:
+      path_prefix: /login
+      methods: [POST]
+    upstream: api
+    limits:
+      - name: per-ip
+        key: [client_ip]
+        requests: 5
+        window: 1m
+  - name: status
+    match:
+      path_prefix: /status
+    respond:
+      status: 200
+      body: "ok\n"
+  - name: default
+    match:
+      path_prefix: /
+    upstream: api
+    limits:
+      - name: per-api-key
+        key: ["header:x-api-key"]
+        requests: 100
+        window: 1s
+"#;
+
+/// GOOD with the first occurrence of `from` replaced by `to`.
+fn variant(from: &str, to: &str) -> String {
+    assert!(GOOD.contains(from), "test bug: {from:?} not in GOOD");
+    GOOD.replacen(from, to, 1)
+}
+
+/// 1-based (line, column) of `token` within the first line containing `line_text`.
+fn locate(yaml: &str, line_text: &str, token: &str) -> (usize, usize) {
+    for (i, line) in yaml.lines().enumerate() {
+        if let Some(start) = line.find(line_text) {
+            let col = line[start..].find(token).expect("token in line") + start;
+            return (i + 1, col + 1);
+        }
+    }
+    panic!("test bug: {line_text:?} not found")
+}
+
+/// Run `sluice check` on `yaml` and assert it fails with
+/// `error: FILE:LINE:COL: FIELD...` where LINE:COL is `token` on the line
+/// containing `line_text`, and the message mentions every word in `mentions`.
+fn assert_refused(yaml: &str, line_text: &str, token: &str, field: &str, mentions: &[&str]) {
+    let f = write_config(yaml);
+    let path = f.path().to_str().unwrap().to_string();
+    let (status, stdout, stderr) = sluice_check(f.path());
+    assert!(
+        !status.success(),
+        "check must fail for {field}; stdout: {stdout}\nstderr: {stderr}"
+    );
+    let (line, col) = locate(yaml, line_text, token);
+    let expected = format!("error: {path}:{line}:{col}: {field}");
+    assert!(
+        stderr.contains(&expected),
+        "stderr must contain {expected:?}\nstderr was:\n{stderr}"
+    );
+    let err_line = stderr
+        .lines()
+        .find(|l| l.contains(&expected))
+        .unwrap()
+        .to_string();
+    for m in mentions {
+        assert!(
+            err_line.contains(m),
+            "error line should mention {m:?}: {err_line}"
+        );
+    }
+}
+
+#[test]
+fn repo_example_config_is_valid() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/sluice.yaml");
+    assert!(path.is_file(), "{} is missing", path.display());
+    let (status, stdout, stderr) = sluice_check(&path);
+    assert!(
+        status.success(),
+        "check of the example failed: {status}\nstdout: {stdout}\nstderr: {stderr}"
+    );
+    assert!(!stdout.trim().is_empty(), "check prints a line on success");
+}
+
+#[test]
+fn valid_config_passes() {
+    let f = write_config(GOOD);
+    let (status, stdout, stderr) = sluice_check(f.path());
+    assert!(
+        status.success(),
+        "check failed: {status}\nstdout: {stdout}\nstderr: {stderr}"
+    );
+    assert!(!stdout.trim().is_empty(), "check prints a line on success");
+    assert!(!stderr.contains("error"), "stderr: {stderr}");
+}
+
+#[test]
+fn valid_config_without_store_passes() {
+    let start = GOOD.find("store:").unwrap();
+    let end = GOOD.find("upstreams:").unwrap();
+    let yaml = format!("{}{}", &GOOD[..start], &GOOD[end..]);
+    let f = write_config(&yaml);
+    let (status, stdout, stderr) = sluice_check(f.path());
+    assert!(
+        status.success(),
+        "`store:` may be omitted: {status}\nstdout: {stdout}\nstderr: {stderr}"
+    );
+}
+
+#[test]
+fn bad_duration() {
+    let yaml = variant("window: 1s", "window: thirty");
+    assert_refused(
+        &yaml,
+        "window: thirty",
+        "thirty",
+        "routes[2].limits[0].window",
+        &["thirty"],
+    );
+}
+
+#[test]
+fn zero_window() {
+    let yaml = variant("window: 1m", "window: 0s");
+    assert_refused(&yaml, "window: 0s", "0s", "routes[0].limits[0].window", &[]);
+}
+
+#[test]
+fn unknown_field() {
+    let yaml = variant(
+        "        requests: 5\n",
+        "        requests: 5\n        burst: 10\n",
+    );
+    assert_refused(
+        &yaml,
+        "burst: 10",
+        "burst",
+        "routes[0].limits[0]",
+        &["burst"],
+    );
+}
+
+#[test]
+fn unknown_top_level_field() {
+    let yaml = variant(
+        "admin_listen:",
+        "listen_admin: 127.0.0.1:9091\nadmin_listen:",
+    );
+    assert_refused(&yaml, "listen_admin", "listen_admin", "", &["listen_admin"]);
+}
+
+#[test]
+fn unknown_upstream() {
+    let yaml = variant(
+        "      path_prefix: /\n    upstream: api",
+        "      path_prefix: /\n    upstream: nope",
+    );
+    assert_refused(
+        &yaml,
+        "upstream: nope",
+        "nope",
+        "routes[2].upstream",
+        &["nope"],
+    );
+}
+
+#[test]
+fn zero_requests() {
+    let yaml = variant("requests: 100", "requests: 0");
+    assert_refused(
+        &yaml,
+        "requests: 0",
+        "0",
+        "routes[2].limits[0].requests",
+        &[],
+    );
+}
+
+#[test]
+fn duplicate_route_name() {
+    let yaml = variant("  - name: status", "  - name: login");
+    // The second `login` (routes[1]) is the offending one.
+    let line_text = "  - name: login";
+    let first = locate(&yaml, line_text, "login").0;
+    let lines: Vec<&str> = yaml.lines().collect();
+    let second = lines
+        .iter()
+        .enumerate()
+        .skip(first)
+        .find(|(_, l)| l.contains(line_text))
+        .unwrap()
+        .0
+        + 1;
+    let f = write_config(&yaml);
+    let path = f.path().to_str().unwrap().to_string();
+    let (status, _, stderr) = sluice_check(f.path());
+    assert!(!status.success(), "duplicate route names must be refused");
+    let col = lines[second - 1].find("login").unwrap() + 1;
+    let expected = format!("error: {path}:{second}:{col}: routes[1].name");
+    assert!(
+        stderr.contains(&expected),
+        "stderr must contain {expected:?}\nstderr was:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("login"),
+        "stderr should name the route: {stderr}"
+    );
+}
+
+#[test]
+fn duplicate_limit_name_within_route() {
+    let yaml = variant(
+        "        window: 1m\n",
+        "        window: 1m\n      - name: per-ip\n        key: [client_ip]\n        requests: 50\n        window: 1h\n",
+    );
+    let lines: Vec<&str> = yaml.lines().collect();
+    let second = lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.contains("- name: per-ip"))
+        .nth(1)
+        .expect("two per-ip limits")
+        .0;
+    let col = lines[second].find("per-ip").unwrap() + 1;
+    let f = write_config(&yaml);
+    let path = f.path().to_str().unwrap().to_string();
+    let (status, _, stderr) = sluice_check(f.path());
+    assert!(!status.success(), "duplicate limit names must be refused");
+    let expected = format!(
+        "error: {path}:{}:{col}: routes[0].limits[1].name",
+        second + 1
+    );
+    assert!(
+        stderr.contains(&expected),
+        "stderr must contain {expected:?}\nstderr was:\n{stderr}"
+    );
+}
+
+#[test]
+fn bad_upstream_url() {
+    let yaml = variant("url: \"http://127.0.0.1:3000\"", "url: not a url");
+    assert_refused(
+        &yaml,
+        "url: not a url",
+        "not a url",
+        "upstreams.api.url",
+        &[],
+    );
+}
+
+#[test]
+fn missing_file_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("does-not-exist.yaml");
+    let (status, _, stderr) = sluice_check(&path);
+    assert!(!status.success());
+    assert!(
+        stderr.contains("does-not-exist.yaml"),
+        "stderr should name the file: {stderr}"
+    );
+}
+
+/// 10 levels of 10 aliases each: 10^10 scalars if expanded.
+fn alias_bomb(indent: &str, key_prefix: &str) -> String {
+    let mut s = String::new();
+    s.push_str(&format!(
+        "{indent}{key_prefix}0: &a0 [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]\n"
+    ));
+    for i in 1..10 {
+        let prev = format!("*a{}", i - 1);
+        let items = [prev.as_str(); 10].join(",");
+        s.push_str(&format!("{indent}{key_prefix}{i}: &a{i} [{items}]\n"));
+    }
+    s
+}
+
+#[test]
+fn billion_laughs_at_top_level_is_refused_quickly() {
+    let yaml = format!("{}{GOOD}", alias_bomb("", "lol"));
+    let f = write_config(&yaml);
+    let out = run_sluice(
+        &["check", "--config", f.path().to_str().unwrap()],
+        Duration::from_secs(5),
+    );
+    assert!(!out.status.success(), "alias bomb must be refused");
+    assert!(
+        out.elapsed < Duration::from_secs(5),
+        "took {:?}",
+        out.elapsed
+    );
+    assert!(out.stderr.contains("error"), "stderr: {}", out.stderr);
+}
+
+#[test]
+fn billion_laughs_inside_a_field_is_refused_quickly() {
+    // The bomb is the value of a known field (`match.methods`), so a
+    // deserializer must walk into it rather than stop at an unknown key.
+    let mut defs = String::new();
+    for i in 1..10 {
+        let items = vec![format!("*a{}", i - 1); 10].join(",");
+        defs.push_str(&format!(
+            "  - name: r{i}\n    match:\n      path_prefix: /r{i}\n      methods: &a{i} [{items}]\n    respond:\n      status: 200\n"
+        ));
+    }
+    let yaml = format!(
+        "listen: 127.0.0.1:8080\nadmin_listen: 127.0.0.1:9090\nupstreams:\n  api:\n    url: \"http://127.0.0.1:3000\"\nroutes:\n  - name: r0\n    match:\n      path_prefix: /r0\n      methods: &a0 [GET,GET,GET,GET,GET,GET,GET,GET,GET,GET]\n    respond:\n      status: 200\n{defs}"
+    );
+    let f = write_config(&yaml);
+    let out = run_sluice(
+        &["check", "--config", f.path().to_str().unwrap()],
+        Duration::from_secs(5),
+    );
+    assert!(!out.status.success(), "alias bomb must be refused");
+    assert!(
+        out.elapsed < Duration::from_secs(5),
+        "took {:?}",
+        out.elapsed
+    );
+}
+
+#[test]
+fn version_flag_prints_the_version() {
+    let out = run_sluice(&["--version"], Duration::from_secs(10));
+    assert!(out.status.success(), "stderr: {}", out.stderr);
+    assert!(
+        out.stdout.contains(env!("CARGO_PKG_VERSION")),
+        "stdout {:?} lacks version {}",
+        out.stdout,
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(out.stdout.contains("sluice"), "stdout {:?}", out.stdout);
+}

@@ -1,0 +1,364 @@
+//! Rate limiting: exact sliding-window counts, independent keys, no boundary
+//! bursts, exact Retry-After, and the syntax of the RateLimit headers and the
+//! problem+json rejection body.
+//!
+//! Every case runs twice: against a real Redis store and against the
+//! in-process store (config without `store:`).
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::{header, parse_limit_field, Sluice, Store, StoreKind, Upstream};
+
+/// Config with a limited catch-all route `default` (per-key, `requests` per
+/// `window`) and a route `multi` with two limits.
+fn config(store_yaml: &str, upstream: &str, requests: u32, window: &str) -> String {
+    format!(
+        r#"{store_yaml}upstreams:
+  api:
+    url: "{upstream}"
+    connect_timeout: 2s
+    timeout: 10s
+routes:
+  - name: multi
+    match:
+      path_prefix: /multi
+    upstream: api
+    limits:
+      - name: per-ip
+        key: [client_ip]
+        requests: 4
+        window: 1m
+      - name: per-key
+        key: ["header:x-api-key"]
+        requests: 2
+        window: 1m
+  - name: default
+    match:
+      path_prefix: /
+    upstream: api
+    limits:
+      - name: per-key
+        key: ["header:x-api-key"]
+        requests: {requests}
+        window: {window}
+"#
+    )
+}
+
+async fn send(c: &reqwest::Client, url: &str, key: Option<&str>) -> reqwest::Response {
+    let mut rb = c.get(url);
+    if let Some(k) = key {
+        rb = rb.header("x-api-key", k);
+    }
+    rb.send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"))
+}
+
+/// Check an admitted response of the single-limit route: 200, policy
+/// `"per-key";q=Q;w=W`, ratelimit `"per-key";r=R;t=T` with 1 <= T <= W.
+/// Returns T.
+fn assert_admitted(resp: &reqwest::Response, q: i64, w: i64, remaining: i64) -> i64 {
+    assert_eq!(
+        resp.status(),
+        200,
+        "expected admission, headers {:?}",
+        resp.headers()
+    );
+    let policy = header(resp, "ratelimit-policy");
+    assert_eq!(
+        policy,
+        format!("\"per-key\";q={q};w={w}"),
+        "ratelimit-policy"
+    );
+    let rl = parse_limit_field(header(resp, "ratelimit"));
+    assert_eq!(rl.len(), 1, "one ratelimit item expected: {rl:?}");
+    assert_eq!(rl[0].name, "per-key");
+    assert_eq!(rl[0].param("r"), remaining, "remaining in ratelimit {rl:?}");
+    let t = rl[0].param("t");
+    assert!((1..=w).contains(&t), "ratelimit t={t} not in 1..={w}");
+    t
+}
+
+/// Check a 429 from limit `limit` of route `route`: headers, problem+json
+/// body. Returns the Retry-After seconds.
+async fn assert_rejected(resp: reqwest::Response, route: &str, limit: &str) -> i64 {
+    assert_eq!(
+        resp.status(),
+        429,
+        "expected rejection, headers {:?}",
+        resp.headers()
+    );
+    let retry_after: i64 = header(&resp, "retry-after")
+        .parse()
+        .expect("retry-after must be whole seconds");
+    assert!(retry_after >= 1, "retry-after {retry_after} must be >= 1");
+    assert!(
+        header(&resp, "content-type").starts_with("application/problem+json"),
+        "content-type {:?}",
+        header(&resp, "content-type")
+    );
+    let policy = parse_limit_field(header(&resp, "ratelimit-policy"));
+    assert!(
+        policy.iter().any(|i| i.name == limit),
+        "ratelimit-policy {policy:?} lacks {limit}"
+    );
+    let rl = parse_limit_field(header(&resp, "ratelimit"));
+    let item = rl
+        .iter()
+        .find(|i| i.name == limit)
+        .unwrap_or_else(|| panic!("ratelimit {rl:?} lacks {limit}"));
+    assert_eq!(item.param("r"), 0, "exhausted limit must show r=0: {rl:?}");
+    assert_eq!(
+        item.param("t"),
+        retry_after,
+        "ratelimit t of the exhausted limit must equal retry-after"
+    );
+    let body: serde_json::Value = resp.json().await.expect("problem+json body");
+    assert!(body["type"].is_string(), "type in {body}");
+    assert_eq!(body["title"], "Too Many Requests", "title in {body}");
+    assert_eq!(body["status"], 429, "status in {body}");
+    assert!(body["detail"].is_string(), "detail in {body}");
+    assert_eq!(body["route"], route, "route in {body}");
+    assert_eq!(body["limit"], limit, "limit in {body}");
+    assert_eq!(
+        body["retry_after"].as_i64(),
+        Some(retry_after),
+        "retry_after in body must be the number in the header: {body}"
+    );
+    retry_after
+}
+
+// ---------------------------------------------------------------------------
+
+/// 5 per 10 s: exactly 5 admitted per key, 6th and later rejected; keys are
+/// independent; no x-api-key falls back to a per-IP key.
+async fn exact_count_and_independent_keys(kind: StoreKind) {
+    let store = Store::start(kind).await;
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "10s")).await;
+    let c = support::client();
+    let url = format!("{}/things", sluice.url());
+
+    let started = Instant::now();
+    for i in 1..=5 {
+        let r = send(&c, &url, Some("alpha")).await;
+        let t = assert_admitted(&r, 5, 10, 5 - i);
+        if started.elapsed() < Duration::from_millis(900) {
+            assert_eq!(
+                t, 10,
+                "t = whole seconds (rounded up) until the oldest entry leaves"
+            );
+        }
+    }
+    for _ in 0..2 {
+        let r = send(&c, &url, Some("alpha")).await;
+        let ra = assert_rejected(r, "default", "per-key").await;
+        assert!((9..=10).contains(&ra), "retry-after {ra}, expected ~10");
+    }
+
+    // Another key has its own budget.
+    for i in 1..=5 {
+        let r = send(&c, &url, Some("beta")).await;
+        assert_admitted(&r, 5, 10, 5 - i);
+    }
+    assert_rejected(send(&c, &url, Some("beta")).await, "default", "per-key").await;
+
+    // No x-api-key: limited per client IP, also exactly 5.
+    for i in 1..=5 {
+        let r = send(&c, &url, None).await;
+        assert_admitted(&r, 5, 10, 5 - i);
+    }
+    assert_rejected(send(&c, &url, None).await, "default", "per-key").await;
+
+    // The first key is still exhausted.
+    assert_rejected(send(&c, &url, Some("alpha")).await, "default", "per-key").await;
+
+    assert_eq!(up.hits(), 15, "only admitted requests reach the upstream");
+}
+
+/// Two limits on one route: the policy header lists both in config order; a
+/// request rejected by one limit is not recorded in the other.
+async fn rejections_are_not_recorded(kind: StoreKind) {
+    let store = Store::start(kind).await;
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "10s")).await;
+    let c = support::client();
+    let url = format!("{}/multi/x", sluice.url());
+    let policy = "\"per-ip\";q=4;w=60, \"per-key\";q=2;w=60";
+
+    // key X: 2 admitted (per-ip 2/4 used, per-key 2/2).
+    for i in 1..=2 {
+        let r = send(&c, &url, Some("X")).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "ratelimit-policy"), policy);
+        let rl = parse_limit_field(header(&r, "ratelimit"));
+        assert_eq!(rl.len(), 2, "one item per limit: {rl:?}");
+        assert_eq!(rl[0].name, "per-ip");
+        assert_eq!(rl[0].param("r"), 4 - i);
+        assert_eq!(rl[1].name, "per-key");
+        assert_eq!(rl[1].param("r"), 2 - i);
+        for item in &rl {
+            assert!((59..=60).contains(&item.param("t")), "t in {rl:?}");
+        }
+    }
+    // key X again: rejected by per-key. Must not consume per-ip.
+    let r = send(&c, &url, Some("X")).await;
+    assert_eq!(header(&r, "ratelimit-policy"), policy);
+    assert_rejected(r, "multi", "per-key").await;
+
+    // key Y: 2 admitted, bringing per-ip to exactly 4/4.
+    for _ in 1..=2 {
+        let r = send(&c, &url, Some("Y")).await;
+        assert_eq!(
+            r.status(),
+            200,
+            "per-ip must have 2 left: the rejected request may not be recorded"
+        );
+    }
+    // key Z: fresh per-key, but per-ip is exhausted.
+    let r = send(&c, &url, Some("Z")).await;
+    assert_rejected(r, "multi", "per-ip").await;
+    assert_eq!(up.hits(), 4);
+}
+
+/// 5 per 2 s: 5 admitted just after t, 5 more just before t+2s are all
+/// rejected (no boundary burst), after t+2s requests pass again.
+async fn boundary_burst_is_impossible(kind: StoreKind) {
+    let store = Store::start(kind).await;
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "2s")).await;
+    let c = support::client();
+    let url = format!("{}/burst", sluice.url());
+    let window = Duration::from_secs(2);
+
+    // Warm up connections/scripts with an unrelated key.
+    assert_eq!(send(&c, &url, Some("warmup")).await.status(), 200);
+
+    let t = Instant::now();
+    for _ in 0..5 {
+        assert_eq!(send(&c, &url, Some("k")).await.status(), 200);
+    }
+    let fill = t.elapsed();
+    assert!(
+        fill < Duration::from_millis(500),
+        "precondition: filling took {fill:?}, too slow for a boundary test"
+    );
+
+    // At 85% of the window.
+    tokio::time::sleep_until((t + window.mul_f64(0.85)).into()).await;
+    for _ in 0..5 {
+        let r = send(&c, &url, Some("k")).await;
+        let ra = assert_rejected(r, "default", "per-key").await;
+        assert_eq!(ra, 1, "oldest entry leaves in < 1 s");
+    }
+    let burst_end = t.elapsed();
+    assert!(
+        burst_end < window,
+        "precondition: the burst ended at {burst_end:?}, after the window ({window:?})"
+    );
+
+    // After the window of the first five has passed, the key is free again:
+    // rejected requests were not recorded.
+    tokio::time::sleep_until((t + fill + window + Duration::from_millis(300)).into()).await;
+    for i in 1..=5 {
+        let r = send(&c, &url, Some("k")).await;
+        assert_admitted(&r, 5, 2, 5 - i);
+    }
+    assert_rejected(send(&c, &url, Some("k")).await, "default", "per-key").await;
+    assert_eq!(up.hits(), 1 + 5 + 5);
+}
+
+/// 3 per 3 s: fill at t0, at t0+1.2 s a 429 says retry-after 2; waiting 1 s
+/// is not enough (429, retry-after 1), waiting the full 2 s is (200).
+async fn retry_after_is_exact(kind: StoreKind) {
+    let store = Store::start(kind).await;
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 3, "3s")).await;
+    let c = support::client();
+    let url = format!("{}/ra", sluice.url());
+
+    assert_eq!(send(&c, &url, Some("warmup")).await.status(), 200);
+
+    let t0 = Instant::now();
+    assert_eq!(send(&c, &url, Some("k")).await.status(), 200);
+    let first = t0.elapsed();
+    assert!(
+        first < Duration::from_millis(150),
+        "precondition: first request took {first:?}, too slow for exact timing"
+    );
+    for _ in 0..2 {
+        assert_eq!(send(&c, &url, Some("k")).await.status(), 200);
+    }
+
+    tokio::time::sleep_until((t0 + Duration::from_millis(1200)).into()).await;
+    let r = send(&c, &url, Some("k")).await;
+    let got = Instant::now();
+    let ra = assert_rejected(r, "default", "per-key").await;
+    assert_eq!(
+        ra, 2,
+        "at t0+1.2s the oldest entry (t0) leaves in 1.8 s -> 2"
+    );
+
+    // retry-after - 1 seconds is not enough.
+    tokio::time::sleep_until((got + Duration::from_secs(ra as u64 - 1)).into()).await;
+    let r = send(&c, &url, Some("k")).await;
+    let ra2 = assert_rejected(r, "default", "per-key").await;
+    assert_eq!(ra2, 1, "at t0+2.2s the oldest entry leaves in 0.8 s -> 1");
+
+    // The full retry-after is enough.
+    tokio::time::sleep_until(
+        (got + Duration::from_secs(ra as u64) + Duration::from_millis(50)).into(),
+    )
+    .await;
+    let r = send(&c, &url, Some("k")).await;
+    assert_eq!(
+        r.status(),
+        200,
+        "waiting the full retry-after must be enough, headers {:?}",
+        r.headers()
+    );
+    assert_eq!(up.hits(), 1 + 3 + 1);
+}
+
+// ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_count_and_independent_keys_redis() {
+    exact_count_and_independent_keys(StoreKind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_count_and_independent_keys_memory() {
+    exact_count_and_independent_keys(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejections_are_not_recorded_redis() {
+    rejections_are_not_recorded(StoreKind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejections_are_not_recorded_memory() {
+    rejections_are_not_recorded(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn boundary_burst_is_impossible_redis() {
+    boundary_burst_is_impossible(StoreKind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn boundary_burst_is_impossible_memory() {
+    boundary_burst_is_impossible(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_is_exact_redis() {
+    retry_after_is_exact(StoreKind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_is_exact_memory() {
+    retry_after_is_exact(StoreKind::Memory).await;
+}

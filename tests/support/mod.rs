@@ -1,0 +1,995 @@
+//! Test harness for sluice's integration tests.
+//!
+//! Everything here is real: a `redis-server` child process, in-process hyper
+//! upstream servers on 127.0.0.1, and the `sluice` binary itself spawned as a
+//! child process with a YAML config written to a temporary file.
+//!
+//! Each test file includes this module with `mod support;` and uses only the
+//! parts it needs, hence the `dead_code` allowance.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinHandle;
+
+/// Path of the sluice binary under test.
+pub const SLUICE_BIN: &str = env!("CARGO_BIN_EXE_sluice");
+
+/// Pick a free loopback TCP port (bind to :0, read the port, drop the socket).
+pub fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().unwrap().port()
+}
+
+/// A port on which nothing listens (bound once, then released).
+pub fn closed_port() -> u16 {
+    free_port()
+}
+
+/// A reqwest client for talking to loopback servers: never goes through a
+/// proxy from the environment, generous timeout.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(256)
+        .build()
+        .expect("build reqwest client")
+}
+
+// ---------------------------------------------------------------------------
+// Redis
+// ---------------------------------------------------------------------------
+
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Locate `redis-server`, or panic with installation instructions. The suite
+/// never skips silently when Redis is missing.
+pub fn redis_server_path() -> PathBuf {
+    find_on_path("redis-server").unwrap_or_else(|| {
+        panic!(
+            "redis-server not found on PATH: install it with \
+             `sudo apt-get install redis-server` or run `bash scripts/test.sh`, \
+             which installs it"
+        )
+    })
+}
+
+/// A real `redis-server` child process on a free loopback port.
+pub struct Redis {
+    child: Option<Child>,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Redis {
+    /// Spawn redis-server and wait (up to 10 s) until it answers PING.
+    pub async fn start() -> Redis {
+        let bin = redis_server_path();
+        let dir = tempfile::tempdir().expect("tempdir for redis");
+        let port = free_port();
+        let child = Command::new(&bin)
+            .arg("--port")
+            .arg(port.to_string())
+            .arg("--bind")
+            .arg("127.0.0.1")
+            .arg("--save")
+            .arg("")
+            .arg("--appendonly")
+            .arg("no")
+            .arg("--dir")
+            .arg(dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("failed to spawn {}: {e}", bin.display()));
+        let mut redis = Redis {
+            child: Some(child),
+            port,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if redis.ping().await {
+                return redis;
+            }
+            if let Some(status) = redis.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("redis-server on port {port} exited early with {status}");
+            }
+            if Instant::now() > deadline {
+                panic!("redis-server on port {port} did not answer PING within 10 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:PORT/0`
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    async fn ping(&self) -> bool {
+        let fut = async {
+            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                .await
+                .ok()?;
+            s.write_all(b"*1\r\n$4\r\nPING\r\n").await.ok()?;
+            let mut buf = [0u8; 64];
+            let n = s.read(&mut buf).await.ok()?;
+            Some(buf[..n].starts_with(b"+PONG"))
+        };
+        matches!(
+            tokio::time::timeout(Duration::from_secs(1), fut).await,
+            Ok(Some(true))
+        )
+    }
+
+    /// Run one Redis command, e.g. `redis.cmd(&["SCRIPT", "FLUSH"])`.
+    pub async fn cmd(&self, args: &[&str]) -> redis::Value {
+        let client = redis::Client::open(self.url()).expect("redis client");
+        let mut con = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to test redis");
+        let mut c = redis::cmd(args[0]);
+        for a in &args[1..] {
+            c.arg(*a);
+        }
+        c.query_async::<redis::Value>(&mut con)
+            .await
+            .unwrap_or_else(|e| panic!("redis command {args:?} failed: {e}"))
+    }
+
+    /// All keys in db 0 (KEYS *).
+    pub async fn keys(&self) -> Vec<String> {
+        let client = redis::Client::open(self.url()).expect("redis client");
+        let mut con = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to test redis");
+        redis::cmd("KEYS")
+            .arg("*")
+            .query_async::<Vec<String>>(&mut con)
+            .await
+            .expect("KEYS *")
+    }
+
+    /// Kill redis-server now (for tests that need the store gone).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Upstream
+// ---------------------------------------------------------------------------
+
+type UpBody = BoxBody<Bytes, Infallible>;
+
+/// Size of one download chunk. It is a multiple of 251 so every chunk holds
+/// the same repeating pattern `byte[k] = k % 251`.
+pub const PATTERN_CHUNK: usize = 251 * 261;
+
+/// The byte expected at absolute offset `k` of a download / upload body.
+pub fn pattern_byte(k: u64) -> u8 {
+    (k % 251) as u8
+}
+
+/// One chunk of the repeating pattern (starts at an offset multiple of 251).
+pub fn pattern_chunk() -> Bytes {
+    Bytes::from(
+        (0..PATTERN_CHUNK as u64)
+            .map(pattern_byte)
+            .collect::<Vec<u8>>(),
+    )
+}
+
+/// Whether `data`, found at absolute offset `offset` of a body, follows the
+/// pattern (fast: compares slices, not bytes one by one).
+pub fn pattern_matches(offset: u64, data: &[u8]) -> bool {
+    static PATTERN: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    let pat = PATTERN.get_or_init(|| (0..PATTERN_CHUNK as u64 + 251).map(pattern_byte).collect());
+    let step = PATTERN_CHUNK;
+    let mut at = offset;
+    for piece in data.chunks(step) {
+        let off = (at % 251) as usize;
+        if piece != &pat[off..off + piece.len()] {
+            return false;
+        }
+        at += piece.len() as u64;
+    }
+    true
+}
+
+#[derive(Default)]
+struct UpState {
+    arrivals: Mutex<Vec<Instant>>,
+}
+
+/// An in-process hyper HTTP server on 127.0.0.1 standing in for a backend.
+///
+/// Routes:
+/// - `/download/<n>`: 200, streams n bytes of the pattern in chunks
+/// - `/upload`: consumes the body chunk by chunk, answers the byte count as
+///   text, and `x-pattern-ok: true|false` (whether the bytes followed the pattern)
+/// - `/slow/<ms>`: sleeps, then 200 "slow"
+/// - `/hop-response`: like the echo, but also sends hop-by-hop response headers
+///   (`connection: x-hop`, `x-hop: 1`, `keep-alive: timeout=5`,
+///   `proxy-connection: keep-alive`) and an ordinary `x-normal-resp: yes`
+/// - anything else: 200 JSON `{"method","path","headers":{name:[values]}}`
+pub struct Upstream {
+    addr: SocketAddr,
+    state: Arc<UpState>,
+    task: JoinHandle<()>,
+}
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind upstream");
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(UpState::default());
+        let st = state.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let (stream, _) = match listener.accept().await {
+                    Ok(x) => x,
+                    Err(_) => continue,
+                };
+                let st = st.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| handle(req, st.clone()));
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Upstream { addr, state, task }
+    }
+
+    /// `http://127.0.0.1:PORT`
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Number of requests received so far.
+    pub fn hits(&self) -> usize {
+        self.state.arrivals.lock().unwrap().len()
+    }
+
+    /// The instant each request arrived, in arrival order.
+    pub fn arrivals(&self) -> Vec<Instant> {
+        self.state.arrivals.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn full(b: impl Into<Bytes>) -> UpBody {
+    Full::new(b.into()).boxed()
+}
+
+fn echo_json(req: &Request<Incoming>) -> serde_json::Value {
+    let mut headers: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (name, value) in req.headers() {
+        headers
+            .entry(name.as_str().to_string())
+            .or_default()
+            .push(String::from_utf8_lossy(value.as_bytes()).into_owned());
+    }
+    let path = req
+        .uri()
+        .path_and_query()
+        .map(|pq| pq.as_str().to_string())
+        .unwrap_or_else(|| req.uri().path().to_string());
+    serde_json::json!({
+        "method": req.method().as_str(),
+        "path": path,
+        "headers": headers,
+    })
+}
+
+async fn handle(req: Request<Incoming>, st: Arc<UpState>) -> Result<Response<UpBody>, Infallible> {
+    st.arrivals.lock().unwrap().push(Instant::now());
+    let path = req.uri().path().to_string();
+
+    if let Some(n) = path.strip_prefix("/download/") {
+        let total: u64 = n.parse().unwrap_or(0);
+        let chunk = pattern_chunk();
+        let stream = futures_util::stream::unfold(0u64, move |sent| {
+            let chunk = chunk.clone();
+            async move {
+                if sent >= total {
+                    return None;
+                }
+                let len = std::cmp::min(chunk.len() as u64, total - sent) as usize;
+                Some((
+                    Ok::<_, Infallible>(Frame::data(chunk.slice(..len))),
+                    sent + len as u64,
+                ))
+            }
+        });
+        let resp = Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "application/octet-stream")
+            .body(StreamBody::new(stream).boxed())
+            .unwrap();
+        return Ok(resp);
+    }
+
+    if path == "/upload" {
+        let mut body = req.into_body();
+        let mut count: u64 = 0;
+        let mut ok = true;
+        while let Some(frame) = body.frame().await {
+            let frame = match frame {
+                Ok(f) => f,
+                Err(e) => {
+                    return Ok(Response::builder()
+                        .status(StatusCode::BAD_REQUEST)
+                        .body(full(format!("body error after {count} bytes: {e}")))
+                        .unwrap())
+                }
+            };
+            if let Some(data) = frame.data_ref() {
+                if ok {
+                    ok = pattern_matches(count, data);
+                }
+                count += data.len() as u64;
+            }
+        }
+        return Ok(Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "text/plain")
+            .header("x-pattern-ok", if ok { "true" } else { "false" })
+            .body(full(count.to_string()))
+            .unwrap());
+    }
+
+    if let Some(ms) = path.strip_prefix("/slow/") {
+        let ms: u64 = ms.parse().unwrap_or(0);
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        return Ok(Response::builder()
+            .status(StatusCode::OK)
+            .body(full("slow"))
+            .unwrap());
+    }
+
+    let json = echo_json(&req);
+    let mut b = Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json");
+    if path == "/hop-response" {
+        b = b
+            .header("connection", "x-hop")
+            .header("x-hop", "1")
+            .header("keep-alive", "timeout=5")
+            .header("proxy-connection", "keep-alive")
+            .header("x-normal-resp", "yes");
+    }
+    Ok(b.body(full(json.to_string())).unwrap())
+}
+
+// ---------------------------------------------------------------------------
+// Sluice
+// ---------------------------------------------------------------------------
+
+/// A running `sluice run --config FILE` child process.
+pub struct Sluice {
+    child: Child,
+    port: u16,
+    admin_port: u16,
+    dir: tempfile::TempDir,
+    config_path: PathBuf,
+    log_path: PathBuf,
+}
+
+impl Sluice {
+    /// Write `listen` + `admin_listen` (two free ports) + `yaml_rest` to a
+    /// config file, start sluice and wait (up to 15 s) for `/healthz` = 200.
+    pub async fn start(yaml_rest: &str) -> Sluice {
+        let dir = tempfile::tempdir().expect("tempdir for sluice");
+        let port = free_port();
+        let mut admin_port = free_port();
+        while admin_port == port {
+            admin_port = free_port();
+        }
+        let config =
+            format!("listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\n{yaml_rest}");
+        let config_path = dir.path().join("sluice.yaml");
+        std::fs::write(&config_path, &config).expect("write config");
+        let log_path = dir.path().join("sluice.log");
+        let log = File::create(&log_path).expect("create log file");
+        let child = Command::new(SLUICE_BIN)
+            .arg("run")
+            .arg("--config")
+            .arg(&config_path)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("failed to spawn {SLUICE_BIN}: {e}"));
+        let mut s = Sluice {
+            child,
+            port,
+            admin_port,
+            dir,
+            config_path,
+            log_path,
+        };
+        let c = client();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Ok(r) = c
+                .get(format!("{}/healthz", s.admin_url()))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+            {
+                if r.status() == 200 {
+                    return s;
+                }
+            }
+            if let Some(status) = s.child.try_wait().unwrap() {
+                panic!(
+                    "sluice exited during startup with {status}\nconfig:\n{config}\nlog:\n{}",
+                    s.log()
+                );
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "sluice /healthz did not answer 200 within 15 s\nconfig:\n{config}\nlog:\n{}",
+                    s.log()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Proxy base URL, `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// Admin base URL, `http://127.0.0.1:ADMIN_PORT`.
+    pub fn admin_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.admin_port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
+    /// Everything sluice wrote to stdout and stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// The text of `/metrics`.
+    pub async fn metrics(&self) -> String {
+        let r = client()
+            .get(format!("{}/metrics", self.admin_url()))
+            .send()
+            .await
+            .expect("GET /metrics");
+        assert_eq!(r.status(), 200, "GET /metrics status");
+        r.text().await.expect("/metrics body")
+    }
+
+    /// Peak resident set size (VmHWM) of the sluice process, in kB.
+    pub fn peak_rss_kb(&self) -> u64 {
+        proc_status_kb(self.pid(), "VmHWM")
+    }
+
+    /// Current resident set size (VmRSS), in kB.
+    pub fn rss_kb(&self) -> u64 {
+        proc_status_kb(self.pid(), "VmRSS")
+    }
+}
+
+impl Drop for Sluice {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!(
+                "---- sluice log (listen {}, admin {}) ----\n{}\n---- end of sluice log ----",
+                self.port,
+                self.admin_port,
+                self.log()
+            );
+        }
+    }
+}
+
+fn proc_status_kb(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|e| panic!("read /proc/{pid}/status: {e}"));
+    for line in status.lines() {
+        if let Some(rest) = line.strip_prefix(field) {
+            let rest = rest.trim_start_matches(':').trim();
+            let num = rest.split_whitespace().next().unwrap();
+            return num.parse().unwrap();
+        }
+    }
+    panic!("{field} not found in /proc/{pid}/status")
+}
+
+// ---------------------------------------------------------------------------
+// Store variants for running the same limit tests twice
+// ---------------------------------------------------------------------------
+
+/// Which limit store a test runs against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreKind {
+    Redis,
+    Memory,
+}
+
+/// A store for a test: the Redis process (if any) and the `store:` YAML.
+pub struct Store {
+    pub redis: Option<Redis>,
+    pub yaml: String,
+}
+
+impl Store {
+    pub async fn start(kind: StoreKind) -> Store {
+        match kind {
+            StoreKind::Memory => Store {
+                redis: None,
+                yaml: String::new(),
+            },
+            StoreKind::Redis => {
+                let r = Redis::start().await;
+                let yaml = redis_store_yaml(&r.url());
+                Store {
+                    redis: Some(r),
+                    yaml,
+                }
+            }
+        }
+    }
+}
+
+/// The `store:` section for a Redis at `url`, with a generous timeout.
+pub fn redis_store_yaml(url: &str) -> String {
+    format!(
+        "store:\n  redis:\n    url: {url}\n    timeout: 500ms\n    pool_size: 8\n  key_prefix: sluice-test\n"
+    )
+}
+
+// ---------------------------------------------------------------------------
+// sluice check / other CLI runs
+// ---------------------------------------------------------------------------
+
+/// Result of running the sluice binary to completion.
+pub struct CliOutput {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+/// Run sluice with `args`, killing it (and panicking) if it has not exited
+/// within `timeout`. The address space is capped at 4 GiB so that a runaway
+/// (e.g. a YAML alias bomb) cannot take the machine down.
+pub fn run_sluice(args: &[&str], timeout: Duration) -> CliOutput {
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("stdout");
+    let err_path = dir.path().join("stderr");
+    let start = Instant::now();
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 4194304 2>/dev/null; exec \"$0\" \"$@\"")
+        .arg(SLUICE_BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(File::create(&out_path).unwrap())
+        .stderr(File::create(&err_path).unwrap())
+        .spawn()
+        .expect("spawn sluice");
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "`sluice {}` did not exit within {timeout:?} (killed)\nstderr so far:\n{}",
+                args.join(" "),
+                std::fs::read_to_string(&err_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let elapsed = start.elapsed();
+    let mut stdout = String::new();
+    File::open(&out_path)
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&std::fs::read(&err_path).unwrap()).into_owned();
+    CliOutput {
+        status,
+        stdout,
+        stderr,
+        elapsed,
+    }
+}
+
+/// `sluice check --config PATH`, returning (exit status, stdout, stderr).
+pub fn sluice_check(path: &Path) -> (ExitStatus, String, String) {
+    let out = run_sluice(
+        &["check", "--config", path.to_str().unwrap()],
+        Duration::from_secs(20),
+    );
+    (out.status, out.stdout, out.stderr)
+}
+
+/// Write `contents` to a fresh `.yaml` temp file and return it (keep it alive).
+pub fn write_config(contents: &str) -> tempfile::NamedTempFile {
+    let mut f = tempfile::Builder::new()
+        .prefix("sluice-check-")
+        .suffix(".yaml")
+        .tempfile()
+        .unwrap();
+    f.write_all(contents.as_bytes()).unwrap();
+    f.flush().unwrap();
+    f
+}
+
+// ---------------------------------------------------------------------------
+// Raw HTTP/1.1 over TcpStream (for exact control of headers)
+// ---------------------------------------------------------------------------
+
+/// A parsed HTTP/1.1 response read from a raw socket.
+#[derive(Debug)]
+pub struct RawResponse {
+    pub status: u16,
+    /// Header (lowercased name, value), in wire order.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl RawResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == &name.to_ascii_lowercase())
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn has_header(&self, name: &str) -> bool {
+        self.header(name).is_some()
+    }
+}
+
+/// Send `request` verbatim to `addr` and read one response (Content-Length,
+/// chunked, or until EOF). Times out after 10 s.
+pub async fn raw_http(addr: SocketAddr, request: &str) -> RawResponse {
+    tokio::time::timeout(Duration::from_secs(10), raw_http_inner(addr, request))
+        .await
+        .unwrap_or_else(|_| panic!("raw HTTP request to {addr} timed out:\n{request}"))
+}
+
+async fn raw_http_inner(addr: SocketAddr, request: &str) -> RawResponse {
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut tmp = [0u8; 8192];
+    // Read the head.
+    let head_end = loop {
+        if let Some(i) = find(&buf, b"\r\n\r\n") {
+            break i;
+        }
+        let n = s.read(&mut tmp).await.unwrap();
+        assert!(
+            n > 0,
+            "connection closed before response head: {:?}",
+            String::from_utf8_lossy(&buf)
+        );
+        buf.extend_from_slice(&tmp[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut rest = buf[head_end + 4..].to_vec();
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap();
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+    let headers: Vec<(String, String)> = lines
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let (n, v) = l.split_once(':').expect("header line");
+            (n.trim().to_ascii_lowercase(), v.trim().to_string())
+        })
+        .collect();
+    let get = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+    let body = if let Some(len) = get("content-length") {
+        let len: usize = len.parse().unwrap();
+        while rest.len() < len {
+            let n = s.read(&mut tmp).await.unwrap();
+            assert!(n > 0, "connection closed mid-body");
+            rest.extend_from_slice(&tmp[..n]);
+        }
+        rest.truncate(len);
+        rest
+    } else if get("transfer-encoding")
+        .map(|v| v.to_ascii_lowercase().contains("chunked"))
+        .unwrap_or(false)
+    {
+        let mut body = Vec::new();
+        loop {
+            let line_end = loop {
+                if let Some(i) = find(&rest, b"\r\n") {
+                    break i;
+                }
+                let n = s.read(&mut tmp).await.unwrap();
+                assert!(n > 0, "connection closed in chunk size");
+                rest.extend_from_slice(&tmp[..n]);
+            };
+            let size_str = String::from_utf8_lossy(&rest[..line_end]).into_owned();
+            let size = usize::from_str_radix(size_str.split(';').next().unwrap().trim(), 16)
+                .unwrap_or_else(|_| panic!("bad chunk size {size_str:?}"));
+            rest.drain(..line_end + 2);
+            if size == 0 {
+                break;
+            }
+            while rest.len() < size + 2 {
+                let n = s.read(&mut tmp).await.unwrap();
+                assert!(n > 0, "connection closed mid-chunk");
+                rest.extend_from_slice(&tmp[..n]);
+            }
+            body.extend_from_slice(&rest[..size]);
+            rest.drain(..size + 2);
+        }
+        body
+    } else if status == 204 || status == 304 {
+        Vec::new()
+    } else {
+        loop {
+            let n = s.read(&mut tmp).await.unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            rest.extend_from_slice(&tmp[..n]);
+        }
+        rest
+    };
+    RawResponse {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+// ---------------------------------------------------------------------------
+// Prometheus text parsing
+// ---------------------------------------------------------------------------
+
+/// One sample of a Prometheus text exposition.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub value: f64,
+}
+
+/// Parse the Prometheus text format (no escapes beyond `\"`, `\\`, `\n`).
+pub fn parse_metrics(text: &str) -> Vec<Sample> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (name, labels, rest) = if let Some(brace) = line.find('{') {
+            let name = &line[..brace];
+            let mut labels = BTreeMap::new();
+            let bytes: Vec<char> = line[brace + 1..].chars().collect();
+            let mut i = 0;
+            loop {
+                while i < bytes.len() && (bytes[i] == ',' || bytes[i] == ' ') {
+                    i += 1;
+                }
+                if i >= bytes.len() {
+                    panic!("unterminated labels in metrics line {line:?}");
+                }
+                if bytes[i] == '}' {
+                    i += 1;
+                    break;
+                }
+                let start = i;
+                while bytes[i] != '=' {
+                    i += 1;
+                }
+                let key: String = bytes[start..i].iter().collect();
+                i += 1; // '='
+                assert_eq!(bytes[i], '"', "label value must be quoted in {line:?}");
+                i += 1;
+                let mut val = String::new();
+                while bytes[i] != '"' {
+                    if bytes[i] == '\\' {
+                        i += 1;
+                        val.push(match bytes[i] {
+                            'n' => '\n',
+                            c => c,
+                        });
+                    } else {
+                        val.push(bytes[i]);
+                    }
+                    i += 1;
+                }
+                i += 1; // closing quote
+                labels.insert(key.trim().to_string(), val);
+            }
+            let rest: String = bytes[i..].iter().collect();
+            (name.to_string(), labels, rest)
+        } else {
+            let mut parts = line.splitn(2, ' ');
+            let name = parts.next().unwrap().to_string();
+            (
+                name,
+                BTreeMap::new(),
+                parts.next().unwrap_or("").to_string(),
+            )
+        };
+        let value_str = rest.split_whitespace().next().unwrap_or("");
+        let value = match value_str {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v
+                .parse()
+                .unwrap_or_else(|_| panic!("bad sample value in metrics line {line:?}")),
+        };
+        out.push(Sample {
+            name,
+            labels,
+            value,
+        });
+    }
+    out
+}
+
+/// Samples named `name` whose labels include all of `labels`.
+pub fn samples<'a>(all: &'a [Sample], name: &str, labels: &[(&str, &str)]) -> Vec<&'a Sample> {
+    all.iter()
+        .filter(|s| s.name == name)
+        .filter(|s| {
+            labels
+                .iter()
+                .all(|(k, v)| s.labels.get(*k).map(|x| x == v).unwrap_or(false))
+        })
+        .collect()
+}
+
+/// Sum of the values of the samples named `name` matching `labels` (0 if none).
+pub fn metric_sum(all: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples(all, name, labels).iter().map(|s| s.value).sum()
+}
+
+// ---------------------------------------------------------------------------
+// Rate-limit header parsing
+// ---------------------------------------------------------------------------
+
+/// One item of a `ratelimit-policy` or `ratelimit` structured field:
+/// `"name";k=v;k=v`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitItem {
+    pub name: String,
+    pub params: BTreeMap<String, i64>,
+}
+
+impl LimitItem {
+    pub fn param(&self, k: &str) -> i64 {
+        *self
+            .params
+            .get(k)
+            .unwrap_or_else(|| panic!("parameter {k} missing in {self:?}"))
+    }
+}
+
+/// Parse a structured-field list like `"per-ip";q=5;w=60, "per-key";q=3;w=1`.
+/// Panics (failing the test) on anything that is not this exact syntax.
+pub fn parse_limit_field(value: &str) -> Vec<LimitItem> {
+    value
+        .split(", ")
+        .map(|item| {
+            let mut parts = item.split(';');
+            let name = parts.next().unwrap();
+            assert!(
+                name.len() >= 2 && name.starts_with('"') && name.ends_with('"'),
+                "limit name must be a quoted string in {value:?}"
+            );
+            let name = name[1..name.len() - 1].to_string();
+            let params = parts
+                .map(|p| {
+                    let (k, v) = p
+                        .split_once('=')
+                        .unwrap_or_else(|| panic!("bad parameter {p:?} in {value:?}"));
+                    let v: i64 = v
+                        .parse()
+                        .unwrap_or_else(|_| panic!("parameter {k} not an integer in {value:?}"));
+                    (k.to_string(), v)
+                })
+                .collect();
+            LimitItem { name, params }
+        })
+        .collect()
+}
+
+/// Header value as &str, panicking with a clear message if absent.
+pub fn header<'a>(resp: &'a reqwest::Response, name: &str) -> &'a str {
+    resp.headers()
+        .get(name)
+        .unwrap_or_else(|| {
+            panic!(
+                "response {} lacks header {name}; headers: {:?}",
+                resp.status(),
+                resp.headers()
+            )
+        })
+        .to_str()
+        .unwrap()
+}
