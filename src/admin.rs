@@ -23,7 +23,8 @@ impl Admin {
         }
         match request.uri().path() {
             "/metrics" => {
-                let mut response = Response::new(ProxyBody::full(Bytes::from(self.metrics.render())));
+                let mut response =
+                    Response::new(ProxyBody::full(Bytes::from(self.metrics.render())));
                 response.headers_mut().insert(
                     CONTENT_TYPE,
                     HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
@@ -38,7 +39,10 @@ impl Admin {
                     &format!("not ready: {} store: {err}\n", self.gateway.store().name()),
                 ),
             },
-            _ => text(StatusCode::NOT_FOUND, "not found: try /metrics, /healthz or /readyz\n"),
+            _ => text(
+                StatusCode::NOT_FOUND,
+                "not found: try /metrics, /healthz or /readyz\n",
+            ),
         }
     }
 }

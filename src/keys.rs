@@ -133,6 +133,9 @@ mod tests {
             &headers,
             IP,
         );
-        assert_eq!(key, "sluice:r:l:{ip=10.0.0.7|h:x-api-key=a%7Cb%7D%7B%20%25}");
+        assert_eq!(
+            key,
+            "sluice:r:l:{ip=10.0.0.7|h:x-api-key=a%7Cb%7D%7B%20%25}"
+        );
     }
 }

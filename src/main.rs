@@ -27,7 +27,10 @@ use crate::policy::Policy;
 use crate::proxy::Gateway;
 
 #[derive(Parser)]
-#[command(version, about = "A rate-limiting reverse proxy with exact sliding-window limits")]
+#[command(
+    version,
+    about = "A rate-limiting reverse proxy with exact sliding-window limits"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -99,7 +102,11 @@ fn check(file: &Path) -> anyhow::Result<()> {
         file.display(),
         loaded.policy.routes.len(),
         loaded.config.upstreams.len(),
-        if loaded.config.store.redis.is_some() { "redis" } else { "in-process" }
+        if loaded.config.store.redis.is_some() {
+            "redis"
+        } else {
+            "in-process"
+        }
     );
     Ok(())
 }
@@ -171,13 +178,14 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(term) => term,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}

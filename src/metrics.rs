@@ -70,7 +70,10 @@ impl Metrics {
     pub fn new() -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
-            Opts::new("sluice_requests_total", "Requests handled, by route and outcome."),
+            Opts::new(
+                "sluice_requests_total",
+                "Requests handled, by route and outcome.",
+            ),
             &["route", "outcome"],
         )?;
         let limit_decisions = IntCounterVec::new(
@@ -130,7 +133,8 @@ impl Metrics {
     /// The counters and histogram of one route, resolved once so the request path does no
     /// label lookups.
     pub fn for_route(&self, route: &str) -> RouteMetrics {
-        let outcomes = Outcome::ROUTED.map(|o| self.requests.with_label_values(&[route, o.label()]));
+        let outcomes =
+            Outcome::ROUTED.map(|o| self.requests.with_label_values(&[route, o.label()]));
         RouteMetrics {
             outcomes,
             duration: self.request_duration.with_label_values(&[route]),

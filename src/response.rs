@@ -62,7 +62,11 @@ pub fn rate_limit(route: &Route, decision: &Decision) -> Option<HeaderValue> {
 }
 
 /// Adds the RateLimit fields of a decided request to a response.
-pub fn add_rate_limit_fields(response: &mut Response<ProxyBody>, route: &Route, decision: &Decision) {
+pub fn add_rate_limit_fields(
+    response: &mut Response<ProxyBody>,
+    route: &Route,
+    decision: &Decision,
+) {
     let headers = response.headers_mut();
     if let Some(policy) = &route.rate_limit_policy {
         headers.insert(RATELIMIT_POLICY, policy.clone());

@@ -106,7 +106,10 @@ mod tests {
         assert!(matches!(parse("60"), Err(DurationError::Malformed(_))));
         assert!(matches!(parse("s"), Err(DurationError::Malformed(_))));
         assert!(matches!(parse("1.5s"), Err(DurationError::Malformed(_))));
-        assert!(matches!(parse("10 parsecs"), Err(DurationError::Malformed(_))));
+        assert!(matches!(
+            parse("10 parsecs"),
+            Err(DurationError::Malformed(_))
+        ));
         assert!(matches!(parse("0s"), Err(DurationError::Zero(_))));
         assert!(matches!(
             parse("99999999999999999999d"),

@@ -133,7 +133,9 @@ fn default_connect_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS))
 }
 fn default_upstream_timeout() -> ConfigDuration {
-    ConfigDuration(std::time::Duration::from_millis(DEFAULT_UPSTREAM_TIMEOUT_MS))
+    ConfigDuration(std::time::Duration::from_millis(
+        DEFAULT_UPSTREAM_TIMEOUT_MS,
+    ))
 }
 fn default_content_type() -> String {
     "text/plain; charset=utf-8".to_owned()
@@ -290,7 +292,7 @@ mod tests {
         );
         let err = error_of(&yaml);
         assert!(
-            err.starts_with("test.yaml:8:63: routes[0].limits[0].window: expected a duration"),
+            err.starts_with("test.yaml:8:59: routes[0].limits[0].window: expected a duration"),
             "{err}"
         );
     }

@@ -140,7 +140,9 @@ impl<'de> Deserialize<'de> for Status {
             .ok()
             .filter(|s| s.as_u16() >= 200)
             .map(Status)
-            .ok_or_else(|| D::Error::custom(format!("expected a status from 200 to 999, got {code}")))
+            .ok_or_else(|| {
+                D::Error::custom(format!("expected a status from 200 to 999, got {code}"))
+            })
     }
 }
 
@@ -167,14 +169,20 @@ impl FromStr for UpstreamUrl {
                     "`{text}`: https upstreams are not supported yet; use http"
                 ))
             }
-            _ => return Err(format!("expected a URL like http://127.0.0.1:3000, got `{text}`")),
+            _ => {
+                return Err(format!(
+                    "expected a URL like http://127.0.0.1:3000, got `{text}`"
+                ))
+            }
         }
         let authority = uri
             .authority()
             .cloned()
             .ok_or_else(|| format!("`{text}` has no host"))?;
         if authority.as_str().contains('@') {
-            return Err(format!("`{text}`: credentials in upstream URLs are not supported"));
+            return Err(format!(
+                "`{text}`: credentials in upstream URLs are not supported"
+            ));
         }
         if uri.query().is_some() {
             return Err(format!("`{text}`: an upstream URL cannot have a query"));

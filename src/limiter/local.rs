@@ -68,7 +68,12 @@ impl LocalStore {
             if admitted {
                 log.times.push_back(now);
             }
-            limits.push(sliding_log::state(&log.times, check.requests, window_us, now));
+            limits.push(sliding_log::state(
+                &log.times,
+                check.requests,
+                window_us,
+                now,
+            ));
         }
         Decision {
             admitted,
@@ -145,7 +150,10 @@ mod tests {
         assert!(store.decide(&[tight.clone(), loose.clone()]).admitted);
         let d = store.decide(&[tight, loose.clone()]);
         assert!(!d.admitted);
-        assert_eq!(d.limits[1].remaining, 9, "a rejected request must not count");
+        assert_eq!(
+            d.limits[1].remaining, 9,
+            "a rejected request must not count"
+        );
         assert_eq!(store.decide(&[loose]).limits[0].remaining, 8);
     }
 }

@@ -75,7 +75,10 @@ impl RedisStore {
         let reply: Vec<i64> = self
             .bounded(async {
                 let mut conn = self.connection().await?;
-                invocation.invoke_async(&mut conn).await.map_err(script_error)
+                invocation
+                    .invoke_async(&mut conn)
+                    .await
+                    .map_err(script_error)
             })
             .await?;
         decision_from_reply(&reply, checks.len())

@@ -66,7 +66,10 @@ mod tests {
     fn a_full_log_waits_for_its_oldest_entry() {
         let times = VecDeque::from([SECOND, 2 * SECOND, 3 * SECOND]);
         assert!(!has_room(&times, 3));
-        assert_eq!(until_more_room(&times, 3, 10 * SECOND, 4 * SECOND), 7 * SECOND);
+        assert_eq!(
+            until_more_room(&times, 3, 10 * SECOND, 4 * SECOND),
+            7 * SECOND
+        );
         assert_eq!(
             state(&times, 3, 10 * SECOND, 4 * SECOND),
             LimitState {
@@ -81,7 +84,10 @@ mod tests {
         // Five recorded, limit lowered to two: four must leave (the one at index 3 last) before
         // fewer than two remain.
         let times = VecDeque::from([SECOND, 2 * SECOND, 3 * SECOND, 4 * SECOND, 5 * SECOND]);
-        assert_eq!(until_more_room(&times, 2, 10 * SECOND, 6 * SECOND), 8 * SECOND);
+        assert_eq!(
+            until_more_room(&times, 2, 10 * SECOND, 6 * SECOND),
+            8 * SECOND
+        );
     }
 
     #[test]

@@ -143,19 +143,24 @@ fn compile_action(
                     format!(
                         "unknown upstream `{}` (defined: {})",
                         upstream.value,
-                        if known.is_empty() { "none".to_owned() } else { known.join(", ") }
+                        if known.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            known.join(", ")
+                        }
                     ),
                 )
             }),
         (None, Some(respond)) => {
-            let content_type = HeaderValue::from_str(&respond.value.content_type).map_err(|_| {
-                ConfigError::invalid(
-                    file,
-                    Position::from(respond),
-                    format!("{field}.respond.content_type"),
-                    "not a valid header value",
-                )
-            })?;
+            let content_type =
+                HeaderValue::from_str(&respond.value.content_type).map_err(|_| {
+                    ConfigError::invalid(
+                        file,
+                        Position::from(respond),
+                        format!("{field}.respond.content_type"),
+                        "not a valid header value",
+                    )
+                })?;
             Ok(Action::Respond(DirectResponse {
                 status: respond.value.status.0,
                 body: Bytes::from(respond.value.body.clone()),

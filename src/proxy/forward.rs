@@ -72,11 +72,12 @@ pub async fn forward(
     mut request: Request<Incoming>,
     peer: SocketAddr,
 ) -> Result<Response<Incoming>, ForwardError> {
-    let host = request
-        .headers()
-        .get(HOST)
-        .cloned()
-        .or_else(|| request.uri().authority().and_then(|a| a.as_str().parse().ok()));
+    let host = request.headers().get(HOST).cloned().or_else(|| {
+        request
+            .uri()
+            .authority()
+            .and_then(|a| a.as_str().parse().ok())
+    });
     *request.uri_mut() = upstream_uri(upstream, request.uri())?;
     // The upstream speaks HTTP/1.1 whatever the client spoke; the client sets Host from the URI.
     *request.version_mut() = Version::HTTP_11;
@@ -85,12 +86,14 @@ pub async fn forward(
     headers.remove(HOST);
     headers::add_forwarded(headers, peer.ip(), host);
 
-    let result = match tokio::time::timeout(upstream.timeout, upstream.client.client.request(request)).await {
-        Ok(Ok(response)) => Ok(response),
-        Ok(Err(err)) if err.is_connect() => Err(ForwardError::Connect(error_chain(&err))),
-        Ok(Err(err)) => Err(ForwardError::Other(error_chain(&err))),
-        Err(_) => Err(ForwardError::Timeout(upstream.timeout)),
-    };
+    let result =
+        match tokio::time::timeout(upstream.timeout, upstream.client.client.request(request)).await
+        {
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(err)) if err.is_connect() => Err(ForwardError::Connect(error_chain(&err))),
+            Ok(Err(err)) => Err(ForwardError::Other(error_chain(&err))),
+            Err(_) => Err(ForwardError::Timeout(upstream.timeout)),
+        };
     match result {
         Ok(mut response) => {
             headers::remove_hop_by_hop(response.headers_mut());

@@ -17,8 +17,8 @@ use hyper::body::Incoming;
 use prometheus::IntCounter;
 
 pub use self::body::ProxyBody;
-pub use self::forward::UpstreamClient;
 use self::forward::ForwardError;
+pub use self::forward::UpstreamClient;
 use crate::keys;
 use crate::limiter::{Decision, Store};
 use crate::metrics::{Metrics, Outcome};
@@ -47,7 +47,11 @@ impl Gateway {
         &self.store
     }
 
-    pub async fn handle(&self, request: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+    pub async fn handle(
+        &self,
+        request: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
         let started = Instant::now();
         if let Some(reason) = harden::refusal(&request) {
             self.unrouted.inc();
@@ -64,7 +68,10 @@ impl Gateway {
         };
         let (outcome, response) = self.handle_routed(route, request, peer).await;
         route.metrics.count(outcome);
-        route.metrics.duration.observe(started.elapsed().as_secs_f64());
+        route
+            .metrics
+            .duration
+            .observe(started.elapsed().as_secs_f64());
         response
     }
 
