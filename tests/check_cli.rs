@@ -34,6 +34,14 @@ routes:
         key: [client_ip]
         requests: 5
         window: 1m
+      - name: per-ip-hourly
+        key: [client_ip]
+        requests: 50
+        window: 1h
+      - name: per-ip-daily
+        key: [client_ip]
+        requests: 500
+        window: 1d
   - name: status
     match:
       path_prefix: /status
@@ -98,16 +106,25 @@ fn assert_refused(yaml: &str, line_text: &str, token: &str, field: &str, mention
     }
 }
 
-#[test]
-fn repo_example_config_is_valid() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/sluice.yaml");
+fn assert_repo_config_valid(rel: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
     assert!(path.is_file(), "{} is missing", path.display());
     let (status, stdout, stderr) = sluice_check(&path);
     assert!(
         status.success(),
-        "check of the example failed: {status}\nstdout: {stdout}\nstderr: {stderr}"
+        "check of {rel} failed: {status}\nstdout: {stdout}\nstderr: {stderr}"
     );
     assert!(!stdout.trim().is_empty(), "check prints a line on success");
+}
+
+#[test]
+fn repo_example_config_is_valid() {
+    assert_repo_config_valid("config/sluice.yaml");
+}
+
+#[test]
+fn repo_redis_example_config_is_valid() {
+    assert_repo_config_valid("config/redis.yaml");
 }
 
 #[test]

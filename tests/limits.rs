@@ -34,6 +34,35 @@ routes:
         key: ["header:x-api-key"]
         requests: 2
         window: 1m
+  - name: ip
+    match:
+      path_prefix: /ip
+    upstream: api
+    limits:
+      - name: per-ip
+        key: [client_ip]
+        requests: 2
+        window: 30s
+  - name: combo
+    match:
+      path_prefix: /combo
+    upstream: api
+    limits:
+      - name: ip-and-key
+        key: [client_ip, "header:x-api-key"]
+        requests: 2
+        window: 30s
+  - name: demo
+    match:
+      path_prefix: /demo
+    respond:
+      status: 200
+      body: "hello\n"
+    limits:
+      - name: per-ip
+        key: [client_ip]
+        requests: 3
+        window: 10s
   - name: default
     match:
       path_prefix: /
@@ -174,7 +203,71 @@ async fn exact_count_and_independent_keys(kind: StoreKind) {
     // The first key is still exhausted.
     assert_rejected(send(&c, &url, Some("alpha")).await, "default", "per-key").await;
 
-    assert_eq!(up.hits(), 15, "only admitted requests reach the upstream");
+    // A limit of the same name on another route is a different limit.
+    let r = send(&c, &format!("{}/multi/1", sluice.url()), Some("alpha")).await;
+    assert_eq!(
+        r.status(),
+        200,
+        "route multi's per-key is not route default's"
+    );
+
+    assert_eq!(up.hits(), 16, "only admitted requests reach the upstream");
+}
+
+/// `client_ip` keys count each client address separately (clients bound to
+/// 127.0.0.1 and 127.0.0.2), and key parts combine.
+async fn client_ip_and_combined_keys(kind: StoreKind) {
+    let store = Store::start(kind).await;
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "10s")).await;
+    let a = support::client_from("127.0.0.1");
+    let b = support::client_from("127.0.0.2");
+    let ip = format!("{}/ip", sluice.url());
+    let combo = format!("{}/combo", sluice.url());
+
+    for (name, c) in [("127.0.0.1", &a), ("127.0.0.2", &b)] {
+        for i in 1..=2 {
+            let r = send(c, &ip, Some("same-key")).await;
+            assert_eq!(r.status(), 200, "client {name}, request {i} on /ip");
+        }
+        assert_rejected(send(c, &ip, Some("same-key")).await, "ip", "per-ip").await;
+    }
+
+    for _ in 0..2 {
+        assert_eq!(send(&a, &combo, Some("k1")).await.status(), 200);
+    }
+    assert_rejected(send(&a, &combo, Some("k1")).await, "combo", "ip-and-key").await;
+    assert_eq!(
+        send(&a, &combo, Some("k2")).await.status(),
+        200,
+        "same IP, other key: another identity"
+    );
+    assert_eq!(
+        send(&b, &combo, Some("k1")).await.status(),
+        200,
+        "same key, other IP: another identity"
+    );
+    assert_eq!(up.hits(), 2 + 2 + 2 + 1 + 1);
+}
+
+/// A limited `respond` route: limited like any other, never touches the
+/// upstream.
+async fn limited_respond_route(kind: StoreKind) {
+    let store = Store::start(kind).await;
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "10s")).await;
+    let c = support::client();
+    let url = format!("{}/demo", sluice.url());
+    for i in 1..=3 {
+        let r = send(&c, &url, None).await;
+        assert_eq!(r.status(), 200, "request {i}");
+        assert_eq!(header(&r, "ratelimit-policy"), "\"per-ip\";q=3;w=10");
+        let rl = parse_limit_field(header(&r, "ratelimit"));
+        assert_eq!(rl[0].param("r"), 3 - i);
+        assert_eq!(r.text().await.unwrap(), "hello\n");
+    }
+    assert_rejected(send(&c, &url, None).await, "demo", "per-ip").await;
+    assert_eq!(up.hits(), 0);
 }
 
 /// Two limits on one route: the policy header lists both in config order; a
@@ -361,4 +454,24 @@ async fn retry_after_is_exact_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_is_exact_memory() {
     retry_after_is_exact(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_ip_and_combined_keys_redis() {
+    client_ip_and_combined_keys(StoreKind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_ip_and_combined_keys_memory() {
+    client_ip_and_combined_keys(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limited_respond_route_redis() {
+    limited_respond_route(StoreKind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limited_respond_route_memory() {
+    limited_respond_route(StoreKind::Memory).await;
 }

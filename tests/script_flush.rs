@@ -80,6 +80,14 @@ routes:
     assert_eq!(status(&c, &url, "c").await, 200, "fresh key c");
 
     assert_eq!(up.hits(), 5 + 5 + 1);
+    let keys = redis.keys().await;
+    assert!(!keys.is_empty(), "the Redis store holds the logs");
+    for k in &keys {
+        assert!(
+            k.starts_with("sluice-test"),
+            "key {k:?} lacks the configured key_prefix"
+        );
+    }
     let errors_after = store_errors(&sluice).await;
     assert_eq!(
         errors_after, errors_before,

@@ -12,14 +12,14 @@ mod types;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::num::{NonZeroU32, NonZeroUsize};
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 pub use serde_saphyr::Spanned;
 
 pub use duration::ConfigDuration;
-pub use types::{KeyPart, MethodName, Name, PathPrefix, RedisUrl, Status, UpstreamUrl};
+pub use types::{KeyPart, MethodName, Name, PathPrefix, Quota, RedisUrl, Status, UpstreamUrl};
 
 /// Default timeout of one store call, including waiting for a pooled connection.
 pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 50;
@@ -116,7 +116,7 @@ pub struct RespondConfig {
 pub struct LimitConfig {
     pub name: Spanned<Name>,
     pub key: Spanned<Vec<KeyPart>>,
-    pub requests: NonZeroU32,
+    pub requests: Quota,
     pub window: ConfigDuration,
 }
 

@@ -129,6 +129,21 @@ impl FromStr for PathPrefix {
     }
 }
 
+/// A limit's `requests`: at least one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota(pub u32);
+
+impl<'de> Deserialize<'de> for Quota {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match u32::deserialize(deserializer)? {
+            0 => Err(D::Error::custom(
+                "a limit of 0 requests admits nothing; remove the route or the limit instead",
+            )),
+            requests => Ok(Quota(requests)),
+        }
+    }
+}
+
 /// The status of a direct response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Status(pub StatusCode);

@@ -218,7 +218,7 @@ fn compile_limits(
             Ok(Limit {
                 name: limit.name.value.clone(),
                 key: limit.key.value.clone(),
-                requests: limit.requests.get(),
+                requests: limit.requests.0,
                 window: limit.window.0,
                 key_prefix: format!(
                     "{}:{}:{}:",

@@ -52,6 +52,18 @@ pub fn client() -> reqwest::Client {
         .expect("build reqwest client")
 }
 
+/// Like [`client`], but every connection leaves from `ip` (any 127.x.y.z
+/// works on Linux loopback), so sluice sees that client address.
+pub fn client_from(ip: &str) -> reqwest::Client {
+    let ip: std::net::IpAddr = ip.parse().expect("IP address");
+    reqwest::Client::builder()
+        .no_proxy()
+        .local_address(ip)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("build reqwest client")
+}
+
 // ---------------------------------------------------------------------------
 // Redis
 // ---------------------------------------------------------------------------
