@@ -119,7 +119,7 @@ async fn run(file: &Path) -> anyhow::Result<()> {
     } = load(file)?;
     let store = match &config.store.redis {
         Some(redis) => {
-            let store = RedisStore::new(&redis.url.0, redis.pool_size.get(), redis.timeout.0)
+            let store = RedisStore::new(&redis.url.0, redis.pool_size.0 as usize, redis.timeout.0)
                 .context("invalid Redis settings")?;
             if let Err(err) = store.load_script().await {
                 tracing::warn!(error = %err, "Redis is not answering yet; limited routes answer 503 until it does");

@@ -300,8 +300,13 @@ fn missing_file_is_an_error() {
     let (status, _, stderr) = sluice_check(&path);
     assert!(!status.success());
     assert!(
-        stderr.contains("does-not-exist.yaml"),
+        stderr.contains("does-not-exist.yaml: cannot read the file"),
         "stderr should name the file: {stderr}"
+    );
+    assert_eq!(
+        stderr.matches("No such file or directory").count(),
+        1,
+        "the reason appears once: {stderr}"
     );
 }
 

@@ -12,19 +12,18 @@ mod types;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 pub use serde_saphyr::Spanned;
 
 pub use duration::ConfigDuration;
-pub use types::{KeyPart, MethodName, Name, PathPrefix, Quota, RedisUrl, Status, UpstreamUrl};
+pub use types::{KeyPart, MethodName, Name, PathPrefix, Positive, RedisUrl, Status, UpstreamUrl};
 
 /// Default timeout of one store call, including waiting for a pooled connection.
 pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 50;
 /// Default number of pooled Redis connections.
-pub const DEFAULT_POOL_SIZE: usize = 32;
+pub const DEFAULT_POOL_SIZE: u32 = 32;
 /// Default prefix of every key sluice writes to the store.
 pub const DEFAULT_KEY_PREFIX: &str = "sluice";
 /// Default time allowed to open a TCP connection to an upstream.
@@ -68,7 +67,7 @@ pub struct RedisConfig {
     #[serde(default = "default_store_timeout")]
     pub timeout: ConfigDuration,
     #[serde(default = "default_pool_size")]
-    pub pool_size: NonZeroUsize,
+    pub pool_size: Positive,
 }
 
 #[derive(Debug, Deserialize)]
@@ -116,7 +115,7 @@ pub struct RespondConfig {
 pub struct LimitConfig {
     pub name: Spanned<Name>,
     pub key: Spanned<Vec<KeyPart>>,
-    pub requests: Quota,
+    pub requests: Positive,
     pub window: ConfigDuration,
 }
 
@@ -126,8 +125,8 @@ fn default_key_prefix() -> Name {
 fn default_store_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_STORE_TIMEOUT_MS))
 }
-fn default_pool_size() -> NonZeroUsize {
-    NonZeroUsize::new(DEFAULT_POOL_SIZE).unwrap_or(NonZeroUsize::MIN)
+fn default_pool_size() -> Positive {
+    Positive(DEFAULT_POOL_SIZE)
 }
 fn default_connect_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS))
@@ -160,7 +159,7 @@ impl<T> From<&Spanned<T>> for Position {
 /// Why a policy file was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{}: cannot read the file: {source}", file.display())]
+    #[error("{}: cannot read the file", file.display())]
     Read {
         file: PathBuf,
         source: std::io::Error,

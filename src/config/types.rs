@@ -129,17 +129,16 @@ impl FromStr for PathPrefix {
     }
 }
 
-/// A limit's `requests`: at least one.
+/// A count that must be at least one (a limit's `requests`, a pool size). Checked here rather
+/// than with `NonZeroU32`, whose error the parser reports at the key instead of the value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Quota(pub u32);
+pub struct Positive(pub u32);
 
-impl<'de> Deserialize<'de> for Quota {
+impl<'de> Deserialize<'de> for Positive {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         match u32::deserialize(deserializer)? {
-            0 => Err(D::Error::custom(
-                "a limit of 0 requests admits nothing; remove the route or the limit instead",
-            )),
-            requests => Ok(Quota(requests)),
+            0 => Err(D::Error::custom("must be at least 1, got 0")),
+            count => Ok(Positive(count)),
         }
     }
 }

@@ -88,14 +88,15 @@ impl Gateway {
         let (outcome, mut response) = match &route.action {
             Action::Respond(direct) => (Outcome::Responded, direct_response(direct)),
             Action::Forward(upstream) => {
-                let path = request.uri().path().to_owned();
+                // A cheap clone (shared bytes), kept only to name the path in an error.
+                let uri = request.uri().clone();
                 match forward::forward(upstream, request, peer).await {
                     Ok(response) => (Outcome::Forwarded, response.map(ProxyBody::Stream)),
                     Err(err) => {
                         tracing::warn!(route = %route.name, upstream = %upstream.name, error = %err, "upstream failed");
                         (
                             Outcome::UpstreamError,
-                            upstream_problem(&err, upstream.name.as_str(), &path),
+                            upstream_problem(&err, upstream.name.as_str(), uri.path()),
                         )
                     }
                 }
