@@ -368,3 +368,52 @@ async fn routing_is_ordered_segment_aware_and_method_aware() {
     }
     assert_eq!(up.hits(), 2);
 }
+
+/// Clients may speak cleartext HTTP/2 with prior knowledge (h2c); the upstream still gets
+/// HTTP/1.1, with X-Forwarded-Host taken from the :authority.
+#[tokio::test]
+async fn h2c_clients_are_proxied() {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    let (up, sluice) = setup().await;
+    let stream = tokio::net::TcpStream::connect(sluice.addr()).await.unwrap();
+    let (mut sender, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .expect("h2c handshake with sluice");
+    tokio::spawn(connection);
+    let request = http::Request::get(format!("http://h2.example/api/over-h2?q=1"))
+        .body(Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let response = sender.send_request(request).await.expect("h2 request");
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let echo: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(echo["path"], "/api/over-h2?q=1");
+    assert_eq!(values(&echo, "x-forwarded-host"), ["h2.example"]);
+    assert_eq!(up.hits(), 1);
+}
+
+/// `/api/../login` would match `/api` here and reach `/login` after the upstream normalizes
+/// it; such paths are refused before routing, encoded dots included.
+#[tokio::test]
+async fn dot_segments_are_refused() {
+    let (up, sluice) = setup().await;
+    for path in ["/api/../login", "/api/%2e%2E/login", "/api/./x"] {
+        let response = raw_http(
+            sluice.addr(),
+            &format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        )
+        .await;
+        assert_eq!(response.status, 400, "{path}: {response:?}");
+        assert!(
+            response
+                .header("content-type")
+                .is_some_and(|ct| ct.starts_with("application/problem+json")),
+            "{path}: {response:?}"
+        );
+    }
+    assert_eq!(up.hits(), 0, "nothing reaches the upstream");
+}

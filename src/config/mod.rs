@@ -326,7 +326,10 @@ mod tests {
         let started = std::time::Instant::now();
         let result: Result<BTreeMap<String, serde_json::Value>, _> =
             serde_saphyr::from_str_with_options(&yaml, options());
-        assert!(result.is_err(), "a billion laughs must not parse");
+        let err = result
+            .expect_err("a billion laughs must not parse")
+            .to_string();
+        assert!(err.contains("budget") || err.contains("alias"), "{err}");
         assert!(started.elapsed() < std::time::Duration::from_secs(2));
     }
 }
