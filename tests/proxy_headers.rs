@@ -383,7 +383,7 @@ async fn h2c_clients_are_proxied() {
             .await
             .expect("h2c handshake with sluice");
     tokio::spawn(connection);
-    let request = http::Request::get(format!("http://h2.example/api/over-h2?q=1"))
+    let request = http::Request::get("http://h2.example/api/over-h2?q=1")
         .body(Empty::<bytes::Bytes>::new())
         .unwrap();
     let response = sender.send_request(request).await.expect("h2 request");
