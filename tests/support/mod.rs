@@ -540,6 +540,30 @@ impl Sluice {
         r.text().await.expect("/metrics body")
     }
 
+    /// Sends SIGTERM, as Kubernetes and Docker do to stop a container.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {}", self.pid());
+    }
+
+    /// Waits up to `timeout` for the process to exit; its exit status, or `None` if it is
+    /// still running.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait on sluice") {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Peak resident set size (VmHWM) of the sluice process, in kB.
     pub fn peak_rss_kb(&self) -> u64 {
         proc_status_kb(self.pid(), "VmHWM")
