@@ -67,11 +67,18 @@ impl Gateway {
             );
         };
         let (outcome, response) = self.handle_routed(route, request, peer).await;
+        let elapsed = started.elapsed();
         route.metrics.count(outcome);
-        route
-            .metrics
-            .duration
-            .observe(started.elapsed().as_secs_f64());
+        route.metrics.duration.observe(elapsed.as_secs_f64());
+        // An access log, off by default (RUST_LOG=sluice::access=debug turns it on); it holds
+        // no client identity, like the metrics.
+        tracing::debug!(
+            target: "sluice::access",
+            route = %route.name,
+            outcome = outcome.label(),
+            status = response.status().as_u16(),
+            micros = elapsed.as_micros() as u64,
+        );
         response
     }
 
