@@ -58,22 +58,23 @@ impl LocalStore {
         let mut limits = Vec::with_capacity(checks.len());
         for check in checks {
             let window_us = window_micros(check.window);
-            let log = match logs.get_mut(&check.key) {
-                Some(log) => log,
-                None => logs.entry(check.key.clone()).or_insert(Log {
-                    times: VecDeque::new(),
-                    window_us,
-                }),
-            };
-            if admitted {
+            let state = if admitted {
+                let log = match logs.get_mut(&check.key) {
+                    Some(log) => log,
+                    None => logs.entry(check.key.clone()).or_insert(Log {
+                        times: VecDeque::new(),
+                        window_us,
+                    }),
+                };
                 log.times.push_back(now);
-            }
-            limits.push(sliding_log::state(
-                &log.times,
-                check.requests,
-                window_us,
-                now,
-            ));
+                sliding_log::state(&log.times, check.requests, window_us, now)
+            } else {
+                // A rejection records nothing, not even an empty log.
+                let times = logs.get(&check.key).map(|log| &log.times);
+                let empty = VecDeque::new();
+                sliding_log::state(times.unwrap_or(&empty), check.requests, window_us, now)
+            };
+            limits.push(state);
         }
         Decision {
             admitted,
@@ -155,5 +156,16 @@ mod tests {
             "a rejected request must not count"
         );
         assert_eq!(store.decide(&[loose]).limits[0].remaining, 8);
+    }
+
+    #[tokio::test]
+    async fn a_rejection_creates_no_log() {
+        let store = LocalStore::new();
+        let full = check("full", 1, Duration::from_secs(60));
+        assert!(store.decide(std::slice::from_ref(&full)).admitted);
+        let d = store.decide(&[full, check("fresh", 5, Duration::from_secs(60))]);
+        assert!(!d.admitted);
+        assert_eq!(d.limits[1].remaining, 5);
+        assert!(!lock(&store.logs).contains_key("fresh"));
     }
 }

@@ -8,13 +8,13 @@
 
 mod local;
 mod redis;
-pub mod sliding_log;
+mod sliding_log;
 
 use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, IntCounter};
 
-pub use self::local::LocalStore;
+use self::local::LocalStore;
 pub use self::redis::RedisStore;
 use crate::metrics::Metrics;
 

@@ -15,7 +15,7 @@ use http::uri::Authority;
 use http::{Method, StatusCode};
 
 pub use self::matcher::Matcher;
-use crate::config::{Config, ConfigError, KeyPart, LimitConfig, Name, Position, RouteConfig};
+use crate::config::{Config, ConfigError, KeyPart, Name, Position, RouteConfig};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::proxy::UpstreamClient;
 use crate::response;
@@ -194,7 +194,7 @@ fn compile_limits(
         .limits
         .iter()
         .enumerate()
-        .map(|(index, limit): (usize, &LimitConfig)| {
+        .map(|(index, limit)| {
             let field = format!("{field}.limits[{index}]");
             if let Some(first) = seen.insert(&limit.name.value, Position::from(&limit.name)) {
                 return Err(ConfigError::invalid(
