@@ -475,3 +475,40 @@ async fn limited_respond_route_redis() {
 async fn limited_respond_route_memory() {
     limited_respond_route(StoreKind::Memory).await;
 }
+
+/// A limit lowered while entries are recorded (sluice restarted on the same Redis with a
+/// smaller `requests`): the key stays closed until enough entries have left that fewer than the
+/// new limit remain, and Retry-After says exactly when, not when the oldest entry leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lowered_limit_waits_for_enough_entries_to_leave() {
+    let store = Store::start(StoreKind::Redis).await;
+    let up = Upstream::start().await;
+    let c = support::client();
+    let t0;
+    {
+        let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "4s")).await;
+        let url = format!("{}/lowered", sluice.url());
+        assert_eq!(send(&c, &url, Some("warmup")).await.status(), 200);
+        t0 = Instant::now();
+        // Five admissions, 400 ms apart: at t0, t0+0.4, ..., t0+1.6.
+        for i in 0..5u32 {
+            tokio::time::sleep_until((t0 + Duration::from_millis(400) * i).into()).await;
+            assert_eq!(send(&c, &url, Some("k")).await.status(), 200);
+        }
+    }
+    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 2, "4s")).await;
+    let url = format!("{}/lowered", sluice.url());
+    tokio::time::sleep_until((t0 + Duration::from_millis(1800)).into()).await;
+    let asked = t0.elapsed();
+    let retry_after = assert_rejected(send(&c, &url, Some("k")).await, "default", "per-key").await;
+    // Five recorded, limit two: the entry at t0+1.2 s (the fourth) must leave, at t0+5.2 s.
+    // Leaving when the oldest does (t0+4 s) would say 3.
+    let expected = (Duration::from_millis(5200) - asked).as_secs_f64().ceil() as i64;
+    assert!(
+        asked < Duration::from_millis(2100),
+        "precondition: asked at {asked:?}, too late to tell the entries apart"
+    );
+    assert_eq!(retry_after, expected, "asked at {asked:?}");
+    tokio::time::sleep_until((t0 + Duration::from_millis(4300)).into()).await;
+    assert_rejected(send(&c, &url, Some("k")).await, "default", "per-key").await;
+}

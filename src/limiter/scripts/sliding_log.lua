@@ -1,10 +1,10 @@
 -- Sliding-window log for every limit of one request, decided atomically.
 --
--- KEYS[i]   one sorted set per limit: members are admitted requests, scores their admission
---           time in microseconds on the Redis server's clock.
--- ARGV[1]   a member name unique to this request (instance id and sequence number), so two
---           requests admitted in the same microsecond never collapse into one entry.
--- ARGV[2i]  the limit's `requests` for KEYS[i]
+-- KEYS[i]    one sorted set per limit: members are admitted requests, scores their admission
+--            time in microseconds on the Redis server's clock.
+-- ARGV[1]    a member name unique to this request (instance id and sequence number), so two
+--            requests admitted in the same microsecond never collapse into one entry.
+-- ARGV[2i]   the limit's `requests` for KEYS[i]
 -- ARGV[2i+1] the limit's window for KEYS[i], in microseconds
 --
 -- Returns {admitted, retry_after_us, remaining_1, reset_us_1, remaining_2, reset_us_2, ...}
@@ -20,27 +20,26 @@
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local count = {}
+-- Per key, the score of the entry whose departure gives it more room: for a full key the
+-- (count - requests)-th oldest, otherwise the oldest. An admission never changes which entry
+-- that is, except in an empty key, where it is the new entry itself.
+local pivot = {}
 local admitted = 1
 local retry_after = 0
-
--- Time until the entry whose departure gives KEYS[i] more room leaves the window.
-local function until_more_room(i, n, requests, window)
-  if n == 0 then
-    return 0
-  end
-  local index = math.max(n - requests, 0)
-  local entry = redis.call('ZRANGE', KEYS[i], index, index, 'WITHSCORES')
-  return tonumber(entry[2]) + window - now
-end
 
 for i = 1, #KEYS do
   local requests = tonumber(ARGV[2 * i])
   local window = tonumber(ARGV[2 * i + 1])
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', string.format('%.0f', now - window))
-  count[i] = redis.call('ZCARD', KEYS[i])
-  if count[i] >= requests then
+  local n = redis.call('ZCARD', KEYS[i])
+  count[i] = n
+  if n > 0 then
+    local index = math.max(n - requests, 0)
+    pivot[i] = tonumber(redis.call('ZRANGE', KEYS[i], index, index, 'WITHSCORES')[2])
+  end
+  if n >= requests then
     admitted = 0
-    retry_after = math.max(retry_after, until_more_room(i, count[i], requests, window))
+    retry_after = math.max(retry_after, pivot[i] + window - now)
   end
 end
 
@@ -54,8 +53,9 @@ for i = 1, #KEYS do
     redis.call('ZADD', KEYS[i], score, ARGV[1])
     redis.call('PEXPIRE', KEYS[i], math.ceil(window / 1000))
     n = n + 1
+    pivot[i] = pivot[i] or now
   end
   result[#result + 1] = math.max(requests - n, 0)
-  result[#result + 1] = until_more_room(i, n, requests, window)
+  result[#result + 1] = pivot[i] and (pivot[i] + window - now) or 0
 end
 return result
