@@ -95,8 +95,21 @@ pub struct Redis {
 }
 
 impl Redis {
-    /// Spawn redis-server and wait (up to 10 s) until it answers PING.
+    /// Spawn redis-server and wait (up to 10 s) until it answers PING. A port picked free
+    /// can be taken by another test before redis-server binds it, so an early exit is retried
+    /// on a new port, twice at most.
     pub async fn start() -> Redis {
+        for attempt in 1..=3 {
+            match Redis::try_start().await {
+                Ok(redis) => return redis,
+                Err(why) if attempt < 3 => eprintln!("{why}; retrying on another port"),
+                Err(why) => panic!("{why}"),
+            }
+        }
+        unreachable!("the last attempt panics")
+    }
+
+    async fn try_start() -> Result<Redis, String> {
         let bin = redis_server_path();
         let dir = tempfile::tempdir().expect("tempdir for redis");
         let port = free_port();
@@ -124,10 +137,12 @@ impl Redis {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if redis.ping().await {
-                return redis;
+                return Ok(redis);
             }
             if let Some(status) = redis.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("redis-server on port {port} exited early with {status}");
+                return Err(format!(
+                    "redis-server on port {port} exited early with {status}"
+                ));
             }
             if Instant::now() > deadline {
                 panic!("redis-server on port {port} did not answer PING within 10 s");
@@ -443,7 +458,23 @@ pub struct Sluice {
 impl Sluice {
     /// Write `listen` + `admin_listen` (two free ports) + `yaml_rest` to a
     /// config file, start sluice and wait (up to 15 s) for `/healthz` = 200.
+    /// A port picked free can be taken by another test before sluice binds it;
+    /// when sluice says it cannot listen, it is started again on new ports.
     pub async fn start(yaml_rest: &str) -> Sluice {
+        for attempt in 1..=3 {
+            match Sluice::try_start(yaml_rest).await {
+                Ok(sluice) => return sluice,
+                Err(log) if attempt < 3 && log.contains("cannot listen on") => {
+                    eprintln!("sluice could not listen; retrying on other ports:\n{log}");
+                }
+                Err(log) => panic!("sluice exited during startup\nlog:\n{log}"),
+            }
+        }
+        unreachable!("the last attempt panics")
+    }
+
+    /// Starts sluice; `Err(log)` if it exits during startup.
+    async fn try_start(yaml_rest: &str) -> Result<Sluice, String> {
         let dir = tempfile::tempdir().expect("tempdir for sluice");
         let port = free_port();
         let mut admin_port = free_port();
@@ -483,14 +514,14 @@ impl Sluice {
                 .await
             {
                 if r.status() == 200 {
-                    return s;
+                    return Ok(s);
                 }
             }
             if let Some(status) = s.child.try_wait().unwrap() {
-                panic!(
-                    "sluice exited during startup with {status}\nconfig:\n{config}\nlog:\n{}",
+                return Err(format!(
+                    "exit status {status}\nconfig:\n{config}\n{}",
                     s.log()
-                );
+                ));
             }
             if Instant::now() > deadline {
                 panic!(
