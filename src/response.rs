@@ -22,41 +22,51 @@ pub fn ceil_seconds(duration: Duration) -> u64 {
 }
 
 /// `"per-ip";q=5;w=60, "per-key";q=100;w=1`: every limit of a route, built once per policy.
-/// Names are restricted (see `config::Name`) so they need no escaping inside the quotes.
 pub fn rate_limit_policy(limits: &[Limit]) -> Option<HeaderValue> {
     if limits.is_empty() {
         return None;
     }
-    let mut field = String::new();
-    for (index, limit) in limits.iter().enumerate() {
-        if index > 0 {
-            field.push_str(", ");
-        }
-        let _ = write!(
-            field,
-            "\"{}\";q={};w={}",
-            limit.name,
-            limit.requests,
-            ceil_seconds(limit.window)
-        );
-    }
-    HeaderValue::from_str(&field).ok()
+    limit_items(limits.iter().map(|limit| {
+        let params = [
+            ('q', u64::from(limit.requests)),
+            ('w', ceil_seconds(limit.window)),
+        ];
+        (limit, params)
+    }))
 }
 
 /// `"per-ip";r=4;t=60, ...`: where each limit stands after this decision.
 pub fn rate_limit(route: &Route, decision: &Decision) -> Option<HeaderValue> {
-    let mut field = String::with_capacity(32 * route.limits.len());
-    for (index, (limit, state)) in route.limits.iter().zip(&decision.limits).enumerate() {
+    limit_items(
+        route
+            .limits
+            .iter()
+            .zip(&decision.limits)
+            .map(|(limit, state)| {
+                let params = [
+                    ('r', u64::from(state.remaining)),
+                    ('t', ceil_seconds(state.reset)),
+                ];
+                (limit, params)
+            }),
+    )
+}
+
+/// A structured-field list (RFC 9651) with one item per limit: the limit's name as a string,
+/// then integer parameters. Names are restricted (see `config::Name`) so they need no escaping
+/// inside the quotes.
+fn limit_items<'a>(
+    items: impl Iterator<Item = (&'a Limit, [(char, u64); 2])>,
+) -> Option<HeaderValue> {
+    let mut field = String::with_capacity(64);
+    for (index, (limit, params)) in items.enumerate() {
         if index > 0 {
             field.push_str(", ");
         }
-        let _ = write!(
-            field,
-            "\"{}\";r={};t={}",
-            limit.name,
-            state.remaining,
-            ceil_seconds(state.reset)
-        );
+        let _ = write!(field, "\"{}\"", limit.name);
+        for (key, value) in params {
+            let _ = write!(field, ";{key}={value}");
+        }
     }
     HeaderValue::from_str(&field).ok()
 }
