@@ -2,7 +2,9 @@
 //! instance (no Redis configured). Same semantics as the Redis script; the clock is this
 //! process's monotonic clock.
 
+use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -12,6 +14,11 @@ use super::{Check, Decision};
 /// How often logs that have emptied are dropped, so memory follows live keys only.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
+/// The logs are split into shards, each behind its own lock, so the sweeper never holds up
+/// requests for longer than one shard takes, and requests for different keys rarely wait on
+/// each other.
+const SHARDS: usize = 64;
+
 struct Log {
     times: VecDeque<u64>,
     window_us: u64,
@@ -19,28 +26,58 @@ struct Log {
 
 type Logs = HashMap<String, Log>;
 
+struct Shards {
+    shards: Vec<Mutex<Logs>>,
+    hasher: RandomState,
+}
+
+impl Shards {
+    fn index(&self, key: &str) -> usize {
+        (self.hasher.hash_one(key) % SHARDS as u64) as usize
+    }
+}
+
 pub struct LocalStore {
-    logs: Arc<Mutex<Logs>>,
+    shards: Arc<Shards>,
     epoch: Instant,
 }
 
 impl LocalStore {
     /// Creates the store and starts its sweeper on the current Tokio runtime.
     pub fn new() -> LocalStore {
-        let logs = Arc::new(Mutex::new(HashMap::new()));
+        let shards = Arc::new(Shards {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: RandomState::new(),
+        });
         let epoch = Instant::now();
-        tokio::spawn(sweep(Arc::downgrade(&logs), epoch));
-        LocalStore { logs, epoch }
+        tokio::spawn(sweep(Arc::downgrade(&shards), epoch));
+        LocalStore { shards, epoch }
     }
 
     pub fn decide(&self, checks: &[Check]) -> Decision {
+        // Every shard the request touches is locked, in ascending order (so two requests can
+        // never wait on each other in a cycle), for the whole decision: all limits of a request
+        // are decided as one step, as in the Redis script.
+        let shard_of: Vec<usize> = checks.iter().map(|c| self.shards.index(&c.key)).collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        // Where each check's shard guard sits in `guards` (always found: `order` holds them all).
+        let slot: Vec<usize> = shard_of
+            .iter()
+            .map(|shard| order.binary_search(shard).unwrap_or_default())
+            .collect();
+        let mut guards: Vec<MutexGuard<'_, Logs>> = order
+            .iter()
+            .map(|&index| lock(&self.shards.shards[index]))
+            .collect();
         let now = micros_since(self.epoch);
-        let mut logs = lock(&self.logs);
+
         let mut admitted = true;
         let mut retry_after = 0;
-        for check in checks {
+        for (check, &slot) in checks.iter().zip(&slot) {
             let window_us = window_micros(check.window);
-            let Some(log) = logs.get_mut(&check.key) else {
+            let Some(log) = guards[slot].get_mut(&check.key) else {
                 continue;
             };
             log.window_us = window_us;
@@ -56,8 +93,9 @@ impl LocalStore {
             }
         }
         let mut limits = Vec::with_capacity(checks.len());
-        for check in checks {
+        for (check, &slot) in checks.iter().zip(&slot) {
             let window_us = window_micros(check.window);
+            let logs = &mut *guards[slot];
             let state = if admitted {
                 let log = match logs.get_mut(&check.key) {
                     Some(log) => log,
@@ -98,22 +136,37 @@ fn lock(logs: &Mutex<Logs>) -> MutexGuard<'_, Logs> {
     logs.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-async fn sweep(logs: Weak<Mutex<Logs>>, epoch: Instant) {
+/// Drops emptied logs one shard at a time, letting requests in between shards.
+async fn sweep(shards: Weak<Shards>, epoch: Instant) {
     let mut ticks = tokio::time::interval(SWEEP_EVERY);
     loop {
         ticks.tick().await;
-        let Some(logs) = logs.upgrade() else { return };
-        let now = micros_since(epoch);
-        lock(&logs).retain(|_, log| {
-            sliding_log::prune(&mut log.times, log.window_us, now);
-            !log.times.is_empty()
-        });
+        for index in 0..SHARDS {
+            let Some(shards) = shards.upgrade() else {
+                return;
+            };
+            let now = micros_since(epoch);
+            lock(&shards.shards[index]).retain(|_, log| {
+                sliding_log::prune(&mut log.times, log.window_us, now);
+                !log.times.is_empty()
+            });
+            drop(shards);
+            tokio::task::yield_now().await;
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl LocalStore {
+        /// How many admissions the log of `key` holds, if it exists.
+        fn times_of(&self, key: &str) -> Option<usize> {
+            let shard = lock(&self.shards.shards[self.shards.index(key)]);
+            shard.get(key).map(|log| log.times.len())
+        }
+    }
 
     fn check(key: &str, requests: u32, window: Duration) -> Check {
         Check {
@@ -140,7 +193,7 @@ mod tests {
             assert!(!d.admitted);
             assert!(d.retry_after > Duration::from_secs(59));
         }
-        assert_eq!(lock(&store.logs)["k"].times.len(), 3);
+        assert_eq!(store.times_of("k"), Some(3));
     }
 
     #[tokio::test]
@@ -166,6 +219,6 @@ mod tests {
         let d = store.decide(&[full, check("fresh", 5, Duration::from_secs(60))]);
         assert!(!d.admitted);
         assert_eq!(d.limits[1].remaining, 5);
-        assert!(!lock(&store.logs).contains_key("fresh"));
+        assert_eq!(store.times_of("fresh"), None);
     }
 }
