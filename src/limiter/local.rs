@@ -221,4 +221,33 @@ mod tests {
         assert_eq!(d.limits[1].remaining, 5);
         assert_eq!(store.times_of("fresh"), None);
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_requests_admit_exactly_the_limit_without_deadlock() {
+        let store = Arc::new(LocalStore::new());
+        let a = check("a", 100, Duration::from_secs(60));
+        let b = check("b", 1_000, Duration::from_secs(60));
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let store = Arc::clone(&store);
+                // Half the threads name the keys in the other order.
+                let checks = if t % 2 == 0 {
+                    [a.clone(), b.clone()]
+                } else {
+                    [b.clone(), a.clone()]
+                };
+                std::thread::spawn(move || {
+                    (0..500).filter(|_| store.decide(&checks).admitted).count()
+                })
+            })
+            .collect();
+        let admitted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert_eq!(admitted, 100);
+        assert_eq!(store.times_of("a"), Some(100));
+        assert_eq!(
+            store.times_of("b"),
+            Some(100),
+            "rejections are not recorded"
+        );
+    }
 }
