@@ -76,6 +76,15 @@ routes:
     )
 }
 
+/// Starts the store, an upstream and sluice with `config(.., requests, window)`. The store is
+/// returned so it lives as long as the test.
+async fn start(kind: StoreKind, requests: u32, window: &str) -> (Store, Upstream, Sluice) {
+    let store = Store::start(kind).await;
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&config(&store.yaml, &up.url(), requests, window)).await;
+    (store, up, sluice)
+}
+
 async fn send(c: &reqwest::Client, url: &str, key: Option<&str>) -> reqwest::Response {
     let mut rb = c.get(url);
     if let Some(k) = key {
@@ -163,9 +172,7 @@ async fn assert_rejected(resp: reqwest::Response, route: &str, limit: &str) -> i
 /// 5 per 10 s: exactly 5 admitted per key, 6th and later rejected; keys are
 /// independent; no x-api-key falls back to a per-IP key.
 async fn exact_count_and_independent_keys(kind: StoreKind) {
-    let store = Store::start(kind).await;
-    let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "10s")).await;
+    let (_store, up, sluice) = start(kind, 5, "10s").await;
     let c = support::client();
     let url = format!("{}/things", sluice.url());
 
@@ -217,9 +224,7 @@ async fn exact_count_and_independent_keys(kind: StoreKind) {
 /// `client_ip` keys count each client address separately (clients bound to
 /// 127.0.0.1 and 127.0.0.2), and key parts combine.
 async fn client_ip_and_combined_keys(kind: StoreKind) {
-    let store = Store::start(kind).await;
-    let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "10s")).await;
+    let (_store, up, sluice) = start(kind, 5, "10s").await;
     let a = support::client_from("127.0.0.1");
     let b = support::client_from("127.0.0.2");
     let ip = format!("{}/ip", sluice.url());
@@ -253,9 +258,7 @@ async fn client_ip_and_combined_keys(kind: StoreKind) {
 /// A limited `respond` route: limited like any other, never touches the
 /// upstream.
 async fn limited_respond_route(kind: StoreKind) {
-    let store = Store::start(kind).await;
-    let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "10s")).await;
+    let (_store, up, sluice) = start(kind, 5, "10s").await;
     let c = support::client();
     let url = format!("{}/demo", sluice.url());
     for i in 1..=3 {
@@ -273,9 +276,7 @@ async fn limited_respond_route(kind: StoreKind) {
 /// Two limits on one route: the policy header lists both in config order; a
 /// request rejected by one limit is not recorded in the other.
 async fn rejections_are_not_recorded(kind: StoreKind) {
-    let store = Store::start(kind).await;
-    let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "10s")).await;
+    let (_store, up, sluice) = start(kind, 5, "10s").await;
     let c = support::client();
     let url = format!("{}/multi/x", sluice.url());
     let policy = "\"per-ip\";q=4;w=60, \"per-key\";q=2;w=60";
@@ -318,9 +319,7 @@ async fn rejections_are_not_recorded(kind: StoreKind) {
 /// 5 per 2 s: 5 admitted just after t, 5 more just before t+2s are all
 /// rejected (no boundary burst), after t+2s requests pass again.
 async fn boundary_burst_is_impossible(kind: StoreKind) {
-    let store = Store::start(kind).await;
-    let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "2s")).await;
+    let (_store, up, sluice) = start(kind, 5, "2s").await;
     let c = support::client();
     let url = format!("{}/burst", sluice.url());
     let window = Duration::from_secs(2);
@@ -365,9 +364,7 @@ async fn boundary_burst_is_impossible(kind: StoreKind) {
 /// 3 per 3 s: fill at t0, at t0+1.2 s a 429 says retry-after 2; waiting 1 s
 /// is not enough (429, retry-after 1), waiting the full 2 s is (200).
 async fn retry_after_is_exact(kind: StoreKind) {
-    let store = Store::start(kind).await;
-    let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 3, "3s")).await;
+    let (_store, up, sluice) = start(kind, 3, "3s").await;
     let c = support::client();
     let url = format!("{}/ra", sluice.url());
 
