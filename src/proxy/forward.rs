@@ -107,23 +107,26 @@ pub async fn forward(
 }
 
 fn upstream_uri(upstream: &Upstream, original: &Uri) -> Result<Uri, ForwardError> {
-    let path_and_query = original.path_and_query().map_or("/", PathAndQuery::as_str);
+    let unbuildable = |e: &dyn std::fmt::Display| {
+        ForwardError::Other(format!("cannot build the upstream URI: {e}"))
+    };
+    let original = original
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
     let path_and_query: PathAndQuery = if upstream.base_path.is_empty() {
         original
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"))
     } else {
-        format!("{}{path_and_query}", upstream.base_path)
+        format!("{}{original}", upstream.base_path)
             .parse()
-            .map_err(|e| ForwardError::Other(format!("cannot build the upstream URI: {e}")))?
+            .map_err(|e| unbuildable(&e))?
     };
     Uri::builder()
         .scheme(Scheme::HTTP)
         .authority(upstream.authority.clone())
         .path_and_query(path_and_query)
         .build()
-        .map_err(|e| ForwardError::Other(format!("cannot build the upstream URI: {e}")))
+        .map_err(|e| unbuildable(&e))
 }
 
 /// hyper's client errors say little at the top ("client error (Connect)"); the cause is below.
@@ -136,4 +139,33 @@ fn error_chain(err: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn upstream(base_path: &str) -> Upstream {
+        let metrics = Metrics::new().unwrap();
+        Upstream {
+            name: "api".parse().unwrap(),
+            authority: "10.0.0.1:3000".parse().unwrap(),
+            base_path: base_path.to_owned(),
+            timeout: Duration::from_secs(1),
+            client: UpstreamClient::new(Duration::from_secs(1), "api", &metrics),
+        }
+    }
+
+    #[test]
+    fn the_path_and_query_are_kept_and_the_base_path_put_in_front() {
+        let original: Uri = "http://front.example/users/7?fields=a,b".parse().unwrap();
+        assert_eq!(
+            upstream_uri(&upstream(""), &original).unwrap(),
+            "http://10.0.0.1:3000/users/7?fields=a,b"
+        );
+        assert_eq!(
+            upstream_uri(&upstream("/v1"), &original).unwrap(),
+            "http://10.0.0.1:3000/v1/users/7?fields=a,b"
+        );
+    }
 }
