@@ -6,6 +6,7 @@ mod config;
 mod keys;
 mod limiter;
 mod metrics;
+mod path;
 mod policy;
 mod proxy;
 mod response;
@@ -126,7 +127,7 @@ async fn run(file: &Path) -> anyhow::Result<()> {
             }
             Store::redis(store, &metrics)
         }
-        None => Store::local(&metrics),
+        None => Store::local(config.store.local.max_keys.0 as usize, &metrics),
     };
     let listener = TcpListener::bind(config.listen)
         .await
@@ -142,7 +143,11 @@ async fn run(file: &Path) -> anyhow::Result<()> {
         "sluice is serving"
     );
 
-    let gateway = Arc::new(Gateway::new(policy, store, &metrics));
+    let head_limits = proxy::HeadLimits::new(&config.server);
+    let settings = server::Settings::new(&config.server);
+    let open = |listener: &str| metrics.open_connections.with_label_values(&[listener]);
+    let (gateway_open, admin_open) = (open("gateway"), open("admin"));
+    let gateway = Arc::new(Gateway::new(policy, store, head_limits, &metrics));
     let admin = Arc::new(Admin {
         gateway: Arc::clone(&gateway),
         metrics,
@@ -159,6 +164,8 @@ async fn run(file: &Path) -> anyhow::Result<()> {
             let gateway = Arc::clone(&gateway);
             async move { gateway.handle(request, peer).await }
         },
+        settings.clone(),
+        gateway_open,
         stopping.clone(),
     );
     let serve_admin = server::serve(
@@ -167,6 +174,8 @@ async fn run(file: &Path) -> anyhow::Result<()> {
             let admin = Arc::clone(&admin);
             async move { admin.handle(request).await }
         },
+        settings,
+        admin_open,
         stopping,
     );
     tokio::join!(serve_gateway, serve_admin);

@@ -4,8 +4,8 @@
 //! never a client identity, so the number of series is bounded by the config.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// What happened to a request, as counted by `sluice_requests_total`.
@@ -21,18 +21,23 @@ pub enum Outcome {
     UpstreamError,
     /// The store could not decide; answered 503.
     StoreError,
-    /// No route matched, or the request was malformed; answered 4xx.
+    /// Admitted, but the client's body was malformed or too large; answered 400 or 413.
+    ClientError,
+    /// No route matched; answered 404.
     NoRoute,
+    /// Refused before routing (a head over its limits, a path with no single meaning).
+    Refused,
 }
 
 impl Outcome {
-    /// The outcomes of a request that matched a route, in declaration order.
-    const ROUTED: [Outcome; 5] = [
+    /// The outcomes of a request that matched a route.
+    const ROUTED: [Outcome; 6] = [
         Outcome::Forwarded,
         Outcome::Responded,
         Outcome::Limited,
         Outcome::UpstreamError,
         Outcome::StoreError,
+        Outcome::ClientError,
     ];
 
     pub fn label(self) -> &'static str {
@@ -42,7 +47,48 @@ impl Outcome {
             Outcome::Limited => "limited",
             Outcome::UpstreamError => "upstream_error",
             Outcome::StoreError => "store_error",
+            Outcome::ClientError => "client_error",
             Outcome::NoRoute => "no_route",
+            Outcome::Refused => "refused",
+        }
+    }
+}
+
+/// Why sluice refused a request itself, as counted by `sluice_refused_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The request line is longer than `server.max_request_line` (414).
+    RequestLine,
+    /// More header fields than `server.max_headers` (431).
+    HeaderCount,
+    /// More header bytes than `server.max_header_bytes` (431).
+    HeaderBytes,
+    /// A path with no single meaning (400).
+    Path,
+    /// The body broke off or was malformed while it streamed (400).
+    BodyMalformed,
+    /// The body is larger than the route's `max_body` (413).
+    BodyTooLarge,
+}
+
+impl Refusal {
+    pub const ALL: [Refusal; 6] = [
+        Refusal::RequestLine,
+        Refusal::HeaderCount,
+        Refusal::HeaderBytes,
+        Refusal::Path,
+        Refusal::BodyMalformed,
+        Refusal::BodyTooLarge,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::RequestLine => "request_line",
+            Refusal::HeaderCount => "header_count",
+            Refusal::HeaderBytes => "header_bytes",
+            Refusal::Path => "path",
+            Refusal::BodyMalformed => "body_malformed",
+            Refusal::BodyTooLarge => "body_too_large",
         }
     }
 }
@@ -55,6 +101,10 @@ pub struct Metrics {
     pub store_call_duration: HistogramVec,
     pub store_errors: IntCounterVec,
     pub upstream_errors: IntCounterVec,
+    pub refused: IntCounterVec,
+    pub open_connections: IntGaugeVec,
+    pub local_keys: IntGauge,
+    pub local_evictions: IntCounter,
 }
 
 /// Buckets for whole requests: from a fast local answer to a slow upstream.
@@ -113,7 +163,36 @@ impl Metrics {
             ),
             &["upstream", "kind"],
         )?;
+        let refused = IntCounterVec::new(
+            Opts::new(
+                "sluice_refused_requests_total",
+                "Requests sluice refused itself, by reason (request_line, header_count, header_bytes, path, body_malformed, body_too_large).",
+            ),
+            &["reason"],
+        )?;
+        let open_connections = IntGaugeVec::new(
+            Opts::new(
+                "sluice_open_connections",
+                "Client connections open now, by listener (gateway, admin).",
+            ),
+            &["listener"],
+        )?;
+        let local_keys = IntGauge::new(
+            "sluice_local_store_keys",
+            "Keys the in-process store tracks now.",
+        )?;
+        let local_evictions = IntCounter::new(
+            "sluice_local_store_evictions_total",
+            "Keys with admissions still in their window that the in-process store dropped because it was full.",
+        )?;
+        for refusal in Refusal::ALL {
+            refused.with_label_values(&[refusal.label()]);
+        }
         registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(refused.clone()))?;
+        registry.register(Box::new(open_connections.clone()))?;
+        registry.register(Box::new(local_keys.clone()))?;
+        registry.register(Box::new(local_evictions.clone()))?;
         registry.register(Box::new(limit_decisions.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
         registry.register(Box::new(store_call_duration.clone()))?;
@@ -127,6 +206,10 @@ impl Metrics {
             store_call_duration,
             store_errors,
             upstream_errors,
+            refused,
+            open_connections,
+            local_keys,
+            local_evictions,
         })
     }
 
@@ -134,7 +217,7 @@ impl Metrics {
     /// label lookups.
     pub fn for_route(&self, route: &str) -> RouteMetrics {
         let outcomes =
-            Outcome::ROUTED.map(|o| self.requests.with_label_values(&[route, o.label()]));
+            Outcome::ROUTED.map(|o| (o, self.requests.with_label_values(&[route, o.label()])));
         RouteMetrics {
             outcomes,
             duration: self.request_duration.with_label_values(&[route]),
@@ -163,14 +246,14 @@ impl Metrics {
 
 #[derive(Clone)]
 pub struct RouteMetrics {
-    outcomes: [IntCounter; Outcome::ROUTED.len()],
+    outcomes: [(Outcome, IntCounter); Outcome::ROUTED.len()],
     pub duration: Histogram,
 }
 
 impl RouteMetrics {
     pub fn count(&self, outcome: Outcome) {
-        // `NoRoute` has no route to count under; it is counted by the gateway itself.
-        if let Some(counter) = self.outcomes.get(outcome as usize) {
+        // Outcomes before routing have no route to count under; the gateway counts them.
+        if let Some((_, counter)) = self.outcomes.iter().find(|(o, _)| *o == outcome) {
             counter.inc();
         }
     }

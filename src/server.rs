@@ -1,31 +1,76 @@
 //! Listeners: accept TCP connections and serve HTTP/1.1 and cleartext HTTP/2 (h2c) on them,
-//! with a header-read timeout against slow clients and a graceful shutdown that lets requests
-//! in flight finish.
+//! with a bounded number of connections, a header-read timeout against slow clients, an idle
+//! timeout, and a graceful shutdown that lets requests in flight finish.
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
-use tokio::sync::watch;
+use prometheus::IntGauge;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Semaphore};
 
+use crate::config::ServerConfig;
 use crate::proxy::ProxyBody;
 
-/// A client must send its request headers within this time.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// On shutdown, requests in flight get this long to finish.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
+/// How one listener treats its connections, from `server:` in the config.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub max_connections: u32,
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    /// The HTTP parser's own cap on a request head, in bytes and fields: twice the limits the
+    /// gateway answers with a problem body, so that within them the gateway's precise answer
+    /// wins, and past them the parser cuts a hostile head short without buffering it.
+    pub parser_max_head_bytes: usize,
+    pub parser_max_headers: usize,
+}
+
+impl Settings {
+    pub fn new(config: &ServerConfig) -> Settings {
+        let head = config
+            .max_request_line
+            .0
+            .saturating_add(config.max_header_bytes.0)
+            .saturating_mul(2);
+        Settings {
+            max_connections: config.max_connections.0,
+            header_read_timeout: config.header_read_timeout.0,
+            idle_timeout: config.idle_timeout.0,
+            // hyper refuses a buffer below 8 KiB.
+            parser_max_head_bytes: usize::try_from(head).unwrap_or(usize::MAX).max(8192),
+            parser_max_headers: config.max_headers.0 as usize * 2,
+        }
+    }
+}
+
 /// Serves `handler` on `listener` until `shutdown` turns true, then drains connections.
-pub async fn serve<H, F>(listener: TcpListener, handler: H, mut shutdown: watch::Receiver<bool>)
-where
+///
+/// Past `max_connections`, the listener stops accepting until a connection closes: new
+/// connections wait in the kernel's backlog (and are refused by the kernel once it is full)
+/// rather than being accepted and closed.
+pub async fn serve<H, F>(
+    listener: TcpListener,
+    handler: H,
+    settings: Settings,
+    open: IntGauge,
+    mut shutdown: watch::Receiver<bool>,
+) where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
@@ -33,10 +78,24 @@ where
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
-    builder.http2().timer(TokioTimer::new());
-    let graceful = GracefulShutdown::new();
+        .header_read_timeout(settings.header_read_timeout)
+        .max_buf_size(settings.parser_max_head_bytes)
+        .max_headers(settings.parser_max_headers);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(settings.parser_max_head_bytes).unwrap_or(u32::MAX));
+    let builder = Arc::new(builder);
+    let slots = Arc::new(Semaphore::new(settings.max_connections as usize));
+    let epoch = Instant::now();
     loop {
+        let slot = tokio::select! {
+            slot = Arc::clone(&slots).acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            _ = shutdown.wait_for(|stop| *stop) => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -55,21 +114,154 @@ where
             let response = handler(request, peer);
             async move { Ok::<_, Infallible>(response.await) }
         });
-        let connection = builder
-            .serve_connection(TokioIo::new(stream), service)
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let builder = Arc::clone(&builder);
+        let shutdown = shutdown.clone();
+        let open = open.clone();
+        let idle_timeout = settings.idle_timeout;
         tokio::spawn(async move {
-            if let Err(err) = connection.await {
+            open.inc();
+            let now = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+            let activity = Arc::new(AtomicU64::new(now));
+            let stream = Watched {
+                stream,
+                epoch,
+                activity: Arc::clone(&activity),
+            };
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            let watch = Watch {
+                epoch,
+                activity,
+                idle_timeout,
+                shutdown,
+            };
+            if let Err(err) = watch.run(connection).await {
                 tracing::debug!(%peer, error = %err, "connection ended with an error");
             }
+            open.dec();
+            drop(slot);
         });
     }
     drop(listener);
-    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
+    // Every open connection holds a slot: all of them back means every connection is done.
+    if tokio::time::timeout(SHUTDOWN_GRACE, slots.acquire_many(settings.max_connections))
         .await
         .is_err()
     {
         tracing::warn!("some connections were still busy after {SHUTDOWN_GRACE:?}; closing them");
+    }
+}
+
+/// Ends one connection gracefully (the request in flight finishes, no new one starts) when
+/// the server shuts down or the connection has been silent for the idle timeout.
+struct Watch {
+    epoch: Instant,
+    activity: Arc<AtomicU64>,
+    idle_timeout: Duration,
+    shutdown: watch::Receiver<bool>,
+}
+
+type Connection<'a, S> = auto::Connection<'a, TokioIo<Watched>, S, TokioExecutor>;
+
+impl Watch {
+    async fn run<S>(
+        mut self,
+        connection: Connection<'_, S>,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
+    where
+        S: hyper::service::Service<Request<Incoming>, Response = Response<ProxyBody>>,
+        S::Future: Send + 'static,
+        S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let mut connection = pin!(connection);
+        let mut closing = false;
+        loop {
+            let silent_since = Duration::from_millis(self.activity.load(Ordering::Relaxed));
+            let idle_at = self.epoch + silent_since + self.idle_timeout;
+            tokio::select! {
+                result = connection.as_mut() => return result,
+                _ = self.shutdown.wait_for(|stop| *stop), if !closing => {
+                    closing = true;
+                    connection.as_mut().graceful_shutdown();
+                }
+                _ = tokio::time::sleep_until(idle_at.into()), if !closing => {
+                    let last = Duration::from_millis(self.activity.load(Ordering::Relaxed));
+                    if self.epoch + last + self.idle_timeout <= Instant::now() {
+                        closing = true;
+                        connection.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A client connection that notes when it last read or wrote a byte, for the idle timeout.
+struct Watched {
+    stream: TcpStream,
+    epoch: Instant,
+    /// Milliseconds since `epoch` of the last byte read or written.
+    activity: Arc<AtomicU64>,
+}
+
+impl Watched {
+    fn touch(&self) {
+        let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.activity.store(now, Ordering::Relaxed);
+    }
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let result = Pin::new(&mut this.stream).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.touch();
+        }
+        result
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.stream).poll_write(cx, buf);
+        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
+            this.touch();
+        }
+        result
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
+            this.touch();
+        }
+        result
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
 }

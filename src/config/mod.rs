@@ -18,7 +18,9 @@ use serde::Deserialize;
 pub use serde_saphyr::Spanned;
 
 pub use duration::ConfigDuration;
-pub use types::{KeyPart, MethodName, Name, PathPrefix, Positive, RedisUrl, Status, UpstreamUrl};
+pub use types::{
+    ByteSize, KeyPart, MethodName, Name, PathPrefix, Positive, RedisUrl, Status, UpstreamUrl,
+};
 
 /// Default timeout of one store call, including waiting for a pooled connection.
 pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 50;
@@ -26,6 +28,20 @@ pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 50;
 pub const DEFAULT_POOL_SIZE: u32 = 32;
 /// Default prefix of every key sluice writes to the store.
 pub const DEFAULT_KEY_PREFIX: &str = "sluice";
+/// Default longest request line (method, target and version) accepted; longer gets 414.
+pub const DEFAULT_MAX_REQUEST_LINE: u64 = 8 * 1024;
+/// Default most bytes of header fields (names, values and their separators); more gets 431.
+pub const DEFAULT_MAX_HEADER_BYTES: u64 = 32 * 1024;
+/// Default most header fields in one request; more gets 431.
+pub const DEFAULT_MAX_HEADERS: u32 = 100;
+/// Default most client connections open at once; past it, new ones wait in the backlog.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 10_000;
+/// Default time a client has to send its request headers.
+pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// Default time a connection may go without sending or receiving a byte.
+pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 60_000;
+/// Default most keys the in-process store tracks; past it, the least recently used goes.
+pub const DEFAULT_LOCAL_MAX_KEYS: u32 = 100_000;
 /// Default time allowed to open a TCP connection to an upstream.
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// Default time allowed for an upstream to answer with its response headers.
@@ -37,16 +53,58 @@ pub struct Config {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     #[serde(default)]
+    pub server: ServerConfig,
+    #[serde(default)]
     pub store: StoreConfig,
     #[serde(default)]
     pub upstreams: BTreeMap<Name, UpstreamConfig>,
     pub routes: Vec<RouteConfig>,
 }
 
+/// What the listeners accept: sizes of the request head and body, connections, timeouts.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    #[serde(default = "default_max_request_line")]
+    #[serde(deserialize_with = "bytes_within::<256, 65_534, _>")]
+    pub max_request_line: ByteSize,
+    #[serde(default = "default_max_header_bytes")]
+    #[serde(deserialize_with = "bytes_within::<1_024, 1_048_576, _>")]
+    pub max_header_bytes: ByteSize,
+    #[serde(default = "default_max_headers")]
+    #[serde(deserialize_with = "count_within::<1, 10_000, _>")]
+    pub max_headers: Positive,
+    /// The default `max_body` of routes that set none; `None`: unlimited.
+    pub max_body: Option<ByteSize>,
+    #[serde(default = "default_max_connections")]
+    #[serde(deserialize_with = "count_within::<1, 1_000_000, _>")]
+    pub max_connections: Positive,
+    #[serde(default = "default_header_read_timeout")]
+    pub header_read_timeout: ConfigDuration,
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout: ConfigDuration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            max_request_line: default_max_request_line(),
+            max_header_bytes: default_max_header_bytes(),
+            max_headers: default_max_headers(),
+            max_body: None,
+            max_connections: default_max_connections(),
+            header_read_timeout: default_header_read_timeout(),
+            idle_timeout: default_idle_timeout(),
+        }
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
     pub redis: Option<RedisConfig>,
+    #[serde(default)]
+    pub local: LocalConfig,
     #[serde(default = "default_key_prefix")]
     pub key_prefix: Name,
 }
@@ -55,7 +113,25 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             redis: None,
+            local: LocalConfig::default(),
             key_prefix: default_key_prefix(),
+        }
+    }
+}
+
+/// The in-process store, used when no Redis is configured.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalConfig {
+    #[serde(default = "default_local_max_keys")]
+    #[serde(deserialize_with = "count_within::<1_024, 100_000_000, _>")]
+    pub max_keys: Positive,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        LocalConfig {
+            max_keys: default_local_max_keys(),
         }
     }
 }
@@ -88,6 +164,8 @@ pub struct RouteConfig {
     pub matcher: MatchConfig,
     pub upstream: Option<Spanned<Name>>,
     pub respond: Option<Spanned<RespondConfig>>,
+    /// Largest request body forwarded; overrides `server.max_body`.
+    pub max_body: Option<ByteSize>,
     #[serde(default)]
     pub limits: Vec<LimitConfig>,
 }
@@ -98,6 +176,10 @@ pub struct MatchConfig {
     pub path_prefix: PathPrefix,
     #[serde(default)]
     pub methods: Vec<MethodName>,
+    /// Match the path prefix case-sensitively. Off by default: many upstreams route
+    /// `/LOGIN` to `/login`, and a limit that misses it is a way around the limit.
+    #[serde(default)]
+    pub case_sensitive: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -117,6 +199,57 @@ pub struct LimitConfig {
     pub key: Spanned<Vec<KeyPart>>,
     pub requests: Positive,
     pub window: ConfigDuration,
+}
+
+fn default_max_request_line() -> ByteSize {
+    ByteSize(DEFAULT_MAX_REQUEST_LINE)
+}
+fn default_max_header_bytes() -> ByteSize {
+    ByteSize(DEFAULT_MAX_HEADER_BYTES)
+}
+fn default_max_headers() -> Positive {
+    Positive(DEFAULT_MAX_HEADERS)
+}
+fn default_max_connections() -> Positive {
+    Positive(DEFAULT_MAX_CONNECTIONS)
+}
+fn default_header_read_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(
+        DEFAULT_HEADER_READ_TIMEOUT_MS,
+    ))
+}
+fn default_idle_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_IDLE_TIMEOUT_MS))
+}
+fn default_local_max_keys() -> Positive {
+    Positive(DEFAULT_LOCAL_MAX_KEYS)
+}
+
+/// A size checked against bounds as it is read, so the error points at the value.
+fn bytes_within<'de, const MIN: u64, const MAX: u64, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<ByteSize, D::Error> {
+    let size = ByteSize::deserialize(deserializer)?;
+    if !(MIN..=MAX).contains(&size.0) {
+        return Err(serde::de::Error::custom(format!(
+            "must be from {MIN} to {MAX} bytes, got {}",
+            size.0
+        )));
+    }
+    Ok(size)
+}
+
+/// A count checked against bounds as it is read, so the error points at the value.
+fn count_within<'de, const MIN: u32, const MAX: u32, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Positive, D::Error> {
+    let count = u32::deserialize(deserializer)?;
+    if !(MIN..=MAX).contains(&count) {
+        return Err(serde::de::Error::custom(format!(
+            "must be from {MIN} to {MAX}, got {count}"
+        )));
+    }
+    Ok(Positive(count))
 }
 
 fn default_key_prefix() -> Name {

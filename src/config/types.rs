@@ -111,7 +111,8 @@ impl FromStr for MethodName {
     }
 }
 
-/// A path prefix a route matches; it always starts with `/`.
+/// A path prefix a route matches, in the canonical form request paths are normalized to (see
+/// `crate::path`), so `//login` or `/%6Cogin` in the file mean `/login`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PathPrefix(pub String);
 
@@ -119,13 +120,73 @@ impl FromStr for PathPrefix {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        if !text.starts_with('/') || text.contains(['?', '#']) || text.contains(char::is_whitespace)
-        {
+        let plain = |c: char| c.is_ascii_graphic() && !matches!(c, '?' | '#' | ';');
+        if !text.starts_with('/') || !text.chars().all(plain) {
             return Err(format!(
-                "a path prefix starts with `/` and has no query, fragment or spaces; got `{text}`"
+                "a path prefix starts with `/` and has only printable ASCII, without a query, \
+                 fragment, `;` parameters or spaces (percent-encode the rest); got `{text}`"
             ));
         }
-        Ok(PathPrefix(text.to_owned()))
+        crate::path::normalize(text)
+            .map(|canonical| PathPrefix(canonical.into_owned()))
+            .map_err(|e| format!("`{text}`: {e}"))
+    }
+}
+
+/// A size in bytes: a bare number of bytes, or with a unit `KiB`, `MiB`, `GiB` (powers of
+/// 1024) or `KB`, `MB`, `GB` (powers of 1000).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl FromStr for ByteSize {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let malformed = || format!("expected a size like 64KiB or 10MB, got `{text}`");
+        let trimmed = text.trim();
+        let split = trimmed
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(trimmed.len());
+        let (number, unit) = trimmed.split_at(split);
+        let value: u64 = number.parse().map_err(|_| malformed())?;
+        let multiplier: u64 = match unit.trim_start() {
+            "" | "B" => 1,
+            "KiB" => 1 << 10,
+            "MiB" => 1 << 20,
+            "GiB" => 1 << 30,
+            "KB" => 1_000,
+            "MB" => 1_000_000,
+            "GB" => 1_000_000_000,
+            _ => return Err(malformed()),
+        };
+        value
+            .checked_mul(multiplier)
+            .map(ByteSize)
+            .ok_or_else(|| format!("size `{text}` is too large"))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = ByteSize;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a size like 64KiB or 10MB")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                v.parse().map_err(E::custom)
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(ByteSize(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                u64::try_from(v)
+                    .map(ByteSize)
+                    .map_err(|_| E::custom(format!("a size cannot be negative, got {v}")))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
     }
 }
 
@@ -247,6 +308,26 @@ mod tests {
         );
         assert!("header:bad header".parse::<KeyPart>().is_err());
         assert!("cookie:x".parse::<KeyPart>().is_err());
+    }
+
+    #[test]
+    fn path_prefixes_are_canonical() {
+        assert_eq!("//%6Cogin".parse::<PathPrefix>().unwrap().0, "/login");
+        assert!("/a/../b".parse::<PathPrefix>().is_err());
+        assert!("/login;x".parse::<PathPrefix>().is_err());
+        assert!("/caf\u{e9}".parse::<PathPrefix>().is_err());
+        assert!("login".parse::<PathPrefix>().is_err());
+    }
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!("512".parse::<ByteSize>(), Ok(ByteSize(512)));
+        assert_eq!("8KiB".parse::<ByteSize>(), Ok(ByteSize(8192)));
+        assert_eq!("10MB".parse::<ByteSize>(), Ok(ByteSize(10_000_000)));
+        assert_eq!("1 GiB".parse::<ByteSize>(), Ok(ByteSize(1 << 30)));
+        assert!("10 parsecs".parse::<ByteSize>().is_err());
+        assert!("MiB".parse::<ByteSize>().is_err());
+        assert!("99999999999GiB".parse::<ByteSize>().is_err());
     }
 
     #[test]

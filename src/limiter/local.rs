@@ -1,12 +1,21 @@
 //! The in-process store: the sliding-window log in this process's memory, for a single
 //! instance (no Redis configured). Same semantics as the Redis script; the clock is this
 //! process's monotonic clock.
+//!
+//! Memory is bounded by `store.local.max_keys`. When a new key would pass it, the least
+//! recently used key goes: if its log has emptied, nothing is lost; if not, its admissions
+//! are forgotten (counted in `sluice_local_store_evictions_total`), so that identity may be
+//! admitted up to its limit again within the window. Only an LRU key can be evicted, so that
+//! happens only when more than `max_keys` keys were used within the longest window.
 
 use std::collections::hash_map::RandomState;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
+
+use lru::LruCache;
+use prometheus::{IntCounter, IntGauge};
 
 use super::sliding_log;
 use super::{Check, Decision};
@@ -24,17 +33,56 @@ struct Log {
     window_us: u64,
 }
 
-type Logs = HashMap<String, Log>;
+/// One shard's logs, least recently used first. Unbounded as a cache: `Shards` enforces the
+/// bound itself, because it drops an emptied log before it evicts a live one.
+type Logs = LruCache<String, Log>;
 
 struct Shards {
     shards: Vec<Mutex<Logs>>,
     hasher: RandomState,
+    /// Most keys per shard: `max_keys` spread over the shards.
+    per_shard: usize,
+    keys: IntGauge,
+    evictions: IntCounter,
 }
 
 impl Shards {
     fn index(&self, key: &str) -> usize {
         (self.hasher.hash_one(key) % SHARDS as u64) as usize
     }
+
+    /// Makes room for one more key in a full shard: drops the least recently used log.
+    fn make_room(&self, logs: &mut Logs, now: u64) {
+        while logs.len() >= self.per_shard {
+            let Some((_, mut log)) = logs.pop_lru() else {
+                return;
+            };
+            self.keys.dec();
+            sliding_log::prune(&mut log.times, log.window_us, now);
+            if !log.times.is_empty() {
+                self.evictions.inc();
+            }
+        }
+    }
+}
+
+impl Shards {
+    /// Drops the emptied logs of one shard.
+    fn sweep(&self, index: usize, now: u64) {
+        let mut logs = lock(&self.shards[index]);
+        let before = logs.len();
+        logs.retain(|_, log| {
+            sliding_log::prune(&mut log.times, log.window_us, now);
+            !log.times.is_empty()
+        });
+        self.keys.sub((before - logs.len()) as i64);
+    }
+}
+
+/// What the in-process store reports to the metrics.
+pub struct LocalMetrics {
+    pub keys: IntGauge,
+    pub evictions: IntCounter,
 }
 
 pub struct LocalStore {
@@ -43,11 +91,17 @@ pub struct LocalStore {
 }
 
 impl LocalStore {
-    /// Creates the store and starts its sweeper on the current Tokio runtime.
-    pub fn new() -> LocalStore {
+    /// Creates the store, holding at most about `max_keys` keys, and starts its sweeper on
+    /// the current Tokio runtime.
+    pub fn new(max_keys: usize, metrics: LocalMetrics) -> LocalStore {
         let shards = Arc::new(Shards {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(LruCache::unbounded()))
+                .collect(),
             hasher: RandomState::new(),
+            per_shard: max_keys.div_ceil(SHARDS).max(1),
+            keys: metrics.keys,
+            evictions: metrics.evictions,
         });
         let epoch = Instant::now();
         tokio::spawn(sweep(Arc::downgrade(&shards), epoch));
@@ -97,18 +151,27 @@ impl LocalStore {
             let window_us = window_micros(check.window);
             let logs = &mut *guards[slot];
             let state = if admitted {
-                let log = match logs.get_mut(&check.key) {
-                    Some(log) => log,
-                    None => logs.entry(check.key.clone()).or_insert(Log {
-                        times: VecDeque::new(),
-                        window_us,
-                    }),
-                };
-                log.times.push_back(now);
-                sliding_log::state(&log.times, check.requests, window_us, now)
+                if !logs.contains(check.key.as_str()) {
+                    self.shards.make_room(logs, now);
+                    logs.push(
+                        check.key.clone(),
+                        Log {
+                            times: VecDeque::new(),
+                            window_us,
+                        },
+                    );
+                    self.shards.keys.inc();
+                }
+                match logs.peek_mut(check.key.as_str()) {
+                    Some(log) => {
+                        log.times.push_back(now);
+                        sliding_log::state(&log.times, check.requests, window_us, now)
+                    }
+                    None => sliding_log::state(&VecDeque::new(), check.requests, window_us, now),
+                }
             } else {
                 // A rejection records nothing, not even an empty log.
-                let times = logs.get(&check.key).map(|log| &log.times);
+                let times = logs.peek(check.key.as_str()).map(|log| &log.times);
                 let empty = VecDeque::new();
                 sliding_log::state(times.unwrap_or(&empty), check.requests, window_us, now)
             };
@@ -145,11 +208,7 @@ async fn sweep(shards: Weak<Shards>, epoch: Instant) {
             let Some(shards) = shards.upgrade() else {
                 return;
             };
-            let now = micros_since(epoch);
-            lock(&shards.shards[index]).retain(|_, log| {
-                sliding_log::prune(&mut log.times, log.window_us, now);
-                !log.times.is_empty()
-            });
+            shards.sweep(index, micros_since(epoch));
             drop(shards);
             tokio::task::yield_now().await;
         }
@@ -164,8 +223,59 @@ mod tests {
         /// How many admissions the log of `key` holds, if it exists.
         fn times_of(&self, key: &str) -> Option<usize> {
             let shard = lock(&self.shards.shards[self.shards.index(key)]);
-            shard.get(key).map(|log| log.times.len())
+            shard.peek(key).map(|log| log.times.len())
         }
+
+        fn unbounded() -> LocalStore {
+            LocalStore::new(1 << 20, test_metrics())
+        }
+    }
+
+    fn test_metrics() -> LocalMetrics {
+        LocalMetrics {
+            keys: IntGauge::new("keys", "keys").unwrap(),
+            evictions: IntCounter::new("evictions", "evictions").unwrap(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_full_store_drops_emptied_logs_first_then_the_least_recently_used() {
+        let metrics = test_metrics();
+        let (keys, evictions) = (metrics.keys.clone(), metrics.evictions.clone());
+        let store = LocalStore::new(SHARDS * 4, metrics);
+        let short = Duration::from_millis(30);
+        // Four short-lived keys in one shard, then let them empty.
+        let shard_keys: Vec<String> = (0..10_000)
+            .map(|i| format!("k{i}"))
+            .filter(|k| store.shards.index(k) == 0)
+            .take(12)
+            .collect();
+        for key in &shard_keys[..4] {
+            assert!(store.decide(&[check(key, 1, short)]).admitted);
+        }
+        std::thread::sleep(Duration::from_millis(40));
+        let long = Duration::from_secs(60);
+        for key in &shard_keys[4..8] {
+            assert!(store.decide(&[check(key, 1, long)]).admitted);
+        }
+        assert_eq!(
+            evictions.get(),
+            0,
+            "emptied logs make room without an eviction"
+        );
+        // Touch the oldest live key, so the next insert evicts the second oldest.
+        assert!(!store.decide(&[check(&shard_keys[4], 1, long)]).admitted);
+        assert!(store.decide(&[check(&shard_keys[8], 1, long)]).admitted);
+        assert_eq!(evictions.get(), 1);
+        assert_eq!(store.times_of(&shard_keys[5]), None, "the LRU key went");
+        assert_eq!(
+            store.times_of(&shard_keys[4]),
+            Some(1),
+            "the touched key stayed"
+        );
+        assert_eq!(keys.get(), 4);
+        // The evicted identity starts afresh: this is the documented loss of exactness.
+        assert!(store.decide(&[check(&shard_keys[5], 1, long)]).admitted);
     }
 
     fn check(key: &str, requests: u32, window: Duration) -> Check {
@@ -178,7 +288,7 @@ mod tests {
 
     #[tokio::test]
     async fn admits_exactly_the_limit_and_records_no_rejection() {
-        let store = LocalStore::new();
+        let store = LocalStore::unbounded();
         let checks = [check("k", 3, Duration::from_secs(60))];
         let remaining: Vec<u32> = (0..3)
             .map(|_| {
@@ -198,7 +308,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_limit_blocks_the_others_without_draining_them() {
-        let store = LocalStore::new();
+        let store = LocalStore::unbounded();
         let tight = check("tight", 1, Duration::from_secs(60));
         let loose = check("loose", 10, Duration::from_secs(60));
         assert!(store.decide(&[tight.clone(), loose.clone()]).admitted);
@@ -213,7 +323,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_rejection_creates_no_log() {
-        let store = LocalStore::new();
+        let store = LocalStore::unbounded();
         let full = check("full", 1, Duration::from_secs(60));
         assert!(store.decide(std::slice::from_ref(&full)).admitted);
         let d = store.decide(&[full, check("fresh", 5, Duration::from_secs(60))]);
@@ -224,7 +334,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_requests_admit_exactly_the_limit_without_deadlock() {
-        let store = Arc::new(LocalStore::new());
+        let store = Arc::new(LocalStore::unbounded());
         let a = check("a", 100, Duration::from_secs(60));
         let b = check("b", 1_000, Duration::from_secs(60));
         let threads: Vec<_> = (0..8)

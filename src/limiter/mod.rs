@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, IntCounter};
 
-use self::local::LocalStore;
+use self::local::{LocalMetrics, LocalStore};
 pub use self::redis::RedisStore;
 use crate::metrics::Metrics;
 
@@ -84,8 +84,16 @@ pub struct Store {
 }
 
 impl Store {
-    pub fn local(metrics: &Metrics) -> Store {
-        Store::with_backend(Backend::Local(LocalStore::new()), "local", metrics)
+    /// The in-process store, holding at most about `max_keys` keys.
+    pub fn local(max_keys: usize, metrics: &Metrics) -> Store {
+        let local = LocalStore::new(
+            max_keys,
+            LocalMetrics {
+                keys: metrics.local_keys.clone(),
+                evictions: metrics.local_evictions.clone(),
+            },
+        );
+        Store::with_backend(Backend::Local(local), "local", metrics)
     }
 
     pub fn redis(store: RedisStore, metrics: &Metrics) -> Store {

@@ -1,4 +1,6 @@
-//! Which requests a route takes: a path prefix (whole segments) and, optionally, methods.
+//! Which requests a route takes: a path prefix (whole segments, ASCII case-insensitive unless
+//! the route asks otherwise) and, optionally, methods. Paths reach the matcher canonical (see
+//! `crate::path`) and without `;` parameters.
 
 use http::Method;
 
@@ -7,6 +9,7 @@ use crate::config::MatchConfig;
 #[derive(Debug, Clone)]
 pub struct Matcher {
     path_prefix: String,
+    case_sensitive: bool,
     /// Empty: every method.
     methods: Vec<Method>,
 }
@@ -15,6 +18,7 @@ impl Matcher {
     pub fn new(config: &MatchConfig) -> Matcher {
         Matcher {
             path_prefix: config.path_prefix.0.clone(),
+            case_sensitive: config.case_sensitive,
             methods: config.methods.iter().map(|m| m.0.clone()).collect(),
         }
     }
@@ -26,10 +30,16 @@ impl Matcher {
     /// `/login` takes `/login` and `/login/...`, but not `/loginx`: a prefix ends at a segment
     /// boundary, so a limit on one endpoint never silently covers its neighbours.
     fn matches_path(&self, path: &str) -> bool {
-        let Some(rest) = path.strip_prefix(self.path_prefix.as_str()) else {
+        let prefix = self.path_prefix.as_bytes();
+        let Some((head, rest)) = path.as_bytes().split_at_checked(prefix.len()) else {
             return false;
         };
-        rest.is_empty() || self.path_prefix.ends_with('/') || rest.starts_with('/')
+        let same = if self.case_sensitive {
+            head == prefix
+        } else {
+            head.eq_ignore_ascii_case(prefix)
+        };
+        same && (rest.is_empty() || prefix.ends_with(b"/") || rest.starts_with(b"/"))
     }
 }
 
@@ -42,7 +52,22 @@ mod tests {
         Matcher::new(&MatchConfig {
             path_prefix: PathPrefix(prefix.to_owned()),
             methods: methods.iter().cloned().map(MethodName).collect(),
+            case_sensitive: false,
         })
+    }
+
+    #[test]
+    fn case_is_ignored_unless_asked_for() {
+        let login = matcher("/login", &[]);
+        assert!(login.matches(&Method::GET, "/LOGIN"));
+        assert!(login.matches(&Method::GET, "/Login/otp"));
+        assert!(!login.matches(&Method::GET, "/LOGINX"));
+        let exact = Matcher {
+            case_sensitive: true,
+            ..login
+        };
+        assert!(exact.matches(&Method::GET, "/login"));
+        assert!(!exact.matches(&Method::GET, "/LOGIN"));
     }
 
     #[test]

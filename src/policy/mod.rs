@@ -29,6 +29,8 @@ pub struct Route {
     pub matcher: Matcher,
     pub action: Action,
     pub limits: Vec<Limit>,
+    /// Largest request body forwarded, in bytes; `None`: unlimited.
+    pub max_body: Option<u64>,
     /// The `RateLimit-Policy` field describing every limit of the route; `None` without limits.
     pub rate_limit_policy: Option<HeaderValue>,
     pub metrics: RouteMetrics,
@@ -109,6 +111,7 @@ impl Policy {
                 name: route.name.value.clone(),
                 matcher: Matcher::new(&route.matcher),
                 action,
+                max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
                 rate_limit_policy: response::rate_limit_policy(&limits),
                 limits,
                 metrics: metrics.for_route(route.name.value.as_str()),
@@ -117,9 +120,13 @@ impl Policy {
         Ok(Policy { routes })
     }
 
-    /// The first route, in file order, that matches the request.
+    /// The first route, in file order, that matches the request. `path` is canonical (see
+    /// `crate::path::normalize`); its `;` parameters are ignored here.
     pub fn route(&self, method: &Method, path: &str) -> Option<&Route> {
-        self.routes.iter().find(|r| r.matcher.matches(method, path))
+        let path = crate::path::without_parameters(path);
+        self.routes
+            .iter()
+            .find(|r| r.matcher.matches(method, &path))
     }
 }
 

@@ -1,6 +1,7 @@
 //! Sending an admitted request to its upstream and bringing the response back, bodies
 //! streamed both ways. An upstream that cannot be reached is a 502, one that does not answer
-//! its response headers in time is a 504.
+//! its response headers in time is a 504; a client body that breaks off or outgrows the
+//! route's `max_body` before the upstream answers is the client's 400 or 413.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -14,6 +15,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use prometheus::IntCounter;
 
+use super::body::{BodyFault, RequestBody};
 use super::headers;
 use crate::metrics::Metrics;
 use crate::policy::Upstream;
@@ -23,8 +25,15 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The pooled HTTP/1.1 client of one upstream, with its error counters.
 pub struct UpstreamClient {
-    client: Client<HttpConnector, Incoming>,
-    errors: [IntCounter; ForwardError::KINDS.len()],
+    client: Client<HttpConnector, RequestBody>,
+    errors: UpstreamErrors,
+}
+
+/// `sluice_upstream_errors_total` of one upstream, one counter per kind.
+struct UpstreamErrors {
+    connect: IntCounter,
+    timeout: IntCounter,
+    other: IntCounter,
 }
 
 impl UpstreamClient {
@@ -32,13 +41,17 @@ impl UpstreamClient {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
+        let counter = |kind| metrics.upstream_errors.with_label_values(&[upstream, kind]);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .build(connector);
         UpstreamClient {
             client,
-            errors: ForwardError::KINDS
-                .map(|kind| metrics.upstream_errors.with_label_values(&[upstream, kind])),
+            errors: UpstreamErrors {
+                connect: counter("connect"),
+                timeout: counter("timeout"),
+                other: counter("other"),
+            },
         }
     }
 }
@@ -51,27 +64,34 @@ pub enum ForwardError {
     Timeout(Duration),
     #[error("the upstream failed: {0}")]
     Other(String),
+    /// The client's fault, not the upstream's.
+    #[error("{0}")]
+    Body(BodyFault),
 }
 
-impl ForwardError {
-    const KINDS: [&'static str; 3] = ["connect", "timeout", "other"];
-
-    fn kind_index(&self) -> usize {
-        match self {
-            ForwardError::Connect(_) => 0,
-            ForwardError::Timeout(_) => 1,
-            ForwardError::Other(_) => 2,
+impl UpstreamErrors {
+    /// The counter to blame for `err`; none when the client's body failed.
+    fn of(&self, err: &ForwardError) -> Option<&IntCounter> {
+        match err {
+            ForwardError::Connect(_) => Some(&self.connect),
+            ForwardError::Timeout(_) => Some(&self.timeout),
+            ForwardError::Other(_) => Some(&self.other),
+            ForwardError::Body(_) => None,
         }
     }
 }
 
-/// Forwards `request` (from `peer`) to `upstream` and returns its response with hop-by-hop
-/// fields removed.
+/// Forwards `request` (from `peer`) to `upstream`, its body cut past `max_body` bytes, and
+/// returns the response with hop-by-hop fields removed.
 pub async fn forward(
     upstream: &Upstream,
-    mut request: Request<Incoming>,
+    request: Request<Incoming>,
     peer: SocketAddr,
+    max_body: Option<u64>,
 ) -> Result<Response<Incoming>, ForwardError> {
+    let (parts, body) = request.into_parts();
+    let (body, fault) = RequestBody::new(body, max_body.unwrap_or(u64::MAX));
+    let mut request = Request::from_parts(parts, body);
     let host = request.headers().get(HOST).cloned().or_else(|| {
         request
             .uri()
@@ -100,7 +120,11 @@ pub async fn forward(
             Ok(response)
         }
         Err(err) => {
-            upstream.client.errors[err.kind_index()].inc();
+            // A failed body makes the upstream exchange fail too; the body is what to blame.
+            let err = fault.get().map_or(err, |fault| ForwardError::Body(*fault));
+            if let Some(counter) = upstream.client.errors.of(&err) {
+                counter.inc();
+            }
             Err(err)
         }
     }

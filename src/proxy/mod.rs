@@ -1,6 +1,7 @@
 //! The gateway's request path, as a fixed sequence of phases:
-//! refuse malformed requests → route → decide all limits in one store call → answer 429, or
-//! act (forward to the upstream, or the route's direct response) → add the RateLimit fields.
+//! check the head and canonicalize the path → route → refuse a body over the route's limit →
+//! decide all limits in one store call → answer 429, or act (forward to the upstream, or the
+//! route's direct response) → add the RateLimit fields.
 //! Every request is counted once, by route and outcome.
 
 mod body;
@@ -13,33 +14,49 @@ use std::time::Instant;
 
 use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
+use http_body::Body as _;
 use hyper::body::Incoming;
-use prometheus::IntCounter;
+use prometheus::{IntCounter, IntCounterVec};
 
+use self::body::BodyFault;
 pub use self::body::ProxyBody;
 use self::forward::ForwardError;
 pub use self::forward::UpstreamClient;
+pub use self::harden::HeadLimits;
 use crate::keys;
 use crate::limiter::{Decision, Store};
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Metrics, Outcome, Refusal};
 use crate::policy::{Action, DirectResponse, Policy, Route};
 use crate::response;
 
 pub struct Gateway {
     policy: Policy,
     store: Store,
-    /// `sluice_requests_total{route="",outcome="no_route"}`: refused or unmatched requests.
+    head_limits: HeadLimits,
+    /// `sluice_requests_total{route="",outcome="no_route"}`: requests no route matches.
     unrouted: IntCounter,
+    /// `sluice_requests_total{route="",outcome="refused"}`: requests refused before routing.
+    refused_unrouted: IntCounter,
+    /// `sluice_refused_requests_total`, by reason.
+    refusals: IntCounterVec,
 }
 
 impl Gateway {
-    pub fn new(policy: Policy, store: Store, metrics: &Metrics) -> Gateway {
+    pub fn new(
+        policy: Policy,
+        store: Store,
+        head_limits: HeadLimits,
+        metrics: &Metrics,
+    ) -> Gateway {
+        let unrouted =
+            |outcome: Outcome| metrics.requests.with_label_values(&["", outcome.label()]);
         Gateway {
             policy,
             store,
-            unrouted: metrics
-                .requests
-                .with_label_values(&["", Outcome::NoRoute.label()]),
+            head_limits,
+            unrouted: unrouted(Outcome::NoRoute),
+            refused_unrouted: unrouted(Outcome::Refused),
+            refusals: metrics.refused.clone(),
         }
     }
 
@@ -49,13 +66,14 @@ impl Gateway {
 
     pub async fn handle(
         &self,
-        request: Request<Incoming>,
+        mut request: Request<Incoming>,
         peer: SocketAddr,
     ) -> Response<ProxyBody> {
         let started = Instant::now();
-        if let Some(reason) = harden::refusal(&request) {
-            self.unrouted.inc();
-            return response::problem(StatusCode::BAD_REQUEST, reason, request.uri().path(), &[]);
+        if let Err(refused) = harden::admit_head(&mut request, &self.head_limits) {
+            self.refused_unrouted.inc();
+            self.count_refusal(refused.reason);
+            return response::problem(refused.status, &refused.detail, request.uri().path(), &[]);
         }
         let Some(route) = self.policy.route(request.method(), request.uri().path()) else {
             self.unrouted.inc();
@@ -82,12 +100,27 @@ impl Gateway {
         response
     }
 
+    fn count_refusal(&self, reason: Refusal) {
+        self.refusals.with_label_values(&[reason.label()]).inc();
+    }
+
     async fn handle_routed(
         &self,
         route: &Route,
         request: Request<Incoming>,
         peer: SocketAddr,
     ) -> (Outcome, Response<ProxyBody>) {
+        // A declared length over the limit is refused before it costs a decision.
+        if let Some(max_body) = route.max_body {
+            if request.body().size_hint().lower() > max_body {
+                self.count_refusal(Refusal::BodyTooLarge);
+                let path = request.uri().path();
+                return (
+                    Outcome::ClientError,
+                    body_problem(BodyFault::TooLarge, max_body, path),
+                );
+            }
+        }
         let decision = match self.decide(route, &request, peer).await {
             Ok(decision) => decision,
             Err(rejection) => return rejection,
@@ -97,8 +130,19 @@ impl Gateway {
             Action::Forward(upstream) => {
                 // A cheap clone (shared bytes), kept only to name the path in an error.
                 let uri = request.uri().clone();
-                match forward::forward(upstream, request, peer).await {
+                match forward::forward(upstream, request, peer, route.max_body).await {
                     Ok(response) => (Outcome::Forwarded, response.map(ProxyBody::Stream)),
+                    Err(ForwardError::Body(fault)) => {
+                        self.count_refusal(match fault {
+                            BodyFault::Malformed => Refusal::BodyMalformed,
+                            BodyFault::TooLarge => Refusal::BodyTooLarge,
+                        });
+                        let max_body = route.max_body.unwrap_or(u64::MAX);
+                        (
+                            Outcome::ClientError,
+                            body_problem(fault, max_body, uri.path()),
+                        )
+                    }
                     Err(err) => {
                         tracing::warn!(route = %route.name, upstream = %upstream.name, error = %err, "upstream failed");
                         (
@@ -163,8 +207,29 @@ fn upstream_problem(err: &ForwardError, upstream: &str, path: &str) -> Response<
     let status = match err {
         ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
         ForwardError::Connect(_) | ForwardError::Other(_) => StatusCode::BAD_GATEWAY,
+        ForwardError::Body(_) => StatusCode::BAD_REQUEST,
     };
     response::problem(status, &err.to_string(), path, &[("upstream", upstream)])
+}
+
+/// The client's body failed: 413 past the route's limit, 400 when it was malformed.
+fn body_problem(fault: BodyFault, max_body: u64, path: &str) -> Response<ProxyBody> {
+    match fault {
+        BodyFault::TooLarge => response::problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!(
+                "the request body is larger than {max_body} bytes, the most this route accepts"
+            ),
+            path,
+            &[],
+        ),
+        BodyFault::Malformed => response::problem(
+            StatusCode::BAD_REQUEST,
+            "the request body is malformed or broke off; it was not forwarded whole",
+            path,
+            &[],
+        ),
+    }
 }
 
 /// The store could not decide: refuse rather than admit unchecked, and ask for a short wait.
