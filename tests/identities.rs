@@ -80,7 +80,11 @@ async fn long_binary_and_separator_laden_identities_keep_their_own_bounded_keys(
     }
 
     let keys = redis.keys().await;
-    assert_eq!(keys.len(), identities.len(), "one bucket per identity: {keys:?}");
+    assert_eq!(
+        keys.len(),
+        identities.len(),
+        "one bucket per identity: {keys:?}"
+    );
     let prefix = "sluice-test:api:per-key:{h:x-api-key=";
     for key in &keys {
         assert!(key.starts_with(prefix), "{key}");
@@ -91,7 +95,11 @@ async fn long_binary_and_separator_laden_identities_keep_their_own_bounded_keys(
         assert!(key.bytes().all(|b| (0x21..=0x7e).contains(&b)), "{key}");
     }
     let hashed: Vec<&String> = keys.iter().filter(|k| k.contains("=#")).collect();
-    assert_eq!(hashed.len(), 4, "the long and binary values are hashed: {keys:?}");
+    assert_eq!(
+        hashed.len(),
+        4,
+        "the long and binary values are hashed: {keys:?}"
+    );
     for key in hashed {
         // `#`, 32 hex digits, `}`.
         assert_eq!(key.len(), prefix.len() + 34, "{key}");

@@ -28,12 +28,21 @@ routes:
     let statuses: Vec<u16> = futures_util::stream::iter(0..IDENTITIES)
         .map(|n| {
             let request = client.get(&url).header("x-api-key", format!("flood-{n}"));
-            async move { request.send().await.map(|r| r.status().as_u16()).unwrap_or(0) }
+            async move {
+                request
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+                    .unwrap_or(0)
+            }
         })
         .buffer_unordered(32)
         .collect()
         .await;
-    assert!(statuses.iter().all(|&s| s == 200), "every new identity is admitted once");
+    assert!(
+        statuses.iter().all(|&s| s == 200),
+        "every new identity is admitted once"
+    );
 
     let metrics = parse_metrics(&sluice.metrics().await);
     let keys = metric_sum(&metrics, "sluice_local_store_keys", &[]);
@@ -67,5 +76,8 @@ routes:
         }
         limited
     };
-    assert_eq!(recent_limited, 32, "recently used identities stay tracked and limited");
+    assert_eq!(
+        recent_limited, 32,
+        "recently used identities stay tracked and limited"
+    );
 }

@@ -233,7 +233,10 @@ async fn the_upstream_receives_the_canonical_path_and_the_query_as_sent() {
     let upstream = PermissiveUpstream::start().await;
     let sluice = Sluice::start(&config(&upstream.url(), "")).await;
     for (sent, forwarded) in [
-        ("//%6Cogin?next=%2e%2E/%2F&a=%41", "/login?next=%2e%2E/%2F&a=%41"),
+        (
+            "//%6Cogin?next=%2e%2E/%2F&a=%41",
+            "/login?next=%2e%2E/%2F&a=%41",
+        ),
         ("/a%3fb//c%c3%a9", "/a%3Fb/c%C3%A9"),
         ("/REPORTS", "/REPORTS"),
         ("/reports;jsessionid=1", "/reports;jsessionid=1"),

@@ -397,7 +397,11 @@ mod tests {
             .output()
             .expect("run the flood in a child process");
         let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         let grown_kib: u64 = stdout
             .lines()
             .find_map(|line| line.split_once("grown_kib=").map(|(_, n)| n))
@@ -405,7 +409,10 @@ mod tests {
             .unwrap_or_else(|| panic!("the child printed no figure: {stdout}"));
         // README: about 250 bytes per tracked key with one admission (measured 24.9 MB for
         // 100,000 keys), documented as under 40 MiB for the default bound.
-        assert!(grown_kib < 40 * 1024, "resident memory grew by {grown_kib} KiB");
+        assert!(
+            grown_kib < 40 * 1024,
+            "resident memory grew by {grown_kib} KiB"
+        );
     }
 
     fn flood_a_million_identities() {
