@@ -1,15 +1,20 @@
 //! The Redis store: every limit of a request decided by one call of `scripts/sliding_log.lua`.
 //!
-//! The script is loaded at start-up and run with EVALSHA; when Redis has lost it (restart,
+//! Decisions travel over a few long-lived multiplexed connections: concurrent requests share
+//! them, and their commands leave in pipelined writes instead of one round trip per pooled
+//! connection. A connection that breaks is re-established in the background by the `redis`
+//! crate's `ConnectionManager`; no command is spent checking a connection before use.
+//!
+//! The script is loaded at start-up and run with EVALSHA only; when Redis has lost it (restart,
 //! failover, `SCRIPT FLUSH`) the `redis` crate's `Script` loads it again and retries once, so
-//! callers never see NOSCRIPT. Each call, including the wait for a pooled connection, is bounded
-//! by the configured timeout.
+//! callers never see NOSCRIPT. Each call, including a wait for a reconnection, is bounded by
+//! the configured timeout.
 
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use deadpool_redis::{Config as PoolSettings, Pool, PoolConfig, Runtime};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 
 use super::{Check, Decision, LimitState, StoreError};
@@ -17,7 +22,8 @@ use super::{Check, Decision, LimitState, StoreError};
 const SLIDING_LOG: &str = include_str!("scripts/sliding_log.lua");
 
 pub struct RedisStore {
-    pool: Pool,
+    connections: Vec<ConnectionManager>,
+    next: AtomicUsize,
     script: Script,
     timeout: Duration,
     /// Random per process, so members written by different instances never collide.
@@ -26,15 +32,25 @@ pub struct RedisStore {
 }
 
 impl RedisStore {
-    /// Builds the pool; no connection is opened until `load_script` or the first request.
-    pub fn new(url: &str, pool_size: usize, timeout: Duration) -> Result<RedisStore, StoreError> {
-        let mut settings = PoolSettings::from_url(url);
-        settings.pool = Some(PoolConfig::new(pool_size));
-        let pool = settings
-            .create_pool(Some(Runtime::Tokio1))
+    /// Sets up `connections` multiplexed connections; none is opened until `load_script` or
+    /// the first request. Must be called on a Tokio runtime.
+    pub fn new(url: &str, connections: usize, timeout: Duration) -> Result<RedisStore, StoreError> {
+        let client = redis::Client::open(url).map_err(|e| StoreError::Connection(e.to_string()))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            // The call's own timeout bounds every wait; the manager keeps reconnecting in the
+            // background with backoff, up to a second apart.
+            .set_response_timeout(None)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_secs(1))
+            .set_number_of_retries(usize::MAX);
+        let connections = (0..connections.max(1))
+            .map(|_| ConnectionManager::new_lazy_with_config(client.clone(), config.clone()))
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| StoreError::Connection(e.to_string()))?;
         Ok(RedisStore {
-            pool,
+            connections,
+            next: AtomicUsize::new(0),
             script: Script::new(SLIDING_LOG),
             timeout,
             instance: std::collections::hash_map::RandomState::new()
@@ -46,8 +62,8 @@ impl RedisStore {
 
     /// Loads the script into Redis's script cache, so the first requests need no reload.
     pub async fn load_script(&self) -> Result<(), StoreError> {
+        let mut conn = self.connection();
         self.bounded(async {
-            let mut conn = self.connection().await?;
             self.script
                 .load_async(&mut conn)
                 .await
@@ -72,9 +88,9 @@ impl RedisStore {
             let window_us = u64::try_from(check.window.as_micros()).unwrap_or(u64::MAX);
             invocation.arg(check.requests).arg(window_us);
         }
+        let mut conn = self.connection();
         let reply: Vec<i64> = self
             .bounded(async {
-                let mut conn = self.connection().await?;
                 invocation
                     .invoke_async(&mut conn)
                     .await
@@ -85,8 +101,8 @@ impl RedisStore {
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
+        let mut conn = self.connection();
         self.bounded(async {
-            let mut conn = self.connection().await?;
             redis::cmd("PING")
                 .query_async::<String>(&mut conn)
                 .await
@@ -96,11 +112,10 @@ impl RedisStore {
         .await
     }
 
-    async fn connection(&self) -> Result<deadpool_redis::Connection, StoreError> {
-        self.pool
-            .get()
-            .await
-            .map_err(|e| StoreError::Connection(e.to_string()))
+    /// The next connection, round robin. A clone is a handle to the same connection.
+    fn connection(&self) -> ConnectionManager {
+        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.connections.len();
+        self.connections[index].clone()
     }
 
     async fn bounded<T>(

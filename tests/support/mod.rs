@@ -110,9 +110,20 @@ impl Redis {
     }
 
     async fn try_start() -> Result<Redis, String> {
-        let bin = redis_server_path();
         let dir = tempfile::tempdir().expect("tempdir for redis");
-        let port = free_port();
+        let mut redis = Redis {
+            child: None,
+            port: free_port(),
+            _dir: dir,
+        };
+        redis.spawn().await?;
+        Ok(redis)
+    }
+
+    /// Starts redis-server on this `Redis`'s port and waits until it answers PING.
+    async fn spawn(&mut self) -> Result<(), String> {
+        let bin = redis_server_path();
+        let port = self.port;
         let child = Command::new(&bin)
             .arg("--port")
             .arg(port.to_string())
@@ -123,23 +134,19 @@ impl Redis {
             .arg("--appendonly")
             .arg("no")
             .arg("--dir")
-            .arg(dir.path())
+            .arg(self._dir.path())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("failed to spawn {}: {e}", bin.display()));
-        let mut redis = Redis {
-            child: Some(child),
-            port,
-            _dir: dir,
-        };
+        self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if redis.ping().await {
-                return Ok(redis);
+            if self.ping().await {
+                return Ok(());
             }
-            if let Some(status) = redis.child.as_mut().unwrap().try_wait().unwrap() {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 return Err(format!(
                     "redis-server on port {port} exited early with {status}"
                 ));
@@ -149,6 +156,14 @@ impl Redis {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Starts a stopped redis-server again on the same port, empty (no persistence).
+    pub async fn restart(&mut self) {
+        self.stop();
+        self.spawn()
+            .await
+            .unwrap_or_else(|why| panic!("restarting redis-server: {why}"));
     }
 
     pub fn port(&self) -> u16 {
@@ -190,6 +205,21 @@ impl Redis {
         c.query_async::<redis::Value>(&mut con)
             .await
             .unwrap_or_else(|e| panic!("redis command {args:?} failed: {e}"))
+    }
+
+    /// Calls of one command since start or the last `CONFIG RESETSTAT`, from
+    /// `INFO commandstats` (e.g. `commandstat("evalsha")`).
+    pub async fn commandstat(&self, command: &str) -> u64 {
+        let info = match self.cmd(&["INFO", "commandstats"]).await {
+            redis::Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            redis::Value::VerbatimString { text, .. } => text,
+            other => panic!("INFO answered {other:?}"),
+        };
+        let prefix = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|line| line.strip_prefix(&prefix))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |calls| calls.parse().expect("a call count"))
     }
 
     /// All keys in db 0 (KEYS *).
