@@ -105,6 +105,7 @@ pub struct Metrics {
     pub open_connections: IntGaugeVec,
     pub local_keys: IntGauge,
     pub local_evictions: IntCounter,
+    pub deny_cache_answers: IntCounter,
 }
 
 /// Buckets for whole requests: from a fast local answer to a slow upstream.
@@ -185,6 +186,10 @@ impl Metrics {
             "sluice_local_store_evictions_total",
             "Keys with admissions still in their window that the in-process store dropped because it was full.",
         )?;
+        let deny_cache_answers = IntCounter::new(
+            "sluice_deny_cache_answers_total",
+            "Rejections answered from the exact deny cache without a store call.",
+        )?;
         for refusal in Refusal::ALL {
             refused.with_label_values(&[refusal.label()]);
         }
@@ -193,6 +198,7 @@ impl Metrics {
         registry.register(Box::new(open_connections.clone()))?;
         registry.register(Box::new(local_keys.clone()))?;
         registry.register(Box::new(local_evictions.clone()))?;
+        registry.register(Box::new(deny_cache_answers.clone()))?;
         registry.register(Box::new(limit_decisions.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
         registry.register(Box::new(store_call_duration.clone()))?;
@@ -210,6 +216,7 @@ impl Metrics {
             open_connections,
             local_keys,
             local_evictions,
+            deny_cache_answers,
         })
     }
 

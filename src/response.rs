@@ -35,13 +35,15 @@ pub fn rate_limit_policy(limits: &[Limit]) -> Option<HeaderValue> {
     }))
 }
 
-/// `"per-ip";r=4;t=60, ...`: where each limit stands after this decision.
+/// `"per-ip";r=4;t=60, ...`: where each limit stands after this decision (the limits the
+/// store was asked about; `None` if there are none).
 pub fn rate_limit(route: &Route, decision: &Decision) -> Option<HeaderValue> {
     limit_items(
         route
             .limits
             .iter()
             .zip(&decision.limits)
+            .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
             .map(|(limit, state)| {
                 let params = [
                     ('r', u64::from(state.remaining)),
@@ -93,6 +95,7 @@ pub fn too_many_requests(route: &Route, decision: &Decision, path: &str) -> Resp
         .limits
         .iter()
         .zip(&decision.limits)
+        .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
         .filter(|(_, state)| state.remaining == 0)
         .max_by_key(|(_, state)| state.reset)
         .map_or("", |(limit, _)| limit.name.as_str());

@@ -175,7 +175,7 @@ impl LocalStore {
                 let empty = VecDeque::new();
                 sliding_log::state(times.unwrap_or(&empty), check.requests, window_us, now)
             };
-            limits.push(state);
+            limits.push(Some(state));
         }
         Decision {
             admitted,
@@ -294,7 +294,7 @@ mod tests {
             .map(|_| {
                 let d = store.decide(&checks);
                 assert!(d.admitted);
-                d.limits[0].remaining
+                d.limits[0].unwrap().remaining
             })
             .collect();
         assert_eq!(remaining, [2, 1, 0]);
@@ -315,10 +315,11 @@ mod tests {
         let d = store.decide(&[tight, loose.clone()]);
         assert!(!d.admitted);
         assert_eq!(
-            d.limits[1].remaining, 9,
+            d.limits[1].unwrap().remaining,
+            9,
             "a rejected request must not count"
         );
-        assert_eq!(store.decide(&[loose]).limits[0].remaining, 8);
+        assert_eq!(store.decide(&[loose]).limits[0].unwrap().remaining, 8);
     }
 
     #[tokio::test]
@@ -328,7 +329,7 @@ mod tests {
         assert!(store.decide(std::slice::from_ref(&full)).admitted);
         let d = store.decide(&[full, check("fresh", 5, Duration::from_secs(60))]);
         assert!(!d.admitted);
-        assert_eq!(d.limits[1].remaining, 5);
+        assert_eq!(d.limits[1].unwrap().remaining, 5);
         assert_eq!(store.times_of("fresh"), None);
     }
 

@@ -4,8 +4,10 @@
 //! It knows nothing of HTTP. The sliding-window log is the algorithm: a request is admitted
 //! only if every limit has fewer than `requests` entries in the last `window`; if admitted, it
 //! is recorded in every limit, and if rejected, in none. `Store` runs that decision either in
-//! Redis (shared by every sluice instance) or in process memory (one instance).
+//! Redis (shared by every sluice instance, with an exact cache of its rejections in front) or
+//! in process memory (one instance).
 
+mod deny_cache;
 mod local;
 mod redis;
 mod sliding_log;
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, IntCounter};
 
+use self::deny_cache::DenyCache;
 use self::local::{LocalMetrics, LocalStore};
 pub use self::redis::RedisStore;
 use crate::metrics::Metrics;
@@ -43,8 +46,9 @@ pub struct Decision {
     pub admitted: bool,
     /// For a rejected request, the exact time until every exhausted limit admits again.
     pub retry_after: Duration,
-    /// One state per check, in the order the checks were given.
-    pub limits: Vec<LimitState>,
+    /// One state per check, in the order the checks were given; `None` for a limit the
+    /// store was not asked about (a rejection answered from the deny cache).
+    pub limits: Vec<Option<LimitState>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -57,22 +61,41 @@ pub enum StoreError {
     Script(String),
 }
 
-impl StoreError {
-    /// The `kind` label values, indexed by `kind_index`.
-    const KINDS: [&'static str; 3] = ["timeout", "connection", "script"];
+/// `sluice_store_errors_total` of one store, one counter per kind.
+struct ErrorCounters {
+    timeout: IntCounter,
+    connection: IntCounter,
+    script: IntCounter,
+}
 
-    fn kind_index(&self) -> usize {
-        match self {
-            StoreError::Timeout(_) => 0,
-            StoreError::Connection(_) => 1,
-            StoreError::Script(_) => 2,
+impl ErrorCounters {
+    fn new(metrics: &Metrics, store: &str) -> ErrorCounters {
+        let counter = |kind| metrics.store_errors.with_label_values(&[store, kind]);
+        ErrorCounters {
+            timeout: counter("timeout"),
+            connection: counter("connection"),
+            script: counter("script"),
+        }
+    }
+
+    fn of(&self, err: &StoreError) -> &IntCounter {
+        match err {
+            StoreError::Timeout(_) => &self.timeout,
+            StoreError::Connection(_) => &self.connection,
+            StoreError::Script(_) => &self.script,
         }
     }
 }
 
 enum Backend {
     Local(LocalStore),
-    Redis(RedisStore),
+    /// Shared by every instance, with the rejections it decided remembered locally.
+    Redis {
+        store: RedisStore,
+        denials: DenyCache,
+        /// `sluice_deny_cache_answers_total`.
+        cache_answers: IntCounter,
+    },
 }
 
 /// The store every limit decision goes through, with its metrics.
@@ -80,7 +103,7 @@ pub struct Store {
     backend: Backend,
     call_duration: Histogram,
     name: &'static str,
-    error_counters: [IntCounter; StoreError::KINDS.len()],
+    errors: ErrorCounters,
 }
 
 impl Store {
@@ -97,7 +120,12 @@ impl Store {
     }
 
     pub fn redis(store: RedisStore, metrics: &Metrics) -> Store {
-        Store::with_backend(Backend::Redis(store), "redis", metrics)
+        let backend = Backend::Redis {
+            store,
+            denials: DenyCache::new(),
+            cache_answers: metrics.deny_cache_answers.clone(),
+        };
+        Store::with_backend(backend, "redis", metrics)
     }
 
     fn with_backend(backend: Backend, name: &'static str, metrics: &Metrics) -> Store {
@@ -105,8 +133,7 @@ impl Store {
             backend,
             call_duration: metrics.store_call_duration.with_label_values(&[name]),
             name,
-            error_counters: StoreError::KINDS
-                .map(|kind| metrics.store_errors.with_label_values(&[name, kind])),
+            errors: ErrorCounters::new(metrics, name),
         }
     }
 
@@ -119,11 +146,25 @@ impl Store {
         let started = Instant::now();
         let result = match &self.backend {
             Backend::Local(store) => Ok(store.decide(checks)),
-            Backend::Redis(store) => store.decide(checks).await,
+            Backend::Redis {
+                store,
+                denials,
+                cache_answers,
+            } => {
+                if let Some(decision) = denials.answer(checks, started) {
+                    cache_answers.inc();
+                    return Ok(decision);
+                }
+                let result = store.decide(checks).await;
+                if let Ok(decision) = &result {
+                    denials.remember(checks, decision, started);
+                }
+                result
+            }
         };
         self.call_duration.observe(started.elapsed().as_secs_f64());
         if let Err(err) = &result {
-            self.error_counters[err.kind_index()].inc();
+            self.errors.of(err).inc();
         }
         result
     }
@@ -132,7 +173,7 @@ impl Store {
     pub async fn ping(&self) -> Result<(), StoreError> {
         match &self.backend {
             Backend::Local(_) => Ok(()),
-            Backend::Redis(store) => store.ping().await,
+            Backend::Redis { store, .. } => store.ping().await,
         }
     }
 }

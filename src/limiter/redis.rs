@@ -148,9 +148,11 @@ fn decision_from_reply(reply: &[i64], checks: usize) -> Result<Decision, StoreEr
     let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
     let limits = per_limit
         .chunks_exact(2)
-        .map(|pair| LimitState {
-            remaining: u32::try_from(pair[0]).unwrap_or(0),
-            reset: micros(pair[1]),
+        .map(|pair| {
+            Some(LimitState {
+                remaining: u32::try_from(pair[0]).unwrap_or(0),
+                reset: micros(pair[1]),
+            })
         })
         .collect();
     Ok(Decision {
@@ -169,8 +171,8 @@ mod tests {
         let d = decision_from_reply(&[0, 1_500_000, 0, 1_500_000, 7, 200], 2).unwrap();
         assert!(!d.admitted);
         assert_eq!(d.retry_after, Duration::from_millis(1500));
-        assert_eq!(d.limits[1].remaining, 7);
-        assert_eq!(d.limits[1].reset, Duration::from_micros(200));
+        assert_eq!(d.limits[1].unwrap().remaining, 7);
+        assert_eq!(d.limits[1].unwrap().reset, Duration::from_micros(200));
     }
 
     #[test]

@@ -181,7 +181,7 @@ impl Gateway {
         for (limit, state) in route.limits.iter().zip(&decision.limits) {
             if decision.admitted {
                 limit.metrics.admitted.inc();
-            } else if state.remaining == 0 {
+            } else if state.is_some_and(|state| state.remaining == 0) {
                 limit.metrics.rejected.inc();
             }
         }

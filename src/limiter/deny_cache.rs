@@ -1,0 +1,200 @@
+//! The exact deny cache: a rejection remembered locally, so a flood on one key costs Redis one
+//! call per wait instead of one per request.
+//!
+//! Why it is exact for the sliding log: when Redis rejects a key because its limit is full,
+//! it also says when the blocking entry leaves the window. Until then no instance can admit
+//! that key — admissions only add entries, and entries leave only with time — so answering
+//! "rejected" from memory until then is what Redis would answer. The wait is counted from when
+//! the call was *sent* (Redis read its clock later), so the cache never outlasts the truth.
+//!
+//! Entries are keyed by the store key *and* the limit's `requests` and `window`, so a changed
+//! limit never reuses a stale denial (envoy ratelimit's cache is wrong there, their #1077).
+//! The cache is bounded; when a shard is full, expired entries are dropped, and if none has
+//! expired the new denial is simply not remembered (Redis decides it next time).
+
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{Check, Decision, LimitState};
+
+const SHARDS: usize = 16;
+
+/// Most denials remembered at once, over all shards.
+pub const MAX_ENTRIES: usize = 65_536;
+
+struct Denial {
+    requests: u32,
+    window: Duration,
+    until: Instant,
+}
+
+pub struct DenyCache {
+    shards: Vec<Mutex<HashMap<String, Denial>>>,
+    hasher: RandomState,
+}
+
+impl DenyCache {
+    pub fn new() -> DenyCache {
+        DenyCache {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: RandomState::new(),
+        }
+    }
+
+    fn shard(&self, key: &str) -> MutexGuard<'_, HashMap<String, Denial>> {
+        let index = (self.hasher.hash_one(key) % SHARDS as u64) as usize;
+        self.shards[index]
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The rejection for `checks` if any of them is remembered as denied at `now`: exhausted
+    /// limits known from the cache, the others unknown (`None`).
+    pub fn answer(&self, checks: &[Check], now: Instant) -> Option<Decision> {
+        let mut limits = Vec::new();
+        let mut retry_after = Duration::ZERO;
+        for (index, check) in checks.iter().enumerate() {
+            let until = self.denied_until(check, now);
+            if let Some(until) = until {
+                if limits.is_empty() {
+                    limits = vec![None; checks.len()];
+                }
+                let wait = until - now;
+                retry_after = retry_after.max(wait);
+                limits[index] = Some(LimitState {
+                    remaining: 0,
+                    reset: wait,
+                });
+            }
+        }
+        (!limits.is_empty()).then_some(Decision {
+            admitted: false,
+            retry_after,
+            limits,
+        })
+    }
+
+    fn denied_until(&self, check: &Check, now: Instant) -> Option<Instant> {
+        let shard = self.shard(&check.key);
+        let denial = shard.get(&check.key)?;
+        let same_limit = denial.requests == check.requests && denial.window == check.window;
+        (same_limit && denial.until > now).then_some(denial.until)
+    }
+
+    /// Remembers every exhausted limit of a rejection decided by a store call sent at `sent`.
+    pub fn remember(&self, checks: &[Check], decision: &Decision, sent: Instant) {
+        if decision.admitted {
+            return;
+        }
+        for (check, state) in checks.iter().zip(&decision.limits) {
+            let Some(state) = state else { continue };
+            if state.remaining > 0 || state.reset.is_zero() {
+                continue;
+            }
+            let denial = Denial {
+                requests: check.requests,
+                window: check.window,
+                until: sent + state.reset,
+            };
+            let mut shard = self.shard(&check.key);
+            if shard.len() >= MAX_ENTRIES / SHARDS && !shard.contains_key(&check.key) {
+                let now = Instant::now();
+                shard.retain(|_, denial| denial.until > now);
+                if shard.len() >= MAX_ENTRIES / SHARDS {
+                    continue;
+                }
+            }
+            shard.insert(check.key.clone(), denial);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(key: &str, requests: u32, window_s: u64) -> Check {
+        Check {
+            key: key.to_owned(),
+            requests,
+            window: Duration::from_secs(window_s),
+        }
+    }
+
+    fn rejected(states: Vec<Option<LimitState>>) -> Decision {
+        Decision {
+            admitted: false,
+            retry_after: Duration::from_secs(5),
+            limits: states,
+        }
+    }
+
+    fn full(reset_s: u64) -> Option<LimitState> {
+        Some(LimitState {
+            remaining: 0,
+            reset: Duration::from_secs(reset_s),
+        })
+    }
+
+    #[test]
+    fn a_denial_is_answered_until_it_expires_and_only_for_the_same_limit() {
+        let cache = DenyCache::new();
+        let sent = Instant::now();
+        let checks = [check("a", 5, 60), check("b", 100, 60)];
+        let open = Some(LimitState {
+            remaining: 40,
+            reset: Duration::from_secs(1),
+        });
+        cache.remember(&checks, &rejected(vec![full(5), open]), sent);
+
+        let answer = cache
+            .answer(&checks, sent + Duration::from_secs(1))
+            .unwrap();
+        assert!(!answer.admitted);
+        assert_eq!(answer.retry_after, Duration::from_secs(4));
+        assert_eq!(answer.limits[0], full(4));
+        assert_eq!(
+            answer.limits[1], None,
+            "a limit with room is not remembered"
+        );
+
+        assert!(cache
+            .answer(&checks, sent + Duration::from_secs(5))
+            .is_none());
+        let raised = [check("a", 6, 60)];
+        assert!(
+            cache
+                .answer(&raised, sent + Duration::from_secs(1))
+                .is_none(),
+            "a changed limit never reuses a denial"
+        );
+    }
+
+    #[test]
+    fn an_admission_remembers_nothing() {
+        let cache = DenyCache::new();
+        let checks = [check("a", 1, 60)];
+        let admitted = Decision {
+            admitted: true,
+            retry_after: Duration::ZERO,
+            limits: vec![full(60)],
+        };
+        cache.remember(&checks, &admitted, Instant::now());
+        assert!(cache.answer(&checks, Instant::now()).is_none());
+    }
+
+    #[test]
+    fn the_cache_is_bounded() {
+        let cache = DenyCache::new();
+        let sent = Instant::now();
+        for n in 0..MAX_ENTRIES * 2 {
+            let checks = [check(&format!("k{n}"), 1, 60)];
+            cache.remember(&checks, &rejected(vec![full(60)]), sent);
+        }
+        let held: usize = cache.shards.iter().map(|s| s.lock().unwrap().len()).sum();
+        assert!(held <= MAX_ENTRIES, "{held}");
+    }
+}
