@@ -19,7 +19,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use prometheus::IntGauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{watch, Semaphore};
 
 use crate::config::ServerConfig;
@@ -27,6 +27,23 @@ use crate::proxy::ProxyBody;
 
 /// On shutdown, requests in flight get this long to finish.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Connections the kernel may hold, handshake done, until sluice accepts them. The standard
+/// library's (and tokio's) 128 is easily overrun by a burst of new connections, and each SYN
+/// dropped then waits a second for its retransmission. The kernel caps it at
+/// `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 1024;
+
+/// Binds a listener on `addr` with [`LISTEN_BACKLOG`].
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
 
 /// How one listener treats its connections, from `server:` in the config.
 #[derive(Debug, Clone)]
