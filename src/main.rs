@@ -18,7 +18,6 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::admin::Admin;
@@ -129,11 +128,9 @@ async fn run(file: &Path) -> anyhow::Result<()> {
         }
         None => Store::local(config.store.local.max_keys.0 as usize, &metrics),
     };
-    let listener = TcpListener::bind(config.listen)
-        .await
+    let listener = server::bind(config.listen)
         .with_context(|| format!("cannot listen on {}", config.listen))?;
-    let admin_listener = TcpListener::bind(config.admin_listen)
-        .await
+    let admin_listener = server::bind(config.admin_listen)
         .with_context(|| format!("cannot listen on {} (admin_listen)", config.admin_listen))?;
     tracing::info!(
         listen = %config.listen,

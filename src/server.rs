@@ -7,7 +7,7 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -19,7 +19,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use prometheus::IntGauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{watch, Semaphore};
 
 use crate::config::ServerConfig;
@@ -27,6 +27,23 @@ use crate::proxy::ProxyBody;
 
 /// On shutdown, requests in flight get this long to finish.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Connections the kernel may hold, handshake done, until sluice accepts them. The standard
+/// library's (and tokio's) 128 is easily overrun by a burst of new connections, and each SYN
+/// dropped then waits a second for its retransmission. The kernel caps it at
+/// `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 1024;
+
+/// Binds a listener on `addr` with [`LISTEN_BACKLOG`].
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
 
 /// How one listener treats its connections, from `server:` in the config.
 #[derive(Debug, Clone)]
@@ -109,15 +126,22 @@ pub async fn serve<H, F>(
             _ = shutdown.wait_for(|stop| *stop) => break,
         };
         let _ = stream.set_nodelay(true);
+        let accepted = Instant::now();
         let handler = handler.clone();
-        let service = service_fn(move |request| {
-            let response = handler(request, peer);
-            async move { Ok::<_, Infallible>(response.await) }
-        });
+        let first_request = Arc::new(AtomicBool::new(false));
+        let service = {
+            let first_request = Arc::clone(&first_request);
+            service_fn(move |request| {
+                first_request.store(true, Ordering::Relaxed);
+                let response = handler(request, peer);
+                async move { Ok::<_, Infallible>(response.await) }
+            })
+        };
         let builder = Arc::clone(&builder);
         let shutdown = shutdown.clone();
         let open = open.clone();
         let idle_timeout = settings.idle_timeout;
+        let head_due = accepted + settings.header_read_timeout;
         tokio::spawn(async move {
             open.inc();
             let now = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -132,6 +156,8 @@ pub async fn serve<H, F>(
                 epoch,
                 activity,
                 idle_timeout,
+                head_due,
+                first_request,
                 shutdown,
             };
             if let Err(err) = watch.run(connection).await {
@@ -152,11 +178,21 @@ pub async fn serve<H, F>(
 }
 
 /// Ends one connection gracefully (the request in flight finishes, no new one starts) when
-/// the server shuts down or the connection has been silent for the idle timeout.
+/// the server shuts down or the connection has been silent for the idle timeout; and at once
+/// when no first request head has arrived within the header-read timeout of the accept.
+///
+/// hyper's own header-read timeout only starts once the connection is known to speak
+/// HTTP/1.1, which takes its first byte, and HTTP/2 has none: a client that sends nothing,
+/// stops in the middle of the HTTP/2 preface, or opens HTTP/2 and sends no request, is
+/// closed here instead.
 struct Watch {
     epoch: Instant,
     activity: Arc<AtomicU64>,
     idle_timeout: Duration,
+    /// When the first request head must have arrived.
+    head_due: Instant,
+    /// Set by the service when the first request head has arrived.
+    first_request: Arc<AtomicBool>,
     shutdown: watch::Receiver<bool>,
 }
 
@@ -174,11 +210,18 @@ impl Watch {
     {
         let mut connection = pin!(connection);
         let mut closing = false;
+        let mut head_checked = false;
         loop {
             let silent_since = Duration::from_millis(self.activity.load(Ordering::Relaxed));
             let idle_at = self.epoch + silent_since + self.idle_timeout;
             tokio::select! {
                 result = connection.as_mut() => return result,
+                _ = tokio::time::sleep_until(self.head_due.into()), if !head_checked => {
+                    if !self.first_request.load(Ordering::Relaxed) {
+                        return Err("no request head within the header-read timeout".into());
+                    }
+                    head_checked = true;
+                }
                 _ = self.shutdown.wait_for(|stop| *stop), if !closing => {
                     closing = true;
                     connection.as_mut().graceful_shutdown();

@@ -8,6 +8,8 @@
 //! parts it needs, hence the `dead_code` allowance.
 #![allow(dead_code)]
 
+pub mod wire;
+
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::fs::File;
@@ -295,6 +297,19 @@ pub fn pattern_matches(offset: u64, data: &[u8]) -> bool {
 #[derive(Default)]
 struct UpState {
     arrivals: Mutex<Vec<Instant>>,
+    /// The path and query of each request, in arrival order.
+    paths: Mutex<Vec<String>>,
+    /// How each `/upload` body ended, in the order they ended.
+    uploads: Mutex<Vec<UploadSeen>>,
+}
+
+/// How the upstream's `/upload` handler saw one request body end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UploadSeen {
+    /// The body ended cleanly after this many bytes.
+    Complete(u64),
+    /// The body broke off with an error after this many bytes.
+    Broken(u64),
 }
 
 /// An in-process hyper HTTP server on 127.0.0.1 standing in for a backend.
@@ -358,6 +373,16 @@ impl Upstream {
     pub fn arrivals(&self) -> Vec<Instant> {
         self.state.arrivals.lock().unwrap().clone()
     }
+
+    /// The path and query of each request received, in arrival order.
+    pub fn paths(&self) -> Vec<String> {
+        self.state.paths.lock().unwrap().clone()
+    }
+
+    /// How each `/upload` body ended so far (complete or broken, with its byte count).
+    pub fn uploads(&self) -> Vec<UploadSeen> {
+        self.state.uploads.lock().unwrap().clone()
+    }
 }
 
 impl Drop for Upstream {
@@ -393,6 +418,11 @@ fn echo_json(req: &Request<Incoming>) -> serde_json::Value {
 async fn handle(req: Request<Incoming>, st: Arc<UpState>) -> Result<Response<UpBody>, Infallible> {
     st.arrivals.lock().unwrap().push(Instant::now());
     let path = req.uri().path().to_string();
+    let path_and_query = req
+        .uri()
+        .path_and_query()
+        .map_or_else(|| path.clone(), |pq| pq.as_str().to_string());
+    st.paths.lock().unwrap().push(path_and_query);
 
     if let Some(n) = path.strip_prefix("/download/") {
         let total: u64 = n.parse().unwrap_or(0);
@@ -426,10 +456,11 @@ async fn handle(req: Request<Incoming>, st: Arc<UpState>) -> Result<Response<UpB
             let frame = match frame {
                 Ok(f) => f,
                 Err(e) => {
+                    st.uploads.lock().unwrap().push(UploadSeen::Broken(count));
                     return Ok(Response::builder()
                         .status(StatusCode::BAD_REQUEST)
                         .body(full(format!("body error after {count} bytes: {e}")))
-                        .unwrap())
+                        .unwrap());
                 }
             };
             if let Some(data) = frame.data_ref() {
@@ -439,6 +470,7 @@ async fn handle(req: Request<Incoming>, st: Arc<UpState>) -> Result<Response<UpB
                 count += data.len() as u64;
             }
         }
+        st.uploads.lock().unwrap().push(UploadSeen::Complete(count));
         return Ok(Response::builder()
             .status(StatusCode::OK)
             .header("content-type", "text/plain")

@@ -1,0 +1,189 @@
+//! Raw HTTP/1.1 on one TCP connection, for tests that need the exact bytes on the wire:
+//! pipelined requests, framing conflicts, partial heads, and seeing when the server closes.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::RawResponse;
+
+/// One client connection, with what has been read but not yet parsed.
+pub struct Wire {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    /// The server closed the connection (EOF or reset).
+    closed: bool,
+}
+
+/// Why [`Wire::try_response`] returned no response.
+#[derive(Debug, PartialEq, Eq)]
+pub enum NoResponse {
+    /// Nothing complete arrived in time; the connection is still open.
+    Timeout,
+    /// The server closed the connection first.
+    Closed,
+}
+
+impl Wire {
+    pub async fn connect(addr: SocketAddr) -> Wire {
+        let stream = TcpStream::connect(addr)
+            .await
+            .unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+        let _ = stream.set_nodelay(true);
+        Wire {
+            stream,
+            buf: Vec::new(),
+            closed: false,
+        }
+    }
+
+    /// Writes `bytes`; an error (the server already closed) is returned, not a panic.
+    pub async fn send(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.stream.write_all(bytes).await
+    }
+
+    /// The next response, or a panic if none arrives whole within `within`.
+    pub async fn response(&mut self, within: Duration) -> RawResponse {
+        match self.try_response(within).await {
+            Ok(response) => response,
+            Err(why) => panic!(
+                "no whole response within {within:?} ({why:?}); received: {:?}",
+                String::from_utf8_lossy(&self.buf)
+            ),
+        }
+    }
+
+    /// The next response, if one arrives whole within `within`.
+    pub async fn try_response(&mut self, within: Duration) -> Result<RawResponse, NoResponse> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some((response, used)) = parse_response(&self.buf, self.closed) {
+                self.buf.drain(..used);
+                return Ok(response);
+            }
+            if self.closed {
+                return Err(NoResponse::Closed);
+            }
+            if !self.read_until(deadline).await {
+                return Err(NoResponse::Timeout);
+            }
+        }
+    }
+
+    /// Waits for the server to close the connection; how long it took, or `None` if it is
+    /// still open after `within`. Bytes that arrive meanwhile are kept for [`Self::rest`].
+    pub async fn closed_within(&mut self, within: Duration) -> Option<Duration> {
+        let start = Instant::now();
+        let deadline = start + within;
+        while !self.closed {
+            if !self.read_until(deadline).await {
+                return None;
+            }
+        }
+        Some(start.elapsed())
+    }
+
+    /// Whether the server has closed the connection (as far as has been read).
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Bytes received and not parsed as a response.
+    pub fn rest(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// Reads once, before `deadline`; false if the deadline passed first.
+    async fn read_until(&mut self, deadline: Instant) -> bool {
+        let mut tmp = [0u8; 16 * 1024];
+        let read = tokio::time::timeout_at(deadline.into(), self.stream.read(&mut tmp)).await;
+        match read {
+            Err(_) => false,
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                self.closed = true;
+                true
+            }
+            Ok(Ok(n)) => {
+                self.buf.extend_from_slice(&tmp[..n]);
+                true
+            }
+        }
+    }
+}
+
+/// Every response in `bytes`, read to the server's close.
+pub fn parse_responses(mut bytes: &[u8]) -> Vec<RawResponse> {
+    let mut responses = Vec::new();
+    while let Some((response, used)) = parse_response(bytes, true) {
+        responses.push(response);
+        bytes = &bytes[used..];
+    }
+    responses
+}
+
+/// One whole response at the start of `buf` and how many bytes it took; `closed`: no more
+/// bytes will come, so a body without framing ends here.
+fn parse_response(buf: &[u8], closed: bool) -> Option<(RawResponse, usize)> {
+    let head_end = find(buf, b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next()?;
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+    let headers: Vec<(String, String)> = lines
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let (n, v) = l.split_once(':').expect("header line");
+            (n.trim().to_ascii_lowercase(), v.trim().to_string())
+        })
+        .collect();
+    let get = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+    let body_start = head_end + 4;
+    let rest = &buf[body_start..];
+    let (body, used) = if let Some(len) = get("content-length") {
+        let len: usize = len.parse().expect("content-length");
+        (rest.get(..len)?.to_vec(), len)
+    } else if get("transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked")) {
+        parse_chunked(rest)?
+    } else if status == 204 || status == 304 || status < 200 {
+        (Vec::new(), 0)
+    } else if closed {
+        (rest.to_vec(), rest.len())
+    } else {
+        return None;
+    };
+    let response = RawResponse {
+        status,
+        headers,
+        body,
+    };
+    Some((response, body_start + used))
+}
+
+/// A whole chunked body (without trailers) and how many bytes it took.
+fn parse_chunked(mut rest: &[u8]) -> Option<(Vec<u8>, usize)> {
+    let total = rest.len();
+    let mut body = Vec::new();
+    loop {
+        let line_end = find(rest, b"\r\n")?;
+        let line = String::from_utf8_lossy(&rest[..line_end]).into_owned();
+        let size = usize::from_str_radix(line.split(';').next().unwrap().trim(), 16)
+            .unwrap_or_else(|_| panic!("bad chunk size {line:?}"));
+        rest = &rest[line_end + 2..];
+        if size == 0 {
+            rest = rest.strip_prefix(b"\r\n")?;
+            return Some((body, total - rest.len()));
+        }
+        body.extend_from_slice(rest.get(..size)?);
+        rest = rest.get(size + 2..)?;
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
