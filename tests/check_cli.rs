@@ -282,6 +282,24 @@ fn duplicate_limit_name_within_route() {
 }
 
 #[test]
+fn pool_size_has_an_upper_bound() {
+    let yaml = variant("pool_size: 32", "pool_size: 1025");
+    assert_refused(
+        &yaml,
+        "pool_size: 1025",
+        "1025",
+        "store.redis.pool_size",
+        &["1024", "1025"],
+    );
+    let f = write_config(&variant("pool_size: 32", "pool_size: 1024"));
+    let (status, stdout, stderr) = sluice_check(f.path());
+    assert!(
+        status.success(),
+        "pool_size 1024 is allowed: {status}\nstdout: {stdout}\nstderr: {stderr}"
+    );
+}
+
+#[test]
 fn bad_upstream_url() {
     let yaml = variant("url: \"http://127.0.0.1:3000\"", "url: not a url");
     assert_refused(

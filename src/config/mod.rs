@@ -67,7 +67,7 @@ pub struct RedisConfig {
     #[serde(default = "default_store_timeout")]
     pub timeout: ConfigDuration,
     #[serde(default = "default_pool_size")]
-    pub pool_size: Positive,
+    pub pool_size: types::PoolSize,
 }
 
 #[derive(Debug, Deserialize)]
@@ -125,8 +125,8 @@ fn default_key_prefix() -> Name {
 fn default_store_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_STORE_TIMEOUT_MS))
 }
-fn default_pool_size() -> Positive {
-    Positive(DEFAULT_POOL_SIZE)
+fn default_pool_size() -> types::PoolSize {
+    types::PoolSize(DEFAULT_POOL_SIZE)
 }
 fn default_connect_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS))
