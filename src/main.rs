@@ -131,12 +131,17 @@ async fn run(file: &Path) -> anyhow::Result<()> {
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
-    let admin_listener = TcpListener::bind(config.admin_listen)
+    let admin_listener = TcpListener::bind(config.admin_listen.value)
         .await
-        .with_context(|| format!("cannot listen on {} (admin_listen)", config.admin_listen))?;
+        .with_context(|| {
+            format!(
+                "cannot listen on {} (admin_listen)",
+                config.admin_listen.value
+            )
+        })?;
     tracing::info!(
         listen = %config.listen,
-        admin_listen = %config.admin_listen,
+        admin_listen = %config.admin_listen.value,
         routes = policy.routes.len(),
         store = store.name(),
         "sluice is serving"

@@ -300,6 +300,21 @@ fn pool_size_has_an_upper_bound() {
 }
 
 #[test]
+fn admin_listen_equal_to_listen() {
+    let yaml = variant(
+        "admin_listen: 127.0.0.1:9090",
+        "admin_listen: 127.0.0.1:8080",
+    );
+    assert_refused(
+        &yaml,
+        "admin_listen: 127.0.0.1:8080",
+        "127.0.0.1:8080",
+        "admin_listen",
+        &["listen", "127.0.0.1:8080"],
+    );
+}
+
+#[test]
 fn bad_upstream_url() {
     let yaml = variant("url: \"http://127.0.0.1:3000\"", "url: not a url");
     assert_refused(

@@ -35,7 +35,7 @@ pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 30_000;
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub listen: SocketAddr,
-    pub admin_listen: SocketAddr,
+    pub admin_listen: Spanned<SocketAddr>,
     #[serde(default)]
     pub store: StoreConfig,
     #[serde(default)]
