@@ -315,6 +315,37 @@ fn admin_listen_equal_to_listen() {
 }
 
 #[test]
+fn duplicate_upstream_name() {
+    let yaml = variant(
+        "    timeout: 30s\n",
+        "    timeout: 30s\n  api:\n    url: \"http://127.0.0.1:4000\"\n",
+    );
+    let lines: Vec<&str> = yaml.lines().collect();
+    let second = lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l == "  api:")
+        .nth(1)
+        .expect("two upstreams named api")
+        .0;
+    let f = write_config(&yaml);
+    let path = f.path().to_str().unwrap().to_string();
+    let (status, stdout, stderr) = sluice_check(f.path());
+    assert!(
+        !status.success(),
+        "duplicate upstream names must be refused; stdout: {stdout}"
+    );
+    let expected = format!(
+        "error: {path}:{}:3: upstreams.api: `api` is given twice",
+        second + 1
+    );
+    assert!(
+        stderr.contains(&expected),
+        "stderr must contain {expected:?}\nstderr was:\n{stderr}"
+    );
+}
+
+#[test]
 fn bad_upstream_url() {
     let yaml = variant("url: \"http://127.0.0.1:3000\"", "url: not a url");
     assert_refused(

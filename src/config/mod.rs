@@ -235,9 +235,12 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
                 column: l.column(),
             })
             .unwrap_or_default();
-        // serde_path_to_error writes `.` for the document root.
-        let field = if failed_at == "." { "" } else { &failed_at };
-        ConfigError::invalid(file, position, field, plain_message(&err))
+        ConfigError::invalid(
+            file,
+            position,
+            field_of(&failed_at, &err),
+            plain_message(&err),
+        )
     })
 }
 
@@ -262,8 +265,31 @@ fn options() -> serde_saphyr::Options {
     }
 }
 
-/// The parser appends " at line L, column C"; we print the position up front instead.
+/// The key given twice, when the error is a duplicate key.
+fn duplicate_key(err: &serde_saphyr::Error) -> Option<&str> {
+    match err.without_snippet() {
+        serde_saphyr::Error::DuplicateMappingKey { key, .. } => key.as_deref(),
+        _ => None,
+    }
+}
+
+/// The field path of an error. serde_path_to_error writes `.` for the document root, and `?`
+/// for a mapping key it has not read, as with a duplicate key, which the parser names.
+fn field_of(failed_at: &str, err: &serde_saphyr::Error) -> String {
+    match (failed_at, duplicate_key(err)) {
+        (".", _) => String::new(),
+        ("?", Some(key)) => key.to_owned(),
+        (path, Some(key)) if path.ends_with(".?") => format!("{}{key}", &path[..path.len() - 1]),
+        (path, _) => path.to_owned(),
+    }
+}
+
+/// The parser appends " at line L, column C"; we print the position up front instead. Its
+/// message for a duplicate key suggests a parser option, which is no help to a user.
 fn plain_message(err: &serde_saphyr::Error) -> String {
+    if let Some(key) = duplicate_key(err) {
+        return format!("`{key}` is given twice; each key may appear once");
+    }
     let text = err.to_string();
     match text.rfind(" at line ") {
         Some(cut) => text[..cut].to_owned(),
