@@ -299,6 +299,8 @@ fn plain_message(err: &serde_saphyr::Error) -> String {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn error_of(yaml: &str) -> String {
@@ -357,5 +359,143 @@ mod tests {
             .to_string();
         assert!(err.contains("budget") || err.contains("alias"), "{err}");
         assert!(started.elapsed() < std::time::Duration::from_secs(2));
+    }
+
+    /// A valid file that uses every field, the starting point of the mutations below.
+    const VALID: &str = r#"listen: 127.0.0.1:8080
+admin_listen: 127.0.0.1:9090
+store:
+  redis:
+    url: redis://127.0.0.1:6379/0
+    timeout: 50ms
+    pool_size: 32
+  key_prefix: sluice
+upstreams:
+  api:
+    url: "http://127.0.0.1:3000/v1"
+    connect_timeout: 2s
+    timeout: 30s
+routes:
+  - name: login
+    match:
+      path_prefix: /login
+      methods: [POST]
+    upstream: api
+    limits:
+      - name: per-ip
+        key: [client_ip, "header:x-api-key"]
+        requests: 5
+        window: 1m
+  - name: status
+    match: { path_prefix: /status }
+    respond:
+      status: 200
+      body: "ok\n"
+      content_type: text/plain
+"#;
+
+    /// One change to a line-oriented YAML file.
+    #[derive(Debug, Clone)]
+    enum Edit {
+        /// Replace what follows the line's first `:` (or the whole line) with this text.
+        Value(prop::sample::Index, String),
+        Delete(prop::sample::Index),
+        Duplicate(prop::sample::Index),
+        /// Add or remove this many leading spaces.
+        Indent(prop::sample::Index, i8),
+        /// Replace one byte of the file.
+        Byte(prop::sample::Index, u8),
+    }
+
+    fn edit() -> impl Strategy<Value = Edit> {
+        let line = any::<prop::sample::Index>;
+        prop_oneof![
+            (line(), "\\PC{0,12}").prop_map(|(i, v)| Edit::Value(i, v)),
+            (line(), r#"[ -~]{0,12}"#).prop_map(|(i, v)| Edit::Value(i, v)),
+            line().prop_map(Edit::Delete),
+            line().prop_map(Edit::Duplicate),
+            (line(), -4i8..=4).prop_map(|(i, n)| Edit::Indent(i, n)),
+            (line(), any::<u8>()).prop_map(|(i, b)| Edit::Byte(i, b)),
+        ]
+    }
+
+    fn apply(text: &str, edits: &[Edit]) -> String {
+        let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        for edit in edits {
+            if lines.is_empty() {
+                break;
+            }
+            match edit {
+                Edit::Value(i, value) => {
+                    let at = i.index(lines.len());
+                    let line = &mut lines[at];
+                    let keep = line.find(':').map_or(0, |colon| colon + 1);
+                    line.truncate(keep);
+                    line.push(' ');
+                    line.push_str(value);
+                }
+                Edit::Delete(i) => {
+                    lines.remove(i.index(lines.len()));
+                }
+                Edit::Duplicate(i) => {
+                    let at = i.index(lines.len());
+                    lines.insert(at, lines[at].clone());
+                }
+                Edit::Indent(i, n) => {
+                    let at = i.index(lines.len());
+                    let line = &mut lines[at];
+                    if *n >= 0 {
+                        line.insert_str(0, &" ".repeat(*n as usize));
+                    } else {
+                        let spaces = line.len() - line.trim_start_matches(' ').len();
+                        line.drain(..spaces.min(n.unsigned_abs() as usize));
+                    }
+                }
+                Edit::Byte(i, byte) => {
+                    let mut bytes = lines.join("\n").into_bytes();
+                    if !bytes.is_empty() {
+                        let at = i.index(bytes.len());
+                        bytes[at] = *byte;
+                    }
+                    let text = String::from_utf8_lossy(&bytes).into_owned();
+                    lines = text.lines().map(str::to_owned).collect();
+                }
+            }
+        }
+        lines.join("\n") + "\n"
+    }
+
+    /// `parse` answers every input with a config or an error that names the file.
+    fn parses_or_names_the_file(text: &str) -> Result<(), TestCaseError> {
+        if let Err(err) = parse(text, Path::new("fuzz.yaml")) {
+            let message = err.to_string();
+            prop_assert!(message.starts_with("fuzz.yaml"), "{}", message);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_mutations_start_from_a_valid_file() {
+        let config = parse(VALID, Path::new("valid.yaml")).expect("VALID parses");
+        assert_eq!(config.routes.len(), 2);
+        assert_eq!(apply(VALID, &[]), VALID);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn arbitrary_bytes_parse_or_are_refused(
+            bytes in prop::collection::vec(any::<u8>(), 0..2048),
+        ) {
+            parses_or_names_the_file(&String::from_utf8_lossy(&bytes))?;
+        }
+
+        #[test]
+        fn mutations_of_a_valid_file_parse_or_are_refused(
+            edits in prop::collection::vec(edit(), 1..6),
+        ) {
+            parses_or_names_the_file(&apply(VALID, &edits))?;
+        }
     }
 }
