@@ -315,6 +315,21 @@ fn admin_listen_equal_to_listen() {
 }
 
 #[test]
+fn bad_admin_listen() {
+    let yaml = variant(
+        "admin_listen: 127.0.0.1:9090",
+        "admin_listen: localhost:nine",
+    );
+    assert_refused(
+        &yaml,
+        "admin_listen: localhost",
+        "localhost",
+        "admin_listen: ",
+        &["socket address"],
+    );
+}
+
+#[test]
 fn duplicate_upstream_name() {
     let yaml = variant(
         "    timeout: 30s\n",

@@ -273,15 +273,36 @@ fn duplicate_key(err: &serde_saphyr::Error) -> Option<&str> {
     }
 }
 
-/// The field path of an error. serde_path_to_error writes `.` for the document root, and `?`
-/// for a mapping key it has not read, as with a duplicate key, which the parser names.
+/// The field path of an error, as the user wrote it. serde_path_to_error writes `.` for the
+/// document root and `?` for a mapping key it has not read (as with a duplicate key, which the
+/// parser names), and sees a `Spanned` field as a struct holding the value in a field `value`,
+/// a segment that is not in the file. (Right under `upstreams`, `value` is an upstream's name.)
 fn field_of(failed_at: &str, err: &serde_saphyr::Error) -> String {
-    match (failed_at, duplicate_key(err)) {
-        (".", _) => String::new(),
-        ("?", Some(key)) => key.to_owned(),
-        (path, Some(key)) if path.ends_with(".?") => format!("{}{key}", &path[..path.len() - 1]),
-        (path, _) => path.to_owned(),
+    if failed_at == "." {
+        return String::new();
     }
+    let mut path = String::new();
+    for segment in failed_at.split('.') {
+        let spanned_value = segment
+            .strip_prefix("value")
+            .filter(|rest| rest.is_empty() || rest.starts_with('['));
+        match (spanned_value, duplicate_key(err)) {
+            (Some(index), _) if !path.is_empty() && path != "upstreams" => {
+                path.push_str(index);
+                continue;
+            }
+            (_, Some(key)) if segment == "?" => segment_into(&mut path, key),
+            _ => segment_into(&mut path, segment),
+        }
+    }
+    path
+}
+
+fn segment_into(path: &mut String, segment: &str) {
+    if !path.is_empty() {
+        path.push('.');
+    }
+    path.push_str(segment);
 }
 
 /// The parser appends " at line L, column C"; we print the position up front instead. Its
@@ -330,6 +351,28 @@ mod tests {
         let err = error_of(&yaml);
         assert!(err.contains("test.yaml:4:10"), "{err}");
         assert!(err.contains("unknown field `redis_url`"), "{err}");
+    }
+
+    #[test]
+    fn field_paths_are_as_written() {
+        let route = "routes:\n  - name: \"a b\"\n    match: { path_prefix: / }\n";
+        let err = error_of(&format!("{HEAD}{route}"));
+        assert!(
+            err.starts_with("test.yaml:4:11: routes[0].name: a name"),
+            "{err}"
+        );
+        let limit = "    respond: { status: 200 }\n    limits: [{ name: a, key: [client_ip, \"cookie:x\"], requests: 1, window: 1s }]\n";
+        let err = error_of(&format!("{HEAD}{}{limit}", route.replace("\"a b\"", "r")));
+        assert!(
+            err.contains(": routes[0].limits[0].key[1]: expected a key part"),
+            "{err}"
+        );
+        let upstream = "upstreams:\n  value: { url: nonsense }\nroutes: []\n";
+        let err = error_of(&format!("{HEAD}{upstream}"));
+        assert!(
+            err.contains(": upstreams.value.url: expected a URL"),
+            "{err}"
+        );
     }
 
     #[test]
