@@ -15,7 +15,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
   elif command -v brew >/dev/null 2>&1; then
     brew install redis
   else
-    echo "cannot install redis-server here: install Redis (6.2 or newer) and run this again" >&2
+    echo "cannot install redis-server here: install Redis (5.0 or newer, see README) and run this again" >&2
     exit 1
   fi
 fi

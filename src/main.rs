@@ -130,11 +130,15 @@ async fn run(file: &Path) -> anyhow::Result<()> {
     };
     let listener = server::bind(config.listen)
         .with_context(|| format!("cannot listen on {}", config.listen))?;
-    let admin_listener = server::bind(config.admin_listen)
-        .with_context(|| format!("cannot listen on {} (admin_listen)", config.admin_listen))?;
+    let admin_listener = server::bind(config.admin_listen.value).with_context(|| {
+        format!(
+            "cannot listen on {} (admin_listen)",
+            config.admin_listen.value
+        )
+    })?;
     tracing::info!(
         listen = %config.listen,
-        admin_listen = %config.admin_listen,
+        admin_listen = %config.admin_listen.value,
         routes = policy.routes.len(),
         store = store.name(),
         "sluice is serving"

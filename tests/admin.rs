@@ -5,9 +5,13 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{metric_sum, parse_metrics, redis_store_yaml, samples, Redis, Sluice, Upstream};
+use support::{metric_sum, parse_metrics, redis_store_yaml, Redis, Sluice, Upstream};
 
 const API_KEY: &str = "sk-live-SECRET-0123456789";
+/// How long the upstream takes on `/slow/…`: between two request-duration bucket bounds.
+const SLOW_MS: u64 = 1200;
+/// Requests sent to a limited route while Redis is down.
+const STORE_FAILURES: usize = 3;
 
 fn config(store: &str, up: &str, closed_port: u16) -> String {
     format!(
@@ -31,6 +35,10 @@ routes:
     match:
       path_prefix: /dead
     upstream: dead
+  - name: slow
+    match:
+      path_prefix: /slow
+    upstream: api
   - name: default
     match:
       path_prefix: /api
@@ -74,7 +82,7 @@ async fn health_readiness_and_metrics() {
     );
 
     // Traffic: 2 forwarded + 1 limited on `default`, 1 responded, 1
-    // upstream error, 1 no route.
+    // upstream error, 1 no route, 1 slow (1.2 s) forwarded on `slow`.
     let api = format!("{}/api/thing", sluice.url());
     let mut got = Vec::new();
     for _ in 0..3 {
@@ -95,6 +103,10 @@ async fn health_readiness_and_metrics() {
     assert_eq!(
         get_status(&c, &format!("{}/nowhere", sluice.url())).await,
         404
+    );
+    assert_eq!(
+        get_status(&c, &format!("{}/slow/{SLOW_MS}", sluice.url())).await,
+        200
     );
 
     let text = sluice.metrics().await;
@@ -162,42 +174,57 @@ async fn health_readiness_and_metrics() {
         1.0,
         "rejected decisions\n{text}"
     );
-    assert!(
+    assert_eq!(
         count(
             "sluice_upstream_errors_total",
             &[("upstream", "dead"), ("kind", "connect")]
-        ) >= 1.0,
-        "upstream connect error\n{text}"
+        ),
+        1.0,
+        "the refused connection counted as kind=connect\n{text}"
     );
-    // Histograms.
-    assert!(
-        !samples(
-            &m,
-            "sluice_request_duration_seconds_bucket",
-            &[("route", "default")]
-        )
-        .is_empty(),
-        "request duration buckets for route default\n{text}"
+    assert_eq!(
+        count("sluice_upstream_errors_total", &[]),
+        1.0,
+        "one upstream error in all\n{text}"
     );
-    assert!(
+    // Histograms: every request observed once, in seconds. The three requests on `default`
+    // are fast; the one on `slow` takes 1.2 s, between the 1 s and 2.5 s bounds.
+    let bucket = |route: &str, le: &str| {
         count(
-            "sluice_request_duration_seconds_count",
-            &[("route", "default")]
-        ) >= 2.0,
-        "request duration count\n{text}"
+            "sluice_request_duration_seconds_bucket",
+            &[("route", route), ("le", le)],
+        )
+    };
+    let durations = |route: &str| {
+        [
+            bucket(route, "1"),
+            bucket(route, "2.5"),
+            bucket(route, "+Inf"),
+            count("sluice_request_duration_seconds_count", &[("route", route)]),
+        ]
+    };
+    assert_eq!(
+        durations("default"),
+        [3.0, 3.0, 3.0, 3.0],
+        "request durations of `default` (le=1, le=2.5, le=+Inf, count)\n{text}"
     );
-    assert!(
-        samples(&m, "sluice_request_duration_seconds_bucket", &[])
-            .iter()
-            .all(|s| s.labels.contains_key("le")),
-        "buckets carry le"
+    assert_eq!(
+        durations("slow"),
+        [0.0, 1.0, 1.0, 1.0],
+        "request durations of `slow` (le=1, le=2.5, le=+Inf, count)\n{text}"
     );
+    let slow_sum = count("sluice_request_duration_seconds_sum", &[("route", "slow")]);
     assert!(
+        (1.2..2.5).contains(&slow_sum),
+        "the slow request took {slow_sum} s by the histogram's sum\n{text}"
+    );
+    assert_eq!(
         count(
             "sluice_store_call_duration_seconds_count",
             &[("store", "redis")]
-        ) >= 3.0,
-        "one store call per limited request at least\n{text}"
+        ),
+        3.0,
+        "one store call per request on a limited route\n{text}"
     );
 
     // Now take Redis away.
@@ -222,6 +249,15 @@ async fn health_readiness_and_metrics() {
 
     // A limited route cannot decide: 503 problem+json with Retry-After.
     let hits_before = up.hits();
+    for _ in 1..STORE_FAILURES {
+        // The last one is checked in detail below.
+        let r = c.get(&api).header("x-api-key", "another-key").send();
+        assert_eq!(
+            r.await.unwrap().status(),
+            503,
+            "store down on a limited route"
+        );
+    }
     let r = c
         .get(&api)
         .header("x-api-key", "another-key")
@@ -259,21 +295,41 @@ async fn health_readiness_and_metrics() {
 
     let text = sluice.metrics().await;
     let m = parse_metrics(&text);
-    assert!(
+    let failures = STORE_FAILURES as f64;
+    assert_eq!(
         metric_sum(
             &m,
             "sluice_requests_total",
             &[("route", "default"), ("outcome", "store_error")]
-        ) >= 1.0,
+        ),
+        failures,
         "store_error outcome\n{text}"
     );
-    assert!(
-        metric_sum(&m, "sluice_store_errors_total", &[("store", "redis")]) >= 1.0,
-        "store errors counted\n{text}"
+    // Redis is gone, so every call fails to connect: counted under kind=connection, and under
+    // no other kind.
+    assert_eq!(
+        metric_sum(
+            &m,
+            "sluice_store_errors_total",
+            &[("store", "redis"), ("kind", "connection")]
+        ),
+        failures,
+        "store errors of kind connection\n{text}"
     );
-    for s in samples(&m, "sluice_store_errors_total", &[]) {
-        assert!(s.labels.contains_key("kind"), "kind label on {s:?}");
-    }
+    assert_eq!(
+        metric_sum(&m, "sluice_store_errors_total", &[]),
+        failures,
+        "store errors of every kind\n{text}"
+    );
+    assert_eq!(
+        metric_sum(
+            &m,
+            "sluice_store_call_duration_seconds_count",
+            &[("store", "redis")]
+        ),
+        3.0 + failures,
+        "failed store calls are timed too\n{text}"
+    );
 
     // No label value carries a client identity.
     for s in &m {

@@ -282,6 +282,85 @@ fn duplicate_limit_name_within_route() {
 }
 
 #[test]
+fn pool_size_has_an_upper_bound() {
+    let yaml = variant("pool_size: 32", "pool_size: 1025");
+    assert_refused(
+        &yaml,
+        "pool_size: 1025",
+        "1025",
+        "store.redis.pool_size",
+        &["1024", "1025"],
+    );
+    let f = write_config(&variant("pool_size: 32", "pool_size: 1024"));
+    let (status, stdout, stderr) = sluice_check(f.path());
+    assert!(
+        status.success(),
+        "pool_size 1024 is allowed: {status}\nstdout: {stdout}\nstderr: {stderr}"
+    );
+}
+
+#[test]
+fn admin_listen_equal_to_listen() {
+    let yaml = variant(
+        "admin_listen: 127.0.0.1:9090",
+        "admin_listen: 127.0.0.1:8080",
+    );
+    assert_refused(
+        &yaml,
+        "admin_listen: 127.0.0.1:8080",
+        "127.0.0.1:8080",
+        "admin_listen",
+        &["listen", "127.0.0.1:8080"],
+    );
+}
+
+#[test]
+fn bad_admin_listen() {
+    let yaml = variant(
+        "admin_listen: 127.0.0.1:9090",
+        "admin_listen: localhost:nine",
+    );
+    assert_refused(
+        &yaml,
+        "admin_listen: localhost",
+        "localhost",
+        "admin_listen: ",
+        &["socket address"],
+    );
+}
+
+#[test]
+fn duplicate_upstream_name() {
+    let yaml = variant(
+        "    timeout: 30s\n",
+        "    timeout: 30s\n  api:\n    url: \"http://127.0.0.1:4000\"\n",
+    );
+    let lines: Vec<&str> = yaml.lines().collect();
+    let second = lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l == "  api:")
+        .nth(1)
+        .expect("two upstreams named api")
+        .0;
+    let f = write_config(&yaml);
+    let path = f.path().to_str().unwrap().to_string();
+    let (status, stdout, stderr) = sluice_check(f.path());
+    assert!(
+        !status.success(),
+        "duplicate upstream names must be refused; stdout: {stdout}"
+    );
+    let expected = format!(
+        "error: {path}:{}:3: upstreams.api: `api` is given twice",
+        second + 1
+    );
+    assert!(
+        stderr.contains(&expected),
+        "stderr must contain {expected:?}\nstderr was:\n{stderr}"
+    );
+}
+
+#[test]
 fn bad_upstream_url() {
     let yaml = variant("url: \"http://127.0.0.1:3000\"", "url: not a url");
     assert_refused(

@@ -7,7 +7,8 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::ops::RangeInclusive;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use support::{header, parse_limit_field, Sluice, Store, StoreKind, Upstream};
 
@@ -167,6 +168,31 @@ async fn assert_rejected(resp: reqwest::Response, route: &str, limit: &str) -> i
     retry_after
 }
 
+/// The whole seconds, rounded up, that a server answering between `asked` and `answered` can
+/// state are left of a `window` opened by an admission between `opened_after` and
+/// `opened_by`. The bounds come from the measured times, so the check needs no timing luck.
+fn seconds_left(
+    window: Duration,
+    (opened_after, opened_by): (Instant, Instant),
+    (asked, answered): (Instant, Instant),
+) -> RangeInclusive<i64> {
+    let ceil = |d: Duration| d.as_nanos().div_ceil(1_000_000_000) as i64;
+    let least = window.saturating_sub(answered.saturating_duration_since(opened_after));
+    let most = window.saturating_sub(asked.saturating_duration_since(opened_by));
+    ceil(least)..=ceil(most)
+}
+
+/// Sends one request and returns it with the instants it was sent and answered.
+async fn timed_send(
+    c: &reqwest::Client,
+    url: &str,
+    key: Option<&str>,
+) -> (reqwest::Response, (Instant, Instant)) {
+    let asked = Instant::now();
+    let r = send(c, url, key).await;
+    (r, (asked, Instant::now()))
+}
+
 // ---------------------------------------------------------------------------
 
 /// 5 per 10 s: exactly 5 admitted per key, 6th and later rejected; keys are
@@ -176,21 +202,30 @@ async fn exact_count_and_independent_keys(kind: StoreKind) {
     let c = support::client();
     let url = format!("{}/things", sluice.url());
 
-    let started = Instant::now();
-    for i in 1..=5 {
-        let r = send(&c, &url, Some("alpha")).await;
+    let window = Duration::from_secs(10);
+    let (r, first) = timed_send(&c, &url, Some("alpha")).await;
+    let t = assert_admitted(&r, 5, 10, 4);
+    assert_eq!(
+        t, 10,
+        "t = whole seconds (rounded up) until the first entry leaves"
+    );
+    for i in 2..=5 {
+        let (r, now) = timed_send(&c, &url, Some("alpha")).await;
         let t = assert_admitted(&r, 5, 10, 5 - i);
-        if started.elapsed() < Duration::from_millis(900) {
-            assert_eq!(
-                t, 10,
-                "t = whole seconds (rounded up) until the oldest entry leaves"
-            );
-        }
+        let expected = seconds_left(window, first, now);
+        assert!(
+            expected.contains(&t),
+            "request {i}: t={t}, but the first entry leaves in {expected:?} s (rounded up)"
+        );
     }
     for _ in 0..2 {
-        let r = send(&c, &url, Some("alpha")).await;
+        let (r, now) = timed_send(&c, &url, Some("alpha")).await;
         let ra = assert_rejected(r, "default", "per-key").await;
-        assert!((9..=10).contains(&ra), "retry-after {ra}, expected ~10");
+        let expected = seconds_left(window, first, now);
+        assert!(
+            expected.contains(&ra),
+            "retry-after {ra}, but the first entry leaves in {expected:?} s (rounded up)"
+        );
     }
 
     // Another key has its own budget.
@@ -316,49 +351,92 @@ async fn rejections_are_not_recorded(kind: StoreKind) {
     assert_eq!(up.hits(), 4);
 }
 
-/// 5 per 2 s: 5 admitted just after t, 5 more just before t+2s are all
-/// rejected (no boundary burst), after t+2s requests pass again.
+/// The next multiple of `window` on the wall clock (the clock Redis `TIME` reads, and the one a
+/// fixed-window counter aligns its windows to) that is at least `lead` away, as an `Instant`.
+fn next_wall_clock_boundary(window: Duration, lead: Duration) -> Instant {
+    let now = Instant::now();
+    let since_epoch = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_micros();
+    let window = window.as_micros();
+    let mut boundary = (since_epoch / window + 1) * window;
+    while boundary - since_epoch < lead.as_micros() {
+        boundary += window;
+    }
+    now + Duration::from_micros((boundary - since_epoch) as u64)
+}
+
+/// 5 per 2 s, filled 600 ms before a wall-clock multiple of 2 s and hit again 50 ms after it.
+/// A fixed-window counter starts afresh at that multiple and would admit the second burst; the
+/// sliding log rejects all of it (Retry-After: until the first admission is 2 s old), and
+/// admits 5 again once the first five have left their window.
 async fn boundary_burst_is_impossible(kind: StoreKind) {
     let (_store, up, sluice) = start(kind, 5, "2s").await;
     let c = support::client();
     let url = format!("{}/burst", sluice.url());
     let window = Duration::from_secs(2);
+    let lead = Duration::from_millis(600);
 
     // Warm up connections/scripts with an unrelated key.
     assert_eq!(send(&c, &url, Some("warmup")).await.status(), 200);
 
-    let t = Instant::now();
-    for _ in 0..5 {
-        assert_eq!(send(&c, &url, Some("k")).await.status(), 200);
-    }
-    let fill = t.elapsed();
-    assert!(
-        fill < Duration::from_millis(500),
-        "precondition: filling took {fill:?}, too slow for a boundary test"
-    );
+    // A request stalled across the boundary spoils the setup (not the result); then it is
+    // done again at the next boundary with a fresh key.
+    let mut attempt = 0;
+    let (key, first, boundary) = loop {
+        attempt += 1;
+        let key = format!("k{attempt}");
+        let boundary = next_wall_clock_boundary(window, lead + Duration::from_millis(100));
+        tokio::time::sleep_until((boundary - lead).into()).await;
+        let (r, first) = timed_send(&c, &url, Some(&key)).await;
+        assert_admitted(&r, 5, 2, 4);
+        for i in 2..=5 {
+            assert_admitted(&send(&c, &url, Some(&key)).await, 5, 2, 5 - i);
+        }
+        let filled = Instant::now();
+        if filled < boundary {
+            break (key, first, boundary);
+        }
+        assert!(
+            attempt < 3,
+            "filling 5 took past the boundary 600 ms later in 3 tries, the last {:?}",
+            filled - first.0
+        );
+    };
 
-    // At 85% of the window.
-    tokio::time::sleep_until((t + window.mul_f64(0.85)).into()).await;
-    for _ in 0..5 {
-        let r = send(&c, &url, Some("k")).await;
+    tokio::time::sleep_until((boundary + Duration::from_millis(50)).into()).await;
+    for i in 1..=5 {
+        let (r, now) = timed_send(&c, &url, Some(&key)).await;
+        assert!(
+            now.1 < first.0 + window,
+            "precondition: burst request {i} was answered {:?} after the first admission",
+            now.1 - first.0
+        );
+        assert_eq!(
+            r.status(),
+            429,
+            "burst request {i}, sent {:?} after the wall-clock boundary, was not rejected: \
+             the window must not restart at the boundary",
+            now.0 - boundary
+        );
         let ra = assert_rejected(r, "default", "per-key").await;
-        assert_eq!(ra, 1, "oldest entry leaves in < 1 s");
+        let expected = seconds_left(window, first, now);
+        assert!(
+            expected.contains(&ra),
+            "burst request {i} after the boundary: retry-after {ra}, expected {expected:?}"
+        );
     }
-    let burst_end = t.elapsed();
-    assert!(
-        burst_end < window,
-        "precondition: the burst ended at {burst_end:?}, after the window ({window:?})"
-    );
 
     // After the window of the first five has passed, the key is free again:
     // rejected requests were not recorded.
-    tokio::time::sleep_until((t + fill + window + Duration::from_millis(300)).into()).await;
+    tokio::time::sleep_until((boundary + window).into()).await;
     for i in 1..=5 {
-        let r = send(&c, &url, Some("k")).await;
+        let r = send(&c, &url, Some(&key)).await;
         assert_admitted(&r, 5, 2, 5 - i);
     }
-    assert_rejected(send(&c, &url, Some("k")).await, "default", "per-key").await;
-    assert_eq!(up.hits(), 1 + 5 + 5);
+    assert_rejected(send(&c, &url, Some(&key)).await, "default", "per-key").await;
+    assert_eq!(up.hits(), 1 + 5 * attempt + 5);
 }
 
 /// 3 per 3 s: fill at t0, at t0+1.2 s a 429 says retry-after 2; waiting 1 s

@@ -85,10 +85,55 @@ impl<'de> Deserialize<'de> for ConfigDuration {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn parse(text: &str) -> Result<Duration, DurationError> {
         text.parse::<ConfigDuration>().map(|d| d.0)
+    }
+
+    /// Every unit with its length in milliseconds.
+    const UNITS: [(&str, u64); 5] = [
+        ("ms", 1),
+        ("s", 1_000),
+        ("m", 60_000),
+        ("h", 3_600_000),
+        ("d", 86_400_000),
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_text_parses_or_is_refused(text in any::<String>()) {
+            let _ = parse(&text);
+        }
+
+        /// Digits then anything: the shape of a duration, so the parser gets past the number.
+        #[test]
+        fn any_text_after_digits_parses_or_is_refused(text in "[0-9]{0,24}\\PC{0,4}") {
+            let _ = parse(&text);
+        }
+
+        /// A number and a unit, written with any leading zeros and surrounding spaces, is
+        /// exactly that many units, or refused as zero or too long.
+        #[test]
+        fn a_number_and_a_unit_read_back_exactly(
+            value in prop_oneof![any::<u64>(), 0u64..100_000],
+            (unit, millis_per_unit) in prop::sample::select(&UNITS[..]),
+            zeros in 0usize..4,
+            spaces in 0usize..3,
+        ) {
+            let pad = " ".repeat(spaces);
+            let text = format!("{pad}{}{value}{unit}{pad}", "0".repeat(zeros));
+            let expected = match value.checked_mul(millis_per_unit) {
+                None => Err(DurationError::Overflow(text.clone())),
+                Some(0) => Err(DurationError::Zero(text.clone())),
+                Some(millis) => Ok(Duration::from_millis(millis)),
+            };
+            prop_assert_eq!(parse(&text), expected);
+        }
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 30_000;
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub listen: SocketAddr,
-    pub admin_listen: SocketAddr,
+    pub admin_listen: Spanned<SocketAddr>,
     #[serde(default)]
     pub server: ServerConfig,
     #[serde(default)]
@@ -143,7 +143,7 @@ pub struct RedisConfig {
     #[serde(default = "default_store_timeout")]
     pub timeout: ConfigDuration,
     #[serde(default = "default_pool_size")]
-    pub pool_size: Positive,
+    pub pool_size: types::PoolSize,
 }
 
 #[derive(Debug, Deserialize)]
@@ -258,8 +258,8 @@ fn default_key_prefix() -> Name {
 fn default_store_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_STORE_TIMEOUT_MS))
 }
-fn default_pool_size() -> Positive {
-    Positive(DEFAULT_POOL_SIZE)
+fn default_pool_size() -> types::PoolSize {
+    types::PoolSize(DEFAULT_POOL_SIZE)
 }
 fn default_connect_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS))
@@ -368,9 +368,12 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
                 column: l.column(),
             })
             .unwrap_or_default();
-        // serde_path_to_error writes `.` for the document root.
-        let field = if failed_at == "." { "" } else { &failed_at };
-        ConfigError::invalid(file, position, field, plain_message(&err))
+        ConfigError::invalid(
+            file,
+            position,
+            field_of(&failed_at, &err),
+            plain_message(&err),
+        )
     })
 }
 
@@ -395,8 +398,52 @@ fn options() -> serde_saphyr::Options {
     }
 }
 
-/// The parser appends " at line L, column C"; we print the position up front instead.
+/// The key given twice, when the error is a duplicate key.
+fn duplicate_key(err: &serde_saphyr::Error) -> Option<&str> {
+    match err.without_snippet() {
+        serde_saphyr::Error::DuplicateMappingKey { key, .. } => key.as_deref(),
+        _ => None,
+    }
+}
+
+/// The field path of an error, as the user wrote it. serde_path_to_error writes `.` for the
+/// document root and `?` for a mapping key it has not read (as with a duplicate key, which the
+/// parser names), and sees a `Spanned` field as a struct holding the value in a field `value`,
+/// a segment that is not in the file. (Right under `upstreams`, `value` is an upstream's name.)
+fn field_of(failed_at: &str, err: &serde_saphyr::Error) -> String {
+    if failed_at == "." {
+        return String::new();
+    }
+    let mut path = String::new();
+    for segment in failed_at.split('.') {
+        let spanned_value = segment
+            .strip_prefix("value")
+            .filter(|rest| rest.is_empty() || rest.starts_with('['));
+        match (spanned_value, duplicate_key(err)) {
+            (Some(index), _) if !path.is_empty() && path != "upstreams" => {
+                path.push_str(index);
+                continue;
+            }
+            (_, Some(key)) if segment == "?" => segment_into(&mut path, key),
+            _ => segment_into(&mut path, segment),
+        }
+    }
+    path
+}
+
+fn segment_into(path: &mut String, segment: &str) {
+    if !path.is_empty() {
+        path.push('.');
+    }
+    path.push_str(segment);
+}
+
+/// The parser appends " at line L, column C"; we print the position up front instead. Its
+/// message for a duplicate key suggests a parser option, which is no help to a user.
 fn plain_message(err: &serde_saphyr::Error) -> String {
+    if let Some(key) = duplicate_key(err) {
+        return format!("`{key}` is given twice; each key may appear once");
+    }
     let text = err.to_string();
     match text.rfind(" at line ") {
         Some(cut) => text[..cut].to_owned(),
@@ -406,6 +453,8 @@ fn plain_message(err: &serde_saphyr::Error) -> String {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn error_of(yaml: &str) -> String {
@@ -438,6 +487,28 @@ mod tests {
     }
 
     #[test]
+    fn field_paths_are_as_written() {
+        let route = "routes:\n  - name: \"a b\"\n    match: { path_prefix: / }\n";
+        let err = error_of(&format!("{HEAD}{route}"));
+        assert!(
+            err.starts_with("test.yaml:4:11: routes[0].name: a name"),
+            "{err}"
+        );
+        let limit = "    respond: { status: 200 }\n    limits: [{ name: a, key: [client_ip, \"cookie:x\"], requests: 1, window: 1s }]\n";
+        let err = error_of(&format!("{HEAD}{}{limit}", route.replace("\"a b\"", "r")));
+        assert!(
+            err.contains(": routes[0].limits[0].key[1]: expected a key part"),
+            "{err}"
+        );
+        let upstream = "upstreams:\n  value: { url: nonsense }\nroutes: []\n";
+        let err = error_of(&format!("{HEAD}{upstream}"));
+        assert!(
+            err.contains(": upstreams.value.url: expected a URL"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn zero_requests_are_refused() {
         let yaml = format!(
             "{HEAD}routes:\n  - name: x\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits: [{{ name: a, key: [client_ip], requests: 0, window: 1s }}]\n"
@@ -464,5 +535,143 @@ mod tests {
             .to_string();
         assert!(err.contains("budget") || err.contains("alias"), "{err}");
         assert!(started.elapsed() < std::time::Duration::from_secs(2));
+    }
+
+    /// A valid file that uses every field, the starting point of the mutations below.
+    const VALID: &str = r#"listen: 127.0.0.1:8080
+admin_listen: 127.0.0.1:9090
+store:
+  redis:
+    url: redis://127.0.0.1:6379/0
+    timeout: 50ms
+    pool_size: 32
+  key_prefix: sluice
+upstreams:
+  api:
+    url: "http://127.0.0.1:3000/v1"
+    connect_timeout: 2s
+    timeout: 30s
+routes:
+  - name: login
+    match:
+      path_prefix: /login
+      methods: [POST]
+    upstream: api
+    limits:
+      - name: per-ip
+        key: [client_ip, "header:x-api-key"]
+        requests: 5
+        window: 1m
+  - name: status
+    match: { path_prefix: /status }
+    respond:
+      status: 200
+      body: "ok\n"
+      content_type: text/plain
+"#;
+
+    /// One change to a line-oriented YAML file.
+    #[derive(Debug, Clone)]
+    enum Edit {
+        /// Replace what follows the line's first `:` (or the whole line) with this text.
+        Value(prop::sample::Index, String),
+        Delete(prop::sample::Index),
+        Duplicate(prop::sample::Index),
+        /// Add or remove this many leading spaces.
+        Indent(prop::sample::Index, i8),
+        /// Replace one byte of the file.
+        Byte(prop::sample::Index, u8),
+    }
+
+    fn edit() -> impl Strategy<Value = Edit> {
+        let line = any::<prop::sample::Index>;
+        prop_oneof![
+            (line(), "\\PC{0,12}").prop_map(|(i, v)| Edit::Value(i, v)),
+            (line(), r#"[ -~]{0,12}"#).prop_map(|(i, v)| Edit::Value(i, v)),
+            line().prop_map(Edit::Delete),
+            line().prop_map(Edit::Duplicate),
+            (line(), -4i8..=4).prop_map(|(i, n)| Edit::Indent(i, n)),
+            (line(), any::<u8>()).prop_map(|(i, b)| Edit::Byte(i, b)),
+        ]
+    }
+
+    fn apply(text: &str, edits: &[Edit]) -> String {
+        let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        for edit in edits {
+            if lines.is_empty() {
+                break;
+            }
+            match edit {
+                Edit::Value(i, value) => {
+                    let at = i.index(lines.len());
+                    let line = &mut lines[at];
+                    let keep = line.find(':').map_or(0, |colon| colon + 1);
+                    line.truncate(keep);
+                    line.push(' ');
+                    line.push_str(value);
+                }
+                Edit::Delete(i) => {
+                    lines.remove(i.index(lines.len()));
+                }
+                Edit::Duplicate(i) => {
+                    let at = i.index(lines.len());
+                    lines.insert(at, lines[at].clone());
+                }
+                Edit::Indent(i, n) => {
+                    let at = i.index(lines.len());
+                    let line = &mut lines[at];
+                    if *n >= 0 {
+                        line.insert_str(0, &" ".repeat(*n as usize));
+                    } else {
+                        let spaces = line.len() - line.trim_start_matches(' ').len();
+                        line.drain(..spaces.min(n.unsigned_abs() as usize));
+                    }
+                }
+                Edit::Byte(i, byte) => {
+                    let mut bytes = lines.join("\n").into_bytes();
+                    if !bytes.is_empty() {
+                        let at = i.index(bytes.len());
+                        bytes[at] = *byte;
+                    }
+                    let text = String::from_utf8_lossy(&bytes).into_owned();
+                    lines = text.lines().map(str::to_owned).collect();
+                }
+            }
+        }
+        lines.join("\n") + "\n"
+    }
+
+    /// `parse` answers every input with a config or an error that names the file.
+    fn parses_or_names_the_file(text: &str) -> Result<(), TestCaseError> {
+        if let Err(err) = parse(text, Path::new("fuzz.yaml")) {
+            let message = err.to_string();
+            prop_assert!(message.starts_with("fuzz.yaml"), "{}", message);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_mutations_start_from_a_valid_file() {
+        let config = parse(VALID, Path::new("valid.yaml")).expect("VALID parses");
+        assert_eq!(config.routes.len(), 2);
+        assert_eq!(apply(VALID, &[]), VALID);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn arbitrary_bytes_parse_or_are_refused(
+            bytes in prop::collection::vec(any::<u8>(), 0..2048),
+        ) {
+            parses_or_names_the_file(&String::from_utf8_lossy(&bytes))?;
+        }
+
+        #[test]
+        fn mutations_of_a_valid_file_parse_or_are_refused(
+            edits in prop::collection::vec(edit(), 1..6),
+        ) {
+            parses_or_names_the_file(&apply(VALID, &edits))?;
+        }
     }
 }

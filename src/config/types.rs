@@ -204,6 +204,28 @@ impl<'de> Deserialize<'de> for Positive {
     }
 }
 
+/// The number of pooled Redis connections, 1 to `PoolSize::MAX`. The pool reserves room for
+/// all of them when it is built, so a slip like `pool_size: 3200000000` must fail `check`
+/// rather than ask for gigabytes at `run`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolSize(pub u32);
+
+impl PoolSize {
+    pub const MAX: u32 = 1024;
+}
+
+impl<'de> Deserialize<'de> for PoolSize {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match Positive::deserialize(deserializer)? {
+            Positive(size) if size > PoolSize::MAX => Err(D::Error::custom(format!(
+                "at most {} connections, got {size}",
+                PoolSize::MAX
+            ))),
+            Positive(size) => Ok(PoolSize(size)),
+        }
+    }
+}
+
 /// The status of a direct response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Status(pub StatusCode);

@@ -38,12 +38,11 @@ impl RedisStore {
         let client = redis::Client::open(url).map_err(|e| StoreError::Connection(e.to_string()))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
-            // The call's own timeout bounds every wait; the manager keeps reconnecting in the
-            // background with backoff, up to a second apart.
+            // The call's own timeout bounds every wait. A broken connection is reconnected
+            // once, at once, and a refused reconnection fails the calls waiting on it at once
+            // rather than holding them for their timeout; the next call tries again.
             .set_response_timeout(None)
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_secs(1))
-            .set_number_of_retries(usize::MAX);
+            .set_number_of_retries(0);
         let connections = (0..connections.max(1))
             .map(|_| ConnectionManager::new_lazy_with_config(client.clone(), config.clone()))
             .collect::<Result<Vec<_>, _>>()

@@ -68,10 +68,10 @@ pub struct Upstream {
 impl Policy {
     /// Checks the config as a whole and builds the policy. `file` names the source in errors.
     pub fn compile(config: &Config, file: &Path, metrics: &Metrics) -> Result<Policy, ConfigError> {
-        if config.listen == config.admin_listen {
+        if config.listen == config.admin_listen.value {
             return Err(ConfigError::invalid(
                 file,
-                Position::default(),
+                Position::from(&config.admin_listen),
                 "admin_listen",
                 format!("must differ from `listen` ({})", config.listen),
             ));
