@@ -1,16 +1,5 @@
 //! sluice: a rate-limiting reverse proxy. This file is the command line and start-up wiring
-//! only; the request path starts in `server` and `proxy`.
-
-mod admin;
-mod config;
-mod keys;
-mod limiter;
-mod metrics;
-mod path;
-mod policy;
-mod proxy;
-mod response;
-mod server;
+//! only; the request path starts in `server` and `proxy` (see `lib.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -20,11 +9,12 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use tokio::sync::watch;
 
-use crate::admin::Admin;
-use crate::limiter::{RedisStore, Store};
-use crate::metrics::Metrics;
-use crate::policy::Policy;
-use crate::proxy::Gateway;
+use sluice::admin::Admin;
+use sluice::limiter::{RedisStore, Store};
+use sluice::metrics::Metrics;
+use sluice::policy::Policy;
+use sluice::proxy::{self, Gateway};
+use sluice::{config, server};
 
 #[derive(Parser)]
 #[command(

@@ -23,6 +23,14 @@ impl Matcher {
         }
     }
 
+    /// The first segment of the prefix, which a request's path must start with for this route
+    /// to match; `None` when the prefix is `/` and takes every path.
+    pub fn first_segment(&self) -> Option<&str> {
+        let rest = self.path_prefix.strip_prefix('/')?;
+        let segment = rest.split('/').next().unwrap_or(rest);
+        (!segment.is_empty()).then_some(segment)
+    }
+
     pub fn matches(&self, method: &Method, path: &str) -> bool {
         (self.methods.is_empty() || self.methods.contains(method)) && self.matches_path(path)
     }

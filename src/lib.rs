@@ -1,0 +1,20 @@
+//! sluice: a rate-limiting reverse proxy. One request's path through the modules:
+//!
+//! `server` (accept, HTTP/1.1 and h2c, connection limits) → `proxy` (the request phases:
+//! `path` canonicalization and head limits, routing on the `policy`, `keys` for each limit,
+//! the `limiter` decision, then a `response` of 429 or a forward to the upstream) — with
+//! `metrics` observing each step and `admin` serving them. `config` reads the policy file.
+//!
+//! The binary (`main.rs`) is the command line around this library; the library exists so
+//! that benchmarks can measure its parts.
+
+pub mod admin;
+pub mod config;
+pub mod keys;
+pub mod limiter;
+pub mod metrics;
+pub mod path;
+pub mod policy;
+pub mod proxy;
+pub mod response;
+pub mod server;
