@@ -24,8 +24,8 @@ pub use types::{
 
 /// Default timeout of one store call, including waiting for a pooled connection.
 pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 50;
-/// Default number of pooled Redis connections.
-pub const DEFAULT_POOL_SIZE: u32 = 32;
+/// Default number of multiplexed Redis connections (few suffice: each carries many decisions).
+pub const DEFAULT_POOL_SIZE: u32 = 4;
 /// Default prefix of every key sluice writes to the store.
 pub const DEFAULT_KEY_PREFIX: &str = "sluice";
 /// Default longest request line (method, target and version) accepted; longer gets 414.
