@@ -660,6 +660,7 @@ class Row:
     scenario: str
     target: Target
     rps: float
+    spread: float | None  # (max - min) / median of the rounds' req/s; None for one round
     rate: float
     rejected: float  # share of requests answered 4xx/5xx
     other_errors: int
@@ -689,6 +690,8 @@ def summarise(targets: list[Target], results: dict) -> list[Row]:
             rows.append(Row(
                 scenario=scenario, target=target,
                 rps=statistics.median(r.rps for r in runs),
+                spread=(max(r.rps for r in runs) - min(r.rps for r in runs))
+                / statistics.median(r.rps for r in runs) if len(runs) > 1 else None,
                 rate=runs[0].rate,
                 rejected=rejected / n,
                 other_errors=sum(r.other_errors for r in runs),
@@ -731,7 +734,7 @@ def fmt(value, spec: str, none: str = "-") -> str:
 
 
 def table(rows: list[Row]) -> str:
-    header = ["scenario", "target", "req/s", "× nginx", "× node", "rejected", "p50 ms",
+    header = ["scenario", "target", "req/s", "spread", "× nginx", "× node", "rejected", "p50 ms",
               "p99 ms", "+p50 ms", "proxy CPU s/100k", "Redis CPU s/100k",
               "Redis cmds/req (scripts)"]
     lines = []
@@ -744,6 +747,7 @@ def table(rows: list[Row]) -> str:
             rejected += f" +{row.other_errors} err"
         lines.append([
             row.scenario, row.target.name, rps,
+            "-" if row.spread is None or row.scenario == "latency" else f"{100 * row.spread:.0f} %",
             fmt(row.vs_nginx, ".2f") + ("×" if row.vs_nginx is not None else ""),
             fmt(row.vs_node, ".1f") + ("×" if row.vs_node is not None else ""),
             rejected, f"{row.p50_ms:.2f}", f"{row.p99_ms:.2f}",
@@ -752,7 +756,7 @@ def table(rows: list[Row]) -> str:
         ])
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
               for i, h in enumerate(header)]
-    right = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11}
+    right = set(range(2, len(header)))
 
     def cells(values):
         return "| " + " | ".join(
@@ -770,7 +774,10 @@ def checks(rows: list[Row]) -> list[str]:
     out = []
 
     def line(ok: bool | None, text: str) -> None:
-        out.append(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'}  {text}")
+        if ok is None:
+            out.append(f"SKIP  {text.replace('-×', '-')} (not measured in this run)")
+        else:
+            out.append(f"{'PASS' if ok else 'FAIL'}  {text}")
 
     def ratio(scenario, name, peer):
         a, b = index.get((scenario, name)), index.get((scenario, peer))
@@ -1052,8 +1059,9 @@ Load:
   well-behaved keys, {MIXED_ABUSE_PERCENT} % from {MIXED_ABUSERS} abusive keys over their limit.
   wrk, closed loop, `-t{opts.wrk_threads} -c{opts.connections}`, {opts.duration} s per run after
   a {opts.warmup} s warm-up of every target; {opts.rounds} rounds, targets in alternating order
-  (forwards, backwards, ...); the table shows the median round (req/s, p50, p99) and totals
-  over all rounds (rejected, CPU, Redis).
+  (forwards, backwards, ...); the table shows the median round (req/s, p50, p99), the
+  spread of req/s over the rounds ((max − min) / median: how noisy the machine was), and
+  totals over all rounds (rejected, CPU, Redis).
 - **latency**: open loop, bench/loadgen: a fixed schedule of requests (random keys as in
   admit), latency from each request's scheduled time to the end of its response, so waiting
   for a busy server counts (no coordinated omission), over {opts.loadgen_connections}
