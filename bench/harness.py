@@ -963,6 +963,7 @@ def machine() -> dict:
 
 
 def versions() -> list[str]:
+    """Each peer's version, as `command`: what it printed."""
     node_pkgs = []
     for pkg in ("express", "rate-limiter-flexible", "ioredis", "http-proxy"):
         p = PEERS / "node" / "node_modules" / pkg / "package.json"
@@ -972,15 +973,18 @@ def versions() -> list[str]:
         ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
         capture_output=True, text=True,
     ).stdout.strip()
+    printed = [
+        (argv, command_output(argv))
+        for argv in (["rustc", "--version"], ["nginx", "-v"], ["haproxy", "-v"],
+                     ["redis-server", "--version"], ["node", "--version"], ["wrk", "--version"])
+    ]
     return [
-        f"sluice: commit {commit}{' (with uncommitted changes)' if dirty else ''}, "
-        f"`cargo build --release --locked`, {command_output(['rustc', '--version'])}",
-        f"nginx: {command_output(['nginx', '-v'])}",
-        f"HAProxy: {command_output(['haproxy', '-v'])}",
-        f"Redis: {command_output(['redis-server', '--version'])}",
-        f"Node: {command_output(['node', '--version'])}; {', '.join(node_pkgs)}",
-        f"wrk: {command_output(['wrk', '--version'])}",
-        "open-loop generator: bench/loadgen (this repository; hyper 1, tokio)",
+        f"sluice: commit {commit}{' with uncommitted changes' if dirty else ''}, built with "
+        "`cargo build --release --locked`",
+        *(f"`{' '.join(argv)}`: {out}" for argv, out in printed),
+        f"Node peer (`npm ci`, bench/peers/node/package-lock.json): {', '.join(node_pkgs)}",
+        "open-loop generator: bench/loadgen (this repository; hyper 1, tokio), "
+        "`cargo build --release --locked`",
     ]
 
 
@@ -988,33 +992,31 @@ def write_results(path: Path, opts: Options, state: Path, started: dict, finishe
                   servers_seen: list[tuple[str, list[str]]], rows: list[Row], results: dict,
                   lines: list[str], mem: dict | None, note: str, rates: dict) -> None:
     m = machine()
-    st = str(state)
-    commands = "\n".join(f"{name}: {shlex.join(argv)}".replace(st, "$STATE")
-                         .replace(str(ROOT) + "/", "") for name, argv in servers_seen)
-    wrk_example = "\n".join(
+    n = workers()
+    commands = "\n".join(
+        f"{name}: {shlex.join(argv)}".replace(str(state), "$STATE").replace(str(ROOT) + "/", "")
+        for name, argv in servers_seen)
+    load = "\n".join(
         " ".join(wrk_command(opts, 0, opts.duration, wrk_args(s)))
         .replace(str(ROOT) + "/", "").replace(":0/", ":PORT/")
         for s in CLOSED_LOOP)
-    loadgen_example = " ".join(loadgen_command(opts, 0, 1000, opts.duration)).replace(
+    load += "\n" + " ".join(loadgen_command(opts, 0, 1000, opts.duration)).replace(
         str(ROOT) + "/", "").replace(":0/", ":PORT/").replace("--rate 1000", "--rate RATE")
     rate_text = ", ".join(f"{name} {rate:,.0f}" for name, rate in rates.items())
     seen = {row.target.name: row.target for row in rows}
     legend = "\n".join(f"- `{t.name}`: {t.label}" for t in seen.values())
+    bullets = lambda items: "\n".join(f"- {item}" for item in items)  # noqa: E731
     text = f"""# sluice benchmark results
 
-Written by `bash bench/run.sh` (a full run, {opts.rounds} rounds of {opts.duration} s per
-target and scenario) on {started['date']}. Run it again to replace this file.
+Written by `bash bench/run.sh` on {started['date']}: a full run, {opts.rounds} rounds of
+{opts.duration} s per target and scenario. Run it again to replace this file.
 
 {note.strip() + chr(10) + chr(10) if note.strip() else ''}## Machine
 
-- {m['nproc']} cores (`nproc`), {m['cpu']}, {m['memory']} of memory
+- {m['nproc']} cores (`nproc`), {m['cpu']} (`/proc/cpuinfo`), {m['memory']} of memory
 - {m['os']}, kernel {m['kernel']}
 - load average (1, 5, 15 min) at the start: {started['load']}; at the end: {finished['load']}
-- run time: {finished['seconds'] / 60:.1f} min after the build
-
-Everything — load generator, upstream, proxies, Redis — shares these cores over loopback.
-Absolute numbers say more about this machine than about the proxies; the ratios, measured
-in one run with the targets taking turns, are the point.
+- the run took {finished['seconds'] / 60:.1f} min after the build
 
 ## What ran
 
@@ -1024,9 +1026,9 @@ Targets:
 
 Versions:
 
-{chr(10).join('- ' + v for v in versions())}
+{bullets(versions())}
 
-Servers, as started (`$STATE` is the run's temporary directory; the configs are rendered there
+Servers, as started (`$STATE` is the run's temporary directory, where the configs are rendered
 from `bench/peers/` and `bench/sluice/`):
 
 ```
@@ -1036,44 +1038,41 @@ from `bench/peers/` and `bench/sluice/`):
 Load:
 
 ```
-{wrk_example}
-{loadgen_example}
+{load}
 ```
 
-- **Limit** on every limiting target: {LIMIT_REQUESTS} requests per {LIMIT_WINDOW_S} s per
-  `x-api-key`. nginx: `limit_req` (leaky bucket, rate {nginx_rate()}, burst {LIMIT_REQUESTS},
-  nodelay); HAProxy: a stick table with `http_req_rate({LIMIT_WINDOW_S}s)`, deny with 429
-  above {LIMIT_REQUESTS} (its rate counts rejected requests too); Node: rate-limiter-flexible's
-  `RateLimiterRedis` (fixed window, default options: no in-memory block); sluice: its exact
-  sliding log. Each was checked before the run: one key, {LIMIT_REQUESTS + 50} requests, about
-  {LIMIT_REQUESTS} answered 200 and the rest 429.
-- **Workers: the same footing on {m['nproc']} cores.** nginx `worker_processes {workers()}`,
-  HAProxy `nbthread {workers()}`, Node `cluster` with {workers()} workers, sluice's Tokio
-  runtime with {workers()} worker threads (its default: one per core; set explicitly with
-  `TOKIO_WORKER_THREADS`). The upstream is a separate nginx with 1 worker, the same for all;
-  Redis is single-threaded. With wrk ({opts.wrk_threads} threads), the upstream and Redis also
-  running, every proxy is oversubscribed the same way; none is pinned to a core.
-- **admit**: {ADMIT_KEYS:,} random API keys, each far under its limit: every request is decided
-  and forwarded. **flood**: one key, far over its limit: nearly every request is rejected
-  (429). **mixed**: {100 - MIXED_ABUSE_PERCENT} % of requests from the {ADMIT_KEYS:,}
+- **The limit**, on every limiting target: {LIMIT_REQUESTS} requests per {LIMIT_WINDOW_S} s per
+  `x-api-key`. nginx: `limit_req`, a leaky bucket (rate {nginx_rate()}, burst {LIMIT_REQUESTS},
+  nodelay). HAProxy: a stick table storing `http_req_rate({LIMIT_WINDOW_S}s)`, 429 above
+  {LIMIT_REQUESTS}. Node: rate-limiter-flexible's `RateLimiterRedis`, a fixed window, default
+  options. sluice: its exact sliding log. Before the run, each got one new key
+  {LIMIT_REQUESTS + 50} times and had to answer about {LIMIT_REQUESTS} of them 200 and the rest
+  429.
+- **Workers: one per core for every proxy.** nginx `worker_processes {n}`, HAProxy
+  `nbthread {n}`, Node `cluster` with {n} workers, sluice's Tokio runtime with {n} worker threads
+  (its default, one per core; set with `TOKIO_WORKER_THREADS`). The upstream is one more nginx
+  with 1 worker, the same for all. Redis is single-threaded.
+- **admit**: {ADMIT_KEYS:,} random API keys, each far under its limit, so every request is
+  decided and forwarded. **flood**: one key far over its limit, so nearly every request is
+  rejected. **mixed**: {100 - MIXED_ABUSE_PERCENT} % of requests from the {ADMIT_KEYS:,}
   well-behaved keys, {MIXED_ABUSE_PERCENT} % from {MIXED_ABUSERS} abusive keys over their limit.
-  wrk, closed loop, `-t{opts.wrk_threads} -c{opts.connections}`, {opts.duration} s per run after
-  a {opts.warmup} s warm-up of every target; {opts.rounds} rounds, targets in alternating order
-  (forwards, backwards, ...); the table shows the median round (req/s, p50, p99), the
-  spread of req/s over the rounds ((max − min) / median: how noisy the machine was), and
-  totals over all rounds (rejected, CPU, Redis).
-- **latency**: open loop, bench/loadgen: a fixed schedule of requests (random keys as in
-  admit), latency from each request's scheduled time to the end of its response, so waiting
-  for a busy server counts (no coordinated omission), over {opts.loadgen_connections}
-  kept-alive connections. Rate: {LATENCY_SHARE:.0%} of the lowest admit saturation among the
-  proxies, the same for every target (Node: {LATENCY_SHARE:.0%} of its own when lower).
-  Rates: {rate_text}. `+p50` is the target's median minus the upstream's median at the same
-  rate: what the proxy adds. The {generator_lag(results)}.
+  wrk, closed loop, `-t{opts.wrk_threads} -c{opts.connections}`, {opts.duration} s per run, after
+  a {opts.warmup} s warm-up of every target. {opts.rounds} rounds; in each the targets take
+  turns, in alternating order (forwards, backwards, ...). The table shows the median round for
+  req/s, p50 and p99, the spread of req/s over the rounds ((max − min) / median: how much the
+  machine moved), and totals over all rounds for the rest.
+- **latency**: open loop, bench/loadgen. Requests leave on a fixed schedule (random keys as in
+  admit) over {opts.loadgen_connections} kept-alive connections; each latency runs from the
+  request's scheduled time to the end of its response, so time spent waiting for a busy server
+  counts (no coordinated omission). The rate is {LATENCY_SHARE:.0%} of the lowest admit
+  saturation among the proxies, the same for every target so that `+p50` (the target's median
+  minus the upstream's median at the same rate) is what the proxy adds; Node, far slower, gets
+  {LATENCY_SHARE:.0%} of its own. Rates (req/s): {rate_text}. The {generator_lag(results)}.
 - **CPU s/100k**: utime + stime from `/proc/PID/stat` of the proxy's processes (master and
-  workers summed), and of Redis, over the runs, per 100 000 requests. **Redis cmds/req**:
-  `INFO commandstats` calls after `CONFIG RESETSTAT` (Redis flushed before each run), per
-  request, counting the commands scripts run inside; in brackets the script calls alone
-  (`EVALSHA`: round trips).
+  workers summed) and of Redis, per 100 000 requests. **Redis cmds/req**: calls in
+  `INFO commandstats` after `CONFIG RESETSTAT` (and `FLUSHALL`) before each run, per request,
+  including the commands scripts run; in brackets, script calls alone (`EVALSHA`), i.e. round
+  trips.
 
 ## Results
 
@@ -1084,6 +1083,23 @@ Load:
 ## Memory
 
 {memory_text(mem) if mem else 'Not measured in this run.'}
+
+## Caveats
+
+- Everything shares {m['nproc']} cores over loopback: wrk ({opts.wrk_threads} threads), the
+  upstream, the proxy and Redis. No proxy ever has {m['nproc']} cores to itself; each is
+  oversubscribed in the same way and none is pinned. Absolute figures say more about this
+  machine than about the proxies; the ratios within one run, and CPU per request, are the
+  point. The `upstream` row in *admit* is partly bound by wrk itself.
+- The limits are not the same algorithm: nginx's leaky bucket and Node's fixed window let
+  bursts through that sluice's sliding log refuses, and HAProxy counts rejected requests in its
+  rate, so a key that keeps flooding stays rejected. In *mixed*, the share rejected differs for
+  these reasons, not because of speed.
+- Node's limiter has an optional in-memory block of keys over their limit
+  (`inMemoryBlockOnConsumed`); it is off here (the default), so every Node request goes to
+  Redis, as every sluice-with-Redis request does today.
+- p99 on a shared 2-core machine is mostly scheduling noise; the open loop's figures include
+  the generator's own sending lag (above), equal for every target.
 """
     path.write_text(text)
 
