@@ -988,6 +988,13 @@ def versions() -> list[str]:
     ]
 
 
+def analysis() -> str:
+    """The hand-written account of the missed targets (bench/analysis.md): profiles and
+    reasoning a run cannot produce, kept beside the figures it explains."""
+    path = BENCH / "analysis.md"
+    return path.read_text().strip() if path.exists() else ""
+
+
 def write_results(path: Path, opts: Options, state: Path, started: dict, finished: dict,
                   servers_seen: list[tuple[str, list[str]]], rows: list[Row], results: dict,
                   lines: list[str], mem: dict | None, note: str, rates: dict) -> None:
@@ -1079,6 +1086,8 @@ Load:
 {table(rows)}
 
 {chr(10).join(lines)}
+
+{analysis()}
 
 ## Memory
 
