@@ -112,9 +112,9 @@ async fn run(file: &Path) -> anyhow::Result<()> {
             let store = RedisStore::new(&redis.url.0, redis.pool_size.0 as usize, redis.timeout.0)
                 .context("invalid Redis settings")?;
             if let Err(err) = store.load_script().await {
-                tracing::warn!(error = %err, "Redis is not answering yet; limited routes answer 503 until it does");
+                tracing::warn!(error = %err, "Redis is not answering yet; limited routes follow their on_store_error until it does");
             }
-            Store::redis(store, &metrics)
+            Store::redis(store, config.store.local.max_keys.0 as usize, &metrics)
         }
         None => Store::local(config.store.local.max_keys.0 as usize, &metrics),
     };

@@ -8,6 +8,8 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+use crate::config::OnStoreError;
+
 /// What happened to a request, as counted by `sluice_requests_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -106,6 +108,9 @@ pub struct Metrics {
     pub local_keys: IntGauge,
     pub local_evictions: IntCounter,
     pub deny_cache_answers: IntCounter,
+    pub store_fallback_active: IntGauge,
+    pub store_breaker_transitions: IntCounterVec,
+    pub store_fallback_decisions: IntCounterVec,
 }
 
 /// Buckets for whole requests: from a fast local answer to a slow upstream.
@@ -190,6 +195,24 @@ impl Metrics {
             "sluice_deny_cache_answers_total",
             "Rejections answered from the exact deny cache without a store call.",
         )?;
+        let store_fallback_active = IntGauge::new(
+            "sluice_store_fallback_active",
+            "1 while the store's breaker is open and limited routes decide by their on_store_error.",
+        )?;
+        let store_breaker_transitions = IntCounterVec::new(
+            Opts::new(
+                "sluice_store_breaker_transitions_total",
+                "Times the store's breaker opened (the store kept failing) or closed (it answered again).",
+            ),
+            &["to"],
+        )?;
+        let store_fallback_decisions = IntCounterVec::new(
+            Opts::new(
+                "sluice_store_fallback_decisions_total",
+                "Requests decided without the store because it failed, by route and on_store_error action (local, allow, deny).",
+            ),
+            &["route", "action"],
+        )?;
         for refusal in Refusal::ALL {
             refused.with_label_values(&[refusal.label()]);
         }
@@ -199,6 +222,9 @@ impl Metrics {
         registry.register(Box::new(local_keys.clone()))?;
         registry.register(Box::new(local_evictions.clone()))?;
         registry.register(Box::new(deny_cache_answers.clone()))?;
+        registry.register(Box::new(store_fallback_active.clone()))?;
+        registry.register(Box::new(store_breaker_transitions.clone()))?;
+        registry.register(Box::new(store_fallback_decisions.clone()))?;
         registry.register(Box::new(limit_decisions.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
         registry.register(Box::new(store_call_duration.clone()))?;
@@ -217,6 +243,9 @@ impl Metrics {
             local_keys,
             local_evictions,
             deny_cache_answers,
+            store_fallback_active,
+            store_breaker_transitions,
+            store_fallback_decisions,
         })
     }
 
@@ -225,8 +254,16 @@ impl Metrics {
     pub fn for_route(&self, route: &str) -> RouteMetrics {
         let outcomes =
             Outcome::ROUTED.map(|o| (o, self.requests.with_label_values(&[route, o.label()])));
+        let fallback =
+            [OnStoreError::Local, OnStoreError::Allow, OnStoreError::Deny].map(|action| {
+                let counter = self
+                    .store_fallback_decisions
+                    .with_label_values(&[route, action.label()]);
+                (action, counter)
+            });
         RouteMetrics {
             outcomes,
+            fallback,
             duration: self.request_duration.with_label_values(&[route]),
         }
     }
@@ -254,6 +291,8 @@ impl Metrics {
 #[derive(Clone)]
 pub struct RouteMetrics {
     outcomes: [(Outcome, IntCounter); Outcome::ROUTED.len()],
+    /// `sluice_store_fallback_decisions_total` of this route, by action.
+    fallback: [(OnStoreError, IntCounter); 3],
     pub duration: Histogram,
 }
 
@@ -261,6 +300,13 @@ impl RouteMetrics {
     pub fn count(&self, outcome: Outcome) {
         // Outcomes before routing have no route to count under; the gateway counts them.
         if let Some((_, counter)) = self.outcomes.iter().find(|(o, _)| *o == outcome) {
+            counter.inc();
+        }
+    }
+
+    /// Counts a request decided without the store, by what the route did instead.
+    pub fn count_fallback(&self, action: OnStoreError) {
+        if let Some((_, counter)) = self.fallback.iter().find(|(a, _)| *a == action) {
             counter.inc();
         }
     }

@@ -43,6 +43,7 @@ routes:
     match:
       path_prefix: /api
     upstream: api
+    on_store_error: deny
     limits:
       - name: per-key
         key: ["header:x-api-key"]

@@ -15,6 +15,7 @@ async fn start(redis: &Redis) -> Sluice {
     let yaml = format!(
         r#"store:
   redis: {{ url: "{}", timeout: {TIMEOUT_MS}ms, pool_size: 2 }}
+  on_store_error: deny
 routes:
   - name: api
     match: {{ path_prefix: / }}

@@ -19,7 +19,8 @@ pub use serde_saphyr::Spanned;
 
 pub use duration::ConfigDuration;
 pub use types::{
-    ByteSize, KeyPart, MethodName, Name, PathPrefix, Positive, RedisUrl, Status, UpstreamUrl,
+    ByteSize, KeyPart, MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, Status,
+    UpstreamUrl,
 };
 
 /// Default timeout of one store call, including waiting for a pooled connection.
@@ -105,6 +106,9 @@ pub struct StoreConfig {
     pub redis: Option<RedisConfig>,
     #[serde(default)]
     pub local: LocalConfig,
+    /// What limited routes do when Redis cannot decide, unless a route says otherwise.
+    #[serde(default = "default_on_store_error")]
+    pub on_store_error: OnStoreError,
     #[serde(default = "default_key_prefix")]
     pub key_prefix: Name,
 }
@@ -114,6 +118,7 @@ impl Default for StoreConfig {
         StoreConfig {
             redis: None,
             local: LocalConfig::default(),
+            on_store_error: default_on_store_error(),
             key_prefix: default_key_prefix(),
         }
     }
@@ -166,6 +171,8 @@ pub struct RouteConfig {
     pub respond: Option<Spanned<RespondConfig>>,
     /// Largest request body forwarded; overrides `server.max_body`.
     pub max_body: Option<ByteSize>,
+    /// Overrides `store.on_store_error` for this route.
+    pub on_store_error: Option<OnStoreError>,
     #[serde(default)]
     pub limits: Vec<LimitConfig>,
 }
@@ -250,6 +257,12 @@ fn count_within<'de, const MIN: u32, const MAX: u32, D: serde::Deserializer<'de>
         )));
     }
     Ok(Positive(count))
+}
+
+/// `local`: a Redis outage neither turns into an API outage (`deny`) nor lifts every limit
+/// (`allow`); each instance keeps enforcing the limits on its own.
+fn default_on_store_error() -> OnStoreError {
+    OnStoreError::Local
 }
 
 fn default_key_prefix() -> Name {

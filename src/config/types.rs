@@ -90,6 +90,29 @@ impl FromStr for KeyPart {
     }
 }
 
+/// What a limited route does when the store cannot decide (Redis down, slow, or its breaker
+/// open).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStoreError {
+    /// Decide with this instance's in-process store, same algorithm.
+    Local,
+    /// Admit without deciding.
+    Allow,
+    /// Refuse with 503.
+    Deny,
+}
+
+impl OnStoreError {
+    pub fn label(self) -> &'static str {
+        match self {
+            OnStoreError::Local => "local",
+            OnStoreError::Allow => "allow",
+            OnStoreError::Deny => "deny",
+        }
+    }
+}
+
 /// An HTTP method a route matches.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MethodName(pub Method);

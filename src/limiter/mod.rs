@@ -7,15 +7,18 @@
 //! Redis (shared by every sluice instance, with an exact cache of its rejections in front) or
 //! in process memory (one instance).
 
+mod breaker;
 mod deny_cache;
 mod local;
 mod redis;
 mod sliding_log;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, IntCounter};
 
+use self::breaker::{Breaker, BreakerMetrics};
 use self::deny_cache::DenyCache;
 use self::local::{LocalMetrics, LocalStore};
 pub use self::redis::RedisStore;
@@ -59,6 +62,10 @@ pub enum StoreError {
     Connection(String),
     #[error("the store answered with an error: {0}")]
     Script(String),
+    /// The breaker is open: the store failed repeatedly and is not being called until it
+    /// answers a probe again.
+    #[error("the store is failing; not calling it until it answers again")]
+    Unavailable,
 }
 
 /// `sluice_store_errors_total` of one store, one counter per kind.
@@ -78,23 +85,28 @@ impl ErrorCounters {
         }
     }
 
-    fn of(&self, err: &StoreError) -> &IntCounter {
+    /// The counter of a failed call; none when no call was made (the breaker was open).
+    fn of(&self, err: &StoreError) -> Option<&IntCounter> {
         match err {
-            StoreError::Timeout(_) => &self.timeout,
-            StoreError::Connection(_) => &self.connection,
-            StoreError::Script(_) => &self.script,
+            StoreError::Timeout(_) => Some(&self.timeout),
+            StoreError::Connection(_) => Some(&self.connection),
+            StoreError::Script(_) => Some(&self.script),
+            StoreError::Unavailable => None,
         }
     }
 }
 
 enum Backend {
     Local(LocalStore),
-    /// Shared by every instance, with the rejections it decided remembered locally.
+    /// Shared by every instance, with the rejections it decided remembered locally, a
+    /// breaker in front, and an in-process store for routes that fall back to local limits.
     Redis {
-        store: RedisStore,
+        store: Arc<RedisStore>,
         denials: DenyCache,
         /// `sluice_deny_cache_answers_total`.
         cache_answers: IntCounter,
+        breaker: Arc<Breaker>,
+        fallback: LocalStore,
     },
 }
 
@@ -107,23 +119,28 @@ pub struct Store {
 }
 
 impl Store {
-    /// The in-process store, holding at most about `max_keys` keys.
+    /// The in-process store, holding at most `max_keys` keys.
     pub fn local(max_keys: usize, metrics: &Metrics) -> Store {
-        let local = LocalStore::new(
-            max_keys,
-            LocalMetrics {
-                keys: metrics.local_keys.clone(),
-                evictions: metrics.local_evictions.clone(),
-            },
-        );
-        Store::with_backend(Backend::Local(local), "local", metrics)
+        Store::with_backend(
+            Backend::Local(local_store(max_keys, metrics)),
+            "local",
+            metrics,
+        )
     }
 
-    pub fn redis(store: RedisStore, metrics: &Metrics) -> Store {
+    /// Redis, with an in-process store of at most `max_keys` keys for local fallback.
+    pub fn redis(store: RedisStore, max_keys: usize, metrics: &Metrics) -> Store {
+        let transitions = |to| metrics.store_breaker_transitions.with_label_values(&[to]);
         let backend = Backend::Redis {
-            store,
+            store: Arc::new(store),
             denials: DenyCache::new(),
             cache_answers: metrics.deny_cache_answers.clone(),
+            breaker: Arc::new(Breaker::new(BreakerMetrics {
+                open: metrics.store_fallback_active.clone(),
+                opened: transitions("open"),
+                closed: transitions("closed"),
+            })),
+            fallback: local_store(max_keys, metrics),
         };
         Store::with_backend(backend, "redis", metrics)
     }
@@ -150,23 +167,50 @@ impl Store {
                 store,
                 denials,
                 cache_answers,
+                breaker,
+                ..
             } => {
+                // A remembered denial is exact whatever state Redis is in.
                 if let Some(decision) = denials.answer(checks, started) {
                     cache_answers.inc();
                     return Ok(decision);
                 }
+                if breaker.is_open() {
+                    return Err(StoreError::Unavailable);
+                }
                 let result = store.decide(checks).await;
-                if let Ok(decision) = &result {
-                    denials.remember(checks, decision, started);
+                match &result {
+                    Ok(decision) => {
+                        breaker.record_success();
+                        denials.remember(checks, decision, started);
+                    }
+                    Err(_) => {
+                        if breaker.record_failure() {
+                            let store = Arc::clone(store);
+                            tokio::spawn(Arc::clone(breaker).probe(move || {
+                                let store = Arc::clone(&store);
+                                async move { store.ping().await.is_ok() }
+                            }));
+                        }
+                    }
                 }
                 result
             }
         };
         self.call_duration.observe(started.elapsed().as_secs_f64());
-        if let Err(err) = &result {
-            self.errors.of(err).inc();
+        if let Some(counter) = result.as_ref().err().and_then(|err| self.errors.of(err)) {
+            counter.inc();
         }
         result
+    }
+
+    /// Decides in this process's memory, with the same algorithm: the `local` answer to a
+    /// store that cannot decide. Each instance then counts on its own.
+    pub fn decide_locally(&self, checks: &[Check]) -> Decision {
+        match &self.backend {
+            Backend::Local(store) => store.decide(checks),
+            Backend::Redis { fallback, .. } => fallback.decide(checks),
+        }
     }
 
     /// Whether the store answers now (for readiness).
@@ -176,4 +220,14 @@ impl Store {
             Backend::Redis { store, .. } => store.ping().await,
         }
     }
+}
+
+fn local_store(max_keys: usize, metrics: &Metrics) -> LocalStore {
+    LocalStore::new(
+        max_keys,
+        LocalMetrics {
+            keys: metrics.local_keys.clone(),
+            evictions: metrics.local_evictions.clone(),
+        },
+    )
 }

@@ -15,7 +15,7 @@ use http::uri::Authority;
 use http::{Method, StatusCode};
 
 pub use self::matcher::Matcher;
-use crate::config::{Config, ConfigError, KeyPart, Name, Position, RouteConfig};
+use crate::config::{Config, ConfigError, KeyPart, Name, OnStoreError, Position, RouteConfig};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::proxy::UpstreamClient;
 use crate::response;
@@ -90,6 +90,8 @@ pub struct Route {
     pub limits: Vec<Limit>,
     /// Largest request body forwarded, in bytes; `None`: unlimited.
     pub max_body: Option<u64>,
+    /// What to do when the store cannot decide.
+    pub on_store_error: OnStoreError,
     /// The `RateLimit-Policy` field describing every limit of the route; `None` without limits.
     pub rate_limit_policy: Option<HeaderValue>,
     pub metrics: RouteMetrics,
@@ -171,6 +173,7 @@ impl Policy {
                 matcher: Matcher::new(&route.matcher),
                 action,
                 max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
+                on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
                 rate_limit_policy: response::rate_limit_policy(&limits),
                 limits,
                 metrics: metrics.for_route(route.name.value.as_str()),

@@ -23,6 +23,7 @@ pub use self::body::ProxyBody;
 use self::forward::ForwardError;
 pub use self::forward::UpstreamClient;
 pub use self::harden::HeadLimits;
+use crate::config::OnStoreError;
 use crate::keys;
 use crate::limiter::{Decision, Store};
 use crate::metrics::{Metrics, Outcome, Refusal};
@@ -174,8 +175,17 @@ impl Gateway {
         let decision = match self.store.decide(&checks).await {
             Ok(decision) => decision,
             Err(err) => {
-                tracing::warn!(route = %route.name, store = self.store.name(), error = %err, "store failed; refusing the request");
-                return Err((Outcome::StoreError, store_problem(request.uri().path())));
+                // Per request at debug: during an outage the breaker's transitions (warn) and
+                // the fallback counters say it once, not once per request.
+                tracing::debug!(route = %route.name, store = self.store.name(), error = %err, action = route.on_store_error.label(), "store failed");
+                route.metrics.count_fallback(route.on_store_error);
+                match route.on_store_error {
+                    OnStoreError::Local => self.store.decide_locally(&checks),
+                    OnStoreError::Allow => return Ok(None),
+                    OnStoreError::Deny => {
+                        return Err((Outcome::StoreError, store_problem(request.uri().path())))
+                    }
+                }
             }
         };
         for (limit, state) in route.limits.iter().zip(&decision.limits) {
