@@ -1,7 +1,8 @@
 //! The admin listener: `/metrics` for Prometheus, `/healthz` (the process is up) and `/readyz`
-//! (the policy is loaded and the store answers) for orchestrators. Kept on its own address so
-//! it is never exposed through the gateway's routes.
+//! (this instance should get traffic) for orchestrators. Kept on its own address so it is
+//! never exposed through the gateway's routes.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -14,6 +15,8 @@ use crate::proxy::{Gateway, ProxyBody};
 pub struct Admin {
     pub gateway: Arc<Gateway>,
     pub metrics: Arc<Metrics>,
+    /// Set on SIGTERM: `/readyz` answers 503 from then on.
+    pub draining: Arc<AtomicBool>,
 }
 
 impl Admin {
@@ -32,16 +35,40 @@ impl Admin {
                 response
             }
             "/healthz" => text(StatusCode::OK, "ok\n"),
-            "/readyz" => match self.gateway.store().ping().await {
-                Ok(()) => text(StatusCode::OK, "ready\n"),
-                Err(err) => text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    &format!("not ready: {} store: {err}\n", self.gateway.store().name()),
-                ),
-            },
+            "/readyz" => self.readiness().await,
             _ => text(
                 StatusCode::NOT_FOUND,
                 "not found: try /metrics, /healthz or /readyz\n",
+            ),
+        }
+    }
+}
+
+impl Admin {
+    /// Not ready while shutting down. When the store does not answer, not ready only if a
+    /// limited route refuses requests then (`on_store_error: deny`): routes that decide
+    /// locally or admit keep serving, and taking every instance out of the load balancer
+    /// would turn a Redis outage into an API outage.
+    async fn readiness(&self) -> Response<ProxyBody> {
+        if self.draining.load(Ordering::Relaxed) {
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not ready: shutting down\n",
+            );
+        }
+        let store = self.gateway.store();
+        match store.ping().await {
+            Ok(()) => text(StatusCode::OK, "ready\n"),
+            Err(err) if self.gateway.refuses_without_store() => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("not ready: {} store: {err}\n", store.name()),
+            ),
+            Err(err) => text(
+                StatusCode::OK,
+                &format!(
+                    "ready; {} store: {err}; limited routes follow on_store_error\n",
+                    store.name()
+                ),
             ),
         }
     }

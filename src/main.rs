@@ -3,7 +3,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
@@ -139,14 +141,24 @@ async fn run(file: &Path) -> anyhow::Result<()> {
     let open = |listener: &str| metrics.open_connections.with_label_values(&[listener]);
     let (gateway_open, admin_open) = (open("gateway"), open("admin"));
     let gateway = Arc::new(Gateway::new(policy, store, head_limits, &metrics));
+    let draining = Arc::new(AtomicBool::new(false));
     let admin = Arc::new(Admin {
         gateway: Arc::clone(&gateway),
         metrics,
+        draining: Arc::clone(&draining),
     });
     let (stop, stopping) = watch::channel(false);
+    let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
     tokio::spawn(async move {
         shutdown_signal().await;
-        tracing::info!("shutting down: finishing requests in flight");
+        // Unready first, so load balancers stop sending while the listeners still accept.
+        draining.store(true, Ordering::Relaxed);
+        tracing::info!(
+            ?shutdown_delay,
+            "shutting down: /readyz answers 503; listeners close after the delay"
+        );
+        tokio::time::sleep(shutdown_delay).await;
+        tracing::info!("listeners closed: finishing requests in flight");
         let _ = stop.send(true);
     });
     let serve_gateway = server::serve(

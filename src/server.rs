@@ -25,9 +25,6 @@ use tokio::sync::{watch, Semaphore};
 use crate::config::ServerConfig;
 use crate::proxy::ProxyBody;
 
-/// On shutdown, requests in flight get this long to finish.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
-
 /// Connections the kernel may hold, handshake done, until sluice accepts them. The standard
 /// library's (and tokio's) 128 is easily overrun by a burst of new connections, and each SYN
 /// dropped then waits a second for its retransmission. The kernel caps it at
@@ -51,6 +48,8 @@ pub struct Settings {
     pub max_connections: u32,
     pub header_read_timeout: Duration,
     pub idle_timeout: Duration,
+    /// Once the listener has closed, requests in flight get this long to finish.
+    pub shutdown_grace: Duration,
     /// The HTTP parser's own cap on a request head, in bytes and fields: twice the limits the
     /// gateway answers with a problem body, so that within them the gateway's precise answer
     /// wins, and past them the parser cuts a hostile head short without buffering it.
@@ -69,6 +68,7 @@ impl Settings {
             max_connections: config.max_connections.0,
             header_read_timeout: config.header_read_timeout.0,
             idle_timeout: config.idle_timeout.0,
+            shutdown_grace: config.shutdown_grace.0,
             // hyper refuses a buffer below 8 KiB.
             parser_max_head_bytes: usize::try_from(head).unwrap_or(usize::MAX).max(8192),
             parser_max_headers: config.max_headers.0 as usize * 2,
@@ -169,11 +169,12 @@ pub async fn serve<H, F>(
     }
     drop(listener);
     // Every open connection holds a slot: all of them back means every connection is done.
-    if tokio::time::timeout(SHUTDOWN_GRACE, slots.acquire_many(settings.max_connections))
+    let grace = settings.shutdown_grace;
+    if tokio::time::timeout(grace, slots.acquire_many(settings.max_connections))
         .await
         .is_err()
     {
-        tracing::warn!("some connections were still busy after {SHUTDOWN_GRACE:?}; closing them");
+        tracing::warn!("some connections were still busy after {grace:?}; closing them");
     }
 }
 

@@ -41,6 +41,8 @@ pub const DEFAULT_MAX_CONNECTIONS: u32 = 10_000;
 pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
 /// Default time a connection may go without sending or receiving a byte.
 pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 60_000;
+/// Default time requests in flight get to finish once the listeners have closed.
+pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 10_000;
 /// Default most keys the in-process store tracks; past it, the least recently used goes.
 pub const DEFAULT_LOCAL_MAX_KEYS: u32 = 100_000;
 /// Default time allowed to open a TCP connection to an upstream.
@@ -84,6 +86,11 @@ pub struct ServerConfig {
     pub header_read_timeout: ConfigDuration,
     #[serde(default = "default_idle_timeout")]
     pub idle_timeout: ConfigDuration,
+    /// After SIGTERM, how long `/readyz` answers 503 while the listeners still accept, so
+    /// load balancers stop sending first; absent: close at once.
+    pub shutdown_delay: Option<ConfigDuration>,
+    #[serde(default = "default_shutdown_grace")]
+    pub shutdown_grace: ConfigDuration,
 }
 
 impl Default for ServerConfig {
@@ -96,6 +103,8 @@ impl Default for ServerConfig {
             max_connections: default_max_connections(),
             header_read_timeout: default_header_read_timeout(),
             idle_timeout: default_idle_timeout(),
+            shutdown_delay: None,
+            shutdown_grace: default_shutdown_grace(),
         }
     }
 }
@@ -227,6 +236,9 @@ fn default_header_read_timeout() -> ConfigDuration {
 }
 fn default_idle_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_IDLE_TIMEOUT_MS))
+}
+fn default_shutdown_grace() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_SHUTDOWN_GRACE_MS))
 }
 fn default_local_max_keys() -> Positive {
     Positive(DEFAULT_LOCAL_MAX_KEYS)

@@ -65,6 +65,14 @@ impl Gateway {
         &self.store
     }
 
+    /// Whether some limited route answers 503 when the store cannot decide.
+    pub fn refuses_without_store(&self) -> bool {
+        self.policy
+            .routes
+            .iter()
+            .any(|route| !route.limits.is_empty() && route.on_store_error == OnStoreError::Deny)
+    }
+
     pub async fn handle(
         &self,
         mut request: Request<Incoming>,
