@@ -168,7 +168,7 @@ async fn redis_killed_under_load_local_and_allow_keep_serving_then_redis_decides
         task.await.unwrap();
     }
 
-    let seen = seen.lock().unwrap();
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
     assert_eq!((seen.unanswered, seen.not_connected), (0, 0));
     for route in ["local", "allow"] {
         let statuses = &seen.statuses[route];
@@ -376,7 +376,7 @@ async fn sigterm_under_load_fails_nothing_in_flight_and_readyz_goes_first() {
         .expect("sluice exits");
     assert!(status.success(), "{status}");
 
-    let seen = seen.lock().unwrap();
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
     let statuses = &seen.statuses["fast"];
     assert!(statuses.len() > 50, "the load ran: {}", statuses.len());
     assert!(
