@@ -874,22 +874,8 @@ async fn raw_http_inner(addr: SocketAddr, request: &str) -> RawResponse {
         );
         buf.extend_from_slice(&tmp[..n]);
     };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let (status, headers) = parse_head(&buf[..head_end]);
     let mut rest = buf[head_end + 4..].to_vec();
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap();
-    let status: u16 = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
-    let headers: Vec<(String, String)> = lines
-        .filter(|l| !l.is_empty())
-        .map(|l| {
-            let (n, v) = l.split_once(':').expect("header line");
-            (n.trim().to_ascii_lowercase(), v.trim().to_string())
-        })
-        .collect();
     let get = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
     let body = if let Some(len) = get("content-length") {
         let len: usize = len.parse().unwrap();
@@ -947,6 +933,27 @@ async fn raw_http_inner(addr: SocketAddr, request: &str) -> RawResponse {
         headers,
         body,
     }
+}
+
+/// The status and the (lower-cased name, value) header fields of a response head, without
+/// its final blank line.
+fn parse_head(head: &[u8]) -> (u16, Vec<(String, String)>) {
+    let head = String::from_utf8_lossy(head);
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap_or_default();
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+    let headers = lines
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let (n, v) = l.split_once(':').expect("header line");
+            (n.trim().to_ascii_lowercase(), v.trim().to_string())
+        })
+        .collect();
+    (status, headers)
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {

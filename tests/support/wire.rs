@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::RawResponse;
+use super::{find, RawResponse};
 
 /// One client connection, with what has been read but not yet parsed.
 pub struct Wire {
@@ -127,21 +127,7 @@ pub fn parse_responses(mut bytes: &[u8]) -> Vec<RawResponse> {
 /// bytes will come, so a body without framing ends here.
 fn parse_response(buf: &[u8], closed: bool) -> Option<(RawResponse, usize)> {
     let head_end = find(buf, b"\r\n\r\n")?;
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next()?;
-    let status: u16 = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
-    let headers: Vec<(String, String)> = lines
-        .filter(|l| !l.is_empty())
-        .map(|l| {
-            let (n, v) = l.split_once(':').expect("header line");
-            (n.trim().to_ascii_lowercase(), v.trim().to_string())
-        })
-        .collect();
+    let (status, headers) = super::parse_head(&buf[..head_end]);
     let get = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
     let body_start = head_end + 4;
     let rest = &buf[body_start..];
@@ -182,8 +168,4 @@ fn parse_chunked(mut rest: &[u8]) -> Option<(Vec<u8>, usize)> {
         body.extend_from_slice(rest.get(..size)?);
         rest = rest.get(size + 2..)?;
     }
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }
