@@ -14,7 +14,8 @@ use sluice::limiter::{RedisStore, Store};
 use sluice::metrics::Metrics;
 use sluice::policy::Policy;
 use sluice::proxy::{self, Gateway};
-use sluice::{config, server};
+use sluice::reload::{self, Reloader};
+use sluice::server;
 
 #[derive(Parser)]
 #[command(
@@ -67,19 +68,20 @@ fn main() -> ExitCode {
     }
 }
 
-/// Everything `run` checks before it binds its listeners.
+/// Everything `run` checks before it binds its listeners (and a reload checks before it
+/// replaces the policy): the file parsed and the policy compiled. Builds no clients.
 struct Loaded {
-    config: config::Config,
+    source: reload::Source,
     policy: Policy,
     metrics: Arc<Metrics>,
 }
 
 fn load(file: &Path) -> anyhow::Result<Loaded> {
-    let config = config::load(file)?;
+    let source = reload::read(file)?;
     let metrics = Arc::new(Metrics::new().context("cannot create the metrics registry")?);
-    let policy = Policy::compile(&config, file, &metrics)?;
+    let policy = Policy::compile(&source.config, file, &metrics)?;
     Ok(Loaded {
-        config,
+        source,
         policy,
         metrics,
     })
@@ -87,12 +89,13 @@ fn load(file: &Path) -> anyhow::Result<Loaded> {
 
 fn check(file: &Path) -> anyhow::Result<()> {
     let loaded = load(file)?;
+    let config = &loaded.source.config;
     println!(
         "{}: ok ({} routes, {} upstreams, store: {})",
         file.display(),
         loaded.policy.routes.len(),
-        loaded.config.upstreams.len(),
-        if loaded.config.store.redis.is_some() {
+        config.upstreams.len(),
+        if config.store.redis.is_some() {
             "redis"
         } else {
             "in-process"
@@ -103,10 +106,11 @@ fn check(file: &Path) -> anyhow::Result<()> {
 
 async fn run(file: &Path) -> anyhow::Result<()> {
     let Loaded {
-        config,
+        source,
         policy,
         metrics,
     } = load(file)?;
+    let config = &source.config;
     let store = match &config.store.redis {
         Some(redis) => {
             let store = RedisStore::new(&redis.url.0, redis.pool_size.0 as usize, redis.timeout.0)
@@ -141,9 +145,11 @@ async fn run(file: &Path) -> anyhow::Result<()> {
     let gateway = Arc::new(Gateway::new(policy, store, head_limits, &metrics));
     let admin = Arc::new(Admin {
         gateway: Arc::clone(&gateway),
-        metrics,
+        metrics: Arc::clone(&metrics),
     });
     let (stop, stopping) = watch::channel(false);
+    let reloader = Reloader::new(file, source, Arc::clone(&gateway), metrics);
+    tokio::spawn(reloader.run(stopping.clone()));
     tokio::spawn(async move {
         shutdown_signal().await;
         tracing::info!("shutting down: finishing requests in flight");

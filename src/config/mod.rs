@@ -62,7 +62,7 @@ pub struct Config {
 }
 
 /// What the listeners accept: sizes of the request head and body, connections, timeouts.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     #[serde(default = "default_max_request_line")]
@@ -99,7 +99,7 @@ impl Default for ServerConfig {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
     pub redis: Option<RedisConfig>,
@@ -120,7 +120,7 @@ impl Default for StoreConfig {
 }
 
 /// The in-process store, used when no Redis is configured.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LocalConfig {
     #[serde(default = "default_local_max_keys")]
@@ -136,7 +136,7 @@ impl Default for LocalConfig {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
     pub url: RedisUrl,

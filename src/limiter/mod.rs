@@ -61,6 +61,34 @@ pub enum StoreError {
     Script(String),
 }
 
+impl StoreError {
+    pub fn kind(&self) -> StoreErrorKind {
+        match self {
+            StoreError::Timeout(_) => StoreErrorKind::Timeout,
+            StoreError::Connection(_) => StoreErrorKind::Connection,
+            StoreError::Script(_) => StoreErrorKind::Script,
+        }
+    }
+}
+
+/// The kinds of `StoreError`, as counted by `sluice_store_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    Timeout,
+    Connection,
+    Script,
+}
+
+impl StoreErrorKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            StoreErrorKind::Timeout => "timeout",
+            StoreErrorKind::Connection => "connection",
+            StoreErrorKind::Script => "script",
+        }
+    }
+}
+
 /// `sluice_store_errors_total` of one store, one counter per kind.
 struct ErrorCounters {
     timeout: IntCounter,
@@ -70,19 +98,23 @@ struct ErrorCounters {
 
 impl ErrorCounters {
     fn new(metrics: &Metrics, store: &str) -> ErrorCounters {
-        let counter = |kind| metrics.store_errors.with_label_values(&[store, kind]);
+        let counter = |kind: StoreErrorKind| {
+            metrics
+                .store_errors
+                .with_label_values(&[store, kind.label()])
+        };
         ErrorCounters {
-            timeout: counter("timeout"),
-            connection: counter("connection"),
-            script: counter("script"),
+            timeout: counter(StoreErrorKind::Timeout),
+            connection: counter(StoreErrorKind::Connection),
+            script: counter(StoreErrorKind::Script),
         }
     }
 
     fn of(&self, err: &StoreError) -> &IntCounter {
-        match err {
-            StoreError::Timeout(_) => &self.timeout,
-            StoreError::Connection(_) => &self.connection,
-            StoreError::Script(_) => &self.script,
+        match err.kind() {
+            StoreErrorKind::Timeout => &self.timeout,
+            StoreErrorKind::Connection => &self.connection,
+            StoreErrorKind::Script => &self.script,
         }
     }
 }

@@ -1,6 +1,10 @@
 //! The compiled policy: routes with their matchers, actions and limits, built once from the
 //! config and never changed afterwards. This is where the parts of the file are checked against
 //! each other (every upstream a route names exists, names are unique), with positions.
+//!
+//! A policy is plain data, built once per config file and swapped whole on reload; what must
+//! outlive a reload (upstream connection pools, the store) lives outside it, so nothing here
+//! needs the proxy.
 
 mod matcher;
 
@@ -17,8 +21,7 @@ use http::{Method, StatusCode};
 pub use self::matcher::Matcher;
 use crate::config::{Config, ConfigError, KeyPart, Name, Position, RouteConfig};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
-use crate::proxy::UpstreamClient;
-use crate::response;
+use crate::ratelimit_field::{ceil_seconds, limit_items};
 
 pub struct Policy {
     pub routes: Vec<Route>,
@@ -116,12 +119,17 @@ pub struct Limit {
     pub metrics: LimitMetrics,
 }
 
+/// Where a route forwards to. Plain settings: the proxy keeps the pooled client of each
+/// upstream in a registry that outlives reloads (see `proxy::Upstreams`).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Upstream {
     pub name: Name,
     pub authority: Authority,
     pub base_path: String,
+    /// Time allowed to open a TCP connection.
+    pub connect_timeout: Duration,
+    /// Time allowed for the response headers.
     pub timeout: Duration,
-    pub client: UpstreamClient,
 }
 
 impl Policy {
@@ -143,8 +151,8 @@ impl Policy {
                     name: name.clone(),
                     authority: upstream.url.authority.clone(),
                     base_path: upstream.url.base_path.clone(),
+                    connect_timeout: upstream.connect_timeout.0,
                     timeout: upstream.timeout.0,
-                    client: UpstreamClient::new(upstream.connect_timeout.0, name.as_str(), metrics),
                 };
                 (name, Arc::new(compiled))
             })
@@ -171,13 +179,25 @@ impl Policy {
                 matcher: Matcher::new(&route.matcher),
                 action,
                 max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
-                rate_limit_policy: response::rate_limit_policy(&limits),
+                rate_limit_policy: rate_limit_policy(&limits),
                 limits,
                 metrics: metrics.for_route(route.name.value.as_str()),
             });
         }
         let index = RouteIndex::new(&routes);
         Ok(Policy { routes, index })
+    }
+
+    /// Every upstream some route forwards to, once each.
+    pub fn upstreams(&self) -> impl Iterator<Item = &Arc<Upstream>> {
+        let mut seen = std::collections::HashSet::new();
+        self.routes
+            .iter()
+            .filter_map(|route| match &route.action {
+                Action::Forward(upstream) => Some(upstream),
+                Action::Respond(_) => None,
+            })
+            .filter(move |upstream| seen.insert(upstream.name.clone()))
     }
 
     /// The first route, in file order, that matches the request. `path` is canonical (see
@@ -190,6 +210,20 @@ impl Policy {
             None => self.routes.iter().find(matches),
         }
     }
+}
+
+/// `"per-ip";q=5;w=60, "per-key";q=100;w=1`: every limit of a route, built once per policy.
+fn rate_limit_policy(limits: &[Limit]) -> Option<HeaderValue> {
+    if limits.is_empty() {
+        return None;
+    }
+    limit_items(limits.iter().map(|limit| {
+        let params = [
+            ('q', u64::from(limit.requests)),
+            ('w', ceil_seconds(limit.window)),
+        ];
+        (&limit.name, params)
+    }))
 }
 
 fn compile_action(

@@ -8,10 +8,13 @@ mod body;
 mod forward;
 mod harden;
 mod headers;
+mod upstreams;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Instant;
 
+use arc_swap::ArcSwap;
 use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
 use http_body::Body as _;
@@ -23,14 +26,24 @@ pub use self::body::ProxyBody;
 use self::forward::ForwardError;
 pub use self::forward::UpstreamClient;
 pub use self::harden::HeadLimits;
+pub use self::upstreams::{Clients, Upstreams};
 use crate::keys;
 use crate::limiter::{Decision, Store};
 use crate::metrics::{Metrics, Outcome, Refusal};
 use crate::policy::{Action, DirectResponse, Policy, Route};
 use crate::response;
 
+/// The policy in force and the client of each upstream it forwards to: swapped together, in
+/// one step, on reload. A request holds an `Arc` of it from routing to its response, so it
+/// finishes under the policy it started with.
+pub struct Active {
+    pub policy: Policy,
+    clients: Clients,
+}
+
 pub struct Gateway {
-    policy: Policy,
+    active: ArcSwap<Active>,
+    upstreams: Upstreams,
     store: Store,
     head_limits: HeadLimits,
     /// `sluice_requests_total{route="",outcome="no_route"}`: requests no route matches.
@@ -50,8 +63,11 @@ impl Gateway {
     ) -> Gateway {
         let unrouted =
             |outcome: Outcome| metrics.requests.with_label_values(&["", outcome.label()]);
+        let upstreams = Upstreams::new(metrics.upstream_errors.clone());
+        let clients = upstreams.clients_for(&policy);
         Gateway {
-            policy,
+            active: ArcSwap::from_pointee(Active { policy, clients }),
+            upstreams,
             store,
             head_limits,
             unrouted: unrouted(Outcome::NoRoute),
@@ -62,6 +78,17 @@ impl Gateway {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// The policy in force now.
+    pub fn active(&self) -> Arc<Active> {
+        self.active.load_full()
+    }
+
+    /// Puts `policy` in force for every request that starts from now on.
+    pub fn install(&self, policy: Policy) {
+        let clients = self.upstreams.clients_for(&policy);
+        self.active.store(Arc::new(Active { policy, clients }));
     }
 
     pub async fn handle(
@@ -75,7 +102,8 @@ impl Gateway {
             self.count_refusal(refused.reason);
             return response::problem(refused.status, &refused.detail, request.uri().path(), &[]);
         }
-        let Some(route) = self.policy.route(request.method(), request.uri().path()) else {
+        let active = self.active.load_full();
+        let Some(route) = active.policy.route(request.method(), request.uri().path()) else {
             self.unrouted.inc();
             return response::problem(
                 StatusCode::NOT_FOUND,
@@ -84,7 +112,7 @@ impl Gateway {
                 &[],
             );
         };
-        let (outcome, response) = self.handle_routed(route, request, peer).await;
+        let (outcome, response) = self.handle_routed(&active, route, request, peer).await;
         let elapsed = started.elapsed();
         route.metrics.count(outcome);
         route.metrics.duration.observe(elapsed.as_secs_f64());
@@ -106,6 +134,7 @@ impl Gateway {
 
     async fn handle_routed(
         &self,
+        active: &Active,
         route: &Route,
         request: Request<Incoming>,
         peer: SocketAddr,
@@ -130,7 +159,16 @@ impl Gateway {
             Action::Forward(upstream) => {
                 // A cheap clone (shared bytes), kept only to name the path in an error.
                 let uri = request.uri().clone();
-                match forward::forward(upstream, request, peer, route.max_body).await {
+                let result = match active.clients.get(&upstream.name) {
+                    Some(client) => {
+                        forward::forward(upstream, client, request, peer, route.max_body).await
+                    }
+                    // `install` builds a client for every upstream of the policy.
+                    None => Err(ForwardError::Other(
+                        "no client for this upstream".to_owned(),
+                    )),
+                };
+                match result {
                     Ok(response) => (Outcome::Forwarded, response.map(ProxyBody::Stream)),
                     Err(ForwardError::Body(fault)) => {
                         self.count_refusal(match fault {
