@@ -26,7 +26,7 @@ pub use self::body::ProxyBody;
 use self::forward::ForwardError;
 pub use self::forward::UpstreamClient;
 pub use self::harden::HeadLimits;
-pub use self::upstreams::{Clients, Upstreams};
+use self::upstreams::{Clients, Upstreams};
 use crate::keys;
 use crate::limiter::{Decision, Store};
 use crate::metrics::{Metrics, Outcome, Refusal};
@@ -36,8 +36,8 @@ use crate::response;
 /// The policy in force and the client of each upstream it forwards to: swapped together, in
 /// one step, on reload. A request holds an `Arc` of it from routing to its response, so it
 /// finishes under the policy it started with.
-pub struct Active {
-    pub policy: Policy,
+struct Active {
+    policy: Policy,
     clients: Clients,
 }
 
@@ -78,11 +78,6 @@ impl Gateway {
 
     pub fn store(&self) -> &Store {
         &self.store
-    }
-
-    /// The policy in force now.
-    pub fn active(&self) -> Arc<Active> {
-        self.active.load_full()
     }
 
     /// Puts `policy` in force for every request that starts from now on.
