@@ -465,6 +465,19 @@ async fn the_hash_gauge_follows_the_file_in_force() {
         "unchanged when refused"
     );
     error_line(&sluice, "routes[0].limits[0].requests");
+
+    // Refused when the routes are checked against each other: the valid route before the bad
+    // one leaves no metric series behind, as it never served.
+    let ghost = "  - name: ghost\n    match:\n      path_prefix: /ghost\n    respond:\n      status: 200\n  - name: broken\n    match:\n      path_prefix: /broken\n    upstream: nowhere\n";
+    rewrite(&sluice, &format!("{}{ghost}", limited(6, "1m")));
+    wait_reloads(&sluice, "error", 2.0).await;
+    error_line(&sluice, "routes[2].upstream: unknown upstream `nowhere`");
+    assert_eq!(config_hash(&sluice).await, expected_hash(&second));
+    let metrics = sluice.metrics().await;
+    assert!(
+        !metrics.contains("ghost"),
+        "no series of a refused route:\n{metrics}"
+    );
 }
 
 /// A request in flight during a reload finishes under the policy it started with: a slow

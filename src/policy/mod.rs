@@ -158,7 +158,7 @@ impl Policy {
             })
             .collect();
         let mut seen: HashMap<&Name, Position> = HashMap::new();
-        let mut routes = Vec::with_capacity(config.routes.len());
+        let mut actions = Vec::with_capacity(config.routes.len());
         for (index, route) in config.routes.iter().enumerate() {
             let field = format!("routes[{index}]");
             if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
@@ -172,18 +172,28 @@ impl Policy {
                     ),
                 ));
             }
-            let action = compile_action(route, &upstreams, file, &field)?;
-            let limits = compile_limits(config, route, file, &field, metrics)?;
-            routes.push(Route {
-                name: route.name.value.clone(),
-                matcher: Matcher::new(&route.matcher),
-                action,
-                max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
-                rate_limit_policy: rate_limit_policy(&limits),
-                limits,
-                metrics: metrics.for_route(route.name.value.as_str()),
-            });
+            actions.push(compile_action(route, &upstreams, file, &field)?);
+            check_limits(route, file, &field)?;
         }
+        // Metrics handles are made only once the whole file is valid, so that a file refused
+        // on reload leaves no series behind for routes that never served.
+        let routes: Vec<Route> = config
+            .routes
+            .iter()
+            .zip(actions)
+            .map(|(route, action)| {
+                let limits = build_limits(config, route, metrics);
+                Route {
+                    name: route.name.value.clone(),
+                    matcher: Matcher::new(&route.matcher),
+                    action,
+                    max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
+                    rate_limit_policy: rate_limit_policy(&limits),
+                    limits,
+                    metrics: metrics.for_route(route.name.value.as_str()),
+                }
+            })
+            .collect();
         let index = RouteIndex::new(&routes);
         Ok(Policy { routes, index })
     }
@@ -285,50 +295,49 @@ fn compile_action(
     }
 }
 
-fn compile_limits(
-    config: &Config,
-    route: &RouteConfig,
-    file: &Path,
-    field: &str,
-    metrics: &Metrics,
-) -> Result<Vec<Limit>, ConfigError> {
+/// The checks of a route's limits that the YAML types cannot make alone.
+fn check_limits(route: &RouteConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
     let mut seen: HashMap<&Name, Position> = HashMap::new();
+    for (index, limit) in route.limits.iter().enumerate() {
+        let field = format!("{field}.limits[{index}]");
+        if let Some(first) = seen.insert(&limit.name.value, Position::from(&limit.name)) {
+            return Err(ConfigError::invalid(
+                file,
+                Position::from(&limit.name),
+                format!("{field}.name"),
+                format!(
+                    "duplicate limit name `{}` in this route (first used at line {})",
+                    limit.name.value, first.line
+                ),
+            ));
+        }
+        if limit.key.value.is_empty() {
+            return Err(ConfigError::invalid(
+                file,
+                Position::from(&limit.key),
+                format!("{field}.key"),
+                "a key needs at least one part, e.g. [client_ip]",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The limits of a route that passed `check_limits`.
+fn build_limits(config: &Config, route: &RouteConfig, metrics: &Metrics) -> Vec<Limit> {
     route
         .limits
         .iter()
-        .enumerate()
-        .map(|(index, limit)| {
-            let field = format!("{field}.limits[{index}]");
-            if let Some(first) = seen.insert(&limit.name.value, Position::from(&limit.name)) {
-                return Err(ConfigError::invalid(
-                    file,
-                    Position::from(&limit.name),
-                    format!("{field}.name"),
-                    format!(
-                        "duplicate limit name `{}` in this route (first used at line {})",
-                        limit.name.value, first.line
-                    ),
-                ));
-            }
-            if limit.key.value.is_empty() {
-                return Err(ConfigError::invalid(
-                    file,
-                    Position::from(&limit.key),
-                    format!("{field}.key"),
-                    "a key needs at least one part, e.g. [client_ip]",
-                ));
-            }
-            Ok(Limit {
-                name: limit.name.value.clone(),
-                key: limit.key.value.clone(),
-                requests: limit.requests.0,
-                window: limit.window.0,
-                key_prefix: format!(
-                    "{}:{}:{}:",
-                    config.store.key_prefix, route.name.value, limit.name.value
-                ),
-                metrics: metrics.for_limit(route.name.value.as_str(), limit.name.value.as_str()),
-            })
+        .map(|limit| Limit {
+            name: limit.name.value.clone(),
+            key: limit.key.value.clone(),
+            requests: limit.requests.0,
+            window: limit.window.0,
+            key_prefix: format!(
+                "{}:{}:{}:",
+                config.store.key_prefix, route.name.value, limit.name.value
+            ),
+            metrics: metrics.for_limit(route.name.value.as_str(), limit.name.value.as_str()),
         })
         .collect()
 }
