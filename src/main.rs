@@ -14,8 +14,8 @@ use sluice::limiter::{RedisStore, Store};
 use sluice::metrics::Metrics;
 use sluice::policy::Policy;
 use sluice::proxy::{self, Gateway};
-use sluice::reload::{self, Reloader};
-use sluice::server;
+use sluice::reload::Reloader;
+use sluice::{config, server};
 
 #[derive(Parser)]
 #[command(
@@ -71,13 +71,13 @@ fn main() -> ExitCode {
 /// Everything `run` checks before it binds its listeners (and a reload checks before it
 /// replaces the policy): the file parsed and the policy compiled. Builds no clients.
 struct Loaded {
-    source: reload::Source,
+    source: config::Source,
     policy: Policy,
     metrics: Arc<Metrics>,
 }
 
 fn load(file: &Path) -> anyhow::Result<Loaded> {
-    let source = reload::read(file)?;
+    let source = config::load(file)?;
     let metrics = Arc::new(Metrics::new().context("cannot create the metrics registry")?);
     let policy = Policy::compile(&source.config, file, &metrics)?;
     Ok(Loaded {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
-use crate::config::{self, Config, ConfigError, ServerConfig, StoreConfig};
+use crate::config::{self, Config, ServerConfig, Source, StoreConfig};
 use crate::metrics::{Metrics, ReloadResult};
 use crate::policy::Policy;
 use crate::proxy::Gateway;
@@ -27,40 +27,9 @@ pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
 #[derive(Debug, thiserror::Error)]
 pub enum ReloadError {
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Config(#[from] config::ConfigError),
     #[error("{}: {change}: a restart is needed to apply it; nothing of this file was applied", file.display())]
     NeedsRestart { file: PathBuf, change: String },
-}
-
-/// A config file as read: its parsed contents and the SHA-256 of its bytes.
-pub struct Source {
-    pub config: Config,
-    pub digest: [u8; 32],
-}
-
-/// Reads and parses `file`, as `config::load` does, hashing the very bytes it parsed.
-pub fn read(file: &Path) -> Result<Source, ConfigError> {
-    let bytes = std::fs::read(file).map_err(|source| read_error(file, source))?;
-    parse(&bytes, file)
-}
-
-fn parse(bytes: &[u8], file: &Path) -> Result<Source, ConfigError> {
-    let digest = Sha256::digest(bytes).into();
-    let text = std::str::from_utf8(bytes).map_err(|err| {
-        read_error(
-            file,
-            std::io::Error::new(std::io::ErrorKind::InvalidData, err),
-        )
-    })?;
-    let config = config::parse(text, file)?;
-    Ok(Source { config, digest })
-}
-
-fn read_error(file: &Path, source: std::io::Error) -> ConfigError {
-    ConfigError::Read {
-        file: file.to_owned(),
-        source,
-    }
 }
 
 /// The value of `sluice_config_hash`: the first 52 bits of the file's SHA-256, so that it is
@@ -193,7 +162,7 @@ impl Reloader {
                     tracing::info!(file = %self.file.display(), "SIGHUP: reloading the config file");
                     match std::fs::read(&self.file) {
                         Ok(bytes) => self.reload(&bytes),
-                        Err(err) => self.refused(&read_error(&self.file, err).into()),
+                        Err(err) => self.refused(&config::read_error(&self.file, err).into()),
                     }
                 }
                 _ = stopping.changed() => return,
@@ -253,7 +222,7 @@ impl Reloader {
     /// of routes on success.
     fn apply(&mut self, bytes: &[u8]) -> Result<usize, ReloadError> {
         self.last_seen = Sha256::digest(bytes).into();
-        let source = parse(bytes, &self.file)?;
+        let source = config::from_bytes(bytes, &self.file)?;
         if let Some(change) = self.fixed.change(&source.config) {
             return Err(ReloadError::NeedsRestart {
                 file: self.file.clone(),
@@ -265,5 +234,60 @@ impl Reloader {
         self.gateway.install(policy);
         self.metrics.config_hash.set(hash_value(&source.digest));
         Ok(routes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hash_is_the_first_13_hex_digits_of_the_sha256() {
+        // sha256("") = e3b0c44298fc1c149afbf4c8996fb924...
+        let digest: [u8; 32] = Sha256::digest(b"").into();
+        assert_eq!(hash_value(&digest), 0xe3b0c44298fc1);
+    }
+
+    fn fixed(yaml: &str) -> Fixed {
+        let config = config::parse(yaml, Path::new("t.yaml")).expect("valid");
+        Fixed {
+            listen: config.listen,
+            admin_listen: config.admin_listen.value,
+            server: config.server,
+            store: config.store,
+        }
+    }
+
+    #[test]
+    fn each_change_that_needs_a_restart_is_named() {
+        let base = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n";
+        let routes = "routes: []\n";
+        let running = fixed(&format!("{base}{routes}"));
+        let change = |rest: &str, head: &str| {
+            let config = config::parse(&format!("{head}{rest}{routes}"), Path::new("t.yaml"))
+                .expect("valid");
+            running.change(&config)
+        };
+        assert_eq!(change("", base), None);
+        assert_eq!(
+            change("", "listen: 127.0.0.1:3\nadmin_listen: 127.0.0.1:2\n").as_deref(),
+            Some("`listen` changed from 127.0.0.1:1 to 127.0.0.1:3")
+        );
+        assert_eq!(
+            change("", "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:4\n").as_deref(),
+            Some("`admin_listen` changed from 127.0.0.1:2 to 127.0.0.1:4")
+        );
+        assert_eq!(
+            change("server:\n  max_headers: 7\n", base).as_deref(),
+            Some("`server.max_headers` changed")
+        );
+        assert_eq!(
+            change("store:\n  key_prefix: other\n", base).as_deref(),
+            Some("`store.key_prefix` changed")
+        );
+        assert_eq!(
+            change("store:\n  redis:\n    url: redis://127.0.0.1:6379\n", base).as_deref(),
+            Some("`store.redis` changed")
+        );
     }
 }

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 pub use serde_saphyr::Spanned;
+use sha2::{Digest, Sha256};
 
 pub use duration::ConfigDuration;
 pub use types::{
@@ -342,13 +343,38 @@ impl fmt::Display for Located<'_> {
     }
 }
 
+/// A policy file as read: its contents, and the SHA-256 of the bytes they were parsed from
+/// (which version of the file serves, see `sluice_config_hash`).
+pub struct Source {
+    pub config: Config,
+    pub digest: [u8; 32],
+}
+
 /// Reads and parses the policy file at `file`.
-pub fn load(file: &Path) -> Result<Config, ConfigError> {
-    let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
+pub fn load(file: &Path) -> Result<Source, ConfigError> {
+    let bytes = std::fs::read(file).map_err(|source| read_error(file, source))?;
+    from_bytes(&bytes, file)
+}
+
+/// Parses the bytes of a policy file; `file` is only used to name the source in errors.
+pub fn from_bytes(bytes: &[u8], file: &Path) -> Result<Source, ConfigError> {
+    let digest = Sha256::digest(bytes).into();
+    let text = std::str::from_utf8(bytes).map_err(|err| {
+        read_error(
+            file,
+            std::io::Error::new(std::io::ErrorKind::InvalidData, err),
+        )
+    })?;
+    let config = parse(text, file)?;
+    Ok(Source { config, digest })
+}
+
+/// The error for a policy file that cannot be read (or is not UTF-8).
+pub fn read_error(file: &Path, source: std::io::Error) -> ConfigError {
+    ConfigError::Read {
         file: file.to_owned(),
         source,
-    })?;
-    parse(&text, file)
+    }
 }
 
 /// Parses policy text; `file` is only used to name the source in errors.

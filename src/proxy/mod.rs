@@ -24,7 +24,6 @@ use prometheus::{IntCounter, IntCounterVec};
 use self::body::BodyFault;
 pub use self::body::ProxyBody;
 use self::forward::ForwardError;
-pub use self::forward::UpstreamClient;
 pub use self::harden::HeadLimits;
 use self::upstreams::{Clients, Upstreams};
 use crate::keys;
