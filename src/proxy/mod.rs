@@ -3,6 +3,10 @@
 //! decide all limits in one store call → answer 429, or act (forward to the upstream, or the
 //! route's direct response) → add the RateLimit fields.
 //! Every request is counted once, by route and outcome.
+//!
+//! The policy in force is a snapshot a request takes at its start; a reload installs a new
+//! one (`Gateway::install`) with the clients of its upstreams from a registry that outlives
+//! reloads (`upstreams`).
 
 mod body;
 mod forward;
