@@ -16,6 +16,7 @@ use sluice::limiter::{RedisStore, Store};
 use sluice::metrics::Metrics;
 use sluice::policy::Policy;
 use sluice::proxy::{self, Gateway};
+use sluice::reload::Reloader;
 use sluice::{config, server};
 
 #[derive(Parser)]
@@ -69,19 +70,20 @@ fn main() -> ExitCode {
     }
 }
 
-/// Everything `run` checks before it binds its listeners.
+/// Everything `run` checks before it binds its listeners (and a reload checks before it
+/// replaces the policy): the file parsed and the policy compiled. Builds no clients.
 struct Loaded {
-    config: config::Config,
+    source: config::Source,
     policy: Policy,
     metrics: Arc<Metrics>,
 }
 
 fn load(file: &Path) -> anyhow::Result<Loaded> {
-    let config = config::load(file)?;
+    let source = config::load(file)?;
     let metrics = Arc::new(Metrics::new().context("cannot create the metrics registry")?);
-    let policy = Policy::compile(&config, file, &metrics)?;
+    let policy = Policy::compile(&source.config, file, &metrics)?;
     Ok(Loaded {
-        config,
+        source,
         policy,
         metrics,
     })
@@ -89,12 +91,13 @@ fn load(file: &Path) -> anyhow::Result<Loaded> {
 
 fn check(file: &Path) -> anyhow::Result<()> {
     let loaded = load(file)?;
+    let config = &loaded.source.config;
     println!(
         "{}: ok ({} routes, {} upstreams, store: {})",
         file.display(),
         loaded.policy.routes.len(),
-        loaded.config.upstreams.len(),
-        if loaded.config.store.redis.is_some() {
+        config.upstreams.len(),
+        if config.store.redis.is_some() {
             "redis"
         } else {
             "in-process"
@@ -105,10 +108,11 @@ fn check(file: &Path) -> anyhow::Result<()> {
 
 async fn run(file: &Path) -> anyhow::Result<()> {
     let Loaded {
-        config,
+        source,
         policy,
         metrics,
     } = load(file)?;
+    let config = &source.config;
     let store = match &config.store.redis {
         Some(redis) => {
             let store = RedisStore::new(&redis.url.0, redis.pool_size.0 as usize, redis.timeout.0)
@@ -144,11 +148,13 @@ async fn run(file: &Path) -> anyhow::Result<()> {
     let draining = Arc::new(AtomicBool::new(false));
     let admin = Arc::new(Admin {
         gateway: Arc::clone(&gateway),
-        metrics,
+        metrics: Arc::clone(&metrics),
         draining: Arc::clone(&draining),
     });
     let (stop, stopping) = watch::channel(false);
     let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
+    let reloader = Reloader::new(file, source, Arc::clone(&gateway), metrics);
+    tokio::spawn(reloader.run(stopping.clone()));
     tokio::spawn(async move {
         shutdown_signal().await;
         // Unready first, so load balancers stop sending while the listeners still accept.

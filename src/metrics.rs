@@ -95,6 +95,66 @@ impl Refusal {
     }
 }
 
+/// Why a forwarded request got no upstream response, as counted by
+/// `sluice_upstream_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamErrorKind {
+    /// The TCP connection could not be opened in `connect_timeout`.
+    Connect,
+    /// No response headers within the upstream's `timeout`.
+    Timeout,
+    /// Anything else: the connection broke, the response was malformed.
+    Other,
+}
+
+impl UpstreamErrorKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            UpstreamErrorKind::Connect => "connect",
+            UpstreamErrorKind::Timeout => "timeout",
+            UpstreamErrorKind::Other => "other",
+        }
+    }
+}
+
+/// How one limit decided a request, as counted by `sluice_limit_decisions_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Admitted,
+    Rejected,
+}
+
+impl Verdict {
+    pub fn label(self) -> &'static str {
+        match self {
+            Verdict::Admitted => "admitted",
+            Verdict::Rejected => "rejected",
+        }
+    }
+}
+
+/// How an attempt to reload the config file ended, as counted by
+/// `sluice_config_reloads_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReloadResult {
+    /// The new policy replaced the old one.
+    Ok,
+    /// The file was refused (invalid, or it changes what needs a restart); the old policy
+    /// keeps serving.
+    Error,
+}
+
+impl ReloadResult {
+    pub const ALL: [ReloadResult; 2] = [ReloadResult::Ok, ReloadResult::Error];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            ReloadResult::Ok => "ok",
+            ReloadResult::Error => "error",
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     pub requests: IntCounterVec,
@@ -111,6 +171,8 @@ pub struct Metrics {
     pub store_fallback_active: IntGauge,
     pub store_breaker_transitions: IntCounterVec,
     pub store_fallback_decisions: IntCounterVec,
+    pub config_reloads: IntCounterVec,
+    pub config_hash: IntGauge,
 }
 
 /// Buckets for whole requests: from a fast local answer to a slow upstream.
@@ -213,6 +275,20 @@ impl Metrics {
             ),
             &["route", "action"],
         )?;
+        let config_reloads = IntCounterVec::new(
+            Opts::new(
+                "sluice_config_reloads_total",
+                "Attempts to reload the config file (on change or SIGHUP), by result: ok (applied), error (refused; the old policy keeps serving).",
+            ),
+            &["result"],
+        )?;
+        let config_hash = IntGauge::new(
+            "sluice_config_hash",
+            "The config file serving now: the first 52 bits of its SHA-256 as an integer (exact in a float64), e.g. compare with `sha256sum FILE | cut -c1-13` read as hex.",
+        )?;
+        for result in ReloadResult::ALL {
+            config_reloads.with_label_values(&[result.label()]);
+        }
         for refusal in Refusal::ALL {
             refused.with_label_values(&[refusal.label()]);
         }
@@ -230,6 +306,8 @@ impl Metrics {
         registry.register(Box::new(store_call_duration.clone()))?;
         registry.register(Box::new(store_errors.clone()))?;
         registry.register(Box::new(upstream_errors.clone()))?;
+        registry.register(Box::new(config_reloads.clone()))?;
+        registry.register(Box::new(config_hash.clone()))?;
         Ok(Metrics {
             registry,
             requests,
@@ -246,6 +324,8 @@ impl Metrics {
             store_fallback_active,
             store_breaker_transitions,
             store_fallback_decisions,
+            config_reloads,
+            config_hash,
         })
     }
 
@@ -269,13 +349,13 @@ impl Metrics {
     }
 
     pub fn for_limit(&self, route: &str, limit: &str) -> LimitMetrics {
+        let counter = |verdict: Verdict| {
+            self.limit_decisions
+                .with_label_values(&[route, limit, verdict.label()])
+        };
         LimitMetrics {
-            admitted: self
-                .limit_decisions
-                .with_label_values(&[route, limit, "admitted"]),
-            rejected: self
-                .limit_decisions
-                .with_label_values(&[route, limit, "rejected"]),
+            admitted: counter(Verdict::Admitted),
+            rejected: counter(Verdict::Rejected),
         }
     }
 

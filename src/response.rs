@@ -1,39 +1,19 @@
 //! What sluice itself answers: the IETF `RateLimit-Policy` / `RateLimit` fields, 429s with an
 //! exact `Retry-After`, and RFC 9457 problem details for every error it produces.
 
-use std::fmt::Write as _;
-use std::time::Duration;
-
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 
 use crate::limiter::Decision;
-use crate::policy::{Limit, Route};
+use crate::policy::Route;
 use crate::proxy::ProxyBody;
+pub use crate::ratelimit_field::ceil_seconds;
+use crate::ratelimit_field::limit_items;
 
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
-
-/// Whole seconds, rounded up: a client that waits this long is never early.
-pub fn ceil_seconds(duration: Duration) -> u64 {
-    duration.as_secs() + u64::from(duration.subsec_nanos() > 0)
-}
-
-/// `"per-ip";q=5;w=60, "per-key";q=100;w=1`: every limit of a route, built once per policy.
-pub fn rate_limit_policy(limits: &[Limit]) -> Option<HeaderValue> {
-    if limits.is_empty() {
-        return None;
-    }
-    limit_items(limits.iter().map(|limit| {
-        let params = [
-            ('q', u64::from(limit.requests)),
-            ('w', ceil_seconds(limit.window)),
-        ];
-        (limit, params)
-    }))
-}
 
 /// `"per-ip";r=4;t=60, ...`: where each limit stands after this decision (the limits the
 /// store was asked about; `None` if there are none).
@@ -49,28 +29,9 @@ pub fn rate_limit(route: &Route, decision: &Decision) -> Option<HeaderValue> {
                     ('r', u64::from(state.remaining)),
                     ('t', ceil_seconds(state.reset)),
                 ];
-                (limit, params)
+                (&limit.name, params)
             }),
     )
-}
-
-/// A structured-field list (RFC 9651) with one item per limit: the limit's name as a string,
-/// then integer parameters. Names are restricted (see `config::Name`) so they need no escaping
-/// inside the quotes.
-fn limit_items<'a>(
-    items: impl Iterator<Item = (&'a Limit, [(char, u64); 2])>,
-) -> Option<HeaderValue> {
-    let mut field = String::with_capacity(64);
-    for (index, (limit, params)) in items.enumerate() {
-        if index > 0 {
-            field.push_str(", ");
-        }
-        let _ = write!(field, "\"{}\"", limit.name);
-        for (key, value) in params {
-            let _ = write!(field, ";{key}={value}");
-        }
-    }
-    HeaderValue::from_str(&field).ok()
 }
 
 /// Adds the RateLimit fields of a decided request to a response.
@@ -145,17 +106,4 @@ fn problem_response(status: StatusCode, body: &serde_json::Value) -> Response<Pr
     *response.status_mut() = status;
     response.headers_mut().insert(CONTENT_TYPE, PROBLEM_JSON);
     response
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn seconds_round_up() {
-        assert_eq!(ceil_seconds(Duration::from_millis(1)), 1);
-        assert_eq!(ceil_seconds(Duration::from_secs(2)), 2);
-        assert_eq!(ceil_seconds(Duration::from_millis(2001)), 3);
-        assert_eq!(ceil_seconds(Duration::ZERO), 0);
-    }
 }

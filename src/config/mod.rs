@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 pub use serde_saphyr::Spanned;
+use sha2::{Digest, Sha256};
 
 pub use duration::ConfigDuration;
 pub use types::{
@@ -65,7 +66,7 @@ pub struct Config {
 }
 
 /// What the listeners accept: sizes of the request head and body, connections, timeouts.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     #[serde(default = "default_max_request_line")]
@@ -109,7 +110,7 @@ impl Default for ServerConfig {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
     pub redis: Option<RedisConfig>,
@@ -134,7 +135,7 @@ impl Default for StoreConfig {
 }
 
 /// The in-process store, used when no Redis is configured.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LocalConfig {
     #[serde(default = "default_local_max_keys")]
@@ -150,7 +151,7 @@ impl Default for LocalConfig {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
     pub url: RedisUrl,
@@ -367,13 +368,38 @@ impl fmt::Display for Located<'_> {
     }
 }
 
+/// A policy file as read: its contents, and the SHA-256 of the bytes they were parsed from
+/// (which version of the file serves, see `sluice_config_hash`).
+pub struct Source {
+    pub config: Config,
+    pub digest: [u8; 32],
+}
+
 /// Reads and parses the policy file at `file`.
-pub fn load(file: &Path) -> Result<Config, ConfigError> {
-    let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
+pub fn load(file: &Path) -> Result<Source, ConfigError> {
+    let bytes = std::fs::read(file).map_err(|source| read_error(file, source))?;
+    from_bytes(&bytes, file)
+}
+
+/// Parses the bytes of a policy file; `file` is only used to name the source in errors.
+pub fn from_bytes(bytes: &[u8], file: &Path) -> Result<Source, ConfigError> {
+    let digest = Sha256::digest(bytes).into();
+    let text = std::str::from_utf8(bytes).map_err(|err| {
+        read_error(
+            file,
+            std::io::Error::new(std::io::ErrorKind::InvalidData, err),
+        )
+    })?;
+    let config = parse(text, file)?;
+    Ok(Source { config, digest })
+}
+
+/// The error for a policy file that cannot be read (or is not UTF-8).
+pub fn read_error(file: &Path, source: std::io::Error) -> ConfigError {
+    ConfigError::Read {
         file: file.to_owned(),
         source,
-    })?;
-    parse(&text, file)
+    }
 }
 
 /// Parses policy text; `file` is only used to name the source in errors.

@@ -68,6 +68,36 @@ pub enum StoreError {
     Unavailable,
 }
 
+impl StoreError {
+    /// The kind of a failed store call; `None` when no call was made (the breaker was open).
+    pub fn kind(&self) -> Option<StoreErrorKind> {
+        match self {
+            StoreError::Timeout(_) => Some(StoreErrorKind::Timeout),
+            StoreError::Connection(_) => Some(StoreErrorKind::Connection),
+            StoreError::Script(_) => Some(StoreErrorKind::Script),
+            StoreError::Unavailable => None,
+        }
+    }
+}
+
+/// The kinds of `StoreError`, as counted by `sluice_store_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    Timeout,
+    Connection,
+    Script,
+}
+
+impl StoreErrorKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            StoreErrorKind::Timeout => "timeout",
+            StoreErrorKind::Connection => "connection",
+            StoreErrorKind::Script => "script",
+        }
+    }
+}
+
 /// `sluice_store_errors_total` of one store, one counter per kind.
 struct ErrorCounters {
     timeout: IntCounter,
@@ -77,22 +107,25 @@ struct ErrorCounters {
 
 impl ErrorCounters {
     fn new(metrics: &Metrics, store: &str) -> ErrorCounters {
-        let counter = |kind| metrics.store_errors.with_label_values(&[store, kind]);
+        let counter = |kind: StoreErrorKind| {
+            metrics
+                .store_errors
+                .with_label_values(&[store, kind.label()])
+        };
         ErrorCounters {
-            timeout: counter("timeout"),
-            connection: counter("connection"),
-            script: counter("script"),
+            timeout: counter(StoreErrorKind::Timeout),
+            connection: counter(StoreErrorKind::Connection),
+            script: counter(StoreErrorKind::Script),
         }
     }
 
     /// The counter of a failed call; none when no call was made (the breaker was open).
     fn of(&self, err: &StoreError) -> Option<&IntCounter> {
-        match err {
-            StoreError::Timeout(_) => Some(&self.timeout),
-            StoreError::Connection(_) => Some(&self.connection),
-            StoreError::Script(_) => Some(&self.script),
-            StoreError::Unavailable => None,
-        }
+        Some(match err.kind()? {
+            StoreErrorKind::Timeout => &self.timeout,
+            StoreErrorKind::Connection => &self.connection,
+            StoreErrorKind::Script => &self.script,
+        })
     }
 }
 

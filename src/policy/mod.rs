@@ -1,6 +1,10 @@
 //! The compiled policy: routes with their matchers, actions and limits, built once from the
 //! config and never changed afterwards. This is where the parts of the file are checked against
 //! each other (every upstream a route names exists, names are unique), with positions.
+//!
+//! A policy is plain data, built once per config file and swapped whole on reload; what must
+//! outlive a reload (upstream connection pools, the store) lives outside it, so nothing here
+//! needs the proxy.
 
 mod matcher;
 
@@ -17,8 +21,7 @@ use http::{Method, StatusCode};
 pub use self::matcher::Matcher;
 use crate::config::{Config, ConfigError, KeyPart, Name, OnStoreError, Position, RouteConfig};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
-use crate::proxy::UpstreamClient;
-use crate::response;
+use crate::ratelimit_field::{ceil_seconds, limit_items};
 
 pub struct Policy {
     pub routes: Vec<Route>,
@@ -118,12 +121,17 @@ pub struct Limit {
     pub metrics: LimitMetrics,
 }
 
+/// Where a route forwards to. Plain settings: the proxy keeps the pooled client of each
+/// upstream in a registry that outlives reloads (see `proxy::Upstreams`).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Upstream {
     pub name: Name,
     pub authority: Authority,
     pub base_path: String,
+    /// Time allowed to open a TCP connection.
+    pub connect_timeout: Duration,
+    /// Time allowed for the response headers.
     pub timeout: Duration,
-    pub client: UpstreamClient,
 }
 
 impl Policy {
@@ -145,14 +153,14 @@ impl Policy {
                     name: name.clone(),
                     authority: upstream.url.authority.clone(),
                     base_path: upstream.url.base_path.clone(),
+                    connect_timeout: upstream.connect_timeout.0,
                     timeout: upstream.timeout.0,
-                    client: UpstreamClient::new(upstream.connect_timeout.0, name.as_str(), metrics),
                 };
                 (name, Arc::new(compiled))
             })
             .collect();
         let mut seen: HashMap<&Name, Position> = HashMap::new();
-        let mut routes = Vec::with_capacity(config.routes.len());
+        let mut actions = Vec::with_capacity(config.routes.len());
         for (index, route) in config.routes.iter().enumerate() {
             let field = format!("routes[{index}]");
             if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
@@ -166,21 +174,43 @@ impl Policy {
                     ),
                 ));
             }
-            let action = compile_action(route, &upstreams, file, &field)?;
-            let limits = compile_limits(config, route, file, &field, metrics)?;
-            routes.push(Route {
-                name: route.name.value.clone(),
-                matcher: Matcher::new(&route.matcher),
-                action,
-                max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
-                on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
-                rate_limit_policy: response::rate_limit_policy(&limits),
-                limits,
-                metrics: metrics.for_route(route.name.value.as_str()),
-            });
+            actions.push(compile_action(route, &upstreams, file, &field)?);
+            check_limits(route, file, &field)?;
         }
+        // Metrics handles are made only once the whole file is valid, so that a file refused
+        // on reload leaves no series behind for routes that never served.
+        let routes: Vec<Route> = config
+            .routes
+            .iter()
+            .zip(actions)
+            .map(|(route, action)| {
+                let limits = build_limits(config, route, metrics);
+                Route {
+                    name: route.name.value.clone(),
+                    matcher: Matcher::new(&route.matcher),
+                    action,
+                    max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
+                    on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
+                    rate_limit_policy: rate_limit_policy(&limits),
+                    limits,
+                    metrics: metrics.for_route(route.name.value.as_str()),
+                }
+            })
+            .collect();
         let index = RouteIndex::new(&routes);
         Ok(Policy { routes, index })
+    }
+
+    /// Every upstream some route forwards to, once each.
+    pub fn upstreams(&self) -> impl Iterator<Item = &Arc<Upstream>> {
+        let mut seen = std::collections::HashSet::new();
+        self.routes
+            .iter()
+            .filter_map(|route| match &route.action {
+                Action::Forward(upstream) => Some(upstream),
+                Action::Respond(_) => None,
+            })
+            .filter(move |upstream| seen.insert(upstream.name.clone()))
     }
 
     /// The first route, in file order, that matches the request. `path` is canonical (see
@@ -193,6 +223,20 @@ impl Policy {
             None => self.routes.iter().find(matches),
         }
     }
+}
+
+/// `"per-ip";q=5;w=60, "per-key";q=100;w=1`: every limit of a route, built once per policy.
+fn rate_limit_policy(limits: &[Limit]) -> Option<HeaderValue> {
+    if limits.is_empty() {
+        return None;
+    }
+    limit_items(limits.iter().map(|limit| {
+        let params = [
+            ('q', u64::from(limit.requests)),
+            ('w', ceil_seconds(limit.window)),
+        ];
+        (&limit.name, params)
+    }))
 }
 
 fn compile_action(
@@ -254,50 +298,49 @@ fn compile_action(
     }
 }
 
-fn compile_limits(
-    config: &Config,
-    route: &RouteConfig,
-    file: &Path,
-    field: &str,
-    metrics: &Metrics,
-) -> Result<Vec<Limit>, ConfigError> {
+/// The checks of a route's limits that the YAML types cannot make alone.
+fn check_limits(route: &RouteConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
     let mut seen: HashMap<&Name, Position> = HashMap::new();
+    for (index, limit) in route.limits.iter().enumerate() {
+        let field = format!("{field}.limits[{index}]");
+        if let Some(first) = seen.insert(&limit.name.value, Position::from(&limit.name)) {
+            return Err(ConfigError::invalid(
+                file,
+                Position::from(&limit.name),
+                format!("{field}.name"),
+                format!(
+                    "duplicate limit name `{}` in this route (first used at line {})",
+                    limit.name.value, first.line
+                ),
+            ));
+        }
+        if limit.key.value.is_empty() {
+            return Err(ConfigError::invalid(
+                file,
+                Position::from(&limit.key),
+                format!("{field}.key"),
+                "a key needs at least one part, e.g. [client_ip]",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The limits of a route that passed `check_limits`.
+fn build_limits(config: &Config, route: &RouteConfig, metrics: &Metrics) -> Vec<Limit> {
     route
         .limits
         .iter()
-        .enumerate()
-        .map(|(index, limit)| {
-            let field = format!("{field}.limits[{index}]");
-            if let Some(first) = seen.insert(&limit.name.value, Position::from(&limit.name)) {
-                return Err(ConfigError::invalid(
-                    file,
-                    Position::from(&limit.name),
-                    format!("{field}.name"),
-                    format!(
-                        "duplicate limit name `{}` in this route (first used at line {})",
-                        limit.name.value, first.line
-                    ),
-                ));
-            }
-            if limit.key.value.is_empty() {
-                return Err(ConfigError::invalid(
-                    file,
-                    Position::from(&limit.key),
-                    format!("{field}.key"),
-                    "a key needs at least one part, e.g. [client_ip]",
-                ));
-            }
-            Ok(Limit {
-                name: limit.name.value.clone(),
-                key: limit.key.value.clone(),
-                requests: limit.requests.0,
-                window: limit.window.0,
-                key_prefix: format!(
-                    "{}:{}:{}:",
-                    config.store.key_prefix, route.name.value, limit.name.value
-                ),
-                metrics: metrics.for_limit(route.name.value.as_str(), limit.name.value.as_str()),
-            })
+        .map(|limit| Limit {
+            name: limit.name.value.clone(),
+            key: limit.key.value.clone(),
+            requests: limit.requests.0,
+            window: limit.window.0,
+            key_prefix: format!(
+                "{}:{}:{}:",
+                config.store.key_prefix, route.name.value, limit.name.value
+            ),
+            metrics: metrics.for_limit(route.name.value.as_str(), limit.name.value.as_str()),
         })
         .collect()
 }

@@ -13,17 +13,18 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use prometheus::IntCounter;
+use prometheus::{IntCounter, IntCounterVec};
 
 use super::body::{BodyFault, RequestBody};
 use super::headers;
-use crate::metrics::Metrics;
+use crate::metrics::UpstreamErrorKind;
 use crate::policy::Upstream;
 
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The pooled HTTP/1.1 client of one upstream, with its error counters.
+/// The pooled HTTP/1.1 client of one upstream, with its error counters. Long-lived: the
+/// registry in `proxy::upstreams` keeps it across reloads that leave the upstream unchanged.
 pub struct UpstreamClient {
     client: Client<HttpConnector, RequestBody>,
     errors: UpstreamErrors,
@@ -37,20 +38,25 @@ struct UpstreamErrors {
 }
 
 impl UpstreamClient {
-    pub fn new(connect_timeout: Duration, upstream: &str, metrics: &Metrics) -> UpstreamClient {
+    /// `errors` is `sluice_upstream_errors_total`; `upstream` names this upstream in it.
+    pub fn new(
+        connect_timeout: Duration,
+        upstream: &str,
+        errors: &IntCounterVec,
+    ) -> UpstreamClient {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
-        let counter = |kind| metrics.upstream_errors.with_label_values(&[upstream, kind]);
+        let counter = |kind: UpstreamErrorKind| errors.with_label_values(&[upstream, kind.label()]);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .build(connector);
         UpstreamClient {
             client,
             errors: UpstreamErrors {
-                connect: counter("connect"),
-                timeout: counter("timeout"),
-                other: counter("other"),
+                connect: counter(UpstreamErrorKind::Connect),
+                timeout: counter(UpstreamErrorKind::Timeout),
+                other: counter(UpstreamErrorKind::Other),
             },
         }
     }
@@ -81,10 +87,11 @@ impl UpstreamErrors {
     }
 }
 
-/// Forwards `request` (from `peer`) to `upstream`, its body cut past `max_body` bytes, and
-/// returns the response with hop-by-hop fields removed.
+/// Forwards `request` (from `peer`) to `upstream` through its `client`, its body cut past
+/// `max_body` bytes, and returns the response with hop-by-hop fields removed.
 pub async fn forward(
     upstream: &Upstream,
+    client: &UpstreamClient,
     request: Request<Incoming>,
     peer: SocketAddr,
     max_body: Option<u64>,
@@ -106,14 +113,13 @@ pub async fn forward(
     headers.remove(HOST);
     headers::add_forwarded(headers, peer.ip(), host);
 
-    let result =
-        match tokio::time::timeout(upstream.timeout, upstream.client.client.request(request)).await
-        {
-            Ok(Ok(response)) => Ok(response),
-            Ok(Err(err)) if err.is_connect() => Err(ForwardError::Connect(error_chain(&err))),
-            Ok(Err(err)) => Err(ForwardError::Other(error_chain(&err))),
-            Err(_) => Err(ForwardError::Timeout(upstream.timeout)),
-        };
+    let result = match tokio::time::timeout(upstream.timeout, client.client.request(request)).await
+    {
+        Ok(Ok(response)) => Ok(response),
+        Ok(Err(err)) if err.is_connect() => Err(ForwardError::Connect(error_chain(&err))),
+        Ok(Err(err)) => Err(ForwardError::Other(error_chain(&err))),
+        Err(_) => Err(ForwardError::Timeout(upstream.timeout)),
+    };
     match result {
         Ok(mut response) => {
             headers::remove_hop_by_hop(response.headers_mut());
@@ -122,7 +128,7 @@ pub async fn forward(
         Err(err) => {
             // A failed body makes the upstream exchange fail too; the body is what to blame.
             let err = fault.get().map_or(err, |fault| ForwardError::Body(*fault));
-            if let Some(counter) = upstream.client.errors.of(&err) {
+            if let Some(counter) = client.errors.of(&err) {
                 counter.inc();
             }
             Err(err)
@@ -170,13 +176,12 @@ mod tests {
     use super::*;
 
     fn upstream(base_path: &str) -> Upstream {
-        let metrics = Metrics::new().unwrap();
         Upstream {
             name: "api".parse().unwrap(),
             authority: "10.0.0.1:3000".parse().unwrap(),
             base_path: base_path.to_owned(),
+            connect_timeout: Duration::from_secs(1),
             timeout: Duration::from_secs(1),
-            client: UpstreamClient::new(Duration::from_secs(1), "api", &metrics),
         }
     }
 

@@ -3,15 +3,22 @@
 //! decide all limits in one store call → answer 429, or act (forward to the upstream, or the
 //! route's direct response) → add the RateLimit fields.
 //! Every request is counted once, by route and outcome.
+//!
+//! The policy in force is a snapshot a request takes at its start; a reload installs a new
+//! one (`Gateway::install`) with the clients of its upstreams from a registry that outlives
+//! reloads (`upstreams`).
 
 mod body;
 mod forward;
 mod harden;
 mod headers;
+mod upstreams;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Instant;
 
+use arc_swap::ArcSwap;
 use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
 use http_body::Body as _;
@@ -21,8 +28,8 @@ use prometheus::{IntCounter, IntCounterVec};
 use self::body::BodyFault;
 pub use self::body::ProxyBody;
 use self::forward::ForwardError;
-pub use self::forward::UpstreamClient;
 pub use self::harden::HeadLimits;
+use self::upstreams::{Clients, Upstreams};
 use crate::config::OnStoreError;
 use crate::keys;
 use crate::limiter::{Decision, Store};
@@ -30,8 +37,17 @@ use crate::metrics::{Metrics, Outcome, Refusal};
 use crate::policy::{Action, DirectResponse, Policy, Route};
 use crate::response;
 
-pub struct Gateway {
+/// The policy in force and the client of each upstream it forwards to: swapped together, in
+/// one step, on reload. A request holds an `Arc` of it from routing to its response, so it
+/// finishes under the policy it started with.
+struct Active {
     policy: Policy,
+    clients: Clients,
+}
+
+pub struct Gateway {
+    active: ArcSwap<Active>,
+    upstreams: Upstreams,
     store: Store,
     head_limits: HeadLimits,
     /// `sluice_requests_total{route="",outcome="no_route"}`: requests no route matches.
@@ -51,8 +67,11 @@ impl Gateway {
     ) -> Gateway {
         let unrouted =
             |outcome: Outcome| metrics.requests.with_label_values(&["", outcome.label()]);
+        let upstreams = Upstreams::new(metrics.upstream_errors.clone());
+        let clients = upstreams.clients_for(&policy);
         Gateway {
-            policy,
+            active: ArcSwap::from_pointee(Active { policy, clients }),
+            upstreams,
             store,
             head_limits,
             unrouted: unrouted(Outcome::NoRoute),
@@ -65,9 +84,17 @@ impl Gateway {
         &self.store
     }
 
+    /// Puts `policy` in force for every request that starts from now on.
+    pub fn install(&self, policy: Policy) {
+        let clients = self.upstreams.clients_for(&policy);
+        self.active.store(Arc::new(Active { policy, clients }));
+    }
+
     /// Whether some limited route answers 503 when the store cannot decide.
     pub fn refuses_without_store(&self) -> bool {
-        self.policy
+        self.active
+            .load()
+            .policy
             .routes
             .iter()
             .any(|route| !route.limits.is_empty() && route.on_store_error == OnStoreError::Deny)
@@ -84,7 +111,8 @@ impl Gateway {
             self.count_refusal(refused.reason);
             return response::problem(refused.status, &refused.detail, request.uri().path(), &[]);
         }
-        let Some(route) = self.policy.route(request.method(), request.uri().path()) else {
+        let active = self.active.load_full();
+        let Some(route) = active.policy.route(request.method(), request.uri().path()) else {
             self.unrouted.inc();
             return response::problem(
                 StatusCode::NOT_FOUND,
@@ -93,7 +121,7 @@ impl Gateway {
                 &[],
             );
         };
-        let (outcome, response) = self.handle_routed(route, request, peer).await;
+        let (outcome, response) = self.handle_routed(&active, route, request, peer).await;
         let elapsed = started.elapsed();
         route.metrics.count(outcome);
         route.metrics.duration.observe(elapsed.as_secs_f64());
@@ -115,6 +143,7 @@ impl Gateway {
 
     async fn handle_routed(
         &self,
+        active: &Active,
         route: &Route,
         request: Request<Incoming>,
         peer: SocketAddr,
@@ -139,7 +168,16 @@ impl Gateway {
             Action::Forward(upstream) => {
                 // A cheap clone (shared bytes), kept only to name the path in an error.
                 let uri = request.uri().clone();
-                match forward::forward(upstream, request, peer, route.max_body).await {
+                let result = match active.clients.get(&upstream.name) {
+                    Some(client) => {
+                        forward::forward(upstream, client, request, peer, route.max_body).await
+                    }
+                    // `install` builds a client for every upstream of the policy.
+                    None => Err(ForwardError::Other(
+                        "no client for this upstream".to_owned(),
+                    )),
+                };
+                match result {
                     Ok(response) => (Outcome::Forwarded, response.map(ProxyBody::Stream)),
                     Err(ForwardError::Body(fault)) => {
                         self.count_refusal(match fault {

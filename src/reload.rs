@@ -1,0 +1,293 @@
+//! Hot reload: sluice watches its config file and also reloads on SIGHUP. A new file is
+//! parsed and compiled completely, as at start-up, before its policy replaces the running one
+//! in one atomic step (see `proxy::Gateway::install`); a file that is invalid, or that changes
+//! what only a restart can apply (the listeners, the `server:` and `store:` sections), is
+//! refused whole, logged with its position, counted, and the old policy keeps serving.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+
+use crate::config::{self, Config, ServerConfig, Source, StoreConfig};
+use crate::metrics::{Metrics, ReloadResult};
+use crate::policy::Policy;
+use crate::proxy::Gateway;
+
+/// How often the file is looked at. Editors save by writing a new file and renaming it over
+/// the old one, so the path is read again each time rather than an inode watched; a policy
+/// file is a few kilobytes, so reading and hashing it four times a second costs nothing and
+/// needs no watcher dependency. A change takes effect within this interval plus the compile.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
+
+/// Why a new config file was not applied.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error("{}: {change}: a restart is needed to apply it; nothing of this file was applied", file.display())]
+    NeedsRestart { file: PathBuf, change: String },
+}
+
+/// The value of `sluice_config_hash`: the first 52 bits of the file's SHA-256, so that it is
+/// exact in the float64 Prometheus stores, and equal to the first 13 hex digits of
+/// `sha256sum FILE`.
+pub fn hash_value(digest: &[u8; 32]) -> i64 {
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    (u64::from_be_bytes(first) >> 12) as i64
+}
+
+/// What the process was started with and a reload cannot change: the listeners are bound, the
+/// store's connections are open.
+struct Fixed {
+    listen: SocketAddr,
+    admin_listen: SocketAddr,
+    server: ServerConfig,
+    store: StoreConfig,
+}
+
+impl Fixed {
+    /// The first change `new` makes to what needs a restart, described for a person.
+    fn change(&self, new: &Config) -> Option<String> {
+        if new.listen != self.listen {
+            return Some(format!(
+                "`listen` changed from {} to {}",
+                self.listen, new.listen
+            ));
+        }
+        if new.admin_listen.value != self.admin_listen {
+            return Some(format!(
+                "`admin_listen` changed from {} to {}",
+                self.admin_listen, new.admin_listen.value
+            ));
+        }
+        let (old, now) = (&self.server, &new.server);
+        let server = [
+            (
+                "max_request_line",
+                old.max_request_line == now.max_request_line,
+            ),
+            (
+                "max_header_bytes",
+                old.max_header_bytes == now.max_header_bytes,
+            ),
+            ("max_headers", old.max_headers == now.max_headers),
+            ("max_body", old.max_body == now.max_body),
+            (
+                "max_connections",
+                old.max_connections == now.max_connections,
+            ),
+            (
+                "header_read_timeout",
+                old.header_read_timeout == now.header_read_timeout,
+            ),
+            ("idle_timeout", old.idle_timeout == now.idle_timeout),
+        ];
+        let (old, now) = (&self.store, &new.store);
+        let store = [
+            ("redis", old.redis == now.redis),
+            ("local", old.local == now.local),
+            ("key_prefix", old.key_prefix == now.key_prefix),
+        ];
+        let changed = |section: &str, fields: &[(&str, bool)]| {
+            fields
+                .iter()
+                .find(|(_, same)| !same)
+                .map(|(field, _)| format!("`{section}.{field}` changed"))
+        };
+        changed("server", &server).or_else(|| changed("store", &store))
+    }
+}
+
+/// Watches the config file and puts each valid new version in force.
+pub struct Reloader {
+    file: PathBuf,
+    gateway: Arc<Gateway>,
+    metrics: Arc<Metrics>,
+    fixed: Fixed,
+    /// The hash of the bytes last tried, applied or refused: a refused file is reported once,
+    /// not at every poll, and is tried again only when it changes (or on SIGHUP).
+    last_seen: [u8; 32],
+    #[cfg(unix)]
+    hangup: Option<tokio::signal::unix::Signal>,
+}
+
+impl Reloader {
+    /// `started` is the config the process runs with. Installs the SIGHUP handler now, so
+    /// that a SIGHUP from this point on reloads instead of ending the process.
+    pub fn new(
+        file: &Path,
+        started: Source,
+        gateway: Arc<Gateway>,
+        metrics: Arc<Metrics>,
+    ) -> Reloader {
+        metrics.config_hash.set(hash_value(&started.digest));
+        let config = started.config;
+        #[cfg(unix)]
+        let hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+            Ok(signal) => Some(signal),
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot handle SIGHUP; the config file is still watched");
+                None
+            }
+        };
+        Reloader {
+            file: file.to_owned(),
+            gateway,
+            metrics,
+            fixed: Fixed {
+                listen: config.listen,
+                admin_listen: config.admin_listen.value,
+                server: config.server,
+                store: config.store,
+            },
+            last_seen: started.digest,
+            #[cfg(unix)]
+            hangup,
+        }
+    }
+
+    /// Polls the file and waits for SIGHUP until `stopping` turns true.
+    pub async fn run(mut self, mut stopping: watch::Receiver<bool>) {
+        let mut poll = tokio::time::interval(POLL_INTERVAL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = poll.tick() => self.poll(),
+                () = self.hangup() => {
+                    tracing::info!(file = %self.file.display(), "SIGHUP: reloading the config file");
+                    match std::fs::read(&self.file) {
+                        Ok(bytes) => self.reload(&bytes),
+                        Err(err) => self.refused(&config::read_error(&self.file, err).into()),
+                    }
+                }
+                _ = stopping.changed() => return,
+            }
+        }
+    }
+
+    /// Reloads if the file's bytes differ from the ones last tried. The read blocks the
+    /// thread briefly: a local file of a few kilobytes, no worse than a page-cache hit.
+    fn poll(&mut self) {
+        match std::fs::read(&self.file) {
+            Ok(bytes) => {
+                if <[u8; 32]>::from(Sha256::digest(&bytes)) != self.last_seen {
+                    self.reload(&bytes);
+                }
+            }
+            // A file briefly missing (an editor that deletes, then writes) is not a new
+            // version; the next poll sees what it became.
+            Err(err) => {
+                tracing::debug!(file = %self.file.display(), error = %err, "cannot read the config file");
+            }
+        }
+    }
+
+    async fn hangup(&mut self) {
+        #[cfg(unix)]
+        if let Some(signal) = &mut self.hangup {
+            if signal.recv().await.is_some() {
+                return;
+            }
+        }
+        std::future::pending::<()>().await;
+    }
+
+    fn reload(&mut self, bytes: &[u8]) {
+        match self.apply(bytes) {
+            Ok(routes) => {
+                self.metrics
+                    .config_reloads
+                    .with_label_values(&[ReloadResult::Ok.label()])
+                    .inc();
+                tracing::info!(file = %self.file.display(), routes, "config reloaded");
+            }
+            Err(err) => self.refused(&err),
+        }
+    }
+
+    fn refused(&self, err: &ReloadError) {
+        self.metrics
+            .config_reloads
+            .with_label_values(&[ReloadResult::Error.label()])
+            .inc();
+        tracing::error!("config reload refused; the old policy keeps serving: {err}");
+    }
+
+    /// Parses, checks and compiles `bytes` completely, then installs the policy; the number
+    /// of routes on success.
+    fn apply(&mut self, bytes: &[u8]) -> Result<usize, ReloadError> {
+        self.last_seen = Sha256::digest(bytes).into();
+        let source = config::from_bytes(bytes, &self.file)?;
+        if let Some(change) = self.fixed.change(&source.config) {
+            return Err(ReloadError::NeedsRestart {
+                file: self.file.clone(),
+                change,
+            });
+        }
+        let policy = Policy::compile(&source.config, &self.file, &self.metrics)?;
+        let routes = policy.routes.len();
+        self.gateway.install(policy);
+        self.metrics.config_hash.set(hash_value(&source.digest));
+        Ok(routes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hash_is_the_first_13_hex_digits_of_the_sha256() {
+        // sha256("") = e3b0c44298fc1c149afbf4c8996fb924...
+        let digest: [u8; 32] = Sha256::digest(b"").into();
+        assert_eq!(hash_value(&digest), 0xe3b0c44298fc1);
+    }
+
+    fn fixed(yaml: &str) -> Fixed {
+        let config = config::parse(yaml, Path::new("t.yaml")).expect("valid");
+        Fixed {
+            listen: config.listen,
+            admin_listen: config.admin_listen.value,
+            server: config.server,
+            store: config.store,
+        }
+    }
+
+    #[test]
+    fn each_change_that_needs_a_restart_is_named() {
+        let base = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n";
+        let routes = "routes: []\n";
+        let running = fixed(&format!("{base}{routes}"));
+        let change = |rest: &str, head: &str| {
+            let config = config::parse(&format!("{head}{rest}{routes}"), Path::new("t.yaml"))
+                .expect("valid");
+            running.change(&config)
+        };
+        assert_eq!(change("", base), None);
+        assert_eq!(
+            change("", "listen: 127.0.0.1:3\nadmin_listen: 127.0.0.1:2\n").as_deref(),
+            Some("`listen` changed from 127.0.0.1:1 to 127.0.0.1:3")
+        );
+        assert_eq!(
+            change("", "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:4\n").as_deref(),
+            Some("`admin_listen` changed from 127.0.0.1:2 to 127.0.0.1:4")
+        );
+        assert_eq!(
+            change("server:\n  max_headers: 7\n", base).as_deref(),
+            Some("`server.max_headers` changed")
+        );
+        assert_eq!(
+            change("store:\n  key_prefix: other\n", base).as_deref(),
+            Some("`store.key_prefix` changed")
+        );
+        assert_eq!(
+            change("store:\n  redis:\n    url: redis://127.0.0.1:6379\n", base).as_deref(),
+            Some("`store.redis` changed")
+        );
+    }
+}
