@@ -70,9 +70,15 @@ fn keys(c: &mut Criterion) {
     let mut headers = HeaderMap::new();
     headers.insert("x-api-key", HeaderValue::from_static("k-0123456789abcdef"));
     headers.insert("user-agent", HeaderValue::from_static("bench/1.0"));
-    let ip = IpAddr::V4(Ipv4Addr::new(203, 0, 113, 9));
+    let uri: http::Uri = "/svc50/api/x".parse().expect("a URI");
+    let request = sluice::keys::RequestParts {
+        method: &Method::GET,
+        uri: &uri,
+        headers: &headers,
+        client_ip: IpAddr::V4(Ipv4Addr::new(203, 0, 113, 9)),
+    };
     c.bench_function("keys for two limits", |b| {
-        b.iter(|| sluice::keys::checks(black_box(route), black_box(&headers), ip).len())
+        b.iter(|| sluice::keys::checks(black_box(route), black_box(&request)).len())
     });
 }
 

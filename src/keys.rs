@@ -1,73 +1,263 @@
 //! From a request to the store keys of its route's limits: which client each limit counts.
 //!
 //! A key is `prefix:route:limit:{identity}`. The identity is wrapped in a Redis Cluster hash
-//! tag so all entries of one identity's limit live in one slot. If a header a limit is keyed
-//! on is missing, that limit counts the client IP instead: leaving a header out must never be a
-//! way around a limit.
+//! tag so all entries of one identity's limit live in one slot. If a header, query parameter or
+//! cookie a limit is keyed on is missing, that limit counts the client IP instead: leaving one
+//! out must never be a way around a limit. An empty key (`key: []`) is one bucket for the
+//! whole route.
+//!
+//! The client IP is the TCP peer, unless the peer is a trusted proxy: then it is the
+//! rightmost address in the forwarded-for header that is not itself a trusted proxy (clients
+//! write the left part of that header freely, so it is never believed).
 //!
 //! A value taken from the request is written as it came (with the key's separators escaped)
 //! only when it is short and printable; anything longer than [`MAX_RAW_VALUE`] bytes, or with
 //! a byte outside printable ASCII, is written as `#` and a SHA-256 of the value truncated to
 //! 128 bits, so a hostile client cannot make a store key large or unreadable.
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
-use http::header::{GetAll, HeaderValue};
-use http::HeaderMap;
+use http::header::{COOKIE, HOST};
+use http::{HeaderMap, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::config::KeyPart;
+use crate::config::{ForwardedHeader, IpNet, KeyPart};
 use crate::limiter::Check;
 use crate::policy::{Limit, Route};
 
+/// What the parts of a key are read from: the request (its path already canonical) and the
+/// client's address.
+pub struct RequestParts<'a> {
+    pub method: &'a Method,
+    pub uri: &'a Uri,
+    pub headers: &'a HeaderMap,
+    pub client_ip: IpAddr,
+}
+
 /// One check per limit of the route, in the route's order.
-pub fn checks(route: &Route, headers: &HeaderMap, client_ip: IpAddr) -> Vec<Check> {
+pub fn checks(route: &Route, request: &RequestParts<'_>) -> Vec<Check> {
     route
         .limits
         .iter()
         .map(|limit| Check {
-            key: key(limit, headers, client_ip),
+            key: key(limit, route.matcher.case_sensitive(), request),
             requests: limit.requests,
             window: limit.window,
         })
         .collect()
 }
 
-fn key(limit: &Limit, headers: &HeaderMap, client_ip: IpAddr) -> String {
+/// The client's address: `peer`, or when `peer` is a trusted proxy, the rightmost address of
+/// the forwarded-for chain that is not a trusted proxy (the leftmost when all are). A hop that
+/// is not an address (`unknown`, an obfuscated name, garbage) ends the walk at the last
+/// address found: nothing left of it can be believed.
+pub fn client_ip(
+    peer: IpAddr,
+    headers: &HeaderMap,
+    trusted: &[IpNet],
+    header: ForwardedHeader,
+) -> IpAddr {
+    let is_trusted = |ip: IpAddr| trusted.iter().any(|net| net.contains(ip));
+    let peer = peer.to_canonical();
+    if !is_trusted(peer) {
+        return peer;
+    }
+    let hops = forwarded_hops(headers, header);
+    let mut client = peer;
+    for hop in hops.iter().rev() {
+        match hop {
+            Some(ip) => {
+                client = *ip;
+                if !is_trusted(client) {
+                    return client;
+                }
+            }
+            None => return client,
+        }
+    }
+    client
+}
+
+/// Every hop of the forwarded-for chain, in order, `None` where a hop is not an address.
+fn forwarded_hops(headers: &HeaderMap, header: ForwardedHeader) -> Vec<Option<IpAddr>> {
+    let values = headers
+        .get_all(match header {
+            ForwardedHeader::XForwardedFor => "x-forwarded-for",
+            ForwardedHeader::Forwarded => "forwarded",
+        })
+        .iter()
+        .map(|value| value.to_str().ok());
+    let mut hops = Vec::new();
+    for value in values {
+        let Some(value) = value else {
+            hops.push(None);
+            continue;
+        };
+        for element in value.split(',') {
+            let node = match header {
+                ForwardedHeader::XForwardedFor => Some(element.trim()),
+                // RFC 7239: `for=192.0.2.60;proto=http`, `for="[2001:db8::1]:4711"`.
+                ForwardedHeader::Forwarded => element.split(';').find_map(|pair| {
+                    let (name, value) = pair.trim().split_once('=')?;
+                    name.eq_ignore_ascii_case("for")
+                        .then(|| value.trim_matches('"'))
+                }),
+            };
+            hops.push(node.and_then(parse_node));
+        }
+    }
+    hops
+}
+
+/// An address as proxies write it: bare, with a port, or IPv6 in brackets.
+fn parse_node(node: &str) -> Option<IpAddr> {
+    node.parse::<IpAddr>()
+        .or_else(|_| node.parse::<SocketAddr>().map(|addr| addr.ip()))
+        .or_else(|_| node.trim_start_matches('[').trim_end_matches(']').parse())
+        .ok()
+        .map(|ip: IpAddr| ip.to_canonical())
+}
+
+/// `case_sensitive`: whether the route matches paths case-sensitively (a `path` part is
+/// lower-cased otherwise, so that `/LOGIN` is not a bucket of its own).
+fn key(limit: &Limit, case_sensitive: bool, request: &RequestParts<'_>) -> String {
     let mut key = String::with_capacity(limit.key_prefix.len() + 48);
     key.push_str(&limit.key_prefix);
     key.push('{');
-    let complete = limit.key.iter().all(|part| match part {
-        KeyPart::ClientIp => true,
-        KeyPart::Header(name) => headers.contains_key(name),
-    });
-    if complete {
+    if limit.key.is_empty() {
+        key.push('*');
+    } else if limit.key.iter().all(|part| present(part, request)) {
         for (index, part) in limit.key.iter().enumerate() {
             if index > 0 {
                 key.push('|');
             }
-            push_part(&mut key, part, headers, client_ip);
+            push_part(&mut key, part, case_sensitive, request);
         }
     } else {
-        push_part(&mut key, &KeyPart::ClientIp, headers, client_ip);
+        push_part(&mut key, &KeyPart::ClientIp, case_sensitive, request);
     }
     key.push('}');
     key
 }
 
-fn push_part(key: &mut String, part: &KeyPart, headers: &HeaderMap, client_ip: IpAddr) {
+fn present(part: &KeyPart, request: &RequestParts<'_>) -> bool {
+    match part {
+        KeyPart::ClientIp | KeyPart::Method | KeyPart::Host | KeyPart::Path => true,
+        KeyPart::Header(name) => request.headers.contains_key(name),
+        KeyPart::Query(name) => query_values(request.uri, name).next().is_some(),
+        KeyPart::Cookie(name) => cookie_values(request.headers, name).next().is_some(),
+    }
+}
+
+fn push_part(key: &mut String, part: &KeyPart, case_sensitive: bool, request: &RequestParts<'_>) {
     match part {
         KeyPart::ClientIp => {
-            let _ = write!(key, "ip={client_ip}");
+            let _ = write!(key, "ip={}", request.client_ip);
         }
         KeyPart::Header(name) => {
-            key.push_str("h:");
-            key.push_str(name.as_str());
-            key.push('=');
-            push_values(key, headers.get_all(name));
+            let _ = write!(key, "h:{name}=");
+            let values: Vec<&[u8]> = request
+                .headers
+                .get_all(name)
+                .iter()
+                .map(|value| value.as_bytes())
+                .collect();
+            push_values(key, &values);
+        }
+        KeyPart::Query(name) => {
+            let _ = write!(key, "q:{name}=");
+            let values: Vec<Vec<u8>> = query_values(request.uri, name).collect();
+            push_values(key, &values);
+        }
+        KeyPart::Cookie(name) => {
+            let _ = write!(key, "c:{name}=");
+            let values: Vec<&[u8]> = cookie_values(request.headers, name).collect();
+            push_values(key, &values);
+        }
+        KeyPart::Method => {
+            key.push_str("m=");
+            push_values(key, &[request.method.as_str()]);
+        }
+        KeyPart::Host => {
+            key.push_str("host=");
+            let host = request
+                .headers
+                .get(HOST)
+                .map(|value| value.as_bytes())
+                .or_else(|| request.uri.authority().map(|a| a.as_str().as_bytes()))
+                .unwrap_or_default();
+            push_values(key, &[host.to_ascii_lowercase()]);
+        }
+        KeyPart::Path => {
+            key.push_str("p=");
+            // The path as the route matched it, so no other spelling is another bucket.
+            let path = crate::path::without_parameters(request.uri.path());
+            let path = if case_sensitive {
+                path
+            } else {
+                Cow::Owned(path.to_ascii_lowercase())
+            };
+            push_values(key, &[path.as_bytes()]);
         }
     }
+}
+
+/// The values of query parameter `name`, percent-decoded (`+` as a space, as forms encode
+/// it), so `?key=abc` and `?key=%61bc`, which the upstream reads alike, are one identity.
+fn query_values<'a>(uri: &'a Uri, name: &'a str) -> impl Iterator<Item = Vec<u8>> + 'a {
+    uri.query()
+        .unwrap_or_default()
+        .split('&')
+        .filter_map(move |pair| {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            (percent_decode(key) == name.as_bytes()).then(|| percent_decode(value))
+        })
+}
+
+fn percent_decode(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut index = 0;
+    while index < bytes.len() {
+        let hex = |i: usize| bytes.get(i).and_then(|b| char::from(*b).to_digit(16));
+        match (bytes[index], hex(index + 1), hex(index + 2)) {
+            (b'%', Some(high), Some(low)) => {
+                out.push((high * 16 + low) as u8);
+                index += 3;
+            }
+            (b'+', _, _) => {
+                out.push(b' ');
+                index += 1;
+            }
+            (byte, _, _) => {
+                out.push(byte);
+                index += 1;
+            }
+        }
+    }
+    out
+}
+
+/// The values of cookie `name` in every `Cookie` field, quotes removed.
+fn cookie_values<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+    headers
+        .get_all(COOKIE)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|&b| b == b';'))
+        .filter_map(move |pair| {
+            let pair = pair.trim_ascii();
+            let at = pair.iter().position(|&b| b == b'=')?;
+            let (key, value) = (&pair[..at], &pair[at + 1..]);
+            (key.trim_ascii() == name.as_bytes()).then(|| {
+                let value = value.trim_ascii();
+                value
+                    .strip_prefix(b"\"")
+                    .and_then(|v| v.strip_suffix(b"\""))
+                    .unwrap_or(value)
+            })
+        })
 }
 
 /// Longest value, in bytes, written into a key as it came; longer values are hashed.
@@ -76,26 +266,26 @@ pub const MAX_RAW_VALUE: usize = 64;
 /// Hex digits of the truncated SHA-256 written for a hashed value (128 bits).
 const HASH_HEX_DIGITS: usize = 32;
 
-/// Writes the values of one header (several values count as one identity, in the order sent):
-/// raw and escaped when short and printable, otherwise hashed.
-fn push_values(key: &mut String, values: GetAll<'_, HeaderValue>) {
-    let total: usize = values.iter().map(|v| v.len() + 1).sum();
+/// Writes the values of one key part (several values count as one identity, in the order
+/// sent): raw and escaped when short and printable, otherwise hashed.
+fn push_values<V: AsRef<[u8]>>(key: &mut String, values: &[V]) {
+    let total: usize = values.iter().map(|v| v.as_ref().len() + 1).sum();
     let printable = values
         .iter()
-        .all(|v| v.as_bytes().iter().all(|b| (0x20..=0x7E).contains(b)));
+        .all(|v| v.as_ref().iter().all(|b| (0x20..=0x7E).contains(b)));
     if printable && total <= MAX_RAW_VALUE + 1 {
         for (index, value) in values.iter().enumerate() {
             if index > 0 {
                 key.push(',');
             }
-            push_escaped(key, value.as_bytes());
+            push_escaped(key, value.as_ref());
         }
     } else {
         let mut hasher = Sha256::new();
-        for value in values.iter() {
+        for value in values {
             // Length-prefixed, so no two lists of values hash the same input.
-            hasher.update((value.len() as u64).to_be_bytes());
-            hasher.update(value.as_bytes());
+            hasher.update((value.as_ref().len() as u64).to_be_bytes());
+            hasher.update(value.as_ref());
         }
         key.push('#');
         for byte in &hasher.finalize()[..HASH_HEX_DIGITS / 2] {
@@ -141,20 +331,32 @@ mod tests {
     const IP: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 7));
     const API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 
+    /// The key of `limit` for a GET of `target` with `headers`, from `IP`.
+    fn key_of(limit: &Limit, target: &str, headers: &HeaderMap) -> String {
+        let uri: Uri = target.parse().unwrap();
+        let request = RequestParts {
+            method: &Method::GET,
+            uri: &uri,
+            headers,
+            client_ip: IP,
+        };
+        key(limit, false, &request)
+    }
+
     #[test]
     fn header_identity() {
         let mut headers = HeaderMap::new();
         headers.insert(API_KEY, HeaderValue::from_static("abc"));
-        let key = key(&limit(vec![KeyPart::Header(API_KEY)]), &headers, IP);
+        let key = key_of(&limit(vec![KeyPart::Header(API_KEY)]), "/", &headers);
         assert_eq!(key, "sluice:r:l:{h:x-api-key=abc}");
     }
 
     #[test]
     fn a_missing_header_falls_back_to_the_client_ip() {
-        let key = key(
+        let key = key_of(
             &limit(vec![KeyPart::Header(API_KEY), KeyPart::ClientIp]),
+            "/",
             &HeaderMap::new(),
-            IP,
         );
         assert_eq!(key, "sluice:r:l:{ip=10.0.0.7}");
     }
@@ -163,10 +365,10 @@ mod tests {
     fn composite_keys_and_escaping() {
         let mut headers = HeaderMap::new();
         headers.insert(API_KEY, HeaderValue::from_static("a|b}{ %"));
-        let key = key(
+        let key = key_of(
             &limit(vec![KeyPart::ClientIp, KeyPart::Header(API_KEY)]),
+            "/",
             &headers,
-            IP,
         );
         assert_eq!(
             key,
@@ -179,7 +381,7 @@ mod tests {
         for value in values {
             headers.append(API_KEY, HeaderValue::from_bytes(value).unwrap());
         }
-        key(&limit(vec![KeyPart::Header(API_KEY)]), &headers, IP)
+        key_of(&limit(vec![KeyPart::Header(API_KEY)]), "/", &headers)
     }
 
     #[test]

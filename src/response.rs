@@ -5,6 +5,7 @@ use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 
+use crate::config::ResponseHeaders;
 use crate::limiter::Decision;
 use crate::policy::Route;
 use crate::proxy::ProxyBody;
@@ -34,18 +35,48 @@ pub fn rate_limit(route: &Route, decision: &Decision) -> Option<HeaderValue> {
     )
 }
 
-/// Adds the RateLimit fields of a decided request to a response.
+pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+
+/// Adds the rate-limit fields of a decided request to a response, in the route's style.
 pub fn add_rate_limit_fields(
     response: &mut Response<ProxyBody>,
     route: &Route,
     decision: &Decision,
 ) {
+    let (ietf, legacy) = match route.response_headers {
+        ResponseHeaders::Ietf => (true, false),
+        ResponseHeaders::Legacy => (false, true),
+        ResponseHeaders::Both => (true, true),
+        ResponseHeaders::None => (false, false),
+    };
     let headers = response.headers_mut();
-    if let Some(policy) = &route.rate_limit_policy {
-        headers.insert(RATELIMIT_POLICY, policy.clone());
+    if ietf {
+        if let Some(policy) = &route.rate_limit_policy {
+            headers.insert(RATELIMIT_POLICY, policy.clone());
+        }
+        if let Some(value) = rate_limit(route, decision) {
+            headers.insert(RATELIMIT, value);
+        }
     }
-    if let Some(value) = rate_limit(route, decision) {
-        headers.insert(RATELIMIT, value);
+    if legacy {
+        // One limit only in this style: the one closest to exhaustion (the fewest requests
+        // left; of those, the longest wait).
+        let closest = route
+            .limits
+            .iter()
+            .zip(&decision.limits)
+            .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
+            .min_by_key(|(_, state)| (state.remaining, std::cmp::Reverse(state.reset)));
+        if let Some((limit, state)) = closest {
+            headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(limit.requests));
+            headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(state.remaining));
+            headers.insert(
+                X_RATELIMIT_RESET,
+                HeaderValue::from(ceil_seconds(state.reset)),
+            );
+        }
     }
 }
 

@@ -20,8 +20,8 @@ use sha2::{Digest, Sha256};
 
 pub use duration::ConfigDuration;
 pub use types::{
-    ByteSize, KeyPart, MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, Status,
-    UpstreamUrl,
+    ByteSize, ForwardedHeader, IpNet, KeyPart, MethodName, Name, OnStoreError, PathPrefix,
+    Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
 };
 
 /// Default timeout of one store call, including waiting for a pooled connection.
@@ -60,6 +60,15 @@ pub struct Config {
     pub server: ServerConfig,
     #[serde(default)]
     pub store: StoreConfig,
+    /// Peers whose forwarded-for header is believed when finding the client's address.
+    #[serde(default)]
+    pub trusted_proxies: Vec<IpNet>,
+    /// The header those proxies set.
+    #[serde(default)]
+    pub forwarded_header: ForwardedHeader,
+    /// Which rate-limit fields responses carry, unless a route says otherwise.
+    #[serde(default)]
+    pub response_headers: ResponseHeaders,
     #[serde(default)]
     pub upstreams: BTreeMap<Name, UpstreamConfig>,
     pub routes: Vec<RouteConfig>,
@@ -183,6 +192,8 @@ pub struct RouteConfig {
     pub max_body: Option<ByteSize>,
     /// Overrides `store.on_store_error` for this route.
     pub on_store_error: Option<OnStoreError>,
+    /// Overrides the top-level `response_headers` for this route.
+    pub response_headers: Option<ResponseHeaders>,
     #[serde(default)]
     pub limits: Vec<LimitConfig>,
 }
@@ -545,7 +556,7 @@ mod tests {
             err.starts_with("test.yaml:4:11: routes[0].name: a name"),
             "{err}"
         );
-        let limit = "    respond: { status: 200 }\n    limits: [{ name: a, key: [client_ip, \"cookie:x\"], requests: 1, window: 1s }]\n";
+        let limit = "    respond: { status: 200 }\n    limits: [{ name: a, key: [client_ip, \"jwt:sub\"], requests: 1, window: 1s }]\n";
         let err = error_of(&format!("{HEAD}{}{limit}", route.replace("\"a b\"", "r")));
         assert!(
             err.contains(": routes[0].limits[0].key[1]: expected a key part"),

@@ -2,6 +2,7 @@
 //! sluice never handles a raw string where one of these belongs.
 
 use std::fmt;
+use std::net::IpAddr;
 use std::str::FromStr;
 
 use http::header::HeaderName;
@@ -22,7 +23,15 @@ macro_rules! deserialize_via_from_str {
     )*};
 }
 
-deserialize_via_from_str!(Name, KeyPart, MethodName, PathPrefix, UpstreamUrl, RedisUrl);
+deserialize_via_from_str!(
+    Name,
+    KeyPart,
+    MethodName,
+    PathPrefix,
+    UpstreamUrl,
+    RedisUrl,
+    IpNet
+);
 
 /// The name of a route, limit, upstream or key prefix. Names appear in Redis keys, metric
 /// labels and the `RateLimit-Policy` field, so they are kept to characters that are safe in
@@ -66,28 +75,136 @@ impl FromStr for Name {
 /// One part of a limit's key: where in the request the identity comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyPart {
-    /// The address of the TCP peer.
+    /// The client's address: the TCP peer, or the address a trusted proxy forwarded for.
     ClientIp,
     /// The value of a request header; absent → the limit falls back to the client IP.
     Header(HeaderName),
+    /// A query parameter, percent-decoded; absent → the client IP.
+    Query(String),
+    /// A cookie; absent → the client IP.
+    Cookie(String),
+    /// The request method.
+    Method,
+    /// The `Host` (or `:authority`), lower-cased.
+    Host,
+    /// The canonical path without its `;` parameters (lower-cased on case-insensitive routes).
+    Path,
 }
 
 impl FromStr for KeyPart {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        if text == "client_ip" {
-            return Ok(KeyPart::ClientIp);
+        let named = |kind: &str, name: &str| -> Result<String, String> {
+            let valid = !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_graphic() && !matches!(b, b'=' | b';' | b'&' | b','));
+            if valid {
+                Ok(name.to_owned())
+            } else {
+                Err(format!("`{name}` is not a valid {kind} name"))
+            }
+        };
+        match text {
+            "client_ip" => return Ok(KeyPart::ClientIp),
+            "method" => return Ok(KeyPart::Method),
+            "host" => return Ok(KeyPart::Host),
+            "path" => return Ok(KeyPart::Path),
+            _ => {}
         }
         if let Some(name) = text.strip_prefix("header:") {
             return HeaderName::from_bytes(name.as_bytes())
                 .map(KeyPart::Header)
                 .map_err(|_| format!("`{name}` is not a valid header name"));
         }
+        if let Some(name) = text.strip_prefix("query:") {
+            return named("query parameter", name).map(KeyPart::Query);
+        }
+        if let Some(name) = text.strip_prefix("cookie:") {
+            return named("cookie", name).map(KeyPart::Cookie);
+        }
         Err(format!(
-            "expected a key part `client_ip` or `header:NAME`, got `{text}`"
+            "expected a key part `client_ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `method`, `host` or `path`, got `{text}`"
         ))
     }
+}
+
+/// An IP network (`10.0.0.0/8`, `2001:db8::/32`, or one address): a range of trusted proxies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpNet {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl IpNet {
+    /// Whether `ip` is inside this network (an IPv4-mapped IPv6 address counts as IPv4).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, ip.to_canonical()) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u32::from(net) & mask == u32::from(ip) & mask
+            }
+            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u128::from(net) & mask == u128::from(ip) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl FromStr for IpNet {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let malformed =
+            || format!("expected an address or a CIDR range like 10.0.0.0/8, got `{text}`");
+        let (addr, prefix) = match text.split_once('/') {
+            Some((addr, prefix)) => (addr, Some(prefix)),
+            None => (text, None),
+        };
+        let addr: IpAddr = addr.parse().map_err(|_| malformed())?;
+        let bits = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            Some(prefix) => prefix.parse::<u8>().map_err(|_| malformed())?,
+            None => bits,
+        };
+        if prefix > bits {
+            return Err(format!(
+                "`{text}`: a prefix of /{prefix} is longer than the address"
+            ));
+        }
+        Ok(IpNet { addr, prefix })
+    }
+}
+
+/// Which header trusted proxies put the client's address in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ForwardedHeader {
+    /// `X-Forwarded-For: client, proxy1, proxy2`.
+    #[default]
+    XForwardedFor,
+    /// RFC 7239 `Forwarded: for=client, for=proxy1`.
+    Forwarded,
+}
+
+/// Which rate-limit fields responses carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResponseHeaders {
+    /// `RateLimit-Policy` and `RateLimit` (IETF httpapi draft).
+    #[default]
+    Ietf,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`.
+    Legacy,
+    Both,
+    None,
 }
 
 /// What a limited route does when the store cannot decide (Redis down, slow, or its breaker
@@ -352,7 +469,38 @@ mod tests {
             Ok(KeyPart::Header(HeaderName::from_static("x-api-key")))
         );
         assert!("header:bad header".parse::<KeyPart>().is_err());
-        assert!("cookie:x".parse::<KeyPart>().is_err());
+        assert_eq!(
+            "cookie:session".parse::<KeyPart>(),
+            Ok(KeyPart::Cookie("session".to_owned()))
+        );
+        assert_eq!(
+            "query:api_key".parse::<KeyPart>(),
+            Ok(KeyPart::Query("api_key".to_owned()))
+        );
+        assert!("query:".parse::<KeyPart>().is_err());
+        assert!("query:a=b".parse::<KeyPart>().is_err());
+        assert!("jwt:sub".parse::<KeyPart>().is_err());
+    }
+
+    #[test]
+    fn ip_networks() {
+        let net: IpNet = "10.1.0.0/16".parse().unwrap();
+        assert!(net.contains("10.1.200.3".parse().unwrap()));
+        assert!(!net.contains("10.2.0.1".parse().unwrap()));
+        assert!(
+            net.contains("::ffff:10.1.0.9".parse().unwrap()),
+            "IPv4-mapped"
+        );
+        let one: IpNet = "127.0.0.2".parse().unwrap();
+        assert!(one.contains("127.0.0.2".parse().unwrap()));
+        assert!(!one.contains("127.0.0.1".parse().unwrap()));
+        let all: IpNet = "0.0.0.0/0".parse().unwrap();
+        assert!(all.contains("203.0.113.9".parse().unwrap()));
+        let v6: IpNet = "2001:db8::/32".parse().unwrap();
+        assert!(v6.contains("2001:db8:1::1".parse().unwrap()));
+        assert!(!v6.contains("10.0.0.1".parse().unwrap()));
+        assert!("10.0.0.0/33".parse::<IpNet>().is_err());
+        assert!("10.0.0/8".parse::<IpNet>().is_err());
     }
 
     #[test]

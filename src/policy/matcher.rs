@@ -23,6 +23,11 @@ impl Matcher {
         }
     }
 
+    /// Whether the prefix is compared case-sensitively.
+    pub fn case_sensitive(&self) -> bool {
+        self.case_sensitive
+    }
+
     /// The first segment of the prefix, which a request's path must start with for this route
     /// to match; `None` when the prefix is `/` and takes every path.
     pub fn first_segment(&self) -> Option<&str> {

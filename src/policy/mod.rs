@@ -19,12 +19,18 @@ use http::uri::Authority;
 use http::{Method, StatusCode};
 
 pub use self::matcher::Matcher;
-use crate::config::{Config, ConfigError, KeyPart, Name, OnStoreError, Position, RouteConfig};
+use crate::config::{
+    Config, ConfigError, ForwardedHeader, IpNet, KeyPart, Name, OnStoreError, Position,
+    ResponseHeaders, RouteConfig,
+};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::ratelimit_field::{ceil_seconds, limit_items};
 
 pub struct Policy {
     pub routes: Vec<Route>,
+    /// Peers whose forwarded-for header is believed, and which header that is.
+    pub trusted_proxies: Vec<IpNet>,
+    pub forwarded_header: ForwardedHeader,
     index: RouteIndex,
 }
 
@@ -95,6 +101,8 @@ pub struct Route {
     pub max_body: Option<u64>,
     /// What to do when the store cannot decide.
     pub on_store_error: OnStoreError,
+    /// Which rate-limit fields responses carry.
+    pub response_headers: ResponseHeaders,
     /// The `RateLimit-Policy` field describing every limit of the route; `None` without limits.
     pub rate_limit_policy: Option<HeaderValue>,
     pub metrics: RouteMetrics,
@@ -191,6 +199,7 @@ impl Policy {
                     action,
                     max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
                     on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
+                    response_headers: route.response_headers.unwrap_or(config.response_headers),
                     rate_limit_policy: rate_limit_policy(&limits),
                     limits,
                     metrics: metrics.for_route(route.name.value.as_str()),
@@ -198,7 +207,12 @@ impl Policy {
             })
             .collect();
         let index = RouteIndex::new(&routes);
-        Ok(Policy { routes, index })
+        Ok(Policy {
+            routes,
+            trusted_proxies: config.trusted_proxies.clone(),
+            forwarded_header: config.forwarded_header,
+            index,
+        })
     }
 
     /// Every upstream some route forwards to, once each.
@@ -312,14 +326,6 @@ fn check_limits(route: &RouteConfig, file: &Path, field: &str) -> Result<(), Con
                     "duplicate limit name `{}` in this route (first used at line {})",
                     limit.name.value, first.line
                 ),
-            ));
-        }
-        if limit.key.value.is_empty() {
-            return Err(ConfigError::invalid(
-                file,
-                Position::from(&limit.key),
-                format!("{field}.key"),
-                "a key needs at least one part, e.g. [client_ip]",
             ));
         }
     }

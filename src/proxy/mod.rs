@@ -159,7 +159,7 @@ impl Gateway {
                 );
             }
         }
-        let decision = match self.decide(route, &request, peer).await {
+        let decision = match self.decide(&active.policy, route, &request, peer).await {
             Ok(decision) => decision,
             Err(rejection) => return rejection,
         };
@@ -210,6 +210,7 @@ impl Gateway {
     /// instead of acting (429, or 503 when the store cannot decide).
     async fn decide(
         &self,
+        policy: &Policy,
         route: &Route,
         request: &Request<Incoming>,
         peer: SocketAddr,
@@ -217,7 +218,19 @@ impl Gateway {
         if route.limits.is_empty() {
             return Ok(None);
         }
-        let checks = keys::checks(route, request.headers(), peer.ip());
+        let client_ip = keys::client_ip(
+            peer.ip(),
+            request.headers(),
+            &policy.trusted_proxies,
+            policy.forwarded_header,
+        );
+        let parts = keys::RequestParts {
+            method: request.method(),
+            uri: request.uri(),
+            headers: request.headers(),
+            client_ip,
+        };
+        let checks = keys::checks(route, &parts);
         let decision = match self.store.decide(&checks).await {
             Ok(decision) => decision,
             Err(err) => {
