@@ -19,7 +19,8 @@ pub use serde_saphyr::Spanned;
 
 pub use duration::ConfigDuration;
 pub use types::{
-    ByteSize, KeyPart, MethodName, Name, PathPrefix, Positive, RedisUrl, Status, UpstreamUrl,
+    ByteSize, HostPort, KeyPart, MethodName, Name, PathPrefix, Positive, RedisUrl, Status,
+    UpstreamUrl,
 };
 
 /// Default timeout of one store call, including waiting for a pooled connection.
@@ -102,7 +103,7 @@ impl Default for ServerConfig {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
-    pub redis: Option<RedisConfig>,
+    pub redis: Option<Spanned<RedisConfig>>,
     #[serde(default)]
     pub local: LocalConfig,
     #[serde(default = "default_key_prefix")]
@@ -136,14 +137,81 @@ impl Default for LocalConfig {
     }
 }
 
+impl StoreConfig {
+    /// Where Redis is (`None`: no Redis, the in-process store). Refuses a `store.redis` that
+    /// gives both `url` and `sentinel`, or neither, at the position of the offending field.
+    pub fn redis_target(&self, file: &Path) -> Result<Option<RedisTarget<'_>>, ConfigError> {
+        let Some(redis) = &self.redis else {
+            return Ok(None);
+        };
+        let target = match (&redis.value.url, &redis.value.sentinel) {
+            (Some(url), None) => RedisTarget::Url(&url.value),
+            (None, Some(sentinel)) => {
+                if sentinel.value.nodes.value.is_empty() {
+                    return Err(ConfigError::invalid(
+                        file,
+                        Position::from(&sentinel.value.nodes),
+                        "store.redis.sentinel.nodes",
+                        "list at least one sentinel (host:port); three or more is usual",
+                    ));
+                }
+                RedisTarget::Sentinel(&sentinel.value)
+            }
+            (Some(_), Some(sentinel)) => {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(sentinel),
+                    "store.redis.sentinel",
+                    "give either `url` (one Redis) or `sentinel` (a master found through \
+                     Redis Sentinel), not both",
+                ))
+            }
+            (None, None) => {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(redis),
+                    "store.redis",
+                    "needs `url` (one Redis) or `sentinel` (a master found through Redis \
+                     Sentinel)",
+                ))
+            }
+        };
+        Ok(Some(target))
+    }
+}
+
+/// `store.redis`: where Redis is (exactly one of `url` and `sentinel`, checked by
+/// `StoreConfig::redis_target`) and how each decision uses it.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
-    pub url: RedisUrl,
+    pub url: Option<Spanned<RedisUrl>>,
+    pub sentinel: Option<Spanned<SentinelConfig>>,
     #[serde(default = "default_store_timeout")]
     pub timeout: ConfigDuration,
     #[serde(default = "default_pool_size")]
     pub pool_size: types::PoolSize,
+}
+
+/// A Redis master found and followed through Redis Sentinel.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SentinelConfig {
+    /// The name the sentinels monitor the master under (`sentinel monitor NAME ...`).
+    pub master_name: Name,
+    /// Sentinels asked in turn for the master's address.
+    pub nodes: Spanned<Vec<HostPort>>,
+    /// Password of the Redis master and replicas (`requirepass`).
+    pub password: Option<String>,
+    /// Password of the sentinels themselves (their `requirepass`), when they have one.
+    pub sentinel_password: Option<String>,
+}
+
+/// Where the Redis store is.
+#[derive(Debug, Clone, Copy)]
+pub enum RedisTarget<'a> {
+    Url(&'a RedisUrl),
+    Sentinel(&'a SentinelConfig),
 }
 
 #[derive(Debug, Deserialize)]
@@ -360,7 +428,7 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
             err.into_inner()
         })
     });
-    result.map_err(|err| {
+    let config: Config = result.map_err(|err| {
         let position = err
             .location()
             .map(|l| Position {
@@ -374,7 +442,9 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
             field_of(&failed_at, &err),
             plain_message(&err),
         )
-    })
+    })?;
+    config.store.redis_target(file)?;
+    Ok(config)
 }
 
 /// Limits that keep a hostile or broken file (deep nesting, alias bombs) from using much time

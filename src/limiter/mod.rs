@@ -10,6 +10,7 @@
 mod deny_cache;
 mod local;
 mod redis;
+mod sentinel;
 mod sliding_log;
 
 use std::time::{Duration, Instant};
@@ -19,6 +20,7 @@ use prometheus::{Histogram, IntCounter};
 use self::deny_cache::DenyCache;
 use self::local::{LocalMetrics, LocalStore};
 pub use self::redis::RedisStore;
+pub use self::sentinel::SentinelSettings;
 use crate::metrics::Metrics;
 
 /// One limit to check for a request: the full store key (prefix, route, limit, identity) and
