@@ -588,6 +588,57 @@ mod tests {
     }
 
     #[test]
+    fn redis_needs_url_or_sentinel_but_not_both() {
+        let sentinel =
+            "    sentinel:\n      master_name: mymaster\n      nodes: [\"127.0.0.1:26379\"]\n";
+        let url = "    url: redis://127.0.0.1:6379/0\n";
+        let both = format!("{HEAD}routes: []\nstore:\n  redis:\n{url}{sentinel}");
+        assert_eq!(
+            error_of(&both),
+            "test.yaml:8:7: store.redis.sentinel: give either `url` (one Redis) or `sentinel` \
+             (a master found through Redis Sentinel), not both"
+        );
+        let neither = format!("{HEAD}routes: []\nstore:\n  redis:\n    timeout: 1s\n");
+        assert_eq!(
+            error_of(&neither),
+            "test.yaml:6:5: store.redis: needs `url` (one Redis) or `sentinel` (a master found \
+             through Redis Sentinel)"
+        );
+        let none = format!(
+            "{HEAD}routes: []\nstore:\n  redis:\n    sentinel: {{ master_name: m, nodes: [] }}\n"
+        );
+        let err = error_of(&none);
+        assert!(
+            err.starts_with("test.yaml:6:40: store.redis.sentinel.nodes: list at least one"),
+            "{err}"
+        );
+        let bad = format!("{HEAD}routes: []\nstore:\n  redis:\n    sentinel: {{ master_name: m, nodes: [\"h:1\", nope] }}\n");
+        let err = error_of(&bad);
+        assert!(
+            err.contains(": store.redis.sentinel.nodes[1]: expected host:port"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_sentinel_store_parses() {
+        let yaml = format!(
+            "{HEAD}routes: []\nstore:\n  redis:\n    sentinel:\n      master_name: mymaster\n      nodes: [\"127.0.0.1:26379\", \"[::1]:26380\"]\n      password: secret\n    timeout: 80ms\n"
+        );
+        let config = parse(&yaml, Path::new("test.yaml")).expect("parses");
+        let Ok(Some(RedisTarget::Sentinel(sentinel))) =
+            config.store.redis_target(Path::new("test.yaml"))
+        else {
+            panic!("expected a sentinel target");
+        };
+        assert_eq!(sentinel.master_name.as_str(), "mymaster");
+        assert_eq!(sentinel.nodes.value.len(), 2);
+        assert_eq!(sentinel.nodes.value[1].port, 26380);
+        assert_eq!(sentinel.password.as_deref(), Some("secret"));
+        assert_eq!(sentinel.sentinel_password, None);
+    }
+
+    #[test]
     fn alias_bombs_are_refused() {
         let mut yaml = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
         for (name, prev) in ["b", "c", "d", "e", "f", "g", "h", "i"]
