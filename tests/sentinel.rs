@@ -52,6 +52,8 @@ routes:
 
 /// What one request of the steady load got.
 struct Outcome {
+    /// The request's key is `load-{key}`.
+    key: u64,
     /// When it was sent, from the start of the load.
     sent: Duration,
     took: Duration,
@@ -78,6 +80,7 @@ async fn steady_load(url: String, stop: Arc<AtomicBool>, start: Instant) -> Vec<
             Err(e) => (0, e.to_string()),
         };
         outcomes.push(Outcome {
+            key: i,
             sent: sent - start,
             took: sent.elapsed(),
             status,
@@ -101,6 +104,23 @@ async fn statuses(url: &str, path: &str, key: &str, n: usize) -> Vec<u16> {
         got.push(r.status().as_u16());
     }
     got
+}
+
+/// The `n` of every `load-n` key on the Redis at `port`.
+async fn load_keys(port: u16) -> std::collections::HashSet<u64> {
+    let keys: Vec<String> = redis::from_redis_value(
+        command_at(port, &["KEYS", "*load-*"])
+            .await
+            .expect("KEYS on a node"),
+    )
+    .expect("a key list");
+    keys.iter()
+        .filter_map(|k| {
+            let (_, rest) = k.split_once("load-")?;
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+        .collect()
 }
 
 fn count(got: &[u16], status: u16) -> usize {
@@ -245,6 +265,33 @@ async fn follows(failover: Failover) {
     );
     let moved = moved.unwrap_or_default();
     assert!(moved < RECOVERY_BOUND, "decisions moved after {moved:?}");
+
+    // Admissions the new master does not know were written to the old master after the
+    // replica stopped following it (Redis replication is asynchronous). They may only come
+    // from the switch itself: everything admitted before it, or after the first decision on
+    // the new master, is there.
+    let on_new_master = load_keys(new_port).await;
+    let lost: Vec<&Outcome> = outcomes
+        .iter()
+        .filter(|o| o.status == 200 && !on_new_master.contains(&o.key))
+        .collect();
+    eprintln!(
+        "{failover:?}: {} admissions missing on the new master, sent from {:?} to {:?} \
+         after the failover started",
+        lost.len(),
+        lost.first().map(|o| o.sent.saturating_sub(failed_at)),
+        lost.last().map(|o| o.sent.saturating_sub(failed_at)),
+    );
+    for o in &lost {
+        assert!(
+            o.sent + Duration::from_millis(100) >= failed_at && o.sent <= failed_at + moved,
+            "admission {} sent at {:?} is missing on the new master, outside the switch \
+             ({failed_at:?} to {:?})",
+            o.key,
+            o.sent,
+            failed_at + moved
+        );
+    }
 
     // The limits filled before the failover hold on the new master: `half` has 10 left,
     // `full` none, and the upstream saw exactly 20 of each.
