@@ -16,18 +16,23 @@
 //! master); when the sentinels name a different node and it answers `ROLE` as a master, a new
 //! set of connections replaces the old one, and requests take the new set from then on.
 //! Requests never wait for this: the ones that fail meanwhile get the usual store error.
+//!
+//! When a sentinel announces that it is about to promote a replica, decisions stop at once
+//! (a *fence*): the old master would accept them, but they would be lost, and a limit could
+//! then admit more than it allows. Until the sentinels name the new master, limited requests
+//! get the store error; the fence lifts by itself after `FENCE_LIMIT` if they never do.
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, RedisError, Script};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-use super::sentinel::{MasterAddr, SentinelSettings, Sentinels};
+use super::sentinel::{watch_failovers, MasterAddr, SentinelSettings, Sentinels};
 use super::{Check, Decision, LimitState, StoreError};
 
 const SLIDING_LOG: &str = include_str!("scripts/sliding_log.lua");
@@ -39,6 +44,9 @@ const SLIDING_LOG: &str = include_str!("scripts/sliding_log.lua");
 const SENTINEL_POLL: Duration = Duration::from_millis(500);
 /// Least time between two lookups, so a burst of failing requests costs one lookup.
 const LOOKUP_GAP: Duration = Duration::from_millis(100);
+/// Longest time decisions stay off a master a sentinel announced it is replacing, in case
+/// the failover fails without the sentinels ever naming another master.
+const FENCE_LIMIT: Duration = Duration::from_secs(10);
 /// Least time allowed for one sentinel's answer. Lookups run in the background, so they can
 /// afford more than a decision's `timeout`; a bound that tight could fail every lookup on a
 /// busy network.
@@ -57,6 +65,8 @@ pub struct RedisStore {
 /// What requests and the follower task both use.
 struct Shared {
     master: RwLock<Arc<Master>>,
+    /// A master being failed over, not to be used again until this instant.
+    fence: Mutex<Option<(MasterAddr, Instant)>>,
     script: Script,
     timeout: Duration,
 }
@@ -68,17 +78,18 @@ struct Master {
     connections: Vec<ConnectionManager>,
 }
 
-/// The task that follows the master named by the sentinels.
+/// The tasks that follow the master named by the sentinels.
 struct Follower {
     /// Asks the task to look the master up now.
     wake: Arc<Notify>,
-    task: JoinHandle<()>,
+    /// The lookup task and one listener per sentinel.
+    tasks: Vec<JoinHandle<()>>,
 }
 
 impl Drop for RedisStore {
     fn drop(&mut self) {
-        if let Some(follower) = &self.follower {
-            follower.task.abort();
+        for task in self.follower.iter().flat_map(|f| &f.tasks) {
+            task.abort();
         }
     }
 }
@@ -121,8 +132,28 @@ impl RedisStore {
             tracing::warn!(error = %err, "cannot find the Redis master yet; retrying in the background");
         }
         let wake = Arc::new(Notify::new());
-        let task = tokio::spawn(follow(sentinels, store.shared.clone(), nodes, wake.clone()));
-        store.follower = Some(Follower { wake, task });
+        let mut tasks: Vec<JoinHandle<()>> = sentinels
+            .clients()
+            .into_iter()
+            .map(|client| {
+                let (shared, wake) = (store.shared.clone(), wake.clone());
+                let replaced = move |master: MasterAddr| shared.fence(master, &wake);
+                let retry = timeout.max(MIN_SENTINEL_TIMEOUT);
+                tokio::spawn(watch_failovers(
+                    client,
+                    settings.master_name.clone(),
+                    retry,
+                    replaced,
+                ))
+            })
+            .collect();
+        tasks.push(tokio::spawn(follow(
+            sentinels,
+            store.shared.clone(),
+            nodes,
+            wake.clone(),
+        )));
+        store.follower = Some(Follower { wake, tasks });
         Ok(store)
     }
 
@@ -130,6 +161,7 @@ impl RedisStore {
         RedisStore {
             shared: Arc::new(Shared {
                 master: RwLock::new(Arc::new(master)),
+                fence: Mutex::new(None),
                 script: Script::new(SLIDING_LOG),
                 timeout,
             }),
@@ -202,7 +234,8 @@ impl RedisStore {
         if master.connections.is_empty() {
             self.rediscover();
             return Err(StoreError::Connection(
-                "no Redis master known yet: the sentinels have not named one".to_owned(),
+                "no Redis master: the sentinels have not named one yet, or a failover is under way"
+                    .to_owned(),
             ));
         }
         let index = self.next.fetch_add(1, Ordering::Relaxed) % master.connections.len();
@@ -248,6 +281,38 @@ impl Shared {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
     }
+
+    fn replace(&self, master: Master) {
+        *self.master.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(master);
+    }
+
+    /// Stops deciding on `master`, which a sentinel is replacing, and asks for a lookup.
+    fn fence(&self, master: MasterAddr, wake: &Notify) {
+        if self.current().addr.as_ref() == Some(&master) {
+            tracing::warn!(%master, "a sentinel is failing the Redis master over; decisions wait for the new one");
+            self.replace(Master {
+                addr: None,
+                connections: Vec::new(),
+            });
+        }
+        *self.fence.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((master, Instant::now() + FENCE_LIMIT));
+        wake.notify_one();
+    }
+
+    /// Whether `addr` is a master being failed over; forgets a fence that has expired or
+    /// that the sentinels have moved past.
+    fn fenced(&self, addr: &MasterAddr) -> bool {
+        let mut fence = self.fence.lock().unwrap_or_else(PoisonError::into_inner);
+        match &*fence {
+            Some((fenced, until)) if fenced == addr && Instant::now() < *until => true,
+            Some(_) => {
+                *fence = None;
+                false
+            }
+            None => false,
+        }
+    }
 }
 
 /// How connections to a master the sentinels name are made.
@@ -291,6 +356,10 @@ async fn follow(
             tracing::warn!(error = %err, "cannot follow the Redis master");
         }
         tokio::time::sleep(LOOKUP_GAP).await;
+        if shared.current().connections.is_empty() {
+            // No master (at start, or during a failover): keep asking, every LOOKUP_GAP.
+            wake.notify_one();
+        }
     }
 }
 
@@ -304,6 +373,11 @@ async fn follow_once(
     let addr = sentinels.master().await?;
     if shared.current().addr.as_ref() == Some(&addr) {
         return Ok(());
+    }
+    if shared.fenced(&addr) {
+        return Err(StoreError::Connection(format!(
+            "the sentinels still name {addr}, which is being failed over"
+        )));
     }
     let info = ConnectionAddr::Tcp(addr.host.clone(), addr.port)
         .into_connection_info()
@@ -326,6 +400,12 @@ async fn follow_once(
     if !is_master {
         return Err(StoreError::Connection(format!(
             "the sentinels name {addr} as master, but it is not one (yet)"
+        )));
+    }
+    if shared.fenced(&addr) {
+        // A sentinel announced the failover while this lookup was under way.
+        return Err(StoreError::Connection(format!(
+            "{addr} is being failed over"
         )));
     }
     let previous = shared.current().addr.clone();

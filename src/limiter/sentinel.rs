@@ -6,8 +6,15 @@
 //! sentinel costs its timeout once rather than on every lookup. The sentinels' answer is not
 //! trusted blindly: `RedisStore` checks with `ROLE` that the node really is a master before
 //! it sends decisions there (a sentinel may briefly name a demoted master during a failover).
+//!
+//! Each sentinel is also listened to for `+selected-slave`, which the sentinel leading a
+//! failover announces just before it promotes the replica. From the promotion on, whatever the
+//! old master accepts is lost (the replica no longer follows it, and Sentinel demotes it only
+//! seconds later), so `RedisStore` stops deciding there as soon as it hears that.
 
 use std::time::Duration;
+
+use futures_util::StreamExt as _;
 
 use redis::aio::MultiplexedConnection;
 use redis::{
@@ -115,6 +122,71 @@ impl Sentinels {
     }
 }
 
+impl Sentinels {
+    /// A client of each sentinel, to listen to its announcements.
+    pub fn clients(&self) -> Vec<Client> {
+        self.nodes.iter().map(|n| n.client.clone()).collect()
+    }
+}
+
+/// Calls `replaced` with the master's address whenever the sentinel `client` announces a
+/// failover of `master_name`, until the task is dropped. A lost subscription is made again
+/// after `retry`.
+pub async fn watch_failovers(
+    client: Client,
+    master_name: String,
+    retry: Duration,
+    replaced: impl Fn(MasterAddr) + Send,
+) {
+    loop {
+        if let Err(err) = watch_once(&client, &master_name, retry, &replaced).await {
+            tracing::debug!(error = %err, "lost a sentinel's announcements");
+        }
+        tokio::time::sleep(retry).await;
+    }
+}
+
+async fn watch_once(
+    client: &Client,
+    master_name: &str,
+    timeout: Duration,
+    replaced: &impl Fn(MasterAddr),
+) -> Result<(), redis::RedisError> {
+    let subscribe = async {
+        let mut pubsub = client.get_async_pubsub().await?;
+        pubsub.subscribe("+selected-slave").await?;
+        Ok::<_, redis::RedisError>(pubsub)
+    };
+    let mut pubsub = tokio::time::timeout(timeout, subscribe)
+        .await
+        .map_err(|_| {
+            redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut))
+        })??;
+    let mut messages = pubsub.on_message();
+    while let Some(message) = messages.next().await {
+        let payload: String = message.get_payload()?;
+        if let Some(master) = replaced_master(&payload, master_name) {
+            replaced(master);
+        }
+    }
+    Ok(())
+}
+
+/// The master in a `+selected-slave` payload,
+/// `slave <ip>:<port> <ip> <port> @ <master-name> <master-ip> <master-port>`, if it is ours.
+fn replaced_master(payload: &str, master_name: &str) -> Option<MasterAddr> {
+    let (_, master) = payload.split_once(" @ ")?;
+    let mut parts = master.split(' ');
+    let (name, host, port) = (parts.next()?, parts.next()?, parts.next()?);
+    if name != master_name {
+        return None;
+    }
+    Some(MasterAddr {
+        host: host.to_owned(),
+        port: port.parse().ok()?,
+    })
+}
+
 impl Node {
     async fn ask(
         &mut self,
@@ -135,5 +207,24 @@ impl Node {
             .query_async(connection)
             .await?;
         Ok(addr.map(|(host, port)| MasterAddr { host, port }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_replaced_master() {
+        let payload = "slave 127.0.0.1:6380 127.0.0.1 6380 @ mymaster 127.0.0.1 6379";
+        assert_eq!(
+            replaced_master(payload, "mymaster"),
+            Some(MasterAddr {
+                host: "127.0.0.1".to_owned(),
+                port: 6379
+            })
+        );
+        assert_eq!(replaced_master(payload, "other"), None);
+        assert_eq!(replaced_master("slave x @ mymaster h", "mymaster"), None);
     }
 }
