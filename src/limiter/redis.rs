@@ -138,11 +138,10 @@ impl RedisStore {
             .map(|client| {
                 let (shared, wake) = (store.shared.clone(), wake.clone());
                 let replaced = move |master: MasterAddr| shared.fence(master, &wake);
-                let retry = timeout.max(MIN_SENTINEL_TIMEOUT);
                 tokio::spawn(watch_failovers(
                     client,
                     settings.master_name.clone(),
-                    retry,
+                    timeout.max(MIN_SENTINEL_TIMEOUT),
                     replaced,
                 ))
             })

@@ -129,20 +129,25 @@ impl Sentinels {
     }
 }
 
+/// Time between attempts to listen to a sentinel that cannot be reached. Missing an
+/// announcement costs exactness during that failover, not the failover itself: the lookups
+/// still follow it.
+const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(1);
+
 /// Calls `replaced` with the master's address whenever the sentinel `client` announces a
-/// failover of `master_name`, until the task is dropped. A lost subscription is made again
-/// after `retry`.
+/// failover of `master_name`, until the task is dropped. Subscribing is bounded by `timeout`;
+/// a lost subscription is made again after `RESUBSCRIBE_AFTER`.
 pub async fn watch_failovers(
     client: Client,
     master_name: String,
-    retry: Duration,
+    timeout: Duration,
     replaced: impl Fn(MasterAddr) + Send,
 ) {
     loop {
-        if let Err(err) = watch_once(&client, &master_name, retry, &replaced).await {
+        if let Err(err) = watch_once(&client, &master_name, timeout, &replaced).await {
             tracing::debug!(error = %err, "lost a sentinel's announcements");
         }
-        tokio::time::sleep(retry).await;
+        tokio::time::sleep(RESUBSCRIBE_AFTER).await;
     }
 }
 
