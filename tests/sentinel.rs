@@ -382,3 +382,24 @@ fn check_refuses_url_and_sentinel_together() {
     );
     assert!(stderr.contains(&expected), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passwords_for_the_nodes_and_the_sentinels() {
+    let cluster =
+        SentinelCluster::start_with_passwords(Some("data-secret"), Some("sentinel-secret")).await;
+    let up = Upstream::start().await;
+    let with_passwords = config(&cluster.nodes(), &up.url()).replace(
+        "      nodes:",
+        "      password: data-secret\n      sentinel_password: sentinel-secret\n      nodes:",
+    );
+    let sluice = Sluice::start(&with_passwords).await;
+    let got = statuses(&sluice.url(), "/x", "k", 3).await;
+    assert_eq!(got, vec![200; 3], "{}", sluice.log());
+    assert_eq!(cluster.first_master.commandstat("evalsha").await, 3);
+
+    // Without the sentinels' password no master is found, and limited requests get 503.
+    let without = with_passwords.replace("      sentinel_password: sentinel-secret\n", "");
+    let refused = Sluice::start(&without).await;
+    assert_eq!(statuses(&refused.url(), "/x", "k", 2).await, vec![503; 2]);
+    assert_eq!(cluster.first_master.commandstat("evalsha").await, 3);
+}

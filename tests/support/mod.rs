@@ -95,6 +95,8 @@ pub struct Redis {
     port: u16,
     /// Extra command-line settings, e.g. `["--replicaof", "127.0.0.1", "6379"]`.
     args: Vec<String>,
+    /// The `--requirepass` among `args`, used by this harness's own commands.
+    password: Option<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -124,6 +126,11 @@ impl Redis {
             child: None,
             port: free_port(),
             args: args.iter().map(|a| a.to_string()).collect(),
+            password: args
+                .iter()
+                .position(|a| *a == "--requirepass")
+                .and_then(|i| args.get(i + 1))
+                .map(|p| p.to_string()),
             _dir: dir,
         };
         redis.spawn().await?;
@@ -181,9 +188,12 @@ impl Redis {
         self.port
     }
 
-    /// `redis://127.0.0.1:PORT/0`
+    /// `redis://127.0.0.1:PORT/0` (`redis://:PASSWORD@…` when it has one)
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
+        match &self.password {
+            Some(password) => format!("redis://:{password}@127.0.0.1:{}/0", self.port),
+            None => format!("redis://127.0.0.1:{}/0", self.port),
+        }
     }
 
     async fn ping(&self) -> bool {
@@ -194,7 +204,8 @@ impl Redis {
             s.write_all(b"*1\r\n$4\r\nPING\r\n").await.ok()?;
             let mut buf = [0u8; 64];
             let n = s.read(&mut buf).await.ok()?;
-            Some(buf[..n].starts_with(b"+PONG"))
+            // With a password, an unauthenticated PING is refused, which shows it is up too.
+            Some(buf[..n].starts_with(b"+PONG") || buf[..n].starts_with(b"-NOAUTH"))
         };
         matches!(
             tokio::time::timeout(Duration::from_secs(1), fut).await,
@@ -279,7 +290,17 @@ pub fn redis_sentinel_path() -> PathBuf {
 
 /// Runs one command against the Redis or Sentinel on `port`, each step bounded by 5 s.
 pub async fn command_at(port: u16, args: &[&str]) -> redis::RedisResult<redis::Value> {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/0"))?;
+    command_with_password(port, None, args).await
+}
+
+/// [`command_at`], authenticated with `password` when there is one.
+pub async fn command_with_password(
+    port: u16,
+    password: Option<&str>,
+    args: &[&str],
+) -> redis::RedisResult<redis::Value> {
+    let auth = password.map(|p| format!(":{p}@")).unwrap_or_default();
+    let client = redis::Client::open(format!("redis://{auth}127.0.0.1:{port}/0"))?;
     let config = redis::AsyncConnectionConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(5)))
         .set_response_timeout(Some(Duration::from_secs(5)));
@@ -321,6 +342,8 @@ pub struct SentinelCluster {
     /// The replica at start (after a failover, the master).
     pub first_replica: Redis,
     pub sentinels: Vec<SentinelProcess>,
+    /// `requirepass` of the sentinels, if any.
+    sentinel_password: Option<String>,
 }
 
 /// The name the sentinels monitor the master under.
@@ -330,36 +353,59 @@ impl SentinelCluster {
     /// Starts everything and waits (up to 30 s) until the replica is in sync and every
     /// sentinel knows the master, the replica and the two other sentinels.
     pub async fn start() -> SentinelCluster {
+        SentinelCluster::start_with_passwords(None, None).await
+    }
+
+    /// Like [`SentinelCluster::start`], with `requirepass` on the master and replica
+    /// (`password`) and on the sentinels (`sentinel_password`).
+    pub async fn start_with_passwords(
+        password: Option<&str>,
+        sentinel_password: Option<&str>,
+    ) -> SentinelCluster {
         let sentinel_bin = redis_sentinel_path();
-        let first_master = Redis::start().await;
+        let auth: Vec<&str> = match password {
+            Some(p) => vec!["--requirepass", p, "--masterauth", p],
+            None => Vec::new(),
+        };
+        let first_master = Redis::start_with(&auth).await;
         let master_port = first_master.port().to_string();
-        let first_replica = Redis::start_with(&["--replicaof", "127.0.0.1", &master_port]).await;
+        let mut replica_args = vec!["--replicaof", "127.0.0.1", &master_port];
+        replica_args.extend(&auth);
+        let first_replica = Redis::start_with(&replica_args).await;
+        let replica_port = first_replica.port();
         wait_for(
             Duration::from_secs(30),
             "the replica to sync with the master",
-            || async {
-                info_field(first_replica.port(), "replication", "master_link_status").await
-                    == Some("up".to_owned())
+            || async move {
+                let info = command_with_password(replica_port, password, &["INFO", "replication"]);
+                info_text(info.await).is_some_and(|t| t.contains("master_link_status:up"))
             },
         )
         .await;
         let sentinels = (0..3)
-            .map(|_| spawn_sentinel(&sentinel_bin, first_master.port()))
+            .map(|_| {
+                spawn_sentinel(
+                    &sentinel_bin,
+                    first_master.port(),
+                    password,
+                    sentinel_password,
+                )
+            })
             .collect();
         let cluster = SentinelCluster {
             first_master,
             first_replica,
             sentinels,
+            sentinel_password: sentinel_password.map(str::to_owned),
         };
-        let replica_port = cluster.first_replica.port();
         for sentinel in &cluster.sentinels {
             let port = sentinel.port;
             wait_for(
                 Duration::from_secs(30),
                 "a sentinel to know the whole group",
                 || async move {
-                    let replicas = sentinel_list(port, "replicas").await;
-                    let others = sentinel_list(port, "sentinels").await;
+                    let replicas = sentinel_list(port, sentinel_password, "replicas").await;
+                    let others = sentinel_list(port, sentinel_password, "sentinels").await;
                     let replica_known = replicas.iter().any(|r| {
                         r.get("port") == Some(&replica_port.to_string())
                             && !r.get("flags").is_some_and(|f| f.contains("down"))
@@ -383,8 +429,9 @@ impl SentinelCluster {
     /// The master's port according to the first sentinel that answers.
     pub async fn master_port(&self) -> Option<u16> {
         for sentinel in &self.sentinels {
-            let answer = command_at(
+            let answer = command_with_password(
                 sentinel.port,
+                self.sentinel_password.as_deref(),
                 &["SENTINEL", "get-master-addr-by-name", MASTER_NAME],
             )
             .await;
@@ -407,7 +454,12 @@ impl SentinelCluster {
     }
 }
 
-fn spawn_sentinel(bin: &Path, master_port: u16) -> SentinelProcess {
+fn spawn_sentinel(
+    bin: &Path,
+    master_port: u16,
+    password: Option<&str>,
+    sentinel_password: Option<&str>,
+) -> SentinelProcess {
     let dir = tempfile::tempdir().expect("tempdir for sentinel");
     let port = free_port();
     // Fast but reliable on a busy 2-core machine: down after 1 s without an answer, a
@@ -420,6 +472,14 @@ fn spawn_sentinel(bin: &Path, master_port: u16) -> SentinelProcess {
          sentinel parallel-syncs {MASTER_NAME} 1\n",
         dir = dir.path().display()
     );
+    let mut conf = conf;
+    if let Some(p) = password {
+        conf.push_str(&format!("sentinel auth-pass {MASTER_NAME} {p}\n"));
+    }
+    if let Some(p) = sentinel_password {
+        // Sentinels authenticate to each other with `sentinel-pass`.
+        conf.push_str(&format!("requirepass {p}\nsentinel sentinel-pass {p}\n"));
+    }
     let conf_path = dir.path().join("sentinel.conf");
     std::fs::write(&conf_path, conf).expect("write sentinel.conf");
     let child = Command::new(bin)
@@ -434,24 +494,24 @@ fn spawn_sentinel(bin: &Path, master_port: u16) -> SentinelProcess {
 
 /// `SENTINEL <what> mymaster` (replicas or sentinels) as a list of field maps; empty when the
 /// sentinel does not answer yet.
-async fn sentinel_list(port: u16, what: &str) -> Vec<BTreeMap<String, String>> {
-    match command_at(port, &["SENTINEL", what, MASTER_NAME]).await {
+async fn sentinel_list(
+    port: u16,
+    password: Option<&str>,
+    what: &str,
+) -> Vec<BTreeMap<String, String>> {
+    match command_with_password(port, password, &["SENTINEL", what, MASTER_NAME]).await {
         Ok(value) => redis::from_redis_value(value).unwrap_or_default(),
         Err(_) => Vec::new(),
     }
 }
 
-/// One `field:value` line of `INFO section` of the Redis on `port`.
-pub async fn info_field(port: u16, section: &str, field: &str) -> Option<String> {
-    let text = match command_at(port, &["INFO", section]).await.ok()? {
-        redis::Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-        redis::Value::VerbatimString { text, .. } => text,
-        _ => return None,
-    };
-    let prefix = format!("{field}:");
-    text.lines()
-        .find_map(|line| line.strip_prefix(&prefix))
-        .map(|v| v.trim().to_owned())
+/// The text of an `INFO` answer.
+fn info_text(answer: redis::RedisResult<redis::Value>) -> Option<String> {
+    match answer.ok()? {
+        redis::Value::BulkString(bytes) => Some(String::from_utf8_lossy(&bytes).into_owned()),
+        redis::Value::VerbatimString { text, .. } => Some(text),
+        _ => None,
+    }
 }
 
 /// Polls `ready` every 100 ms until it holds; panics naming `what` after `limit`.
