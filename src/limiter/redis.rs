@@ -346,13 +346,23 @@ async fn follow(
     nodes: NodeSettings,
     wake: Arc<Notify>,
 ) {
+    // While no master can be found, lookups repeat every LOOKUP_GAP: say so once per
+    // distinct reason, not ten times a second.
+    let mut last_error = String::new();
     loop {
         tokio::select! {
             () = wake.notified() => {}
             () = tokio::time::sleep(SENTINEL_POLL) => {}
         }
-        if let Err(err) = follow_once(&mut sentinels, &shared, &nodes).await {
-            tracing::warn!(error = %err, "cannot follow the Redis master");
+        match follow_once(&mut sentinels, &shared, &nodes).await {
+            Ok(()) => last_error.clear(),
+            Err(err) => {
+                let text = err.to_string();
+                if text != last_error {
+                    tracing::warn!(error = %text, "cannot follow the Redis master");
+                    last_error = text;
+                }
+            }
         }
         tokio::time::sleep(LOOKUP_GAP).await;
         if shared.current().connections.is_empty() {
@@ -384,7 +394,10 @@ async fn follow_once(
         .set_redis_settings(nodes.redis.clone());
     let client = Client::open(info).map_err(|e| StoreError::Connection(e.to_string()))?;
     let connections = open_connections(&client, nodes.connections, shared.timeout)?;
-    let mut first = connections[0].clone();
+    let mut first = connections
+        .first()
+        .cloned()
+        .ok_or_else(|| StoreError::Connection("no connections configured".to_owned()))?;
     let check = async {
         let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut first).await?;
         // Loading the script now saves the first decisions on the new master a NOSCRIPT.
@@ -413,10 +426,7 @@ async fn follow_once(
         previous = previous.map(|a| a.to_string()).unwrap_or_default(),
         "deciding on the Redis master named by the sentinels"
     );
-    *shared
-        .master
-        .write()
-        .unwrap_or_else(PoisonError::into_inner) = Arc::new(Master {
+    shared.replace(Master {
         addr: Some(addr),
         connections,
     });
