@@ -403,3 +403,26 @@ async fn passwords_for_the_nodes_and_the_sentinels() {
     assert_eq!(statuses(&refused.url(), "/x", "k", 2).await, vec![503; 2]);
     assert_eq!(cluster.first_master.commandstat("evalsha").await, 3);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demoted_master_counts_as_unreachable() {
+    // A master demoted under sluice answers READONLY. That must read as "the store is not
+    // reachable here" (which sends the Sentinel store back to the sentinels), not as a
+    // script error.
+    use sluice::limiter::{Check, RedisStore, StoreError};
+    let master = Redis::start().await;
+    let port = master.port().to_string();
+    let replica = Redis::start_with(&["--replicaof", "127.0.0.1", &port]).await;
+    let store = RedisStore::new(&replica.url(), 1, Duration::from_secs(2)).expect("a store");
+    let check = Check {
+        key: "sluice-test:r:l:{k}".to_owned(),
+        requests: 5,
+        window: Duration::from_secs(60),
+    };
+    match store.decide(&[check]).await {
+        Err(StoreError::Connection(message)) => {
+            assert!(message.contains("read only replica"), "{message}")
+        }
+        other => panic!("expected a connection error (READONLY), got {other:?}"),
+    }
+}

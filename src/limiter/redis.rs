@@ -440,6 +440,8 @@ fn script_error(err: RedisError) -> StoreError {
     if err.is_connection_dropped()
         || err.is_connection_refusal()
         || err.is_io_error()
+        || err.code() == Some("READONLY")
+        // Older servers wrap it in the script's own error.
         || err.to_string().contains("READONLY")
     {
         StoreError::Connection(err.to_string())
