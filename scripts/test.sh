@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
 # Runs sluice's whole test suite: unit tests, and integration tests that spawn a real
 # redis-server, real upstream servers and the real sluice binary.
-# Installs redis-server first when it is missing and this machine can (apt-get or Homebrew).
+# Installs redis-server and redis-sentinel first when they are missing and this machine can (apt-get or Homebrew).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "redis-server not found; installing it" >&2
+# Installs the Debian/Ubuntu package $2 (or Homebrew's `redis`) when the command $1 is missing.
+install_if_missing() {
+  local command=$1 package=$2
+  if command -v "$command" >/dev/null 2>&1; then return; fi
+  echo "$command not found; installing it" >&2
   if command -v apt-get >/dev/null 2>&1; then
-    sudo=""
+    local sudo=""
     if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
     $sudo apt-get update -qq
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package" >/dev/null
   elif command -v brew >/dev/null 2>&1; then
     brew install redis
   else
-    echo "cannot install redis-server here: install Redis (5.0 or newer, see README) and run this again" >&2
+    echo "cannot install $command here: install Redis (5.0 or newer, see README) and run this again" >&2
     exit 1
   fi
-fi
+}
+
+install_if_missing redis-server redis-server
+# tests/sentinel.rs runs three sentinels next to a master and a replica.
+install_if_missing redis-sentinel redis-sentinel
 echo "using $(redis-server --version)" >&2
 
 cargo test --locked "$@"

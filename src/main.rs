@@ -12,7 +12,8 @@ use clap::{Parser, Subcommand};
 use tokio::sync::watch;
 
 use sluice::admin::Admin;
-use sluice::limiter::{RedisStore, Store};
+use sluice::config::RedisTarget;
+use sluice::limiter::{RedisStore, SentinelSettings, Store};
 use sluice::metrics::Metrics;
 use sluice::policy::Policy;
 use sluice::proxy::{self, Gateway};
@@ -113,16 +114,23 @@ async fn run(file: &Path) -> anyhow::Result<()> {
         metrics,
     } = load(file)?;
     let config = &source.config;
-    let store = match &config.store.redis {
-        Some(redis) => {
-            let store = RedisStore::new(&redis.url.0, redis.pool_size.0 as usize, redis.timeout.0)
-                .context("invalid Redis settings")?;
+    let store = match (&config.store.redis, config.store.redis_target(file)?) {
+        (Some(redis), Some(target)) => {
+            let (pool_size, timeout) = (redis.value.pool_size.0 as usize, redis.value.timeout.0);
+            let store = match target {
+                RedisTarget::Url(url) => RedisStore::new(&url.0, pool_size, timeout),
+                RedisTarget::Sentinel(sentinel) => {
+                    RedisStore::with_sentinels(&sentinel_settings(sentinel), pool_size, timeout)
+                        .await
+                }
+            }
+            .context("invalid Redis settings")?;
             if let Err(err) = store.load_script().await {
                 tracing::warn!(error = %err, "Redis is not answering yet; limited routes follow their on_store_error until it does");
             }
             Store::redis(store, config.store.local.max_keys.0 as usize, &metrics)
         }
-        None => Store::local(config.store.local.max_keys.0 as usize, &metrics),
+        _ => Store::local(config.store.local.max_keys.0 as usize, &metrics),
     };
     let listener = server::bind(config.listen)
         .with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -211,4 +219,18 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+fn sentinel_settings(sentinel: &config::SentinelConfig) -> SentinelSettings {
+    SentinelSettings {
+        master_name: sentinel.master_name.to_string(),
+        nodes: sentinel
+            .nodes
+            .value
+            .iter()
+            .map(|node| (node.host.clone(), node.port))
+            .collect(),
+        password: sentinel.password.clone(),
+        sentinel_password: sentinel.sentinel_password.clone(),
+    }
 }

@@ -86,10 +86,18 @@ impl Fixed {
                 old.header_read_timeout == now.header_read_timeout,
             ),
             ("idle_timeout", old.idle_timeout == now.idle_timeout),
+            ("shutdown_delay", old.shutdown_delay == now.shutdown_delay),
+            ("shutdown_grace", old.shutdown_grace == now.shutdown_grace),
         ];
         let (old, now) = (&self.store, &new.store);
         let store = [
-            ("redis", old.redis == now.redis),
+            (
+                "redis",
+                match (&old.redis, &now.redis) {
+                    (Some(old), Some(now)) => old.value.same_as(&now.value),
+                    (old, now) => old.is_none() && now.is_none(),
+                },
+            ),
             ("local", old.local == now.local),
             ("key_prefix", old.key_prefix == now.key_prefix),
         ];
@@ -287,6 +295,22 @@ mod tests {
         );
         assert_eq!(
             change("store:\n  redis:\n    url: redis://127.0.0.1:6379\n", base).as_deref(),
+            Some("`store.redis` changed")
+        );
+    }
+
+    #[test]
+    fn moving_a_section_in_the_file_is_not_a_change() {
+        let store = "store:\n  redis:\n    sentinel: { master_name: m, nodes: [\"127.0.0.1:26379\"] }\nroutes: []\n";
+        let head = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n";
+        let running = fixed(&format!("{head}{store}"));
+        let moved = format!("{head}# a comment, and a blank line\n\n{store}");
+        let config = config::parse(&moved, Path::new("t.yaml")).expect("valid");
+        assert_eq!(running.change(&config), None);
+        let other = moved.replace("26379", "26380");
+        let config = config::parse(&other, Path::new("t.yaml")).expect("valid");
+        assert_eq!(
+            running.change(&config).as_deref(),
             Some("`store.redis` changed")
         );
     }

@@ -20,8 +20,8 @@ use sha2::{Digest, Sha256};
 
 pub use duration::ConfigDuration;
 pub use types::{
-    ByteSize, ForwardedHeader, IpNet, KeyPart, MethodName, Name, OnStoreError, PathPrefix,
-    Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
+    ByteSize, ForwardedHeader, HostPort, IpNet, KeyPart, MethodName, Name, OnStoreError,
+    PathPrefix, Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
 };
 
 /// Default timeout of one store call, including waiting for a pooled connection.
@@ -122,7 +122,7 @@ impl Default for ServerConfig {
 #[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
-    pub redis: Option<RedisConfig>,
+    pub redis: Option<Spanned<RedisConfig>>,
     #[serde(default)]
     pub local: LocalConfig,
     /// What limited routes do when Redis cannot decide, unless a route says otherwise.
@@ -160,14 +160,104 @@ impl Default for LocalConfig {
     }
 }
 
+impl StoreConfig {
+    /// Where Redis is (`None`: no Redis, the in-process store). Refuses a `store.redis` that
+    /// gives both `url` and `sentinel`, or neither, at the position of the offending field.
+    pub fn redis_target(&self, file: &Path) -> Result<Option<RedisTarget<'_>>, ConfigError> {
+        let Some(redis) = &self.redis else {
+            return Ok(None);
+        };
+        let target = match (&redis.value.url, &redis.value.sentinel) {
+            (Some(url), None) => RedisTarget::Url(&url.value),
+            (None, Some(sentinel)) => {
+                if sentinel.value.nodes.value.is_empty() {
+                    return Err(ConfigError::invalid(
+                        file,
+                        Position::from(&sentinel.value.nodes),
+                        "store.redis.sentinel.nodes",
+                        "list at least one sentinel (host:port); three or more is usual",
+                    ));
+                }
+                RedisTarget::Sentinel(&sentinel.value)
+            }
+            (Some(_), Some(sentinel)) => {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(sentinel),
+                    "store.redis.sentinel",
+                    "give either `url` (one Redis) or `sentinel` (a master found through \
+                     Redis Sentinel), not both",
+                ))
+            }
+            (None, None) => {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(redis),
+                    "store.redis",
+                    "needs `url` (one Redis) or `sentinel` (a master found through Redis \
+                     Sentinel)",
+                ))
+            }
+        };
+        Ok(Some(target))
+    }
+}
+
+/// `store.redis`: where Redis is (exactly one of `url` and `sentinel`, checked by
+/// `StoreConfig::redis_target`) and how each decision uses it.
 #[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
-    pub url: RedisUrl,
+    pub url: Option<Spanned<RedisUrl>>,
+    pub sentinel: Option<Spanned<SentinelConfig>>,
     #[serde(default = "default_store_timeout")]
     pub timeout: ConfigDuration,
     #[serde(default = "default_pool_size")]
     pub pool_size: types::PoolSize,
+}
+
+impl RedisConfig {
+    /// Whether `other` connects the same way: the same values, wherever they stand in the
+    /// file (the derived `==` also compares positions, so moving a section would differ).
+    pub fn same_as(&self, other: &RedisConfig) -> bool {
+        let url = |c: &RedisConfig| c.url.as_ref().map(|url| url.value.clone());
+        let sentinel = |c: &RedisConfig| {
+            c.sentinel.as_ref().map(|s| {
+                let s = &s.value;
+                (
+                    s.master_name.clone(),
+                    s.nodes.value.clone(),
+                    s.password.clone(),
+                    s.sentinel_password.clone(),
+                )
+            })
+        };
+        url(self) == url(other)
+            && sentinel(self) == sentinel(other)
+            && self.timeout == other.timeout
+            && self.pool_size == other.pool_size
+    }
+}
+
+/// A Redis master found and followed through Redis Sentinel.
+#[derive(Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SentinelConfig {
+    /// The name the sentinels monitor the master under (`sentinel monitor NAME ...`).
+    pub master_name: Name,
+    /// Sentinels asked in turn for the master's address.
+    pub nodes: Spanned<Vec<HostPort>>,
+    /// Password of the Redis master and replicas (`requirepass`).
+    pub password: Option<String>,
+    /// Password of the sentinels themselves (their `requirepass`), when they have one.
+    pub sentinel_password: Option<String>,
+}
+
+/// Where the Redis store is.
+#[derive(Debug, Clone, Copy)]
+pub enum RedisTarget<'a> {
+    Url(&'a RedisUrl),
+    Sentinel(&'a SentinelConfig),
 }
 
 #[derive(Debug, Deserialize)]
@@ -422,7 +512,7 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
             err.into_inner()
         })
     });
-    result.map_err(|err| {
+    let config: Config = result.map_err(|err| {
         let position = err
             .location()
             .map(|l| Position {
@@ -436,7 +526,9 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
             field_of(&failed_at, &err),
             plain_message(&err),
         )
-    })
+    })?;
+    config.store.redis_target(file)?;
+    Ok(config)
 }
 
 /// Limits that keep a hostile or broken file (deep nesting, alias bombs) from using much time
@@ -577,6 +669,57 @@ mod tests {
         );
         let err = error_of(&yaml);
         assert!(err.contains("routes[0].limits[0].requests"), "{err}");
+    }
+
+    #[test]
+    fn redis_needs_url_or_sentinel_but_not_both() {
+        let sentinel =
+            "    sentinel:\n      master_name: mymaster\n      nodes: [\"127.0.0.1:26379\"]\n";
+        let url = "    url: redis://127.0.0.1:6379/0\n";
+        let both = format!("{HEAD}routes: []\nstore:\n  redis:\n{url}{sentinel}");
+        assert_eq!(
+            error_of(&both),
+            "test.yaml:8:7: store.redis.sentinel: give either `url` (one Redis) or `sentinel` \
+             (a master found through Redis Sentinel), not both"
+        );
+        let neither = format!("{HEAD}routes: []\nstore:\n  redis:\n    timeout: 1s\n");
+        assert_eq!(
+            error_of(&neither),
+            "test.yaml:6:5: store.redis: needs `url` (one Redis) or `sentinel` (a master found \
+             through Redis Sentinel)"
+        );
+        let none = format!(
+            "{HEAD}routes: []\nstore:\n  redis:\n    sentinel: {{ master_name: m, nodes: [] }}\n"
+        );
+        let err = error_of(&none);
+        assert!(
+            err.starts_with("test.yaml:6:40: store.redis.sentinel.nodes: list at least one"),
+            "{err}"
+        );
+        let bad = format!("{HEAD}routes: []\nstore:\n  redis:\n    sentinel: {{ master_name: m, nodes: [\"h:1\", nope] }}\n");
+        let err = error_of(&bad);
+        assert!(
+            err.contains(": store.redis.sentinel.nodes[1]: expected host:port"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_sentinel_store_parses() {
+        let yaml = format!(
+            "{HEAD}routes: []\nstore:\n  redis:\n    sentinel:\n      master_name: mymaster\n      nodes: [\"127.0.0.1:26379\", \"[::1]:26380\"]\n      password: secret\n    timeout: 80ms\n"
+        );
+        let config = parse(&yaml, Path::new("test.yaml")).expect("parses");
+        let Ok(Some(RedisTarget::Sentinel(sentinel))) =
+            config.store.redis_target(Path::new("test.yaml"))
+        else {
+            panic!("expected a sentinel target");
+        };
+        assert_eq!(sentinel.master_name.as_str(), "mymaster");
+        assert_eq!(sentinel.nodes.value.len(), 2);
+        assert_eq!(sentinel.nodes.value[1].port, 26380);
+        assert_eq!(sentinel.password.as_deref(), Some("secret"));
+        assert_eq!(sentinel.sentinel_password, None);
     }
 
     #[test]

@@ -30,6 +30,7 @@ deserialize_via_from_str!(
     PathPrefix,
     UpstreamUrl,
     RedisUrl,
+    HostPort,
     IpNet
 );
 
@@ -447,9 +448,50 @@ impl FromStr for RedisUrl {
     }
 }
 
+/// A `host:port` of a Redis Sentinel node (`[v6]:port` for an IPv6 address).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostPort {
+    pub host: String,
+    pub port: u16,
+}
+
+impl FromStr for HostPort {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let expected = || format!("expected host:port like 127.0.0.1:26379, got `{text}`");
+        let (host, port) = text.rsplit_once(':').ok_or_else(expected)?;
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        let port: u16 = port.parse().map_err(|_| expected())?;
+        if host.is_empty() || port == 0 || host.contains(['/', ' ', '@']) {
+            return Err(expected());
+        }
+        Ok(HostPort {
+            host: host.to_owned(),
+            port,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_ports() {
+        let hp: HostPort = "127.0.0.1:26379".parse().unwrap();
+        assert_eq!((hp.host.as_str(), hp.port), ("127.0.0.1", 26379));
+        let hp: HostPort = "[::1]:26380".parse().unwrap();
+        assert_eq!((hp.host.as_str(), hp.port), ("::1", 26380));
+        assert!("sentinel-0:26379".parse::<HostPort>().is_ok());
+        assert!("127.0.0.1".parse::<HostPort>().is_err());
+        assert!(":26379".parse::<HostPort>().is_err());
+        assert!("host:0".parse::<HostPort>().is_err());
+        assert!("host:99999".parse::<HostPort>().is_err());
+    }
 
     #[test]
     fn names_are_restricted() {

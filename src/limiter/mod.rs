@@ -11,6 +11,7 @@ mod breaker;
 mod deny_cache;
 mod local;
 mod redis;
+mod sentinel;
 mod sliding_log;
 
 use std::sync::Arc;
@@ -22,6 +23,7 @@ use self::breaker::{Breaker, BreakerMetrics};
 use self::deny_cache::DenyCache;
 use self::local::{LocalMetrics, LocalStore};
 pub use self::redis::RedisStore;
+pub use self::sentinel::SentinelSettings;
 use crate::metrics::Metrics;
 
 /// One limit to check for a request: the full store key (prefix, route, limit, identity) and

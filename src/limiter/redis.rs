@@ -9,64 +9,179 @@
 //! failover, `SCRIPT FLUSH`) the `redis` crate's `Script` loads it again and retries once, so
 //! callers never see NOSCRIPT. Each call, including a wait for a reconnection, is bounded by
 //! the configured timeout.
+//!
+//! With Redis Sentinel the master is not a fixed address. A background task (`follow`) asks
+//! the sentinels for it at start, every `SENTINEL_POLL`, and at once when a decision fails in
+//! a way a failover explains (connection lost or refused, timeout, READONLY from a demoted
+//! master); when the sentinels name a different node and it answers `ROLE` as a master, a new
+//! set of connections replaces the old one, and requests take the new set from then on.
+//! Requests never wait for this: the ones that fail meanwhile get the usual store error.
+//!
+//! When a sentinel announces that it is about to promote a replica, decisions stop at once
+//! (a *fence*): the old master would accept them, but they would be lost, and a limit could
+//! then admit more than it allows. Until the sentinels name the new master, limited requests
+//! get the store error; the fence lifts by itself after `FENCE_LIMIT` if they never do.
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{RedisError, Script};
+use redis::{Client, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, RedisError, Script};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 
+use super::sentinel::{watch_failovers, MasterAddr, SentinelSettings, Sentinels};
 use super::{Check, Decision, LimitState, StoreError};
 
 const SLIDING_LOG: &str = include_str!("scripts/sliding_log.lua");
 
+/// How often the sentinels are asked for the master when nothing has failed. A failover
+/// promotes the replica some time before the old master is demoted (Sentinel waits several
+/// seconds before reconfiguring it), and decisions written to the old master in between are
+/// lost; polling bounds that time, where waiting for an error would not.
+const SENTINEL_POLL: Duration = Duration::from_millis(500);
+/// Least time between two lookups, so a burst of failing requests costs one lookup.
+const LOOKUP_GAP: Duration = Duration::from_millis(100);
+/// Longest time decisions stay off a master a sentinel announced it is replacing, in case
+/// the failover fails without the sentinels ever naming another master.
+const FENCE_LIMIT: Duration = Duration::from_secs(10);
+/// Least time allowed for one sentinel's answer. Lookups run in the background, so they can
+/// afford more than a decision's `timeout`; a bound that tight could fail every lookup on a
+/// busy network.
+const MIN_SENTINEL_TIMEOUT: Duration = Duration::from_millis(250);
+
 pub struct RedisStore {
-    connections: Vec<ConnectionManager>,
+    shared: Arc<Shared>,
+    /// Present when the master is found through Sentinel.
+    follower: Option<Follower>,
     next: AtomicUsize,
-    script: Script,
-    timeout: Duration,
     /// Random per process, so members written by different instances never collide.
     instance: u64,
     sequence: AtomicU64,
 }
 
+/// What requests and the follower task both use.
+struct Shared {
+    master: RwLock<Arc<Master>>,
+    /// A master being failed over, not to be used again until this instant.
+    fence: Mutex<Option<(MasterAddr, Instant)>>,
+    script: Script,
+    timeout: Duration,
+}
+
+/// The connections to one Redis node: the master as last known.
+struct Master {
+    /// `None` for a fixed URL, or before the sentinels have named a master.
+    addr: Option<MasterAddr>,
+    connections: Vec<ConnectionManager>,
+}
+
+/// The tasks that follow the master named by the sentinels.
+struct Follower {
+    /// Asks the task to look the master up now.
+    wake: Arc<Notify>,
+    /// The lookup task and one listener per sentinel.
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for RedisStore {
+    fn drop(&mut self) {
+        for task in self.follower.iter().flat_map(|f| &f.tasks) {
+            task.abort();
+        }
+    }
+}
+
 impl RedisStore {
-    /// Sets up `connections` multiplexed connections; none is opened until `load_script` or
-    /// the first request. Must be called on a Tokio runtime.
+    /// Sets up `connections` multiplexed connections to the Redis at `url`; none is opened
+    /// until `load_script` or the first request. Must be called on a Tokio runtime.
     pub fn new(url: &str, connections: usize, timeout: Duration) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| StoreError::Connection(e.to_string()))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            // The call's own timeout bounds every wait. A broken connection is reconnected
-            // once, at once, and a refused reconnection fails the calls waiting on it at once
-            // rather than holding them for their timeout; the next call tries again.
-            .set_response_timeout(None)
-            .set_number_of_retries(0);
-        let connections = (0..connections.max(1))
-            .map(|_| ConnectionManager::new_lazy_with_config(client.clone(), config.clone()))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| StoreError::Connection(e.to_string()))?;
-        Ok(RedisStore {
+        let client = Client::open(url).map_err(|e| StoreError::Connection(e.to_string()))?;
+        let master = Master {
+            addr: None,
+            connections: open_connections(&client, connections, timeout)?,
+        };
+        Ok(RedisStore::with_master(master, timeout))
+    }
+
+    /// A store on the master the sentinels name, followed through failovers. Looks the
+    /// master up once before returning (each sentinel bounded by its timeout); if none
+    /// answers, the store starts without a master and keeps asking in the background.
+    pub async fn with_sentinels(
+        settings: &SentinelSettings,
+        connections: usize,
+        timeout: Duration,
+    ) -> Result<RedisStore, StoreError> {
+        let mut sentinels = Sentinels::new(settings, timeout.max(MIN_SENTINEL_TIMEOUT))?;
+        let mut node = RedisConnectionInfo::default();
+        if let Some(password) = &settings.password {
+            node = node.set_password(password);
+        }
+        let empty = Master {
+            addr: None,
+            connections: Vec::new(),
+        };
+        let mut store = RedisStore::with_master(empty, timeout);
+        let nodes = NodeSettings {
+            redis: node,
             connections,
+        };
+        if let Err(err) = follow_once(&mut sentinels, &store.shared, &nodes).await {
+            tracing::warn!(error = %err, "cannot find the Redis master yet; retrying in the background");
+        }
+        let wake = Arc::new(Notify::new());
+        let mut tasks: Vec<JoinHandle<()>> = sentinels
+            .clients()
+            .into_iter()
+            .map(|client| {
+                let (shared, wake) = (store.shared.clone(), wake.clone());
+                let replaced = move |master: MasterAddr| shared.fence(master, &wake);
+                tokio::spawn(watch_failovers(
+                    client,
+                    settings.master_name.clone(),
+                    timeout.max(MIN_SENTINEL_TIMEOUT),
+                    replaced,
+                ))
+            })
+            .collect();
+        tasks.push(tokio::spawn(follow(
+            sentinels,
+            store.shared.clone(),
+            nodes,
+            wake.clone(),
+        )));
+        store.follower = Some(Follower { wake, tasks });
+        Ok(store)
+    }
+
+    fn with_master(master: Master, timeout: Duration) -> RedisStore {
+        RedisStore {
+            shared: Arc::new(Shared {
+                master: RwLock::new(Arc::new(master)),
+                fence: Mutex::new(None),
+                script: Script::new(SLIDING_LOG),
+                timeout,
+            }),
+            follower: None,
             next: AtomicUsize::new(0),
-            script: Script::new(SLIDING_LOG),
-            timeout,
             instance: std::collections::hash_map::RandomState::new()
                 .build_hasher()
                 .finish(),
             sequence: AtomicU64::new(0),
-        })
+        }
     }
 
     /// Loads the script into Redis's script cache, so the first requests need no reload.
     pub async fn load_script(&self) -> Result<(), StoreError> {
-        let mut conn = self.connection();
+        let mut conn = self.connection()?;
         self.bounded(async {
-            self.script
+            self.shared
+                .script
                 .load_async(&mut conn)
                 .await
-                .map_err(script_error)?;
+                .map_err(|e| self.failed(e))?;
             Ok(())
         })
         .await
@@ -78,7 +193,7 @@ impl RedisStore {
             self.instance,
             self.sequence.fetch_add(1, Ordering::Relaxed)
         );
-        let mut invocation = self.script.prepare_invoke();
+        let mut invocation = self.shared.script.prepare_invoke();
         for check in checks {
             invocation.key(&check.key);
         }
@@ -87,48 +202,248 @@ impl RedisStore {
             let window_us = u64::try_from(check.window.as_micros()).unwrap_or(u64::MAX);
             invocation.arg(check.requests).arg(window_us);
         }
-        let mut conn = self.connection();
+        let mut conn = self.connection()?;
         let reply: Vec<i64> = self
             .bounded(async {
                 invocation
                     .invoke_async(&mut conn)
                     .await
-                    .map_err(script_error)
+                    .map_err(|e| self.failed(e))
             })
             .await?;
         decision_from_reply(&reply, checks.len())
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.connection();
+        let mut conn = self.connection()?;
         self.bounded(async {
             redis::cmd("PING")
                 .query_async::<String>(&mut conn)
                 .await
-                .map_err(script_error)?;
+                .map_err(|e| self.failed(e))?;
             Ok(())
         })
         .await
     }
 
-    /// The next connection, round robin. A clone is a handle to the same connection.
-    fn connection(&self) -> ConnectionManager {
-        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.connections.len();
-        self.connections[index].clone()
+    /// The next connection to the current master, round robin. A clone is a handle to the
+    /// same connection.
+    fn connection(&self) -> Result<ConnectionManager, StoreError> {
+        let master = self.shared.current();
+        if master.connections.is_empty() {
+            self.rediscover();
+            return Err(StoreError::Connection(
+                "no Redis master: the sentinels have not named one yet, or a failover is under way"
+                    .to_owned(),
+            ));
+        }
+        let index = self.next.fetch_add(1, Ordering::Relaxed) % master.connections.len();
+        Ok(master.connections[index].clone())
+    }
+
+    /// Classifies a failed call, and asks for a new lookup of the master when a failover
+    /// would explain the failure.
+    fn failed(&self, err: RedisError) -> StoreError {
+        let err = script_error(err);
+        if matches!(err, StoreError::Connection(_)) {
+            self.rediscover();
+        }
+        err
+    }
+
+    fn rediscover(&self) {
+        if let Some(follower) = &self.follower {
+            follower.wake.notify_one();
+        }
     }
 
     async fn bounded<T>(
         &self,
         call: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        tokio::time::timeout(self.timeout, call)
+        let timeout = self.shared.timeout;
+        tokio::time::timeout(timeout, call)
             .await
-            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
+            .unwrap_or_else(|_| {
+                // A master that stopped answering without closing its connections (a host
+                // down, a partition) shows up only as timeouts.
+                self.rediscover();
+                Err(StoreError::Timeout(timeout))
+            })
     }
 }
 
+impl Shared {
+    fn current(&self) -> Arc<Master> {
+        self.master
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn replace(&self, master: Master) {
+        *self.master.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(master);
+    }
+
+    /// Stops deciding on `master`, which a sentinel is replacing, and asks for a lookup.
+    fn fence(&self, master: MasterAddr, wake: &Notify) {
+        if self.current().addr.as_ref() == Some(&master) {
+            tracing::warn!(%master, "a sentinel is failing the Redis master over; decisions wait for the new one");
+            self.replace(Master {
+                addr: None,
+                connections: Vec::new(),
+            });
+        }
+        *self.fence.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((master, Instant::now() + FENCE_LIMIT));
+        wake.notify_one();
+    }
+
+    /// Whether `addr` is a master being failed over; forgets a fence that has expired or
+    /// that the sentinels have moved past.
+    fn fenced(&self, addr: &MasterAddr) -> bool {
+        let mut fence = self.fence.lock().unwrap_or_else(PoisonError::into_inner);
+        match &*fence {
+            Some((fenced, until)) if fenced == addr && Instant::now() < *until => true,
+            Some(_) => {
+                *fence = None;
+                false
+            }
+            None => false,
+        }
+    }
+}
+
+/// How connections to a master the sentinels name are made.
+struct NodeSettings {
+    redis: RedisConnectionInfo,
+    connections: usize,
+}
+
+/// `connections` lazily opened connection managers to the Redis `client` points at.
+fn open_connections(
+    client: &Client,
+    connections: usize,
+    timeout: Duration,
+) -> Result<Vec<ConnectionManager>, StoreError> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout))
+        // The call's own timeout bounds every wait. A broken connection is reconnected
+        // once, at once, and a refused reconnection fails the calls waiting on it at once
+        // rather than holding them for their timeout; the next call tries again.
+        .set_response_timeout(None)
+        .set_number_of_retries(0);
+    (0..connections.max(1))
+        .map(|_| ConnectionManager::new_lazy_with_config(client.clone(), config.clone()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| StoreError::Connection(e.to_string()))
+}
+
+/// Follows the master the sentinels name, until the store is dropped.
+async fn follow(
+    mut sentinels: Sentinels,
+    shared: Arc<Shared>,
+    nodes: NodeSettings,
+    wake: Arc<Notify>,
+) {
+    // While no master can be found, lookups repeat every LOOKUP_GAP: say so once per
+    // distinct reason, not ten times a second.
+    let mut last_error = String::new();
+    loop {
+        tokio::select! {
+            () = wake.notified() => {}
+            () = tokio::time::sleep(SENTINEL_POLL) => {}
+        }
+        match follow_once(&mut sentinels, &shared, &nodes).await {
+            Ok(()) => last_error.clear(),
+            Err(err) => {
+                let text = err.to_string();
+                if text != last_error {
+                    tracing::warn!(error = %text, "cannot follow the Redis master");
+                    last_error = text;
+                }
+            }
+        }
+        tokio::time::sleep(LOOKUP_GAP).await;
+        if shared.current().connections.is_empty() {
+            // No master (at start, or during a failover): keep asking, every LOOKUP_GAP.
+            wake.notify_one();
+        }
+    }
+}
+
+/// Asks the sentinels for the master; if they name a new one that confirms it is a master,
+/// switches decisions to it.
+async fn follow_once(
+    sentinels: &mut Sentinels,
+    shared: &Shared,
+    nodes: &NodeSettings,
+) -> Result<(), StoreError> {
+    let addr = sentinels.master().await?;
+    if shared.current().addr.as_ref() == Some(&addr) {
+        return Ok(());
+    }
+    if shared.fenced(&addr) {
+        return Err(StoreError::Connection(format!(
+            "the sentinels still name {addr}, which is being failed over"
+        )));
+    }
+    let info = ConnectionAddr::Tcp(addr.host.clone(), addr.port)
+        .into_connection_info()
+        .map_err(|e| StoreError::Connection(e.to_string()))?
+        .set_redis_settings(nodes.redis.clone());
+    let client = Client::open(info).map_err(|e| StoreError::Connection(e.to_string()))?;
+    let connections = open_connections(&client, nodes.connections, shared.timeout)?;
+    let mut first = connections
+        .first()
+        .cloned()
+        .ok_or_else(|| StoreError::Connection("no connections configured".to_owned()))?;
+    let check = async {
+        let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut first).await?;
+        // Loading the script now saves the first decisions on the new master a NOSCRIPT.
+        shared.script.load_async(&mut first).await?;
+        Ok::<_, RedisError>(role)
+    };
+    let role = tokio::time::timeout(shared.timeout.max(MIN_SENTINEL_TIMEOUT), check)
+        .await
+        .map_err(|_| StoreError::Timeout(shared.timeout.max(MIN_SENTINEL_TIMEOUT)))?
+        .map_err(script_error)?;
+    let is_master = matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"master");
+    if !is_master {
+        return Err(StoreError::Connection(format!(
+            "the sentinels name {addr} as master, but it is not one (yet)"
+        )));
+    }
+    if shared.fenced(&addr) {
+        // A sentinel announced the failover while this lookup was under way.
+        return Err(StoreError::Connection(format!(
+            "{addr} is being failed over"
+        )));
+    }
+    let previous = shared.current().addr.clone();
+    tracing::info!(
+        master = %addr,
+        previous = previous.map(|a| a.to_string()).unwrap_or_default(),
+        "deciding on the Redis master named by the sentinels"
+    );
+    shared.replace(Master {
+        addr: Some(addr),
+        connections,
+    });
+    Ok(())
+}
+
+/// A failover shows as a connection that drops or is refused, or as a demoted master
+/// refusing writes (READONLY, also when it comes wrapped in a script error): all of them
+/// are the store being unreachable, not a wrong script.
 fn script_error(err: RedisError) -> StoreError {
-    if err.is_connection_dropped() || err.is_connection_refusal() || err.is_io_error() {
+    if err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.is_io_error()
+        || err.code() == Some("READONLY")
+        // Older servers wrap it in the script's own error.
+        || err.to_string().contains("READONLY")
+    {
         StoreError::Connection(err.to_string())
     } else {
         StoreError::Script(err.to_string())

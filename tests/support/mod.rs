@@ -93,6 +93,10 @@ pub fn redis_server_path() -> PathBuf {
 pub struct Redis {
     child: Option<Child>,
     port: u16,
+    /// Extra command-line settings, e.g. `["--replicaof", "127.0.0.1", "6379"]`.
+    args: Vec<String>,
+    /// The `--requirepass` among `args`, used by this harness's own commands.
+    password: Option<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -101,8 +105,13 @@ impl Redis {
     /// can be taken by another test before redis-server binds it, so an early exit is retried
     /// on a new port, twice at most.
     pub async fn start() -> Redis {
+        Redis::start_with(&[]).await
+    }
+
+    /// Like [`Redis::start`], with extra command-line settings for redis-server.
+    pub async fn start_with(args: &[&str]) -> Redis {
         for attempt in 1..=3 {
-            match Redis::try_start().await {
+            match Redis::try_start(args).await {
                 Ok(redis) => return redis,
                 Err(why) if attempt < 3 => eprintln!("{why}; retrying on another port"),
                 Err(why) => panic!("{why}"),
@@ -111,11 +120,17 @@ impl Redis {
         unreachable!("the last attempt panics")
     }
 
-    async fn try_start() -> Result<Redis, String> {
+    async fn try_start(args: &[&str]) -> Result<Redis, String> {
         let dir = tempfile::tempdir().expect("tempdir for redis");
         let mut redis = Redis {
             child: None,
             port: free_port(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+            password: args
+                .iter()
+                .position(|a| *a == "--requirepass")
+                .and_then(|i| args.get(i + 1))
+                .map(|p| p.to_string()),
             _dir: dir,
         };
         redis.spawn().await?;
@@ -137,6 +152,7 @@ impl Redis {
             .arg("no")
             .arg("--dir")
             .arg(self._dir.path())
+            .args(&self.args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -172,9 +188,12 @@ impl Redis {
         self.port
     }
 
-    /// `redis://127.0.0.1:PORT/0`
+    /// `redis://127.0.0.1:PORT/0` (`redis://:PASSWORD@…` when it has one)
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
+        match &self.password {
+            Some(password) => format!("redis://:{password}@127.0.0.1:{}/0", self.port),
+            None => format!("redis://127.0.0.1:{}/0", self.port),
+        }
     }
 
     async fn ping(&self) -> bool {
@@ -185,7 +204,8 @@ impl Redis {
             s.write_all(b"*1\r\n$4\r\nPING\r\n").await.ok()?;
             let mut buf = [0u8; 64];
             let n = s.read(&mut buf).await.ok()?;
-            Some(buf[..n].starts_with(b"+PONG"))
+            // With a password, an unauthenticated PING is refused, which shows it is up too.
+            Some(buf[..n].starts_with(b"+PONG") || buf[..n].starts_with(b"-NOAUTH"))
         };
         matches!(
             tokio::time::timeout(Duration::from_secs(1), fut).await,
@@ -250,6 +270,260 @@ impl Redis {
 impl Drop for Redis {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Redis Sentinel
+// ---------------------------------------------------------------------------
+
+/// Locate `redis-sentinel`, or panic with installation instructions.
+pub fn redis_sentinel_path() -> PathBuf {
+    find_on_path("redis-sentinel").unwrap_or_else(|| {
+        panic!(
+            "redis-sentinel not found on PATH: install it with \
+             `sudo apt-get install redis-sentinel` (Homebrew's `redis` has it) or run \
+             `bash scripts/test.sh`, which installs it"
+        )
+    })
+}
+
+/// Runs one command against the Redis or Sentinel on `port`, each step bounded by 5 s.
+pub async fn command_at(port: u16, args: &[&str]) -> redis::RedisResult<redis::Value> {
+    command_with_password(port, None, args).await
+}
+
+/// [`command_at`], authenticated with `password` when there is one.
+pub async fn command_with_password(
+    port: u16,
+    password: Option<&str>,
+    args: &[&str],
+) -> redis::RedisResult<redis::Value> {
+    let auth = password.map(|p| format!(":{p}@")).unwrap_or_default();
+    let client = redis::Client::open(format!("redis://{auth}127.0.0.1:{port}/0"))?;
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(5)))
+        .set_response_timeout(Some(Duration::from_secs(5)));
+    let mut con = client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await?;
+    let mut c = redis::cmd(args[0]);
+    for a in &args[1..] {
+        c.arg(*a);
+    }
+    c.query_async::<redis::Value>(&mut con).await
+}
+
+/// One `redis-sentinel` child process with its generated `sentinel.conf`.
+pub struct SentinelProcess {
+    child: Child,
+    pub port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl SentinelProcess {
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("sentinel.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for SentinelProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A real master, one replica (`--replicaof`) and three `redis-sentinel` processes watching
+/// them as `mymaster` with quorum 2, all on free loopback ports.
+pub struct SentinelCluster {
+    /// The master at start (after a failover, a replica or stopped).
+    pub first_master: Redis,
+    /// The replica at start (after a failover, the master).
+    pub first_replica: Redis,
+    pub sentinels: Vec<SentinelProcess>,
+    /// `requirepass` of the sentinels, if any.
+    sentinel_password: Option<String>,
+}
+
+/// The name the sentinels monitor the master under.
+pub const MASTER_NAME: &str = "mymaster";
+
+impl SentinelCluster {
+    /// Starts everything and waits (up to 30 s) until the replica is in sync and every
+    /// sentinel knows the master, the replica and the two other sentinels.
+    pub async fn start() -> SentinelCluster {
+        SentinelCluster::start_with_passwords(None, None).await
+    }
+
+    /// Like [`SentinelCluster::start`], with `requirepass` on the master and replica
+    /// (`password`) and on the sentinels (`sentinel_password`).
+    pub async fn start_with_passwords(
+        password: Option<&str>,
+        sentinel_password: Option<&str>,
+    ) -> SentinelCluster {
+        let sentinel_bin = redis_sentinel_path();
+        let auth: Vec<&str> = match password {
+            Some(p) => vec!["--requirepass", p, "--masterauth", p],
+            None => Vec::new(),
+        };
+        let first_master = Redis::start_with(&auth).await;
+        let master_port = first_master.port().to_string();
+        let mut replica_args = vec!["--replicaof", "127.0.0.1", &master_port];
+        replica_args.extend(&auth);
+        let first_replica = Redis::start_with(&replica_args).await;
+        let replica_port = first_replica.port();
+        wait_for(
+            Duration::from_secs(30),
+            "the replica to sync with the master",
+            || async move {
+                let info = command_with_password(replica_port, password, &["INFO", "replication"]);
+                info_text(info.await).is_some_and(|t| t.contains("master_link_status:up"))
+            },
+        )
+        .await;
+        let sentinels = (0..3)
+            .map(|_| {
+                spawn_sentinel(
+                    &sentinel_bin,
+                    first_master.port(),
+                    password,
+                    sentinel_password,
+                )
+            })
+            .collect();
+        let cluster = SentinelCluster {
+            first_master,
+            first_replica,
+            sentinels,
+            sentinel_password: sentinel_password.map(str::to_owned),
+        };
+        for sentinel in &cluster.sentinels {
+            let port = sentinel.port;
+            wait_for(
+                Duration::from_secs(30),
+                "a sentinel to know the whole group",
+                || async move {
+                    let replicas = sentinel_list(port, sentinel_password, "replicas").await;
+                    let others = sentinel_list(port, sentinel_password, "sentinels").await;
+                    let replica_known = replicas.iter().any(|r| {
+                        r.get("port") == Some(&replica_port.to_string())
+                            && !r.get("flags").is_some_and(|f| f.contains("down"))
+                    });
+                    replica_known && others.len() == 2
+                },
+            )
+            .await;
+        }
+        cluster
+    }
+
+    /// `host:port` of every sentinel, for sluice's `nodes`.
+    pub fn nodes(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect()
+    }
+
+    /// The master's port according to the first sentinel that answers.
+    pub async fn master_port(&self) -> Option<u16> {
+        for sentinel in &self.sentinels {
+            let answer = command_with_password(
+                sentinel.port,
+                self.sentinel_password.as_deref(),
+                &["SENTINEL", "get-master-addr-by-name", MASTER_NAME],
+            )
+            .await;
+            if let Ok(value) = answer {
+                if let Ok(Some((_, port))) = redis::from_redis_value::<Option<(String, u16)>>(value)
+                {
+                    return Some(port);
+                }
+            }
+        }
+        None
+    }
+
+    /// Logs of every sentinel, for a failure message.
+    pub fn logs(&self) -> String {
+        self.sentinels
+            .iter()
+            .map(|s| format!("---- sentinel {} ----\n{}", s.port, s.log()))
+            .collect()
+    }
+}
+
+fn spawn_sentinel(
+    bin: &Path,
+    master_port: u16,
+    password: Option<&str>,
+    sentinel_password: Option<&str>,
+) -> SentinelProcess {
+    let dir = tempfile::tempdir().expect("tempdir for sentinel");
+    let port = free_port();
+    // Fast but reliable on a busy 2-core machine: down after 1 s without an answer, a
+    // failover attempt may be retried after 3 s.
+    let conf = format!(
+        "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nlogfile {dir}/sentinel.log\n\
+         sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} 2\n\
+         sentinel down-after-milliseconds {MASTER_NAME} 1000\n\
+         sentinel failover-timeout {MASTER_NAME} 3000\n\
+         sentinel parallel-syncs {MASTER_NAME} 1\n",
+        dir = dir.path().display()
+    );
+    let mut conf = conf;
+    if let Some(p) = password {
+        conf.push_str(&format!("sentinel auth-pass {MASTER_NAME} {p}\n"));
+    }
+    if let Some(p) = sentinel_password {
+        // Sentinels authenticate to each other with `sentinel-pass`.
+        conf.push_str(&format!("requirepass {p}\nsentinel sentinel-pass {p}\n"));
+    }
+    let conf_path = dir.path().join("sentinel.conf");
+    std::fs::write(&conf_path, conf).expect("write sentinel.conf");
+    let child = Command::new(bin)
+        .arg(&conf_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("failed to spawn {}: {e}", bin.display()));
+    SentinelProcess { child, port, dir }
+}
+
+/// `SENTINEL <what> mymaster` (replicas or sentinels) as a list of field maps; empty when the
+/// sentinel does not answer yet.
+async fn sentinel_list(
+    port: u16,
+    password: Option<&str>,
+    what: &str,
+) -> Vec<BTreeMap<String, String>> {
+    match command_with_password(port, password, &["SENTINEL", what, MASTER_NAME]).await {
+        Ok(value) => redis::from_redis_value(value).unwrap_or_default(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The text of an `INFO` answer.
+fn info_text(answer: redis::RedisResult<redis::Value>) -> Option<String> {
+    match answer.ok()? {
+        redis::Value::BulkString(bytes) => Some(String::from_utf8_lossy(&bytes).into_owned()),
+        redis::Value::VerbatimString { text, .. } => Some(text),
+        _ => None,
+    }
+}
+
+/// Polls `ready` every 100 ms until it holds; panics naming `what` after `limit`.
+pub async fn wait_for<F, Fut>(limit: Duration, what: &str, mut ready: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !ready().await {
+        assert!(Instant::now() < deadline, "waited {limit:?} for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
