@@ -1,0 +1,234 @@
+//! Who a limit counts: the client behind trusted proxies, and key parts from the query,
+//! cookies, method, host and path; and the response header styles.
+
+mod support;
+
+use support::{client_from, Sluice};
+
+/// A route limited to `requests` per minute on `key`, answering 200 directly.
+fn one_route(head: &str, key: &str, requests: u32) -> String {
+    format!(
+        r#"{head}routes:
+  - name: api
+    match: {{ path_prefix: / }}
+    respond: {{ status: 200, body: ok }}
+    limits:
+      - {{ name: l, key: {key}, requests: {requests}, window: 1m }}
+"#
+    )
+}
+
+/// Statuses of GETs of `path` from `from`, each with the given headers.
+async fn statuses(sluice: &Sluice, from: &str, requests: &[(&str, &[(&str, &str)])]) -> Vec<u16> {
+    let client = client_from(from);
+    let mut out = Vec::new();
+    for (path, headers) in requests {
+        let mut request = client.get(format!("{}{path}", sluice.url()));
+        for (name, value) in *headers {
+            request = request.header(*name, *value);
+        }
+        out.push(request.send().await.unwrap().status().as_u16());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spoofed_forwarded_for_from_an_untrusted_peer_changes_nothing() {
+    let head = "trusted_proxies: [127.0.0.2]\n";
+    let sluice = Sluice::start(&one_route(head, "[client_ip]", 2)).await;
+    // 127.0.0.1 is not trusted: each request claims another client, all count as one.
+    let got = statuses(
+        &sluice,
+        "127.0.0.1",
+        &[
+            ("/", &[("x-forwarded-for", "198.51.100.1")]),
+            ("/", &[("x-forwarded-for", "198.51.100.2")]),
+            ("/", &[("x-forwarded-for", "198.51.100.3")]),
+        ],
+    )
+    .await;
+    assert_eq!(got, [200, 200, 429]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_trusted_proxies_each_real_client_has_its_own_limit() {
+    let head = "trusted_proxies: [127.0.0.2, 10.0.0.0/8]\n";
+    let sluice = Sluice::start(&one_route(head, "[client_ip]", 2)).await;
+    // Through two trusted proxies (10.1.1.1 and the peer 127.0.0.2): the client is the
+    // rightmost untrusted address, whatever the client wrote to the left of it.
+    let chain = "198.51.100.7, 10.1.1.1";
+    let spoofed = "1.2.3.4, 198.51.100.7, 10.1.1.1";
+    let got = statuses(
+        &sluice,
+        "127.0.0.2",
+        &[
+            ("/", &[("x-forwarded-for", chain)]),
+            ("/", &[("x-forwarded-for", spoofed)]),
+            ("/", &[("x-forwarded-for", chain)]),
+            // Another real client behind the same proxy has its own allowance.
+            ("/", &[("x-forwarded-for", "198.51.100.8, 10.1.1.1")]),
+            ("/", &[("x-forwarded-for", "198.51.100.8")]),
+            ("/", &[("x-forwarded-for", "198.51.100.8")]),
+        ],
+    )
+    .await;
+    assert_eq!(got, [200, 200, 429, 200, 200, 429]);
+    // Without the header, the trusted proxy itself is the client.
+    let alone = statuses(&sluice, "127.0.0.2", &[("/", &[]), ("/", &[]), ("/", &[])]).await;
+    assert_eq!(alone, [200, 200, 429]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rfc_7239_forwarded_header_when_configured() {
+    let head = "trusted_proxies: [127.0.0.2]\nforwarded_header: forwarded\n";
+    let sluice = Sluice::start(&one_route(head, "[client_ip]", 1)).await;
+    let got = statuses(
+        &sluice,
+        "127.0.0.2",
+        &[
+            ("/", &[("forwarded", "for=198.51.100.9;proto=https")]),
+            ("/", &[("forwarded", "for=\"[2001:db8::1]:4711\"")]),
+            ("/", &[("forwarded", "for=198.51.100.9")]),
+            // X-Forwarded-For is not what these proxies set: it is not believed.
+            ("/", &[("x-forwarded-for", "203.0.113.1")]),
+            ("/", &[("x-forwarded-for", "203.0.113.2")]),
+        ],
+    )
+    .await;
+    assert_eq!(got, [200, 200, 429, 200, 429]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn query_cookie_method_host_and_path_parts() {
+    // A query parameter, decoded: spellings the upstream reads alike are one identity.
+    let sluice = Sluice::start(&one_route("", "[\"query:api_key\"]", 1)).await;
+    let got = statuses(
+        &sluice,
+        "127.0.0.1",
+        &[
+            ("/?api_key=abc", &[]),
+            ("/?x=1&api_key=%61bc", &[]),
+            ("/?api_key=abd", &[]),
+        ],
+    )
+    .await;
+    assert_eq!(got, [200, 429, 200]);
+    drop(sluice);
+
+    let sluice = Sluice::start(&one_route("", "[\"cookie:session\"]", 1)).await;
+    let got = statuses(
+        &sluice,
+        "127.0.0.1",
+        &[
+            ("/", &[("cookie", "theme=dark; session=s1")]),
+            ("/", &[("cookie", "session=\"s1\"")]),
+            ("/", &[("cookie", "session=s2")]),
+        ],
+    )
+    .await;
+    assert_eq!(got, [200, 429, 200]);
+    drop(sluice);
+
+    // Path and method: `/Users/1` and `/users/1` are one path on a case-insensitive route.
+    let sluice = Sluice::start(&one_route("", "[path, method]", 1)).await;
+    let client = client_from("127.0.0.1");
+    let url = |path: &str| format!("{}{path}", sluice.url());
+    assert_eq!(
+        client.get(url("/users/1")).send().await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        client.get(url("/Users/1")).send().await.unwrap().status(),
+        429
+    );
+    assert_eq!(
+        client
+            .get(url("/users/1;v=2"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        429
+    );
+    assert_eq!(
+        client.post(url("/users/1")).send().await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        client.get(url("/users/2")).send().await.unwrap().status(),
+        200
+    );
+    drop(sluice);
+
+    let sluice = Sluice::start(&one_route("", "[host]", 1)).await;
+    let got = statuses(
+        &sluice,
+        "127.0.0.1",
+        &[
+            ("/", &[("host", "a.example")]),
+            ("/", &[("host", "A.EXAMPLE")]),
+            ("/", &[("host", "b.example")]),
+        ],
+    )
+    .await;
+    assert_eq!(got, [200, 429, 200]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_key_is_one_bucket_for_the_route() {
+    let sluice = Sluice::start(&one_route("", "[]", 3)).await;
+    let mut got = Vec::new();
+    for from in ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"] {
+        got.extend(statuses(&sluice, from, &[("/", &[("x-api-key", from)])]).await);
+    }
+    assert_eq!(got, [200, 200, 200, 429], "a global cap across clients");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_header_styles() {
+    let yaml = r#"response_headers: legacy
+routes:
+  - name: legacy
+    match: { path_prefix: /legacy }
+    respond: { status: 200 }
+    limits:
+      - { name: per-ip, key: [client_ip], requests: 5, window: 1m }
+      - { name: tight, key: [client_ip], requests: 2, window: 30s }
+  - name: both
+    match: { path_prefix: /both }
+    respond: { status: 200 }
+    response_headers: both
+    limits:
+      - { name: per-ip, key: [client_ip], requests: 5, window: 1m }
+  - name: none
+    match: { path_prefix: /none }
+    respond: { status: 200 }
+    response_headers: none
+    limits:
+      - { name: per-ip, key: [client_ip], requests: 5, window: 1m }
+"#;
+    let sluice = Sluice::start(yaml).await;
+    let client = support::client();
+    let get = |path: &str| client.get(format!("{}{path}", sluice.url())).send();
+
+    let legacy = get("/legacy").await.unwrap();
+    let h = |r: &reqwest::Response, name: &str| {
+        r.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    assert_eq!(h(&legacy, "ratelimit"), None);
+    assert_eq!(h(&legacy, "ratelimit-policy"), None);
+    // The limit closest to exhaustion: `tight`, 1 of 2 left.
+    assert_eq!(h(&legacy, "x-ratelimit-limit").as_deref(), Some("2"));
+    assert_eq!(h(&legacy, "x-ratelimit-remaining").as_deref(), Some("1"));
+    assert_eq!(h(&legacy, "x-ratelimit-reset").as_deref(), Some("30"));
+
+    let both = get("/both").await.unwrap();
+    assert!(h(&both, "ratelimit").is_some());
+    assert_eq!(h(&both, "x-ratelimit-remaining").as_deref(), Some("4"));
+
+    let none = get("/none").await.unwrap();
+    assert_eq!(h(&none, "ratelimit"), None);
+    assert_eq!(h(&none, "x-ratelimit-limit"), None);
+}
