@@ -142,6 +142,12 @@ fn key(limit: &Limit, case_sensitive: bool, request: &RequestParts<'_>) -> Strin
     key
 }
 
+/// The first part of `limit`'s key the request lacks, if any: the limit then counts the
+/// client IP instead.
+pub fn missing_part<'a>(limit: &'a Limit, request: &RequestParts<'_>) -> Option<&'a KeyPart> {
+    limit.key.iter().find(|part| !present(part, request))
+}
+
 fn present(part: &KeyPart, request: &RequestParts<'_>) -> bool {
     match part {
         KeyPart::ClientIp | KeyPart::Method | KeyPart::Host | KeyPart::Path => true,

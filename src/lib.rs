@@ -11,6 +11,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod explain;
 pub mod keys;
 pub mod limiter;
 pub mod metrics;

@@ -42,6 +42,22 @@ enum Command {
         #[arg(long, default_value = "config/sluice.yaml")]
         config: PathBuf,
     },
+    /// Show what sluice would do with one request: the route, the limits and the exact store
+    /// keys, without touching the store.
+    Explain {
+        #[arg(long, default_value = "config/sluice.yaml")]
+        config: PathBuf,
+        /// The method, e.g. GET.
+        method: String,
+        /// The path and query, e.g. /users/42/orders?x=1.
+        target: String,
+        /// A request header, `name: value` (repeatable).
+        #[arg(short = 'H', long = "header")]
+        headers: Vec<String>,
+        /// The address the request comes from.
+        #[arg(long, default_value = "127.0.0.1")]
+        from: std::net::IpAddr,
+    },
 }
 
 fn main() -> ExitCode {
@@ -56,6 +72,23 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check { config } => check(&config),
+        Command::Explain {
+            config,
+            method,
+            target,
+            headers,
+            from,
+        } => {
+            let question = sluice::explain::Question {
+                method: &method,
+                target: &target,
+                headers: &headers,
+                from,
+            };
+            sluice::explain::explain(&config, &question)
+                .map(|text| print!("{text}"))
+                .map_err(anyhow::Error::from)
+        }
         Command::Run { config } => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
