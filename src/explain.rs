@@ -130,9 +130,21 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         headers: &headers,
         client_ip,
     };
-    let checks = keys::checks(route, &request);
-    let _ = writeln!(out, "limits:     all decided together, in one store call");
-    for (limit, check) in route.limits.iter().zip(&checks) {
+    let applied = keys::checks(route, &request);
+    let _ = writeln!(
+        out,
+        "limits:     all that apply decided together, in one store call"
+    );
+    for limit in &route.limits {
+        let Some(at) = applied.limits.iter().position(|l| std::ptr::eq(*l, limit)) else {
+            let _ = writeln!(
+                out,
+                "  {}: does not apply (its `when` does not hold)",
+                limit.name
+            );
+            continue;
+        };
+        let check = &applied.checks[at];
         let parts: Vec<String> = limit.key.iter().map(describe).collect();
         let _ = writeln!(
             out,

@@ -36,17 +36,28 @@ pub struct RequestParts<'a> {
     pub client_ip: IpAddr,
 }
 
-/// One check per limit of the route, in the route's order.
-pub fn checks(route: &Route, request: &RequestParts<'_>) -> Vec<Check> {
-    route
+/// The limits of a route that apply to a request (their `when` holds), in the route's order,
+/// and one check for each.
+pub struct Applied<'r> {
+    pub limits: Vec<&'r Limit>,
+    pub checks: Vec<Check>,
+}
+
+pub fn checks<'r>(route: &'r Route, request: &RequestParts<'_>) -> Applied<'r> {
+    let limits: Vec<&Limit> = route
         .limits
+        .iter()
+        .filter(|limit| limit.applies(request.method, request.uri, request.headers))
+        .collect();
+    let checks = limits
         .iter()
         .map(|limit| Check {
             key: key(limit, route.matcher.case_sensitive(), request),
             requests: limit.requests,
             window: limit.window,
         })
-        .collect()
+        .collect();
+    Applied { limits, checks }
 }
 
 /// The client's address: `peer`, or when `peer` is a trusted proxy, the rightmost address of
@@ -330,6 +341,7 @@ mod tests {
             requests: 1,
             window: Duration::from_secs(1),
             key_prefix: "sluice:r:l:".to_owned(),
+            when: Vec::new(),
             metrics: metrics.for_limit("r", "l"),
         }
     }

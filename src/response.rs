@@ -7,7 +7,7 @@ use http::{Response, StatusCode};
 
 use crate::config::ResponseHeaders;
 use crate::limiter::Decision;
-use crate::policy::Route;
+use crate::policy::{rate_limit_policy, Limit, Route};
 use crate::proxy::ProxyBody;
 pub use crate::ratelimit_field::ceil_seconds;
 use crate::ratelimit_field::limit_items;
@@ -18,10 +18,9 @@ const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+
 
 /// `"per-ip";r=4;t=60, ...`: where each limit stands after this decision (the limits the
 /// store was asked about; `None` if there are none).
-pub fn rate_limit(route: &Route, decision: &Decision) -> Option<HeaderValue> {
+pub fn rate_limit(limits: &[&Limit], decision: &Decision) -> Option<HeaderValue> {
     limit_items(
-        route
-            .limits
+        limits
             .iter()
             .zip(&decision.limits)
             .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
@@ -40,9 +39,11 @@ pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelim
 pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
 /// Adds the rate-limit fields of a decided request to a response, in the route's style.
+/// `limits`: the route's limits that applied, in the order of `decision.limits`.
 pub fn add_rate_limit_fields(
     response: &mut Response<ProxyBody>,
     route: &Route,
+    limits: &[&Limit],
     decision: &Decision,
 ) {
     let (ietf, legacy) = match route.response_headers {
@@ -53,18 +54,22 @@ pub fn add_rate_limit_fields(
     };
     let headers = response.headers_mut();
     if ietf {
-        if let Some(policy) = &route.rate_limit_policy {
-            headers.insert(RATELIMIT_POLICY, policy.clone());
+        let policy = match &route.rate_limit_policy {
+            Some(policy) => Some(policy.clone()),
+            // Conditional limits: the field lists those that applied.
+            None => rate_limit_policy(limits.iter().copied()),
+        };
+        if let Some(policy) = policy {
+            headers.insert(RATELIMIT_POLICY, policy);
         }
-        if let Some(value) = rate_limit(route, decision) {
+        if let Some(value) = rate_limit(limits, decision) {
             headers.insert(RATELIMIT, value);
         }
     }
     if legacy {
         // One limit only in this style: the one closest to exhaustion (the fewest requests
         // left; of those, the longest wait).
-        let closest = route
-            .limits
+        let closest = limits
             .iter()
             .zip(&decision.limits)
             .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
@@ -81,10 +86,14 @@ pub fn add_rate_limit_fields(
 }
 
 /// The 429 for a rejected request, naming the route and the limit that is exhausted longest.
-pub fn too_many_requests(route: &Route, decision: &Decision, path: &str) -> Response<ProxyBody> {
+pub fn too_many_requests(
+    route: &Route,
+    limits: &[&Limit],
+    decision: &Decision,
+    path: &str,
+) -> Response<ProxyBody> {
     let retry_after = ceil_seconds(decision.retry_after).max(1);
-    let limit = route
-        .limits
+    let limit = limits
         .iter()
         .zip(&decision.limits)
         .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
@@ -105,7 +114,7 @@ pub fn too_many_requests(route: &Route, decision: &Decision, path: &str) -> Resp
     response
         .headers_mut()
         .insert(RETRY_AFTER, HeaderValue::from(retry_after));
-    add_rate_limit_fields(&mut response, route, decision);
+    add_rate_limit_fields(&mut response, route, limits, decision);
     response
 }
 

@@ -232,3 +232,111 @@ routes:
     assert_eq!(h(&none, "ratelimit"), None);
     assert_eq!(h(&none, "x-ratelimit-limit"), None);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiers_by_header_and_conditions_on_method() {
+    let yaml = r#"routes:
+  - name: api
+    match: { path_prefix: / }
+    respond: { status: 200 }
+    limits:
+      - name: free
+        key: ["header:x-api-key"]
+        requests: 2
+        window: 1m
+        when: [{ header: x-plan, equals: free }]
+      - name: paid
+        key: ["header:x-api-key"]
+        requests: 4
+        window: 1m
+        when: [{ header: x-plan, one_of: [paid, enterprise] }]
+      - name: anonymous
+        key: [client_ip]
+        requests: 1
+        window: 1m
+        when: [{ header: x-plan, present: false }, { method: [POST] }]
+"#;
+    let sluice = Sluice::start(yaml).await;
+    let client = support::client();
+    let send = |plan: Option<&str>, post: bool| {
+        let url = format!("{}/", sluice.url());
+        let mut request = if post {
+            client.post(url)
+        } else {
+            client.get(url)
+        };
+        request = request.header("x-api-key", "k");
+        if let Some(plan) = plan {
+            request = request.header("x-plan", plan);
+        }
+        request.send()
+    };
+    let mut free = Vec::new();
+    for _ in 0..3 {
+        free.push(send(Some("free"), false).await.unwrap());
+    }
+    assert_eq!(
+        free.iter().map(|r| r.status().as_u16()).collect::<Vec<_>>(),
+        [200, 200, 429]
+    );
+    // Only the limit that applied is described.
+    assert_eq!(
+        support::header(&free[0], "ratelimit-policy"),
+        "\"free\";q=2;w=60"
+    );
+    let mut paid = Vec::new();
+    for _ in 0..5 {
+        paid.push(
+            send(Some("enterprise"), false)
+                .await
+                .unwrap()
+                .status()
+                .as_u16(),
+        );
+    }
+    assert_eq!(
+        paid,
+        [200, 200, 200, 200, 429],
+        "the same key, the paid tier's limit"
+    );
+    // No plan, GET: no limit applies at all.
+    let open = send(None, false).await.unwrap();
+    assert_eq!(open.status(), 200);
+    assert!(open.headers().get("ratelimit-policy").is_none());
+    // No plan, POST: the anonymous limit.
+    assert_eq!(send(None, true).await.unwrap().status(), 200);
+    assert_eq!(send(None, true).await.unwrap().status(), 429);
+}
+
+#[test]
+fn check_names_a_bad_condition_and_a_bad_key_part_with_line_and_column() {
+    let head = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: api\n    match: { path_prefix: / }\n    respond: { status: 200 }\n    limits:\n";
+    for (limit, expected) in [
+        (
+            "      - { name: l, key: [], requests: 1, window: 1s, when: [{ method: [GET], host: [a] }] }\n",
+            ":8:61: routes[0].limits[0].when[0]: a condition names exactly one of",
+        ),
+        (
+            "      - { name: l, key: [\"query:\"], requests: 1, window: 1s }\n",
+            ":8:26: routes[0].limits[0].key[0]: `` is not a valid query parameter name",
+        ),
+        (
+            "      - { name: l, key: [], requests: 1, window: 1s, when: [{ header: x-plan }] }\n",
+            "routes[0].limits[0].when[0]: a header condition has exactly one of",
+        ),
+    ] {
+        let file = support::write_config(&format!("{head}{limit}"));
+        let (status, _, stderr) = support::sluice_check(file.path());
+        assert!(!status.success());
+        assert!(stderr.contains(expected), "{stderr}");
+    }
+    let file = support::write_config(&format!(
+        "{head}      - {{ name: l, key: [], requests: 1, window: 1s }}\ntrusted_proxies: [10.0.0.0/33]\n"
+    ));
+    let (status, _, stderr) = support::sluice_check(file.path());
+    assert!(!status.success());
+    assert!(
+        stderr.contains(":9:19: trusted_proxies[0]: `10.0.0.0/33`"),
+        "{stderr}"
+    );
+}

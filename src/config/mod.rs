@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 
 pub use duration::ConfigDuration;
 pub use types::{
-    ByteSize, ForwardedHeader, HostPort, IpNet, KeyPart, MethodName, Name, OnStoreError,
+    ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, MethodName, Name, OnStoreError,
     PathPrefix, Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
 };
 
@@ -317,6 +317,22 @@ pub struct LimitConfig {
     pub key: Spanned<Vec<KeyPart>>,
     pub requests: Positive,
     pub window: ConfigDuration,
+    /// Conditions on the request, all of which must hold for this limit to apply.
+    #[serde(default)]
+    pub when: Vec<Spanned<ConditionConfig>>,
+}
+
+/// One condition of a limit's `when:`: exactly one of `header` (with one of `equals`,
+/// `one_of`, `present`), `method` or `host`. Checked, with its position, in `policy`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConditionConfig {
+    pub header: Option<FieldName>,
+    pub equals: Option<String>,
+    pub one_of: Option<Vec<String>>,
+    pub present: Option<bool>,
+    pub method: Option<Vec<MethodName>>,
+    pub host: Option<Vec<String>>,
 }
 
 fn default_max_request_line() -> ByteSize {

@@ -31,8 +31,23 @@ deserialize_via_from_str!(
     UpstreamUrl,
     RedisUrl,
     HostPort,
-    IpNet
+    IpNet,
+    FieldName
 );
+
+/// A header field name, as a condition names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldName(pub HeaderName);
+
+impl FromStr for FieldName {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        HeaderName::from_bytes(text.as_bytes())
+            .map(FieldName)
+            .map_err(|_| format!("`{text}` is not a valid header name"))
+    }
+}
 
 /// The name of a route, limit, upstream or key prefix. Names appear in Redis keys, metric
 /// labels and the `RateLimit-Policy` field, so they are kept to characters that are safe in

@@ -6,6 +6,7 @@
 //! outlive a reload (upstream connection pools, the store) lives outside it, so nothing here
 //! needs the proxy.
 
+mod condition;
 mod matcher;
 
 use std::collections::HashMap;
@@ -18,6 +19,7 @@ use http::header::HeaderValue;
 use http::uri::Authority;
 use http::{Method, StatusCode};
 
+pub use self::condition::{Condition, HeaderTest};
 pub use self::matcher::Matcher;
 use crate::config::{
     Config, ConfigError, ForwardedHeader, IpNet, KeyPart, Name, OnStoreError, Position,
@@ -103,7 +105,8 @@ pub struct Route {
     pub on_store_error: OnStoreError,
     /// Which rate-limit fields responses carry.
     pub response_headers: ResponseHeaders,
-    /// The `RateLimit-Policy` field describing every limit of the route; `None` without limits.
+    /// The `RateLimit-Policy` field describing every limit of the route; `None` without limits
+    /// or when some limit has conditions (the field then lists what applied to a request).
     pub rate_limit_policy: Option<HeaderValue>,
     pub metrics: RouteMetrics,
 }
@@ -126,7 +129,18 @@ pub struct Limit {
     pub window: Duration,
     /// `prefix:route:limit:`; the identity completes the store key.
     pub key_prefix: String,
+    /// All must hold for the limit to apply to a request; empty: it always applies.
+    pub when: Vec<Condition>,
     pub metrics: LimitMetrics,
+}
+
+impl Limit {
+    /// Whether this limit applies to the request.
+    pub fn applies(&self, method: &Method, uri: &http::Uri, headers: &http::HeaderMap) -> bool {
+        self.when
+            .iter()
+            .all(|condition| condition.holds(method, uri, headers))
+    }
 }
 
 /// Where a route forwards to. Plain settings: the proxy keeps the pooled client of each
@@ -169,6 +183,7 @@ impl Policy {
             .collect();
         let mut seen: HashMap<&Name, Position> = HashMap::new();
         let mut actions = Vec::with_capacity(config.routes.len());
+        let mut conditions = Vec::with_capacity(config.routes.len());
         for (index, route) in config.routes.iter().enumerate() {
             let field = format!("routes[{index}]");
             if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
@@ -183,7 +198,7 @@ impl Policy {
                 ));
             }
             actions.push(compile_action(route, &upstreams, file, &field)?);
-            check_limits(route, file, &field)?;
+            conditions.push(check_limits(route, file, &field)?);
         }
         // Metrics handles are made only once the whole file is valid, so that a file refused
         // on reload leaves no series behind for routes that never served.
@@ -191,8 +206,9 @@ impl Policy {
             .routes
             .iter()
             .zip(actions)
-            .map(|(route, action)| {
-                let limits = build_limits(config, route, metrics);
+            .zip(conditions)
+            .map(|((route, action), conditions)| {
+                let limits = build_limits(config, route, conditions, metrics);
                 Route {
                     name: route.name.value.clone(),
                     matcher: Matcher::new(&route.matcher),
@@ -200,7 +216,11 @@ impl Policy {
                     max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
                     on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
                     response_headers: route.response_headers.unwrap_or(config.response_headers),
-                    rate_limit_policy: rate_limit_policy(&limits),
+                    rate_limit_policy: if limits.iter().any(|l| !l.when.is_empty()) {
+                        None
+                    } else {
+                        rate_limit_policy(limits.iter())
+                    },
                     limits,
                     metrics: metrics.for_route(route.name.value.as_str()),
                 }
@@ -239,12 +259,15 @@ impl Policy {
     }
 }
 
-/// `"per-ip";q=5;w=60, "per-key";q=100;w=1`: every limit of a route, built once per policy.
-fn rate_limit_policy(limits: &[Limit]) -> Option<HeaderValue> {
-    if limits.is_empty() {
+/// `"per-ip";q=5;w=60, "per-key";q=100;w=1`: the given limits (of a route: built once per
+/// policy, unless limits have conditions).
+pub fn rate_limit_policy<'a>(
+    limits: impl ExactSizeIterator<Item = &'a Limit>,
+) -> Option<HeaderValue> {
+    if limits.len() == 0 {
         return None;
     }
-    limit_items(limits.iter().map(|limit| {
+    limit_items(limits.map(|limit| {
         let params = [
             ('q', u64::from(limit.requests)),
             ('w', ceil_seconds(limit.window)),
@@ -313,8 +336,14 @@ fn compile_action(
 }
 
 /// The checks of a route's limits that the YAML types cannot make alone.
-fn check_limits(route: &RouteConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
+/// Checks a route's limits; returns each limit's compiled conditions.
+fn check_limits(
+    route: &RouteConfig,
+    file: &Path,
+    field: &str,
+) -> Result<Vec<Vec<Condition>>, ConfigError> {
     let mut seen: HashMap<&Name, Position> = HashMap::new();
+    let mut conditions = Vec::with_capacity(route.limits.len());
     for (index, limit) in route.limits.iter().enumerate() {
         let field = format!("{field}.limits[{index}]");
         if let Some(first) = seen.insert(&limit.name.value, Position::from(&limit.name)) {
@@ -328,16 +357,31 @@ fn check_limits(route: &RouteConfig, file: &Path, field: &str) -> Result<(), Con
                 ),
             ));
         }
+        let when = limit
+            .when
+            .iter()
+            .enumerate()
+            .map(|(n, condition)| {
+                Condition::compile(condition, file, &format!("{field}.when[{n}]"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        conditions.push(when);
     }
-    Ok(())
+    Ok(conditions)
 }
 
 /// The limits of a route that passed `check_limits`.
-fn build_limits(config: &Config, route: &RouteConfig, metrics: &Metrics) -> Vec<Limit> {
+fn build_limits(
+    config: &Config,
+    route: &RouteConfig,
+    conditions: Vec<Vec<Condition>>,
+    metrics: &Metrics,
+) -> Vec<Limit> {
     route
         .limits
         .iter()
-        .map(|limit| Limit {
+        .zip(conditions)
+        .map(|(limit, when)| Limit {
             name: limit.name.value.clone(),
             key: limit.key.value.clone(),
             requests: limit.requests.0,
@@ -346,6 +390,7 @@ fn build_limits(config: &Config, route: &RouteConfig, metrics: &Metrics) -> Vec<
                 "{}:{}:{}:",
                 config.store.key_prefix, route.name.value, limit.name.value
             ),
+            when,
             metrics: metrics.for_limit(route.name.value.as_str(), limit.name.value.as_str()),
         })
         .collect()

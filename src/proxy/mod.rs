@@ -34,7 +34,7 @@ use crate::config::OnStoreError;
 use crate::keys;
 use crate::limiter::{Decision, Store};
 use crate::metrics::{Metrics, Outcome, Refusal};
-use crate::policy::{Action, DirectResponse, Policy, Route};
+use crate::policy::{Action, DirectResponse, Limit, Policy, Route};
 use crate::response;
 
 /// The policy in force and the client of each upstream it forwards to: swapped together, in
@@ -200,21 +200,22 @@ impl Gateway {
                 }
             }
         };
-        if let Some(decision) = &decision {
-            response::add_rate_limit_fields(&mut response, route, decision);
+        if let Some((limits, decision)) = &decision {
+            response::add_rate_limit_fields(&mut response, route, limits, decision);
         }
         (outcome, response)
     }
 
-    /// Decides the route's limits. `Ok(None)`: the route has none. `Err`: the answer to send
+    /// Decides the route's limits that apply to the request, with those limits. `Ok(None)`:
+    /// none applies (or the store failed and the route allows). `Err`: the answer to send
     /// instead of acting (429, or 503 when the store cannot decide).
-    async fn decide(
+    async fn decide<'r>(
         &self,
         policy: &Policy,
-        route: &Route,
+        route: &'r Route,
         request: &Request<Incoming>,
         peer: SocketAddr,
-    ) -> Result<Option<Decision>, (Outcome, Response<ProxyBody>)> {
+    ) -> Result<Option<(Vec<&'r Limit>, Decision)>, (Outcome, Response<ProxyBody>)> {
         if route.limits.is_empty() {
             return Ok(None);
         }
@@ -230,7 +231,10 @@ impl Gateway {
             headers: request.headers(),
             client_ip,
         };
-        let checks = keys::checks(route, &parts);
+        let keys::Applied { limits, checks } = keys::checks(route, &parts);
+        if limits.is_empty() {
+            return Ok(None);
+        }
         let decision = match self.store.decide(&checks).await {
             Ok(decision) => decision,
             Err(err) => {
@@ -247,7 +251,7 @@ impl Gateway {
                 }
             }
         };
-        for (limit, state) in route.limits.iter().zip(&decision.limits) {
+        for (limit, state) in limits.iter().zip(&decision.limits) {
             if decision.admitted {
                 limit.metrics.admitted.inc();
             } else if state.is_some_and(|state| state.remaining == 0) {
@@ -255,9 +259,10 @@ impl Gateway {
             }
         }
         if decision.admitted {
-            Ok(Some(decision))
+            Ok(Some((limits, decision)))
         } else {
-            let response = response::too_many_requests(route, &decision, request.uri().path());
+            let path = request.uri().path();
+            let response = response::too_many_requests(route, &limits, &decision, path);
             Err((Outcome::Limited, response))
         }
     }

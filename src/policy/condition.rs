@@ -1,0 +1,171 @@
+//! `when:` conditions on a limit: which requests it applies to. Tiers are built from them:
+//! the same key limited differently when `x-plan` is `free` or `paid` (a header an
+//! authentication layer in front sets).
+
+use std::path::Path;
+
+use http::header::{HeaderName, HOST};
+use http::{HeaderMap, Method, Uri};
+
+use crate::config::{ConditionConfig, ConfigError, Position, Spanned};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Condition {
+    Header {
+        name: HeaderName,
+        test: HeaderTest,
+    },
+    /// The request method is one of these.
+    Method(Vec<Method>),
+    /// The host (without its port, lower-cased) is one of these.
+    Host(Vec<String>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderTest {
+    /// Some value of the header is exactly one of these.
+    OneOf(Vec<String>),
+    /// The header is present (`true`) or absent (`false`).
+    Present(bool),
+}
+
+impl Condition {
+    pub fn holds(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> bool {
+        match self {
+            Condition::Header { name, test } => match test {
+                HeaderTest::Present(present) => headers.contains_key(name) == *present,
+                HeaderTest::OneOf(values) => headers.get_all(name).iter().any(|value| {
+                    values
+                        .iter()
+                        .any(|wanted| value.as_bytes() == wanted.as_bytes())
+                }),
+            },
+            Condition::Method(methods) => methods.contains(method),
+            Condition::Host(hosts) => {
+                let host = headers
+                    .get(HOST)
+                    .and_then(|value| value.to_str().ok())
+                    .or_else(|| uri.authority().map(|a| a.as_str()))
+                    .unwrap_or_default();
+                let host = strip_port(host);
+                hosts.iter().any(|wanted| wanted.eq_ignore_ascii_case(host))
+            }
+        }
+    }
+
+    /// A condition of the file, checked: exactly one kind, a header with exactly one test.
+    pub fn compile(
+        spanned: &Spanned<ConditionConfig>,
+        file: &Path,
+        field: &str,
+    ) -> Result<Condition, ConfigError> {
+        let config = &spanned.value;
+        let invalid = |message: &str| {
+            ConfigError::invalid(file, Position::from(spanned), field, message.to_owned())
+        };
+        let kinds = [
+            config.header.is_some(),
+            config.method.is_some(),
+            config.host.is_some(),
+        ];
+        if kinds.iter().filter(|given| **given).count() != 1 {
+            return Err(invalid(
+                "a condition names exactly one of `header`, `method` or `host`",
+            ));
+        }
+        if let Some(name) = &config.header {
+            let test = match (&config.equals, &config.one_of, config.present) {
+                (Some(value), None, None) => HeaderTest::OneOf(vec![value.clone()]),
+                (None, Some(values), None) if !values.is_empty() => {
+                    HeaderTest::OneOf(values.clone())
+                }
+                (None, None, Some(present)) => HeaderTest::Present(present),
+                _ => {
+                    return Err(invalid(
+                        "a header condition has exactly one of `equals`, `one_of` (not empty) or `present`",
+                    ))
+                }
+            };
+            return Ok(Condition::Header {
+                name: name.0.clone(),
+                test,
+            });
+        }
+        if config.equals.is_some() || config.one_of.is_some() || config.present.is_some() {
+            return Err(invalid("`equals`, `one_of` and `present` go with `header`"));
+        }
+        if let Some(methods) = &config.method {
+            return Ok(Condition::Method(
+                methods.iter().map(|m| m.0.clone()).collect(),
+            ));
+        }
+        let hosts = config.host.clone().unwrap_or_default();
+        if hosts.is_empty() {
+            return Err(invalid("`host` lists at least one host"));
+        }
+        Ok(Condition::Host(
+            hosts
+                .iter()
+                .map(|h| strip_port(h).to_ascii_lowercase())
+                .collect(),
+        ))
+    }
+}
+
+/// `api.example:8443` → `api.example`; `[::1]:80` → `[::1]`.
+fn strip_port(host: &str) -> &str {
+    match host.rsplit_once(':') {
+        Some((name, port))
+            if !name.is_empty()
+                && port.bytes().all(|b| b.is_ascii_digit())
+                && !name.ends_with(':') =>
+        {
+            name
+        }
+        _ => host,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn holds(condition: &Condition, headers: &[(&str, &str)]) -> bool {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            map.append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_str(value).unwrap(),
+            );
+        }
+        condition.holds(&Method::GET, &"/".parse().unwrap(), &map)
+    }
+
+    #[test]
+    fn header_tests() {
+        let plan = HeaderName::from_static("x-plan");
+        let free = Condition::Header {
+            name: plan.clone(),
+            test: HeaderTest::OneOf(vec!["free".to_owned()]),
+        };
+        assert!(holds(&free, &[("x-plan", "free")]));
+        assert!(!holds(&free, &[("x-plan", "Free")]), "values are exact");
+        assert!(!holds(&free, &[]));
+        let absent = Condition::Header {
+            name: plan,
+            test: HeaderTest::Present(false),
+        };
+        assert!(holds(&absent, &[]));
+        assert!(!holds(&absent, &[("x-plan", "paid")]));
+    }
+
+    #[test]
+    fn hosts_ignore_port_and_case() {
+        let host = Condition::Host(vec!["api.example".to_owned()]);
+        assert!(holds(&host, &[("host", "API.example:8443")]));
+        assert!(!holds(&host, &[("host", "other.example")]));
+        assert_eq!(strip_port("[::1]:80"), "[::1]");
+        assert_eq!(strip_port("[::1]"), "[::1]");
+    }
+}
