@@ -26,11 +26,7 @@ pub fn checks(route: &Route, headers: &HeaderMap, client_ip: IpAddr) -> Vec<Chec
     route
         .limits
         .iter()
-        .map(|limit| Check {
-            key: key(limit, headers, client_ip),
-            requests: limit.requests,
-            window: limit.window,
-        })
+        .map(|limit| limit.check(key(limit, headers, client_ip)))
         .collect()
 }
 
@@ -131,8 +127,11 @@ mod tests {
         Limit {
             name: "l".parse().unwrap(),
             key: parts,
+            algorithm: crate::limiter::Algorithm::SlidingLog,
             requests: 1,
             window: Duration::from_secs(1),
+            burst: 1,
+            cost: 1,
             key_prefix: "sluice:r:l:".to_owned(),
             metrics: metrics.for_limit("r", "l"),
         }

@@ -16,6 +16,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 pub use serde_saphyr::Spanned;
+
+pub use crate::limiter::Algorithm;
 use sha2::{Digest, Sha256};
 
 pub use duration::ConfigDuration;
@@ -214,8 +216,16 @@ pub struct RespondConfig {
 pub struct LimitConfig {
     pub name: Spanned<Name>,
     pub key: Spanned<Vec<KeyPart>>,
-    pub requests: Positive,
+    pub requests: Spanned<Positive>,
     pub window: ConfigDuration,
+    /// How the limit counts; `sliding_log` (exact) by default.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
+    /// key admits as many at once as under the other algorithms.
+    pub burst: Option<Spanned<Positive>>,
+    /// How many requests one request counts as; 1 by default.
+    pub cost: Option<Spanned<Positive>>,
 }
 
 fn default_max_request_line() -> ByteSize {

@@ -1,4 +1,5 @@
-//! The Redis store: every limit of a request decided by one call of `scripts/sliding_log.lua`.
+//! The Redis store: every limit of a request, of any mix of algorithms, decided by one call of
+//! one script: `scripts/decide.lua`, after each algorithm's check and record functions.
 //!
 //! Decisions travel over a few long-lived multiplexed connections: concurrent requests share
 //! them, and their commands leave in pipelined writes instead of one round trip per pooled
@@ -19,7 +20,16 @@ use redis::{RedisError, Script};
 
 use super::{Check, Decision, LimitState, StoreError};
 
-const SLIDING_LOG: &str = include_str!("scripts/sliding_log.lua");
+/// The script Redis runs: each algorithm's functions, then the driver that calls them. One
+/// script for all algorithms, so a request with limits of several algorithms is still decided
+/// in one atomic call.
+const DECIDE: &str = concat!(
+    include_str!("scripts/sliding_log.lua"),
+    include_str!("scripts/sliding_window.lua"),
+    include_str!("scripts/fixed_window.lua"),
+    include_str!("scripts/gcra.lua"),
+    include_str!("scripts/decide.lua"),
+);
 
 pub struct RedisStore {
     connections: Vec<ConnectionManager>,
@@ -50,7 +60,7 @@ impl RedisStore {
         Ok(RedisStore {
             connections,
             next: AtomicUsize::new(0),
-            script: Script::new(SLIDING_LOG),
+            script: Script::new(DECIDE),
             timeout,
             instance: std::collections::hash_map::RandomState::new()
                 .build_hasher()
@@ -84,8 +94,13 @@ impl RedisStore {
         }
         invocation.arg(member);
         for check in checks {
-            let window_us = u64::try_from(check.window.as_micros()).unwrap_or(u64::MAX);
-            invocation.arg(check.requests).arg(window_us);
+            let params = check.params();
+            invocation
+                .arg(params.algorithm.label())
+                .arg(params.requests)
+                .arg(params.window_us)
+                .arg(params.burst)
+                .arg(params.cost);
         }
         let mut conn = self.connection();
         let reply: Vec<i64> = self
