@@ -106,7 +106,10 @@ impl DenyCache {
         let rejects = |(check, state): (&Check, &Option<LimitState>)| {
             state.is_some_and(|state| state.remaining < check.cost && !state.reset.is_zero())
         };
-        let rejecting = checks.iter().zip(&decision.limits).filter(|&pair| rejects(pair));
+        let rejecting = checks
+            .iter()
+            .zip(&decision.limits)
+            .filter(|&pair| rejects(pair));
         let alone = rejecting.clone().count() == 1;
         for (check, state) in rejecting {
             let Some(state) = state else { continue };

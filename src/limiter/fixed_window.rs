@@ -46,7 +46,11 @@ pub fn check(counter: Counter, params: &Params, now: u64) -> Verdict {
     let admits = counter.count + u64::from(params.cost) <= u64::from(params.requests);
     Verdict {
         admits,
-        wait: if admits { 0 } else { counter.expires.saturating_sub(now) },
+        wait: if admits {
+            0
+        } else {
+            counter.expires.saturating_sub(now)
+        },
         state: counter.state(params, now),
     }
 }
@@ -106,7 +110,12 @@ mod tests {
         let p = params(3, 1);
         let mut c = Counter::default();
         let mut admitted = 0;
-        for now in [9 * SECOND, 10 * SECOND - 1, 10 * SECOND - 1, 10 * SECOND - 1] {
+        for now in [
+            9 * SECOND,
+            10 * SECOND - 1,
+            10 * SECOND - 1,
+            10 * SECOND - 1,
+        ] {
             c = c.at(now);
             if check(c, &p, now).admits {
                 record(&mut c, &p, now);

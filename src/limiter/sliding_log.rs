@@ -39,9 +39,9 @@ pub fn check(times: &VecDeque<u64>, params: &Params, now: u64) -> Verdict {
     let needed = (times.len() + params.cost as usize).saturating_sub(params.requests as usize);
     let wait = match needed {
         0 => 0,
-        n => times
-            .get(n - 1)
-            .map_or(params.window_us, |&t| (t + params.window_us).saturating_sub(now)),
+        n => times.get(n - 1).map_or(params.window_us, |&t| {
+            (t + params.window_us).saturating_sub(now)
+        }),
     };
     Verdict {
         admits: needed == 0,
@@ -119,7 +119,11 @@ mod tests {
         };
         let verdict = check(&times, &params, 4 * SECOND);
         assert!(!verdict.admits);
-        assert_eq!(verdict.wait, 8 * SECOND, "two must leave: the second at 12 s");
+        assert_eq!(
+            verdict.wait,
+            8 * SECOND,
+            "two must leave: the second at 12 s"
+        );
     }
 
     #[test]

@@ -399,7 +399,10 @@ fn build_limits(config: &Config, route: &RouteConfig, metrics: &Metrics) -> Vec<
             algorithm: limit.algorithm,
             requests: limit.requests.value.0,
             window: limit.window.0,
-            burst: limit.burst.as_ref().map_or(limit.requests.value.0, |b| b.value.0),
+            burst: limit
+                .burst
+                .as_ref()
+                .map_or(limit.requests.value.0, |b| b.value.0),
             cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
             key_prefix: match limit.algorithm {
                 Algorithm::SlidingLog => format!(

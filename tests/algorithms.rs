@@ -1,0 +1,250 @@
+//! One table of limits and request sequences, run against both stores (Redis and in-process)
+//! with the same expected answers: each algorithm (sliding_log, sliding_window, fixed_window,
+//! gcra), costs, and a request whose limits mix algorithms. Requests are sent back to back
+//! against one-minute windows, so every expected figure holds for any run that takes less than
+//! a second per step (the sliding window's `t` depends on where the fixed window boundary
+//! falls, so it is checked against its bounds).
+
+mod support;
+
+use std::ops::RangeInclusive;
+
+use support::{header, parse_limit_field, Sluice, Store, StoreKind};
+
+/// One request's expected answer: status, then per limit of the route (in order) the
+/// `RateLimit` item's `r` and the range its `t` falls in, then Retry-After for a 429.
+struct Step {
+    status: u16,
+    limits: &'static [(i64, RangeInclusive<i64>)],
+    retry_after: Option<RangeInclusive<i64>>,
+}
+
+const fn ok(limits: &'static [(i64, RangeInclusive<i64>)]) -> Step {
+    Step {
+        status: 200,
+        limits,
+        retry_after: None,
+    }
+}
+
+const fn denied(
+    limits: &'static [(i64, RangeInclusive<i64>)],
+    retry_after: RangeInclusive<i64>,
+) -> Step {
+    Step {
+        status: 429,
+        limits,
+        retry_after: Some(retry_after),
+    }
+}
+
+struct Case {
+    name: &'static str,
+    /// The route's `limits:` entries, as flow mappings.
+    limits: &'static [&'static str],
+    steps: Vec<Step>,
+}
+
+fn table() -> Vec<Case> {
+    vec![
+        Case {
+            name: "sliding-log",
+            limits: &["{ name: a, key: [client_ip], requests: 3, window: 1m }"],
+            steps: vec![
+                ok(&[(2, 60..=60)]),
+                ok(&[(1, 60..=60)]),
+                ok(&[(0, 60..=60)]),
+                denied(&[(0, 60..=60)], 60..=60),
+            ],
+        },
+        Case {
+            name: "sliding-window",
+            limits: &[
+                "{ name: a, key: [client_ip], requests: 3, window: 1m, algorithm: sliding_window }",
+            ],
+            // A fresh key counts only in the current fixed window, which ends within 60 s;
+            // from then on its count weighs less each second: one more fits after the current
+            // window plus 1/3 to 3/3 of the next.
+            steps: vec![
+                ok(&[(2, 60..=120)]),
+                ok(&[(1, 60..=120)]),
+                ok(&[(0, 20..=80)]),
+                denied(&[(0, 20..=80)], 20..=80),
+            ],
+        },
+        Case {
+            name: "fixed-window",
+            limits: &[
+                "{ name: a, key: [client_ip], requests: 3, window: 1m, algorithm: fixed_window }",
+            ],
+            steps: vec![
+                ok(&[(2, 60..=60)]),
+                ok(&[(1, 60..=60)]),
+                ok(&[(0, 60..=60)]),
+                denied(&[(0, 60..=60)], 60..=60),
+            ],
+        },
+        Case {
+            name: "gcra",
+            // T = 6 s, bursts of 3.
+            limits: &[
+                "{ name: a, key: [client_ip], requests: 10, window: 1m, algorithm: gcra, burst: 3 }",
+            ],
+            steps: vec![
+                ok(&[(2, 6..=6)]),
+                ok(&[(1, 6..=6)]),
+                ok(&[(0, 6..=6)]),
+                denied(&[(0, 6..=6)], 6..=6),
+            ],
+        },
+        Case {
+            name: "gcra-default-burst",
+            // burst defaults to requests: 4 at once, then one each 15 s.
+            limits: &["{ name: a, key: [client_ip], requests: 4, window: 1m, algorithm: gcra }"],
+            steps: vec![
+                ok(&[(3, 15..=15)]),
+                ok(&[(2, 15..=15)]),
+                ok(&[(1, 15..=15)]),
+                ok(&[(0, 15..=15)]),
+                denied(&[(0, 15..=15)], 15..=15),
+            ],
+        },
+        Case {
+            name: "sliding-log-cost",
+            limits: &["{ name: a, key: [client_ip], requests: 5, window: 1m, cost: 2 }"],
+            steps: vec![
+                ok(&[(3, 60..=60)]),
+                ok(&[(1, 60..=60)]),
+                denied(&[(1, 60..=60)], 60..=60),
+            ],
+        },
+        Case {
+            name: "fixed-window-cost",
+            limits: &[
+                "{ name: a, key: [client_ip], requests: 5, window: 1m, cost: 2, algorithm: fixed_window }",
+            ],
+            steps: vec![
+                ok(&[(3, 60..=60)]),
+                ok(&[(1, 60..=60)]),
+                denied(&[(1, 60..=60)], 60..=60),
+            ],
+        },
+        Case {
+            name: "gcra-cost",
+            // T = 15 s, burst 4, each request counts 2: the third waits two intervals.
+            limits: &[
+                "{ name: a, key: [client_ip], requests: 4, window: 1m, cost: 2, algorithm: gcra, burst: 4 }",
+            ],
+            steps: vec![
+                ok(&[(2, 15..=15)]),
+                ok(&[(0, 15..=15)]),
+                denied(&[(0, 15..=15)], 30..=30),
+            ],
+        },
+        Case {
+            name: "mixed",
+            // The log rejects the third request; the others record nothing for it.
+            limits: &[
+                "{ name: log, key: [client_ip], requests: 2, window: 1m }",
+                "{ name: bucket, key: [client_ip], requests: 10, window: 1m, algorithm: gcra, burst: 5 }",
+                "{ name: fixed, key: [client_ip], requests: 10, window: 1m, algorithm: fixed_window }",
+                "{ name: approx, key: [client_ip], requests: 10, window: 1m, algorithm: sliding_window }",
+            ],
+            steps: vec![
+                ok(&[(1, 60..=60), (4, 6..=6), (9, 60..=60), (9, 60..=120)]),
+                ok(&[(0, 60..=60), (3, 6..=6), (8, 60..=60), (8, 60..=120)]),
+                denied(
+                    &[(0, 60..=60), (3, 6..=6), (8, 60..=60), (8, 60..=120)],
+                    60..=60,
+                ),
+            ],
+        },
+    ]
+}
+
+fn config(store_yaml: &str, cases: &[Case]) -> String {
+    let mut yaml = format!("{store_yaml}routes:\n");
+    for case in cases {
+        yaml.push_str(&format!(
+            "  - name: {name}\n    match: {{ path_prefix: /{name} }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n",
+            name = case.name
+        ));
+        for limit in case.limits {
+            yaml.push_str(&format!("      - {limit}\n"));
+        }
+    }
+    yaml
+}
+
+async fn run_table(kind: StoreKind) -> Store {
+    let cases = table();
+    let store = Store::start(kind).await;
+    let sluice = Sluice::start(&config(&store.yaml, &cases)).await;
+    let client = support::client();
+    for case in &cases {
+        for (index, step) in case.steps.iter().enumerate() {
+            let at = format!("{kind:?} {} step {index}", case.name);
+            let resp = client
+                .get(format!("{}/{}", sluice.url(), case.name))
+                .send()
+                .await
+                .unwrap_or_else(|e| panic!("{at}: {e}"));
+            assert_eq!(resp.status().as_u16(), step.status, "{at}");
+            let items = parse_limit_field(header(&resp, "ratelimit"));
+            assert_eq!(items.len(), step.limits.len(), "{at}: {items:?}");
+            for (item, (remaining, reset)) in items.iter().zip(step.limits) {
+                assert_eq!(item.param("r"), *remaining, "{at}: {item:?}");
+                assert!(reset.contains(&item.param("t")), "{at}: {item:?}");
+            }
+            if let Some(retry_after) = &step.retry_after {
+                let seconds: i64 = header(&resp, "retry-after").parse().unwrap();
+                assert!(
+                    retry_after.contains(&seconds),
+                    "{at}: retry-after {seconds}"
+                );
+            }
+        }
+    }
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_algorithm_answers_the_same_in_redis() {
+    let store = run_table(StoreKind::Redis).await;
+    let redis = store.redis.as_ref().expect("a Redis store");
+    // After the mixed route's rejection, each key holds the two admissions only.
+    let key = |limit: &str| format!("sluice-test:mixed:{limit}{{ip=127.0.0.1}}");
+    assert_eq!(
+        redis.cmd(&["ZCARD", &key("log:")]).await,
+        redis::Value::Int(2)
+    );
+    assert_eq!(
+        redis.cmd(&["GET", &key("fixed:fixed_window:")]).await,
+        redis::Value::BulkString(b"2".to_vec())
+    );
+    assert_eq!(
+        redis
+            .cmd(&["HGET", &key("approx:sliding_window:"), "c"])
+            .await,
+        redis::Value::BulkString(b"2".to_vec())
+    );
+    // Two intervals of 6 s ahead of now (less the time the test took).
+    let redis::Value::BulkString(tat) = redis.cmd(&["GET", &key("bucket:gcra:")]).await else {
+        panic!("no TAT stored");
+    };
+    let tat: u64 = String::from_utf8_lossy(&tat).parse().expect("a TAT");
+    let redis::Value::Array(time) = redis.cmd(&["TIME"]).await else {
+        panic!("TIME");
+    };
+    let seconds = match &time[0] {
+        redis::Value::BulkString(s) => String::from_utf8_lossy(s).parse::<u64>().unwrap(),
+        other => panic!("{other:?}"),
+    };
+    let ahead = tat / 1_000_000 - seconds;
+    assert!((10..=12).contains(&ahead), "TAT {ahead} s ahead");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_algorithm_answers_the_same_in_memory() {
+    run_table(StoreKind::Memory).await;
+}
