@@ -132,6 +132,7 @@ mod tests {
             window: Duration::from_secs(1),
             burst: 1,
             cost: 1,
+            shadow: false,
             key_prefix: "sluice:r:l:".to_owned(),
             metrics: metrics.for_limit("r", "l"),
         }

@@ -1,6 +1,6 @@
 //! One table of limits and request sequences, run against both stores (Redis and in-process)
 //! with the same expected answers: each algorithm (sliding_log, sliding_window, fixed_window,
-//! gcra), costs, and a request whose limits mix algorithms. Requests are sent back to back
+//! gcra), costs, shadow limits, and a request whose limits mix algorithms. Requests are sent back to back
 //! against one-minute windows, so every expected figure holds for any run that takes less than
 //! a second per step (the sliding window's `t` depends on where the fixed window boundary
 //! falls, so it is checked against its bounds).
@@ -9,7 +9,7 @@ mod support;
 
 use std::ops::RangeInclusive;
 
-use support::{header, parse_limit_field, Sluice, Store, StoreKind};
+use support::{header, metric_sum, parse_limit_field, parse_metrics, Sluice, Store, StoreKind};
 
 /// One request's expected answer: status, then per limit of the route (in order) the
 /// `RateLimit` item's `r` and the range its `t` falls in, then Retry-After for a 429.
@@ -64,10 +64,10 @@ fn table() -> Vec<Case> {
             ],
             // A fresh key counts only in the current fixed window, which ends within 60 s;
             // from then on its count weighs less each second: one more fits after the current
-            // window plus 1/3 to 3/3 of the next.
+            // window plus (1 − (requests − remaining − 1) / count) of the next.
             steps: vec![
                 ok(&[(2, 60..=120)]),
-                ok(&[(1, 60..=120)]),
+                ok(&[(1, 30..=90)]),
                 ok(&[(0, 20..=80)]),
                 denied(&[(0, 20..=80)], 20..=80),
             ],
@@ -152,11 +152,26 @@ fn table() -> Vec<Case> {
             ],
             steps: vec![
                 ok(&[(1, 60..=60), (4, 6..=6), (9, 60..=60), (9, 60..=120)]),
-                ok(&[(0, 60..=60), (3, 6..=6), (8, 60..=60), (8, 60..=120)]),
+                ok(&[(0, 60..=60), (3, 6..=6), (8, 60..=60), (8, 30..=90)]),
                 denied(
-                    &[(0, 60..=60), (3, 6..=6), (8, 60..=60), (8, 60..=120)],
+                    &[(0, 60..=60), (3, 6..=6), (8, 60..=60), (8, 30..=90)],
                     60..=60,
                 ),
+            ],
+        },
+        Case {
+            name: "shadow",
+            // The shadow limit is full after one request, yet never rejects; the real one
+            // rejects the fourth. The shadow limit records only the request it had room for.
+            limits: &[
+                "{ name: trial, key: [client_ip], requests: 1, window: 1m, algorithm: gcra, shadow: true }",
+                "{ name: real, key: [client_ip], requests: 3, window: 1m }",
+            ],
+            steps: vec![
+                ok(&[(0, 60..=60), (2, 60..=60)]),
+                ok(&[(0, 60..=60), (1, 60..=60)]),
+                ok(&[(0, 60..=60), (0, 60..=60)]),
+                denied(&[(0, 60..=60), (0, 60..=60)], 60..=60),
             ],
         },
     ]
@@ -202,9 +217,26 @@ async fn run_table(kind: StoreKind) -> Store {
                     retry_after.contains(&seconds),
                     "{at}: retry-after {seconds}"
                 );
+                let body: serde_json::Value = resp.json().await.unwrap();
+                assert_ne!(body["limit"], "trial", "{at}: a shadow limit never rejects");
             }
         }
     }
+    let metrics = parse_metrics(&sluice.metrics().await);
+    let count = |limit: &str, decision: &str| {
+        metric_sum(
+            &metrics,
+            "sluice_limit_decisions_total",
+            &[
+                ("route", "shadow"),
+                ("limit", limit),
+                ("decision", decision),
+            ],
+        )
+    };
+    assert_eq!(count("trial", "shadow_rejected"), 3.0, "{kind:?}");
+    assert_eq!(count("trial", "admitted"), 1.0, "{kind:?}");
+    assert_eq!(count("real", "rejected"), 1.0, "{kind:?}");
     store
 }
 

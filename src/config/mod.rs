@@ -226,6 +226,9 @@ pub struct LimitConfig {
     pub burst: Option<Spanned<Positive>>,
     /// How many requests one request counts as; 1 by default.
     pub cost: Option<Spanned<Positive>>,
+    /// Evaluate and count, but never reject (to try a limit on live traffic).
+    #[serde(default)]
+    pub shadow: bool,
 }
 
 fn default_max_request_line() -> ByteSize {

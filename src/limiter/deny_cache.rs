@@ -84,10 +84,12 @@ impl DenyCache {
                 });
             }
         }
+        let rejecting = limits.iter().map(Option::is_some).collect();
         (!limits.is_empty()).then_some(Decision {
             admitted: false,
             retry_after,
             limits,
+            rejecting,
         })
     }
 
@@ -103,16 +105,16 @@ impl DenyCache {
         if decision.admitted {
             return;
         }
-        let rejects = |(check, state): (&Check, &Option<LimitState>)| {
-            state.is_some_and(|state| state.remaining < check.cost && !state.reset.is_zero())
-        };
+        // A shadow limit's "rejection" rejected nothing: it is never remembered as a denial.
         let rejecting = checks
             .iter()
             .zip(&decision.limits)
-            .filter(|&pair| rejects(pair));
+            .zip(&decision.rejecting)
+            .filter(|&((check, _), &rejects)| rejects && !check.shadow)
+            .filter_map(|((check, state), _)| Some((check, (*state)?)))
+            .filter(|(_, state)| !state.reset.is_zero());
         let alone = rejecting.clone().count() == 1;
         for (check, state) in rejecting {
-            let Some(state) = state else { continue };
             // With cost 1 a full limit's reset is exactly its wait. With a larger cost the wait
             // is longer: the request's retry-after when this limit alone rejects it, otherwise
             // the reset, which ends the denial early (a store call), never late.
@@ -150,6 +152,7 @@ mod tests {
             window: Duration::from_secs(window_s),
             burst: requests,
             cost: 1,
+            shadow: false,
         }
     }
 
@@ -157,6 +160,10 @@ mod tests {
         Decision {
             admitted: false,
             retry_after: Duration::from_secs(5),
+            rejecting: states
+                .iter()
+                .map(|s| s.is_some_and(|s| s.remaining == 0))
+                .collect(),
             limits: states,
         }
     }
@@ -210,9 +217,21 @@ mod tests {
             admitted: true,
             retry_after: Duration::ZERO,
             limits: vec![full(60)],
+            rejecting: vec![false],
         };
         cache.remember(&checks, &admitted, Instant::now());
         assert!(cache.answer(&checks, Instant::now()).is_none());
+    }
+
+    #[test]
+    fn a_shadow_rejection_is_never_remembered() {
+        let cache = DenyCache::new();
+        let mut shadow = check("a", 1, 60);
+        shadow.shadow = true;
+        let checks = [shadow, check("b", 1, 60)];
+        cache.remember(&checks, &rejected(vec![full(60), full(30)]), Instant::now());
+        assert!(cache.answer(&checks[..1], Instant::now()).is_none());
+        assert!(cache.answer(&checks[1..], Instant::now()).is_some());
     }
 
     #[test]

@@ -79,6 +79,7 @@ mod tests {
             window_us: 10 * SECOND,
             burst: requests,
             cost,
+            shadow: false,
         }
     }
 

@@ -70,6 +70,7 @@ mod tests {
             window_us: 10 * SECOND,
             burst,
             cost,
+            shadow: false,
         }
     }
 

@@ -199,6 +199,7 @@ impl LocalStore {
         let mut admitted = true;
         let mut retry_after = 0;
         let mut states = Vec::with_capacity(checks.len());
+        let mut rejecting = Vec::with_capacity(checks.len());
         for (check, &slot) in checks.iter().zip(&slot) {
             let params = check.params();
             let verdict = match guards[slot].get_mut(&check.key) {
@@ -210,15 +211,24 @@ impl LocalStore {
                 }
                 _ => Cell::new(params.algorithm).check(&params, now),
             };
-            if !verdict.admits {
+            // A shadow limit without room is only reported: it neither rejects nor records.
+            if !verdict.admits && !check.shadow {
                 admitted = false;
                 retry_after = retry_after.max(verdict.wait);
             }
+            rejecting.push(!verdict.admits);
             states.push(verdict.state);
         }
         if admitted {
-            for ((check, &slot), state) in checks.iter().zip(&slot).zip(states.iter_mut()) {
-                *state = self.record(&mut guards[slot], check, now);
+            for (((check, &slot), state), &rejects) in checks
+                .iter()
+                .zip(&slot)
+                .zip(states.iter_mut())
+                .zip(&rejecting)
+            {
+                if !rejects {
+                    *state = self.record(&mut guards[slot], check, now);
+                }
             }
         }
         // A rejection records nothing, not even an empty state.
@@ -226,6 +236,7 @@ impl LocalStore {
             admitted,
             retry_after: Duration::from_micros(retry_after),
             limits: states.into_iter().map(Some).collect(),
+            rejecting,
         }
     }
 
@@ -355,6 +366,7 @@ mod tests {
             window,
             burst: requests,
             cost: 1,
+            shadow: false,
         }
     }
 

@@ -69,6 +69,9 @@ pub struct Check {
     pub burst: u32,
     /// How many requests this one counts as.
     pub cost: u32,
+    /// Evaluated and counted, but never rejects the request (a shadow limit without room
+    /// records nothing in itself).
+    pub shadow: bool,
 }
 
 impl Check {
@@ -80,6 +83,7 @@ impl Check {
             window_us: u64::try_from(self.window.as_micros()).unwrap_or(u64::MAX),
             burst: self.burst,
             cost: self.cost,
+            shadow: self.shadow,
         }
     }
 }
@@ -92,6 +96,7 @@ pub struct Params {
     pub window_us: u64,
     pub burst: u32,
     pub cost: u32,
+    pub shadow: bool,
 }
 
 /// One algorithm's answer for one limit, before anything is recorded.
@@ -124,6 +129,9 @@ pub struct Decision {
     /// One state per check, in the order the checks were given; `None` for a limit the
     /// store was not asked about (a rejection answered from the deny cache).
     pub limits: Vec<Option<LimitState>>,
+    /// One flag per check: whether that limit had no room for the request. For a shadow limit
+    /// this is a rejection that was only counted; for the others, a reason for the rejection.
+    pub rejecting: Vec<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]

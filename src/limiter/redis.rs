@@ -100,7 +100,8 @@ impl RedisStore {
                 .arg(params.requests)
                 .arg(params.window_us)
                 .arg(params.burst)
-                .arg(params.cost);
+                .arg(params.cost)
+                .arg(u8::from(params.shadow));
         }
         let mut conn = self.connection();
         let reply: Vec<i64> = self
@@ -150,29 +151,32 @@ fn script_error(err: RedisError) -> StoreError {
     }
 }
 
-/// Reads the script's reply: `{admitted, retry_after_us, (remaining, reset_us) per check}`.
+/// Reads the script's reply: `{admitted, retry_after_us, (remaining, reset_us, rejecting) per
+/// check}`.
 fn decision_from_reply(reply: &[i64], checks: usize) -> Result<Decision, StoreError> {
     let malformed = || StoreError::Script(format!("unexpected script reply {reply:?}"));
     let [admitted, retry_after, per_limit @ ..] = reply else {
         return Err(malformed());
     };
-    if per_limit.len() != 2 * checks {
+    if per_limit.len() != 3 * checks {
         return Err(malformed());
     }
     let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
     let limits = per_limit
-        .chunks_exact(2)
-        .map(|pair| {
+        .chunks_exact(3)
+        .map(|triple| {
             Some(LimitState {
-                remaining: u32::try_from(pair[0]).unwrap_or(0),
-                reset: micros(pair[1]),
+                remaining: u32::try_from(triple[0]).unwrap_or(0),
+                reset: micros(triple[1]),
             })
         })
         .collect();
+    let rejecting = per_limit.chunks_exact(3).map(|t| t[2] == 1).collect();
     Ok(Decision {
         admitted: *admitted == 1,
         retry_after: micros(*retry_after),
         limits,
+        rejecting,
     })
 }
 
@@ -182,11 +186,12 @@ mod tests {
 
     #[test]
     fn reads_a_reply() {
-        let d = decision_from_reply(&[0, 1_500_000, 0, 1_500_000, 7, 200], 2).unwrap();
+        let d = decision_from_reply(&[0, 1_500_000, 0, 1_500_000, 1, 7, 200, 0], 2).unwrap();
         assert!(!d.admitted);
         assert_eq!(d.retry_after, Duration::from_millis(1500));
         assert_eq!(d.limits[1].unwrap().remaining, 7);
         assert_eq!(d.limits[1].unwrap().reset, Duration::from_micros(200));
+        assert_eq!(d.rejecting, [true, false]);
     }
 
     #[test]

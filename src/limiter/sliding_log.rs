@@ -116,6 +116,7 @@ mod tests {
             window_us: 10 * SECOND,
             burst: 4,
             cost: 3,
+            shadow: false,
         };
         let verdict = check(&times, &params, 4 * SECOND);
         assert!(!verdict.admits);

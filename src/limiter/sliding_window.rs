@@ -124,6 +124,7 @@ mod tests {
             window_us: 10 * SECOND,
             burst: requests,
             cost: 1,
+            shadow: false,
         }
     }
 

@@ -124,6 +124,8 @@ pub struct Limit {
     pub burst: u32,
     /// How many requests one request counts as.
     pub cost: u32,
+    /// Counted, never rejects.
+    pub shadow: bool,
     /// `prefix:route:limit:` (with the algorithm after the limit for all but the sliding log,
     /// so a reload that changes the algorithm starts afresh instead of reading another
     /// algorithm's state); the identity completes the store key.
@@ -384,6 +386,7 @@ impl Limit {
             window: self.window,
             burst: self.burst,
             cost: self.cost,
+            shadow: self.shadow,
         }
     }
 }
@@ -404,6 +407,7 @@ fn build_limits(config: &Config, route: &RouteConfig, metrics: &Metrics) -> Vec<
                 .as_ref()
                 .map_or(limit.requests.value.0, |b| b.value.0),
             cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
+            shadow: limit.shadow,
             key_prefix: match limit.algorithm {
                 Algorithm::SlidingLog => format!(
                     "{}:{}:{}:",

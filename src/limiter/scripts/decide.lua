@@ -5,17 +5,21 @@
 -- KEYS[i]      one key per limit, of the type its algorithm keeps
 -- ARGV[1]      a member name unique to this request (instance id and sequence number), so
 --              two requests admitted in the same microsecond never collapse into one entry
--- ARGV[5i-3..5i+1]  the limit of KEYS[i]: algorithm (sliding_log | sliding_window |
---              fixed_window | gcra), requests, window in microseconds, burst, cost
+-- ARGV[6i-4..6i+1]  the limit of KEYS[i]: algorithm (sliding_log | sliding_window |
+--              fixed_window | gcra), requests, window in microseconds, burst, cost, shadow
+--              (1: the limit is counted but never rejects)
 --
--- Returns {admitted, retry_after_us, remaining_1, reset_us_1, remaining_2, reset_us_2, ...}
+-- Returns {admitted, retry_after_us, remaining_1, reset_us_1, rejecting_1, remaining_2, ...}
 --   admitted        1 if the request was admitted and recorded under every key, 0 if it was
 --                   rejected and recorded under none
 --   retry_after_us  for a rejection, the time until every rejecting limit admits it
 --   remaining_i     requests (of cost 1) KEYS[i] would still admit now
 --   reset_us_i      time until KEYS[i] admits one more than now (0 when it holds nothing)
+--   rejecting_i     1 if KEYS[i] had no room for the request (for a shadow limit: would have
+--                   rejected it), else 0
 --
--- Every key is checked before any is recorded: a rejection records nothing anywhere. The
+-- Every key is checked before any is recorded: a rejection records nothing anywhere. A
+-- shadow limit without room neither rejects the request nor records it in itself. The
 -- clock is Redis TIME, so gateways with skewed clocks still agree.
 
 local algorithms = {
@@ -32,20 +36,21 @@ local admitted = 1
 local retry_after = 0
 
 for i = 1, #KEYS do
-  local base = 5 * i - 3
+  local base = 6 * i - 4
   local limit = {
     algorithm = algorithms[ARGV[base]],
     requests = tonumber(ARGV[base + 1]),
     window = tonumber(ARGV[base + 2]),
     burst = tonumber(ARGV[base + 3]),
     cost = tonumber(ARGV[base + 4]),
+    shadow = ARGV[base + 5] == '1',
   }
   if not limit.algorithm then
     return redis.error_reply('unknown algorithm ' .. tostring(ARGV[base]))
   end
   limits[i] = limit
   states[i] = limit.algorithm.check(KEYS[i], now, limit)
-  if not states[i].ok then
+  if not states[i].ok and not limit.shadow then
     admitted = 0
     retry_after = math.max(retry_after, states[i].wait)
   end
@@ -54,10 +59,11 @@ end
 local result = {admitted, retry_after}
 for i = 1, #KEYS do
   local remaining, reset = states[i].remaining, states[i].reset
-  if admitted == 1 then
+  if admitted == 1 and states[i].ok then
     remaining, reset = limits[i].algorithm.record(KEYS[i], now, limits[i], states[i], ARGV[1])
   end
   result[#result + 1] = remaining
   result[#result + 1] = reset
+  result[#result + 1] = states[i].ok and 0 or 1
 end
 return result
