@@ -280,3 +280,77 @@ async fn every_algorithm_answers_the_same_in_redis() {
 async fn every_algorithm_answers_the_same_in_memory() {
     run_table(StoreKind::Memory).await;
 }
+
+/// What each algorithm costs Redis, as the README's "Which algorithm" table states it: the
+/// bytes one key takes after 100 admissions (`MEMORY USAGE`), and the commands one admitted
+/// decision runs inside the script (`INFO commandstats`, less the EVALSHA itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_and_commands_per_algorithm() {
+    let store = Store::start(StoreKind::Redis).await;
+    let redis = store.redis.as_ref().expect("a Redis store");
+    let algorithms = ["sliding_log", "sliding_window", "fixed_window", "gcra"];
+    let mut yaml = format!("{}routes:\n", store.yaml);
+    for algorithm in algorithms {
+        yaml.push_str(&format!(
+            "  - name: {algorithm}\n    match: {{ path_prefix: /{algorithm} }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 1000, window: 1h, algorithm: {algorithm} }}\n"
+        ));
+    }
+    let sluice = Sluice::start(&yaml).await;
+    let client = support::client();
+    let commands = [
+        "time",
+        "zremrangebyscore",
+        "zcard",
+        "zrange",
+        "zadd",
+        "pexpire",
+        "hmget",
+        "hset",
+        "get",
+        "pttl",
+        "set",
+        "incrby",
+    ];
+    for algorithm in algorithms {
+        let url = format!("{}/{algorithm}", sluice.url());
+        // The first admission creates the key (it may take other commands); measure the next.
+        for _ in 0..99 {
+            assert_eq!(client.get(&url).send().await.unwrap().status(), 200);
+        }
+        redis.cmd(&["CONFIG", "RESETSTAT"]).await;
+        assert_eq!(client.get(&url).send().await.unwrap().status(), 200);
+        let mut per_decision = 0;
+        for command in commands {
+            per_decision += redis.commandstat(command).await;
+        }
+        assert_eq!(redis.commandstat("evalsha").await, 1, "{algorithm}");
+        let suffix = if algorithm == "sliding_log" {
+            String::new()
+        } else {
+            format!("{algorithm}:")
+        };
+        let key = format!("sluice-test:{algorithm}:a:{suffix}{{ip=127.0.0.1}}");
+        let redis::Value::Int(bytes) = redis.cmd(&["MEMORY", "USAGE", &key]).await else {
+            panic!("{key} holds nothing");
+        };
+        println!(
+            "{algorithm}: {bytes} bytes after 100 admissions, {per_decision} commands per decision"
+        );
+        let expected_commands = match algorithm {
+            // TIME, ZREMRANGEBYSCORE, ZCARD, ZRANGE, ZADD, PEXPIRE
+            "sliding_log" => 6,
+            // TIME, HMGET, HSET, PEXPIRE
+            "sliding_window" => 4,
+            // TIME, GET, PTTL, INCRBY
+            "fixed_window" => 4,
+            // TIME, GET, SET
+            _ => 3,
+        };
+        assert_eq!(per_decision, expected_commands, "{algorithm}");
+        if algorithm == "sliding_log" {
+            assert!(bytes > 2000, "{algorithm}: {bytes}");
+        } else {
+            assert!(bytes < 200, "{algorithm}: {bytes}");
+        }
+    }
+}
