@@ -88,6 +88,9 @@ impl Cell {
     }
 
     fn record(&mut self, params: &Params, now: u64) -> LimitState {
+        // A fresh state starts at time zero: bring it to `now` first, or a sliding window
+        // would count the request in a window long gone.
+        self.advance(params.window_us, now);
         match self {
             Cell::Log(times) => sliding_log::record(times, params, now),
             Cell::Window(counts) => sliding_window::record(counts, params, now),
@@ -367,6 +370,27 @@ mod tests {
             burst: requests,
             cost: 1,
             shadow: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn every_algorithm_counts_a_new_key_in_the_current_window() {
+        let store = LocalStore::unbounded();
+        // Several windows after the store's epoch, so a state left at time zero would be stale.
+        std::thread::sleep(Duration::from_millis(70));
+        for algorithm in [
+            Algorithm::SlidingLog,
+            Algorithm::SlidingWindow,
+            Algorithm::FixedWindow,
+            Algorithm::Gcra,
+        ] {
+            let mut one = check(algorithm.label(), 1, Duration::from_millis(30));
+            one.algorithm = algorithm;
+            assert!(store.decide(std::slice::from_ref(&one)).admitted);
+            assert!(
+                !store.decide(std::slice::from_ref(&one)).admitted,
+                "{algorithm:?}"
+            );
         }
     }
 
