@@ -237,6 +237,12 @@ async fn run_table(kind: StoreKind) -> Store {
     assert_eq!(count("trial", "shadow_rejected"), 3.0, "{kind:?}");
     assert_eq!(count("trial", "admitted"), 1.0, "{kind:?}");
     assert_eq!(count("real", "rejected"), 1.0, "{kind:?}");
+    // Every answer came from the store under test, none from a fallback after a script error.
+    assert_eq!(
+        metric_sum(&metrics, "sluice_store_errors_total", &[]),
+        0.0,
+        "{kind:?}"
+    );
     store
 }
 
@@ -419,4 +425,30 @@ async fn a_cached_gcra_denial_lasts_exactly_one_interval() {
     }
     // One at once, then one per 100 ms: 11 in 1.05 s at most; scheduling may lose a few.
     assert!((8..=11).contains(&admitted), "{admitted} admitted");
+}
+
+/// A large cost on the sliding log (one entry per unit) is recorded in both stores alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_cost_on_the_log_is_recorded_whole() {
+    for kind in [StoreKind::Redis, StoreKind::Memory] {
+        let store = Store::start(kind).await;
+        let yaml = format!(
+            "{}routes:\n  - name: api\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 250000, window: 1m, cost: 100000 }}\n",
+            store.yaml
+        );
+        let sluice = Sluice::start(&yaml).await;
+        let client = support::client();
+        let url = format!("{}/", sluice.url());
+        for (status, remaining) in [(200, 150000), (200, 50000), (429, 50000)] {
+            let resp = client.get(&url).send().await.unwrap();
+            assert_eq!(resp.status(), status, "{kind:?}");
+            let items = parse_limit_field(header(&resp, "ratelimit"));
+            assert_eq!(items[0].param("r"), remaining, "{kind:?}");
+        }
+        // Decided by Redis itself, not by the local fallback.
+        if let Some(redis) = &store.redis {
+            let key = "sluice-test:api:a:{ip=127.0.0.1}";
+            assert_eq!(redis.cmd(&["ZCARD", key]).await, redis::Value::Int(200_000));
+        }
+    }
 }

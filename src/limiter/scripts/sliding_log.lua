@@ -36,12 +36,16 @@ end
 
 local function sliding_log_record(key, now, limit, st, member)
   local score = string.format('%.0f', now)
+  -- One entry per unit of cost, added in batches: unpack() is limited by Lua's C stack.
   local args = {}
   for j = 1, limit.cost do
     args[#args + 1] = score
     args[#args + 1] = member .. ':' .. j
+    if #args == 1000 or j == limit.cost then
+      redis.call('ZADD', key, unpack(args))
+      args = {}
+    end
   end
-  redis.call('ZADD', key, unpack(args))
   redis.call('PEXPIRE', key, math.ceil(limit.window / 1000))
   local n = st.count + limit.cost
   local index = math.max(n - limit.requests, 0)
