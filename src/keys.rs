@@ -51,11 +51,7 @@ pub fn checks<'r>(route: &'r Route, request: &RequestParts<'_>) -> Applied<'r> {
         .collect();
     let checks = limits
         .iter()
-        .map(|limit| Check {
-            key: key(limit, route.matcher.case_sensitive(), request),
-            requests: limit.requests,
-            window: limit.window,
-        })
+        .map(|limit| limit.check(key(limit, route.matcher.case_sensitive(), request)))
         .collect();
     Applied { limits, checks }
 }
@@ -338,8 +334,12 @@ mod tests {
         Limit {
             name: "l".parse().unwrap(),
             key: parts,
+            algorithm: crate::limiter::Algorithm::SlidingLog,
             requests: 1,
             window: Duration::from_secs(1),
+            burst: 1,
+            cost: 1,
+            shadow: false,
             key_prefix: "sluice:r:l:".to_owned(),
             when: Vec::new(),
             metrics: metrics.for_limit("r", "l"),

@@ -122,6 +122,8 @@ impl UpstreamErrorKind {
 pub enum Verdict {
     Admitted,
     Rejected,
+    /// A shadow limit that would have rejected the request (which it never does).
+    ShadowRejected,
 }
 
 impl Verdict {
@@ -129,6 +131,7 @@ impl Verdict {
         match self {
             Verdict::Admitted => "admitted",
             Verdict::Rejected => "rejected",
+            Verdict::ShadowRejected => "shadow_rejected",
         }
     }
 }
@@ -197,7 +200,7 @@ impl Metrics {
         let limit_decisions = IntCounterVec::new(
             Opts::new(
                 "sluice_limit_decisions_total",
-                "Limit decisions, by route, limit and decision (admitted or rejected).",
+                "Limit decisions, by route, limit and decision (admitted, rejected, or shadow_rejected: a shadow limit that would have rejected).",
             ),
             &["route", "limit", "decision"],
         )?;
@@ -356,6 +359,7 @@ impl Metrics {
         LimitMetrics {
             admitted: counter(Verdict::Admitted),
             rejected: counter(Verdict::Rejected),
+            shadow_rejected: counter(Verdict::ShadowRejected),
         }
     }
 
@@ -396,4 +400,5 @@ impl RouteMetrics {
 pub struct LimitMetrics {
     pub admitted: IntCounter,
     pub rejected: IntCounter,
+    pub shadow_rejected: IntCounter,
 }

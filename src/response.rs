@@ -85,7 +85,8 @@ pub fn add_rate_limit_fields(
     }
 }
 
-/// The 429 for a rejected request, naming the route and the limit that is exhausted longest.
+/// The 429 for a rejected request, naming the route and, of the limits that rejected it (never
+/// a shadow limit), the one that keeps it waiting longest.
 pub fn too_many_requests(
     route: &Route,
     limits: &[&Limit],
@@ -96,8 +97,9 @@ pub fn too_many_requests(
     let limit = limits
         .iter()
         .zip(&decision.limits)
-        .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
-        .filter(|(_, state)| state.remaining == 0)
+        .zip(&decision.rejecting)
+        .filter(|((limit, _), &rejecting)| rejecting && !limit.shadow)
+        .filter_map(|((limit, state), _)| state.as_ref().map(|state| (limit, state)))
         .max_by_key(|(_, state)| state.reset)
         .map_or("", |(limit, _)| limit.name.as_str());
     let body = serde_json::json!({

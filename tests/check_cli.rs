@@ -174,14 +174,14 @@ fn zero_window() {
 fn unknown_field() {
     let yaml = variant(
         "        requests: 5\n",
-        "        requests: 5\n        burst: 10\n",
+        "        requests: 5\n        per_second: 10\n",
     );
     assert_refused(
         &yaml,
-        "burst: 10",
-        "burst",
+        "per_second: 10",
+        "per_second",
         "routes[0].limits[0]",
-        &["burst"],
+        &["per_second"],
     );
 }
 
@@ -458,4 +458,55 @@ fn version_flag_prints_the_version() {
         env!("CARGO_PKG_VERSION")
     );
     assert!(out.stdout.contains("sluice"), "stdout {:?}", out.stdout);
+}
+
+#[test]
+fn a_cost_above_requests_is_refused() {
+    let yaml = variant("requests: 100", "requests: 100\n        cost: 101");
+    assert_refused(
+        &yaml,
+        "cost: 101",
+        "101",
+        "routes[2].limits[0].cost",
+        &["101", "requests", "100"],
+    );
+}
+
+#[test]
+fn a_gcra_cost_above_burst_is_refused() {
+    let yaml = variant(
+        "requests: 100",
+        "requests: 100\n        algorithm: gcra\n        burst: 10\n        cost: 11",
+    );
+    assert_refused(
+        &yaml,
+        "cost: 11",
+        "11",
+        "routes[2].limits[0].cost",
+        &["burst", "10"],
+    );
+}
+
+#[test]
+fn a_burst_without_gcra_is_refused() {
+    let yaml = variant("requests: 100", "requests: 100\n        burst: 10");
+    assert_refused(
+        &yaml,
+        "burst: 10",
+        "10",
+        "routes[2].limits[0].burst",
+        &["gcra"],
+    );
+}
+
+#[test]
+fn an_unknown_algorithm_is_refused() {
+    let yaml = variant("requests: 100", "requests: 100\n        algorithm: leaky");
+    assert_refused(
+        &yaml,
+        "algorithm: leaky",
+        "leaky",
+        "routes[2].limits[0].algorithm",
+        &["leaky"],
+    );
 }

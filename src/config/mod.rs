@@ -16,6 +16,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 pub use serde_saphyr::Spanned;
+
+pub use crate::limiter::Algorithm;
 use sha2::{Digest, Sha256};
 
 pub use duration::ConfigDuration;
@@ -315,8 +317,19 @@ pub struct RespondConfig {
 pub struct LimitConfig {
     pub name: Spanned<Name>,
     pub key: Spanned<Vec<KeyPart>>,
-    pub requests: Positive,
+    pub requests: Spanned<Positive>,
     pub window: ConfigDuration,
+    /// How the limit counts; `sliding_log` (exact) by default.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
+    /// key admits as many at once as under the other algorithms.
+    pub burst: Option<Spanned<Positive>>,
+    /// How many requests one request counts as; 1 by default.
+    pub cost: Option<Spanned<Positive>>,
+    /// Evaluate and count, but never reject (to try a limit on live traffic).
+    #[serde(default)]
+    pub shadow: bool,
     /// Conditions on the request, all of which must hold for this limit to apply.
     #[serde(default)]
     pub when: Vec<Spanned<ConditionConfig>>,

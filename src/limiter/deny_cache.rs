@@ -7,8 +7,23 @@
 //! "rejected" from memory until then is what Redis would answer. The wait is counted from when
 //! the call was *sent* (Redis read its clock later), so the cache never outlasts the truth.
 //!
-//! Entries are keyed by the store key *and* the limit's `requests` and `window`, so a changed
-//! limit never reuses a stale denial (envoy ratelimit's cache is wrong there, their #1077).
+//! The same holds for each algorithm, because in each a key's room only shrinks through
+//! admissions and only grows with time, and the wait Redis returns is the exact time it grows
+//! back enough for the request's cost:
+//! - sliding_log: entries leave only with time (above).
+//! - fixed_window: the count only grows until the key expires, and the wait is the key's
+//!   remaining TTL.
+//! - gcra: the TAT only grows (by admissions) and room returns only as time passes it; the wait
+//!   is `new TAT − (τ + T) − now`, exact.
+//! - sliding_window: without admissions the weighted count only falls (the previous window's
+//!   weight shrinks, and at a boundary the current count carries over unchanged), and the wait
+//!   is the first time it falls to `requests − cost`, rounded up to the microsecond. While
+//!   denied, no request of that limit is admitted (all have the same cost), so nothing adds
+//!   to the count: the cache answers as Redis would, within that microsecond.
+//!
+//! Entries are keyed by the store key *and* every parameter that changes a decision
+//! (algorithm, `requests`, `window`, `burst`, `cost`), so a changed limit never reuses a stale
+//! denial (envoy ratelimit's cache is wrong there, their #1077).
 //! The cache is bounded; when a shard is full, expired entries are dropped, and if none has
 //! expired the new denial is simply not remembered (Redis decides it next time).
 
@@ -18,7 +33,7 @@ use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{Check, Decision, LimitState};
+use super::{Check, Decision, LimitState, Params};
 
 const SHARDS: usize = 16;
 
@@ -26,8 +41,7 @@ const SHARDS: usize = 16;
 pub const MAX_ENTRIES: usize = 65_536;
 
 struct Denial {
-    requests: u32,
-    window: Duration,
+    params: Params,
     until: Instant,
 }
 
@@ -70,17 +84,19 @@ impl DenyCache {
                 });
             }
         }
+        let rejecting = limits.iter().map(Option::is_some).collect();
         (!limits.is_empty()).then_some(Decision {
             admitted: false,
             retry_after,
             limits,
+            rejecting,
         })
     }
 
     fn denied_until(&self, check: &Check, now: Instant) -> Option<Instant> {
         let shard = self.shard(&check.key);
         let denial = shard.get(&check.key)?;
-        let same_limit = denial.requests == check.requests && denial.window == check.window;
+        let same_limit = denial.params == check.params();
         (same_limit && denial.until > now).then_some(denial.until)
     }
 
@@ -89,15 +105,27 @@ impl DenyCache {
         if decision.admitted {
             return;
         }
-        for (check, state) in checks.iter().zip(&decision.limits) {
-            let Some(state) = state else { continue };
-            if state.remaining > 0 || state.reset.is_zero() {
-                continue;
-            }
+        // A shadow limit's "rejection" rejected nothing: it is never remembered as a denial.
+        let rejecting = checks
+            .iter()
+            .zip(&decision.limits)
+            .zip(&decision.rejecting)
+            .filter(|&((check, _), &rejects)| rejects && !check.shadow)
+            .filter_map(|((check, state), _)| Some((check, (*state)?)))
+            .filter(|(_, state)| !state.reset.is_zero());
+        let alone = rejecting.clone().count() == 1;
+        for (check, state) in rejecting {
+            // With cost 1 a full limit's reset is exactly its wait. With a larger cost the wait
+            // is longer: the request's retry-after when this limit alone rejects it, otherwise
+            // the reset, which ends the denial early (a store call), never late.
+            let wait = if check.cost > 1 && alone {
+                decision.retry_after
+            } else {
+                state.reset
+            };
             let denial = Denial {
-                requests: check.requests,
-                window: check.window,
-                until: sent + state.reset,
+                params: check.params(),
+                until: sent + wait,
             };
             let mut shard = self.shard(&check.key);
             if shard.len() >= MAX_ENTRIES / SHARDS && !shard.contains_key(&check.key) {
@@ -119,8 +147,12 @@ mod tests {
     fn check(key: &str, requests: u32, window_s: u64) -> Check {
         Check {
             key: key.to_owned(),
+            algorithm: crate::limiter::Algorithm::SlidingLog,
             requests,
             window: Duration::from_secs(window_s),
+            burst: requests,
+            cost: 1,
+            shadow: false,
         }
     }
 
@@ -128,6 +160,10 @@ mod tests {
         Decision {
             admitted: false,
             retry_after: Duration::from_secs(5),
+            rejecting: states
+                .iter()
+                .map(|s| s.is_some_and(|s| s.remaining == 0))
+                .collect(),
             limits: states,
         }
     }
@@ -181,9 +217,21 @@ mod tests {
             admitted: true,
             retry_after: Duration::ZERO,
             limits: vec![full(60)],
+            rejecting: vec![false],
         };
         cache.remember(&checks, &admitted, Instant::now());
         assert!(cache.answer(&checks, Instant::now()).is_none());
+    }
+
+    #[test]
+    fn a_shadow_rejection_is_never_remembered() {
+        let cache = DenyCache::new();
+        let mut shadow = check("a", 1, 60);
+        shadow.shadow = true;
+        let checks = [shadow, check("b", 1, 60)];
+        cache.remember(&checks, &rejected(vec![full(60), full(30)]), Instant::now());
+        assert!(cache.answer(&checks[..1], Instant::now()).is_none());
+        assert!(cache.answer(&checks[1..], Instant::now()).is_some());
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! The in-process store: the sliding-window log in this process's memory, for a single
-//! instance (no Redis configured). Same semantics as the Redis script; the clock is this
-//! process's monotonic clock.
+//! The in-process store: every algorithm's state in this process's memory, for a single
+//! instance (no Redis configured) and for local fallback. Same semantics as the Redis script
+//! (each algorithm's arithmetic lives in its own pure module); the clock is this process's
+//! monotonic clock.
 //!
 //! Memory is bounded by `store.local.max_keys`. When a new key would pass it, the least
 //! recently used key goes: if its log has emptied, nothing is lost; if not, its admissions
@@ -17,8 +18,8 @@ use std::time::{Duration, Instant};
 use lru::LruCache;
 use prometheus::{IntCounter, IntGauge};
 
-use super::sliding_log;
-use super::{Check, Decision};
+use super::{fixed_window, gcra, sliding_log, sliding_window};
+use super::{Algorithm, Check, Decision, LimitState, Params, Verdict};
 
 /// How often logs that have emptied are dropped, so memory follows live keys only.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -28,8 +29,83 @@ const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// each other.
 const SHARDS: usize = 64;
 
+/// One limit's state, of the kind its algorithm keeps.
+enum Cell {
+    Log(VecDeque<u64>),
+    Window(sliding_window::Counts),
+    Counter(fixed_window::Counter),
+    Tat(Option<u64>),
+}
+
+impl Cell {
+    fn new(algorithm: Algorithm) -> Cell {
+        match algorithm {
+            Algorithm::SlidingLog => Cell::Log(VecDeque::new()),
+            Algorithm::SlidingWindow => Cell::Window(sliding_window::Counts::default()),
+            Algorithm::FixedWindow => Cell::Counter(fixed_window::Counter::default()),
+            Algorithm::Gcra => Cell::Tat(None),
+        }
+    }
+
+    fn algorithm(&self) -> Algorithm {
+        match self {
+            Cell::Log(_) => Algorithm::SlidingLog,
+            Cell::Window(_) => Algorithm::SlidingWindow,
+            Cell::Counter(_) => Algorithm::FixedWindow,
+            Cell::Tat(_) => Algorithm::Gcra,
+        }
+    }
+
+    /// Brings the state to `now` (drops what time has expired).
+    fn advance(&mut self, window_us: u64, now: u64) {
+        match self {
+            Cell::Log(times) => sliding_log::prune(times, window_us, now),
+            Cell::Window(counts) => *counts = counts.at(window_us, now),
+            Cell::Counter(counter) => *counter = counter.at(now),
+            Cell::Tat(tat) => *tat = tat.filter(|&tat| tat > now),
+        }
+    }
+
+    /// Whether the state holds nothing at `now`, so dropping it loses nothing.
+    fn is_empty(&mut self, window_us: u64, now: u64) -> bool {
+        self.advance(window_us, now);
+        match self {
+            Cell::Log(times) => times.is_empty(),
+            Cell::Window(counts) => counts.is_empty(window_us, now),
+            Cell::Counter(counter) => counter.count == 0,
+            Cell::Tat(tat) => tat.is_none(),
+        }
+    }
+
+    /// The state must be advanced to `now`.
+    fn check(&self, params: &Params, now: u64) -> Verdict {
+        match self {
+            Cell::Log(times) => sliding_log::check(times, params, now),
+            Cell::Window(counts) => sliding_window::check(*counts, params, now),
+            Cell::Counter(counter) => fixed_window::check(*counter, params, now),
+            Cell::Tat(tat) => gcra::check(*tat, params, now),
+        }
+    }
+
+    fn record(&mut self, params: &Params, now: u64) -> LimitState {
+        // A fresh state starts at time zero: bring it to `now` first, or a sliding window
+        // would count the request in a window long gone.
+        self.advance(params.window_us, now);
+        match self {
+            Cell::Log(times) => sliding_log::record(times, params, now),
+            Cell::Window(counts) => sliding_window::record(counts, params, now),
+            Cell::Counter(counter) => fixed_window::record(counter, params, now),
+            Cell::Tat(tat) => {
+                let (new, state) = gcra::record(*tat, params, now);
+                *tat = Some(new);
+                state
+            }
+        }
+    }
+}
+
 struct Log {
-    times: VecDeque<u64>,
+    cell: Cell,
     window_us: u64,
 }
 
@@ -58,8 +134,7 @@ impl Shards {
                 return;
             };
             self.keys.dec();
-            sliding_log::prune(&mut log.times, log.window_us, now);
-            if !log.times.is_empty() {
+            if !log.cell.is_empty(log.window_us, now) {
                 self.evictions.inc();
             }
         }
@@ -71,10 +146,7 @@ impl Shards {
     fn sweep(&self, index: usize, now: u64) {
         let mut logs = lock(&self.shards[index]);
         let before = logs.len();
-        logs.retain(|_, log| {
-            sliding_log::prune(&mut log.times, log.window_us, now);
-            !log.times.is_empty()
-        });
+        logs.retain(|_, log| !log.cell.is_empty(log.window_us, now));
         self.keys.sub((before - logs.len()) as i64);
     }
 }
@@ -129,64 +201,72 @@ impl LocalStore {
 
         let mut admitted = true;
         let mut retry_after = 0;
+        let mut states = Vec::with_capacity(checks.len());
+        let mut rejecting = Vec::with_capacity(checks.len());
         for (check, &slot) in checks.iter().zip(&slot) {
-            let window_us = window_micros(check.window);
-            let Some(log) = guards[slot].get_mut(&check.key) else {
-                continue;
+            let params = check.params();
+            let verdict = match guards[slot].get_mut(&check.key) {
+                // A key last used by another algorithm (after a reload) starts afresh.
+                Some(log) if log.cell.algorithm() == params.algorithm => {
+                    log.window_us = params.window_us;
+                    log.cell.advance(params.window_us, now);
+                    log.cell.check(&params, now)
+                }
+                _ => Cell::new(params.algorithm).check(&params, now),
             };
-            log.window_us = window_us;
-            sliding_log::prune(&mut log.times, window_us, now);
-            if !sliding_log::has_room(&log.times, check.requests) {
+            // A shadow limit without room is only reported: it neither rejects nor records.
+            if !verdict.admits && !check.shadow {
                 admitted = false;
-                retry_after = retry_after.max(sliding_log::until_more_room(
-                    &log.times,
-                    check.requests,
-                    window_us,
-                    now,
-                ));
+                retry_after = retry_after.max(verdict.wait);
+            }
+            rejecting.push(!verdict.admits);
+            states.push(verdict.state);
+        }
+        if admitted {
+            for (((check, &slot), state), &rejects) in checks
+                .iter()
+                .zip(&slot)
+                .zip(states.iter_mut())
+                .zip(&rejecting)
+            {
+                if !rejects {
+                    *state = self.record(&mut guards[slot], check, now);
+                }
             }
         }
-        let mut limits = Vec::with_capacity(checks.len());
-        for (check, &slot) in checks.iter().zip(&slot) {
-            let window_us = window_micros(check.window);
-            let logs = &mut *guards[slot];
-            let state = if admitted {
-                if !logs.contains(check.key.as_str()) {
-                    self.shards.make_room(logs, now);
-                    logs.push(
-                        check.key.clone(),
-                        Log {
-                            times: VecDeque::new(),
-                            window_us,
-                        },
-                    );
-                    self.shards.keys.inc();
-                }
-                match logs.peek_mut(check.key.as_str()) {
-                    Some(log) => {
-                        log.times.push_back(now);
-                        sliding_log::state(&log.times, check.requests, window_us, now)
-                    }
-                    None => sliding_log::state(&VecDeque::new(), check.requests, window_us, now),
-                }
-            } else {
-                // A rejection records nothing, not even an empty log.
-                let times = logs.peek(check.key.as_str()).map(|log| &log.times);
-                let empty = VecDeque::new();
-                sliding_log::state(times.unwrap_or(&empty), check.requests, window_us, now)
-            };
-            limits.push(Some(state));
-        }
+        // A rejection records nothing, not even an empty state.
         Decision {
             admitted,
             retry_after: Duration::from_micros(retry_after),
-            limits,
+            limits: states.into_iter().map(Some).collect(),
+            rejecting,
         }
     }
-}
 
-fn window_micros(window: Duration) -> u64 {
-    u64::try_from(window.as_micros()).unwrap_or(u64::MAX)
+    /// Records an admitted request under `check.key`, creating its state if needed.
+    fn record(&self, logs: &mut Logs, check: &Check, now: u64) -> LimitState {
+        let params = check.params();
+        let fresh = logs
+            .peek(check.key.as_str())
+            .is_none_or(|log| log.cell.algorithm() != params.algorithm);
+        if fresh {
+            if logs.pop(check.key.as_str()).is_none() {
+                self.shards.make_room(logs, now);
+                self.shards.keys.inc();
+            }
+            logs.push(
+                check.key.clone(),
+                Log {
+                    cell: Cell::new(params.algorithm),
+                    window_us: params.window_us,
+                },
+            );
+        }
+        match logs.peek_mut(check.key.as_str()) {
+            Some(log) => log.cell.record(&params, now),
+            None => Cell::new(params.algorithm).record(&params, now),
+        }
+    }
 }
 
 fn micros_since(epoch: Instant) -> u64 {
@@ -223,7 +303,10 @@ mod tests {
         /// How many admissions the log of `key` holds, if it exists.
         fn times_of(&self, key: &str) -> Option<usize> {
             let shard = lock(&self.shards.shards[self.shards.index(key)]);
-            shard.peek(key).map(|log| log.times.len())
+            shard.peek(key).map(|log| match &log.cell {
+                Cell::Log(times) => times.len(),
+                _ => 1,
+            })
         }
 
         fn unbounded() -> LocalStore {
@@ -281,8 +364,33 @@ mod tests {
     fn check(key: &str, requests: u32, window: Duration) -> Check {
         Check {
             key: key.to_owned(),
+            algorithm: Algorithm::SlidingLog,
             requests,
             window,
+            burst: requests,
+            cost: 1,
+            shadow: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn every_algorithm_counts_a_new_key_in_the_current_window() {
+        let store = LocalStore::unbounded();
+        // Several windows after the store's epoch, so a state left at time zero would be stale.
+        std::thread::sleep(Duration::from_millis(70));
+        for algorithm in [
+            Algorithm::SlidingLog,
+            Algorithm::SlidingWindow,
+            Algorithm::FixedWindow,
+            Algorithm::Gcra,
+        ] {
+            let mut one = check(algorithm.label(), 1, Duration::from_millis(30));
+            one.algorithm = algorithm;
+            assert!(store.decide(std::slice::from_ref(&one)).admitted);
+            assert!(
+                !store.decide(std::slice::from_ref(&one)).admitted,
+                "{algorithm:?}"
+            );
         }
     }
 

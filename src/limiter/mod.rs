@@ -1,18 +1,22 @@
 //! The limiter: given the (key, limit) pairs of one request, decide in one atomic step whether
 //! the request is admitted, and say how much room is left.
 //!
-//! It knows nothing of HTTP. The sliding-window log is the algorithm: a request is admitted
-//! only if every limit has fewer than `requests` entries in the last `window`; if admitted, it
-//! is recorded in every limit, and if rejected, in none. `Store` runs that decision either in
+//! It knows nothing of HTTP. Each limit names its algorithm (`Algorithm`: the exact
+//! sliding-window log by default, the sliding-window counter, the fixed window, GCRA): a
+//! request is admitted only if every limit has room for its cost; if admitted, it is recorded
+//! in every limit, and if rejected, in none. `Store` runs that decision either in
 //! Redis (shared by every sluice instance, with an exact cache of its rejections in front) or
 //! in process memory (one instance).
 
 mod breaker;
 mod deny_cache;
+mod fixed_window;
+mod gcra;
 mod local;
 mod redis;
 mod sentinel;
 mod sliding_log;
+mod sliding_window;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,13 +30,86 @@ pub use self::redis::RedisStore;
 pub use self::sentinel::SentinelSettings;
 use crate::metrics::Metrics;
 
+/// How a limit counts. Every algorithm runs in both stores with the same results: one Lua file
+/// each under `scripts/`, one pure Rust module each for the in-process store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Exact: every admission's time is kept for one window.
+    #[default]
+    SlidingLog,
+    /// Two fixed-window counters, the previous one weighted: O(1), approximate.
+    SlidingWindow,
+    /// One counter per window that starts at the first hit: O(1), up to twice the limit
+    /// across a boundary.
+    FixedWindow,
+    /// A token bucket kept as one timestamp: O(1), exact, with bursts of `burst`.
+    Gcra,
+}
+
+impl Algorithm {
+    /// The name used in the config, the Lua driver and store keys.
+    pub fn label(self) -> &'static str {
+        match self {
+            Algorithm::SlidingLog => "sliding_log",
+            Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::Gcra => "gcra",
+        }
+    }
+}
+
 /// One limit to check for a request: the full store key (prefix, route, limit, identity) and
-/// the limit's size.
+/// every parameter of the limit that changes a decision.
 #[derive(Debug, Clone)]
 pub struct Check {
     pub key: String,
+    pub algorithm: Algorithm,
     pub requests: u32,
     pub window: Duration,
+    /// GCRA only: how many requests may arrive at once (the other algorithms ignore it).
+    pub burst: u32,
+    /// How many requests this one counts as.
+    pub cost: u32,
+    /// Evaluated and counted, but never rejects the request (a shadow limit without room
+    /// records nothing in itself).
+    pub shadow: bool,
+}
+
+impl Check {
+    /// The limit's parameters in the stores' units.
+    pub fn params(&self) -> Params {
+        Params {
+            algorithm: self.algorithm,
+            requests: self.requests,
+            window_us: u64::try_from(self.window.as_micros()).unwrap_or(u64::MAX),
+            burst: self.burst,
+            cost: self.cost,
+            shadow: self.shadow,
+        }
+    }
+}
+
+/// A limit's parameters as the algorithms take them: the window in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Params {
+    pub algorithm: Algorithm,
+    pub requests: u32,
+    pub window_us: u64,
+    pub burst: u32,
+    pub cost: u32,
+    pub shadow: bool,
+}
+
+/// One algorithm's answer for one limit, before anything is recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// Whether this limit has room for the request's cost.
+    pub admits: bool,
+    /// For a limit without room, the exact time in microseconds until it has.
+    pub wait: u64,
+    /// Where the limit stands if the request is not recorded.
+    pub state: LimitState,
 }
 
 /// Where one limit stands after a decision.
@@ -54,6 +131,9 @@ pub struct Decision {
     /// One state per check, in the order the checks were given; `None` for a limit the
     /// store was not asked about (a rejection answered from the deny cache).
     pub limits: Vec<Option<LimitState>>,
+    /// One flag per check: whether that limit had no room for the request. For a shadow limit
+    /// this is a rejection that was only counted; for the others, a reason for the rejection.
+    pub rejecting: Vec<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -1,4 +1,5 @@
-//! The Redis store: every limit of a request decided by one call of `scripts/sliding_log.lua`.
+//! The Redis store: every limit of a request, of any mix of algorithms, decided by one call of
+//! one script: `scripts/decide.lua`, after each algorithm's check and record functions.
 //!
 //! Decisions travel over a few long-lived multiplexed connections: concurrent requests share
 //! them, and their commands leave in pipelined writes instead of one round trip per pooled
@@ -35,7 +36,16 @@ use tokio::task::JoinHandle;
 use super::sentinel::{watch_failovers, MasterAddr, SentinelSettings, Sentinels};
 use super::{Check, Decision, LimitState, StoreError};
 
-const SLIDING_LOG: &str = include_str!("scripts/sliding_log.lua");
+/// The script Redis runs: each algorithm's functions, then the driver that calls them. One
+/// script for all algorithms, so a request with limits of several algorithms is still decided
+/// in one atomic call.
+const DECIDE: &str = concat!(
+    include_str!("scripts/sliding_log.lua"),
+    include_str!("scripts/sliding_window.lua"),
+    include_str!("scripts/fixed_window.lua"),
+    include_str!("scripts/gcra.lua"),
+    include_str!("scripts/decide.lua"),
+);
 
 /// How often the sentinels are asked for the master when nothing has failed. A failover
 /// promotes the replica some time before the old master is demoted (Sentinel waits several
@@ -161,7 +171,7 @@ impl RedisStore {
             shared: Arc::new(Shared {
                 master: RwLock::new(Arc::new(master)),
                 fence: Mutex::new(None),
-                script: Script::new(SLIDING_LOG),
+                script: Script::new(DECIDE),
                 timeout,
             }),
             follower: None,
@@ -199,8 +209,14 @@ impl RedisStore {
         }
         invocation.arg(member);
         for check in checks {
-            let window_us = u64::try_from(check.window.as_micros()).unwrap_or(u64::MAX);
-            invocation.arg(check.requests).arg(window_us);
+            let params = check.params();
+            invocation
+                .arg(params.algorithm.label())
+                .arg(params.requests)
+                .arg(params.window_us)
+                .arg(params.burst)
+                .arg(params.cost)
+                .arg(u8::from(params.shadow));
         }
         let mut conn = self.connection()?;
         let reply: Vec<i64> = self
@@ -450,29 +466,32 @@ fn script_error(err: RedisError) -> StoreError {
     }
 }
 
-/// Reads the script's reply: `{admitted, retry_after_us, (remaining, reset_us) per check}`.
+/// Reads the script's reply: `{admitted, retry_after_us, (remaining, reset_us, rejecting) per
+/// check}`.
 fn decision_from_reply(reply: &[i64], checks: usize) -> Result<Decision, StoreError> {
     let malformed = || StoreError::Script(format!("unexpected script reply {reply:?}"));
     let [admitted, retry_after, per_limit @ ..] = reply else {
         return Err(malformed());
     };
-    if per_limit.len() != 2 * checks {
+    if per_limit.len() != 3 * checks {
         return Err(malformed());
     }
     let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
     let limits = per_limit
-        .chunks_exact(2)
-        .map(|pair| {
+        .chunks_exact(3)
+        .map(|triple| {
             Some(LimitState {
-                remaining: u32::try_from(pair[0]).unwrap_or(0),
-                reset: micros(pair[1]),
+                remaining: u32::try_from(triple[0]).unwrap_or(0),
+                reset: micros(triple[1]),
             })
         })
         .collect();
+    let rejecting = per_limit.chunks_exact(3).map(|t| t[2] == 1).collect();
     Ok(Decision {
         admitted: *admitted == 1,
         retry_after: micros(*retry_after),
         limits,
+        rejecting,
     })
 }
 
@@ -482,11 +501,12 @@ mod tests {
 
     #[test]
     fn reads_a_reply() {
-        let d = decision_from_reply(&[0, 1_500_000, 0, 1_500_000, 7, 200], 2).unwrap();
+        let d = decision_from_reply(&[0, 1_500_000, 0, 1_500_000, 1, 7, 200, 0], 2).unwrap();
         assert!(!d.admitted);
         assert_eq!(d.retry_after, Duration::from_millis(1500));
         assert_eq!(d.limits[1].unwrap().remaining, 7);
         assert_eq!(d.limits[1].unwrap().reset, Duration::from_micros(200));
+        assert_eq!(d.rejecting, [true, false]);
     }
 
     #[test]

@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::LimitState;
+use super::{LimitState, Params, Verdict};
 
 /// Drops the admissions that have left the window ending at `now`.
 pub fn prune(times: &mut VecDeque<u64>, window_us: u64, now: u64) {
@@ -33,9 +33,27 @@ pub fn until_more_room(times: &VecDeque<u64>, requests: u32, window_us: u64, now
         .map_or(0, |&oldest| (oldest + window_us).saturating_sub(now))
 }
 
-/// Whether the limit has room for one more request now.
-pub fn has_room(times: &VecDeque<u64>, requests: u32) -> bool {
-    times.len() < requests as usize
+/// Whether the request fits: `times` must be pruned. A rejection waits until enough entries
+/// have left for its cost: the (count + cost − requests)-th oldest.
+pub fn check(times: &VecDeque<u64>, params: &Params, now: u64) -> Verdict {
+    let needed = (times.len() + params.cost as usize).saturating_sub(params.requests as usize);
+    let wait = match needed {
+        0 => 0,
+        n => times.get(n - 1).map_or(params.window_us, |&t| {
+            (t + params.window_us).saturating_sub(now)
+        }),
+    };
+    Verdict {
+        admits: needed == 0,
+        wait,
+        state: state(times, params.requests, params.window_us, now),
+    }
+}
+
+/// Records an admitted request: one entry per unit of cost.
+pub fn record(times: &mut VecDeque<u64>, params: &Params, now: u64) -> LimitState {
+    times.extend(std::iter::repeat_n(now, params.cost as usize));
+    state(times, params.requests, params.window_us, now)
 }
 
 /// Where the limit stands, as reported in the `RateLimit` field.
@@ -65,7 +83,6 @@ mod tests {
     #[test]
     fn a_full_log_waits_for_its_oldest_entry() {
         let times = VecDeque::from([SECOND, 2 * SECOND, 3 * SECOND]);
-        assert!(!has_room(&times, 3));
         assert_eq!(
             until_more_room(&times, 3, 10 * SECOND, 4 * SECOND),
             7 * SECOND
@@ -91,9 +108,28 @@ mod tests {
     }
 
     #[test]
+    fn a_cost_waits_for_as_many_entries_to_leave() {
+        let times = VecDeque::from([SECOND, 2 * SECOND, 3 * SECOND]);
+        let params = Params {
+            algorithm: crate::limiter::Algorithm::SlidingLog,
+            requests: 4,
+            window_us: 10 * SECOND,
+            burst: 4,
+            cost: 3,
+            shadow: false,
+        };
+        let verdict = check(&times, &params, 4 * SECOND);
+        assert!(!verdict.admits);
+        assert_eq!(
+            verdict.wait,
+            8 * SECOND,
+            "two must leave: the second at 12 s"
+        );
+    }
+
+    #[test]
     fn an_empty_log_has_nothing_to_wait_for() {
         let times = VecDeque::new();
-        assert!(has_room(&times, 1));
         assert_eq!(state(&times, 5, SECOND, 0).remaining, 5);
         assert_eq!(state(&times, 5, SECOND, 0).reset, Duration::ZERO);
     }

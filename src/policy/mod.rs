@@ -22,9 +22,10 @@ use http::{Method, StatusCode};
 pub use self::condition::{Condition, HeaderTest};
 pub use self::matcher::Matcher;
 use crate::config::{
-    Config, ConfigError, ForwardedHeader, IpNet, KeyPart, Name, OnStoreError, Position,
-    ResponseHeaders, RouteConfig,
+    Config, ConfigError, ForwardedHeader, IpNet, KeyPart, LimitConfig, Name, OnStoreError,
+    Position, ResponseHeaders, RouteConfig,
 };
+use crate::limiter::{Algorithm, Check};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::ratelimit_field::{ceil_seconds, limit_items};
 
@@ -125,9 +126,18 @@ pub struct DirectResponse {
 pub struct Limit {
     pub name: Name,
     pub key: Vec<KeyPart>,
+    pub algorithm: Algorithm,
     pub requests: u32,
     pub window: Duration,
-    /// `prefix:route:limit:`; the identity completes the store key.
+    /// GCRA's burst (`requests` unless configured); the other algorithms ignore it.
+    pub burst: u32,
+    /// How many requests one request counts as.
+    pub cost: u32,
+    /// Counted, never rejects.
+    pub shadow: bool,
+    /// `prefix:route:limit:` (with the algorithm after the limit for all but the sliding log,
+    /// so a reload that changes the algorithm starts afresh instead of reading another
+    /// algorithm's state); the identity completes the store key.
     pub key_prefix: String,
     /// All must hold for the limit to apply to a request; empty: it always applies.
     pub when: Vec<Condition>,
@@ -357,6 +367,7 @@ fn check_limits(
                 ),
             ));
         }
+        check_cost(limit, file, &field)?;
         let when = limit
             .when
             .iter()
@@ -368,6 +379,58 @@ fn check_limits(
         conditions.push(when);
     }
     Ok(conditions)
+}
+
+/// A cost the limit could never admit is refused: above `requests`, or for GCRA above `burst`.
+/// A `burst` on another algorithm is refused too, since it would be silently ignored.
+fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
+    if let Some(burst) = &limit.burst {
+        if limit.algorithm != Algorithm::Gcra {
+            return Err(ConfigError::invalid(
+                file,
+                Position::from(burst),
+                format!("{field}.burst"),
+                format!(
+                    "`burst` applies to `algorithm: gcra` only, not `{}`",
+                    limit.algorithm.label()
+                ),
+            ));
+        }
+    }
+    let Some(cost) = &limit.cost else {
+        return Ok(());
+    };
+    let (most, what) = match (&limit.burst, limit.algorithm) {
+        (Some(burst), Algorithm::Gcra) => (burst.value.0, "burst"),
+        _ => (limit.requests.value.0, "requests"),
+    };
+    if cost.value.0 > most {
+        return Err(ConfigError::invalid(
+            file,
+            Position::from(cost),
+            format!("{field}.cost"),
+            format!(
+                "a cost of {} can never be admitted: it is above `{what}` ({most})",
+                cost.value.0
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Limit {
+    /// The check of this limit for one identity's store key: the one place a `Check` is built.
+    pub fn check(&self, key: String) -> Check {
+        Check {
+            key,
+            algorithm: self.algorithm,
+            requests: self.requests,
+            window: self.window,
+            burst: self.burst,
+            cost: self.cost,
+            shadow: self.shadow,
+        }
+    }
 }
 
 /// The limits of a route that passed `check_limits`.
@@ -384,12 +447,28 @@ fn build_limits(
         .map(|(limit, when)| Limit {
             name: limit.name.value.clone(),
             key: limit.key.value.clone(),
-            requests: limit.requests.0,
+            algorithm: limit.algorithm,
+            requests: limit.requests.value.0,
             window: limit.window.0,
-            key_prefix: format!(
-                "{}:{}:{}:",
-                config.store.key_prefix, route.name.value, limit.name.value
-            ),
+            burst: limit
+                .burst
+                .as_ref()
+                .map_or(limit.requests.value.0, |b| b.value.0),
+            cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
+            shadow: limit.shadow,
+            key_prefix: match limit.algorithm {
+                Algorithm::SlidingLog => format!(
+                    "{}:{}:{}:",
+                    config.store.key_prefix, route.name.value, limit.name.value
+                ),
+                other => format!(
+                    "{}:{}:{}:{}:",
+                    config.store.key_prefix,
+                    route.name.value,
+                    limit.name.value,
+                    other.label()
+                ),
+            },
             when,
             metrics: metrics.for_limit(route.name.value.as_str(), limit.name.value.as_str()),
         })

@@ -121,7 +121,10 @@ impl Gateway {
                 &[],
             );
         };
-        let (outcome, response) = self.handle_routed(&active, route, request, peer).await;
+        let mut shadow_rejected = String::new();
+        let (outcome, response) = self
+            .handle_routed(&active, route, request, peer, &mut shadow_rejected)
+            .await;
         let elapsed = started.elapsed();
         route.metrics.count(outcome);
         route.metrics.duration.observe(elapsed.as_secs_f64());
@@ -133,6 +136,7 @@ impl Gateway {
             outcome = outcome.label(),
             status = response.status().as_u16(),
             micros = elapsed.as_micros() as u64,
+            shadow_rejected = %shadow_rejected,
         );
         response
     }
@@ -147,6 +151,7 @@ impl Gateway {
         route: &Route,
         request: Request<Incoming>,
         peer: SocketAddr,
+        shadow_rejected: &mut String,
     ) -> (Outcome, Response<ProxyBody>) {
         // A declared length over the limit is refused before it costs a decision.
         if let Some(max_body) = route.max_body {
@@ -159,7 +164,10 @@ impl Gateway {
                 );
             }
         }
-        let decision = match self.decide(&active.policy, route, &request, peer).await {
+        let decided = self
+            .decide(&active.policy, route, &request, peer, shadow_rejected)
+            .await;
+        let decision = match decided {
             Ok(decision) => decision,
             Err(rejection) => return rejection,
         };
@@ -208,13 +216,16 @@ impl Gateway {
 
     /// Decides the route's limits that apply to the request, with those limits. `Ok(None)`:
     /// none applies (or the store failed and the route allows). `Err`: the answer to send
-    /// instead of acting (429, or 503 when the store cannot decide).
+    /// instead of acting (429, or 503 when the store cannot decide). The names of shadow
+    /// limits that would have rejected the request are written to `shadow_rejected` (for the
+    /// access log), separated by commas.
     async fn decide<'r>(
         &self,
         policy: &Policy,
         route: &'r Route,
         request: &Request<Incoming>,
         peer: SocketAddr,
+        shadow_rejected: &mut String,
     ) -> Result<Option<(Vec<&'r Limit>, Decision)>, (Outcome, Response<ProxyBody>)> {
         if route.limits.is_empty() {
             return Ok(None);
@@ -251,10 +262,16 @@ impl Gateway {
                 }
             }
         };
-        for (limit, state) in limits.iter().zip(&decision.limits) {
-            if decision.admitted {
+        for (limit, &rejecting) in limits.iter().zip(&decision.rejecting) {
+            if limit.shadow && rejecting {
+                limit.metrics.shadow_rejected.inc();
+                if !shadow_rejected.is_empty() {
+                    shadow_rejected.push(',');
+                }
+                shadow_rejected.push_str(limit.name.as_str());
+            } else if decision.admitted {
                 limit.metrics.admitted.inc();
-            } else if state.is_some_and(|state| state.remaining == 0) {
+            } else if rejecting {
                 limit.metrics.rejected.inc();
             }
         }

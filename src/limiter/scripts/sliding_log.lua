@@ -1,61 +1,61 @@
--- Sliding-window log for every limit of one request, decided atomically.
+-- Sliding-window log: one sorted set per limit. Part of decide.lua (concatenated at compile
+-- time); defines the functions the driver calls, touches only the key it is given.
 --
--- KEYS[i]    one sorted set per limit: members are admitted requests, scores their admission
---            time in microseconds on the Redis server's clock.
--- ARGV[1]    a member name unique to this request (instance id and sequence number), so two
---            requests admitted in the same microsecond never collapse into one entry.
--- ARGV[2i]   the limit's `requests` for KEYS[i]
--- ARGV[2i+1] the limit's window for KEYS[i], in microseconds
+-- KEYS       the limit's sorted set: members are admitted requests (one per unit of cost),
+--            scores their admission time in microseconds on the Redis server's clock.
+-- limit      {requests, window (us), burst (unused), cost}
+-- Returns    check: {ok, wait_us, remaining, reset_us}; record: {remaining, reset_us}
 --
--- Returns {admitted, retry_after_us, remaining_1, reset_us_1, remaining_2, reset_us_2, ...}
---   admitted        1 if the request was admitted and recorded under every key, 0 if it was
---                   rejected and recorded under none
---   retry_after_us  for a rejection, the time until every full limit has room again
---   remaining_i     requests KEYS[i] would still admit now
---   reset_us_i      time until KEYS[i] admits one more than now (0 when it holds nothing)
---
--- The clock is Redis TIME, so gateways with skewed clocks still agree. Scores are written
--- with %.0f: Lua would otherwise print a 16-digit number with 14 significant digits.
+-- Scores are written with %.0f: Lua would otherwise print a 16-digit number with 14
+-- significant digits.
 
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local count = {}
--- Per key, the score of the entry whose departure gives it more room: for a full key the
--- (count - requests)-th oldest, otherwise the oldest. An admission never changes which entry
--- that is, except in an empty key, where it is the new entry itself.
-local pivot = {}
-local admitted = 1
-local retry_after = 0
-
-for i = 1, #KEYS do
-  local requests = tonumber(ARGV[2 * i])
-  local window = tonumber(ARGV[2 * i + 1])
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', string.format('%.0f', now - window))
-  local n = redis.call('ZCARD', KEYS[i])
-  count[i] = n
+local function sliding_log_check(key, now, limit)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%.0f', now - limit.window))
+  local n = redis.call('ZCARD', key)
+  local st = {count = n, remaining = math.max(limit.requests - n, 0), reset = 0, ok = true, wait = 0}
   if n > 0 then
-    local index = math.max(n - requests, 0)
-    pivot[i] = tonumber(redis.call('ZRANGE', KEYS[i], index, index, 'WITHSCORES')[2])
+    -- The entry whose departure gives more room: for a full key the (n - requests)-th
+    -- oldest, otherwise the oldest.
+    local index = math.max(n - limit.requests, 0)
+    st.pivot = tonumber(redis.call('ZRANGE', key, index, index, 'WITHSCORES')[2])
+    st.reset = st.pivot + limit.window - now
   end
-  if n >= requests then
-    admitted = 0
-    retry_after = math.max(retry_after, pivot[i] + window - now)
+  if n + limit.cost > limit.requests then
+    st.ok = false
+    -- Room for `cost` more once the (n + cost - requests)-th oldest entry has left.
+    local index = n + limit.cost - limit.requests - 1
+    if index < n then
+      local score = tonumber(redis.call('ZRANGE', key, index, index, 'WITHSCORES')[2])
+      st.wait = score + limit.window - now
+    else
+      st.wait = limit.window
+    end
   end
+  return st
 end
 
-local result = {admitted, retry_after}
-local score = string.format('%.0f', now)
-for i = 1, #KEYS do
-  local requests = tonumber(ARGV[2 * i])
-  local window = tonumber(ARGV[2 * i + 1])
-  local n = count[i]
-  if admitted == 1 then
-    redis.call('ZADD', KEYS[i], score, ARGV[1])
-    redis.call('PEXPIRE', KEYS[i], math.ceil(window / 1000))
-    n = n + 1
-    pivot[i] = pivot[i] or now
+local function sliding_log_record(key, now, limit, st, member)
+  local score = string.format('%.0f', now)
+  -- One entry per unit of cost, added in batches: unpack() is limited by Lua's C stack.
+  local args = {}
+  for j = 1, limit.cost do
+    args[#args + 1] = score
+    args[#args + 1] = member .. ':' .. j
+    if #args == 1000 or j == limit.cost then
+      redis.call('ZADD', key, unpack(args))
+      args = {}
+    end
   end
-  result[#result + 1] = math.max(requests - n, 0)
-  result[#result + 1] = pivot[i] and (pivot[i] + window - now) or 0
+  redis.call('PEXPIRE', key, math.ceil(limit.window / 1000))
+  local n = st.count + limit.cost
+  local index = math.max(n - limit.requests, 0)
+  -- The pivot moves only when the key was empty or a cost above 1 passes it; with cost 1 no
+  -- extra read is needed.
+  local pivot = st.pivot
+  if st.count == 0 then
+    pivot = now
+  elseif index ~= math.max(st.count - limit.requests, 0) then
+    pivot = tonumber(redis.call('ZRANGE', key, index, index, 'WITHSCORES')[2])
+  end
+  return math.max(limit.requests - n, 0), pivot + limit.window - now
 end
-return result

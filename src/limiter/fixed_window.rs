@@ -1,0 +1,135 @@
+//! The fixed window, as pure arithmetic over one limit's counter.
+//!
+//! A counter starts with the first hit and expires one window later; while it lives it
+//! admits up to `requests`. O(1) memory, but not exact: a full window ending and a new one
+//! starting at once let up to twice `requests` through within one window's length.
+//! `scripts/fixed_window.lua` is the same arithmetic inside Redis.
+//!
+//! Times are microseconds on the store's own clock.
+
+use std::time::Duration;
+
+use super::{LimitState, Params, Verdict};
+
+/// One window's count, and when it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counter {
+    pub count: u64,
+    pub expires: u64,
+}
+
+impl Counter {
+    /// The counter as it stands at `now`: an expired window counts nothing.
+    pub fn at(self, now: u64) -> Counter {
+        if self.expires <= now {
+            Counter::default()
+        } else {
+            self
+        }
+    }
+
+    fn state(self, params: &Params, now: u64) -> LimitState {
+        LimitState {
+            remaining: remaining(params.requests, self.count),
+            reset: Duration::from_micros(self.expires.saturating_sub(now)),
+        }
+    }
+}
+
+fn remaining(requests: u32, count: u64) -> u32 {
+    u32::try_from(u64::from(requests).saturating_sub(count)).unwrap_or(0)
+}
+
+/// Whether the request fits in `counter` (already taken `at(now)`); a rejection waits for the
+/// window to end, since nothing leaves before.
+pub fn check(counter: Counter, params: &Params, now: u64) -> Verdict {
+    let admits = counter.count + u64::from(params.cost) <= u64::from(params.requests);
+    Verdict {
+        admits,
+        wait: if admits {
+            0
+        } else {
+            counter.expires.saturating_sub(now)
+        },
+        state: counter.state(params, now),
+    }
+}
+
+/// Counts an admitted request; the first hit starts the window.
+pub fn record(counter: &mut Counter, params: &Params, now: u64) -> LimitState {
+    if counter.count == 0 {
+        // Redis keeps expiries in milliseconds: round the same way as the script.
+        counter.expires = now + params.window_us.div_ceil(1000) * 1000;
+    }
+    counter.count += u64::from(params.cost);
+    counter.state(params, now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::Algorithm;
+
+    const SECOND: u64 = 1_000_000;
+
+    fn params(requests: u32, cost: u32) -> Params {
+        Params {
+            algorithm: Algorithm::FixedWindow,
+            requests,
+            window_us: 10 * SECOND,
+            burst: requests,
+            cost,
+            shadow: false,
+        }
+    }
+
+    #[test]
+    fn admits_the_limit_then_waits_for_the_window_to_end() {
+        let p = params(3, 1);
+        let mut c = Counter::default();
+        for _ in 0..3 {
+            assert!(check(c.at(SECOND), &p, SECOND).admits);
+            record(&mut c, &p, SECOND);
+        }
+        let v = check(c.at(4 * SECOND), &p, 4 * SECOND);
+        assert!(!v.admits);
+        assert_eq!(v.wait, 7 * SECOND);
+        assert!(check(c.at(11 * SECOND), &p, 11 * SECOND).admits);
+    }
+
+    #[test]
+    fn a_cost_counts_as_that_many_requests() {
+        let p = params(5, 2);
+        let mut c = Counter::default();
+        record(&mut c, &p, 0);
+        assert_eq!(record(&mut c, &p, 0).remaining, 1);
+        assert!(!check(c.at(0), &p, 0).admits);
+    }
+
+    #[test]
+    fn twice_the_limit_passes_across_a_boundary() {
+        let p = params(3, 1);
+        let mut c = Counter::default();
+        let mut admitted = 0;
+        for now in [
+            9 * SECOND,
+            10 * SECOND - 1,
+            10 * SECOND - 1,
+            10 * SECOND - 1,
+        ] {
+            c = c.at(now);
+            if check(c, &p, now).admits {
+                record(&mut c, &p, now);
+                admitted += 1;
+            }
+        }
+        for now in [19 * SECOND, 19 * SECOND, 19 * SECOND, 19 * SECOND] {
+            c = c.at(now);
+            if check(c, &p, now).admits {
+                record(&mut c, &p, now);
+                admitted += 1;
+            }
+        }
+        assert_eq!(admitted, 6, "six within ten seconds and one microsecond");
+    }
+}

@@ -1,0 +1,115 @@
+//! GCRA (the generic cell rate algorithm), as pure arithmetic over one limit's theoretical
+//! arrival time (TAT): a token bucket kept as one number.
+//!
+//! The emission interval is T = window / requests (rounded up to the microsecond, so it never
+//! admits faster than the limit), the tolerance τ = T·(burst − 1). A request of cost n at `now`
+//! moves the TAT to `max(TAT, now) + n·T` and is admitted iff that is at most τ + T ahead of
+//! `now`. A rejection's wait is exact: the time until it would be. `scripts/gcra.lua` is the
+//! same arithmetic inside Redis.
+//!
+//! Times are microseconds on the store's own clock.
+
+use std::time::Duration;
+
+use super::{LimitState, Params, Verdict};
+
+/// The emission interval T.
+pub fn interval(params: &Params) -> u64 {
+    params.window_us.div_ceil(u64::from(params.requests.max(1)))
+}
+
+/// `(remaining, reset)` for a TAT `ahead` microseconds past now.
+fn state(ahead: u64, t: u64, burst: u32) -> LimitState {
+    if ahead == 0 {
+        return LimitState {
+            remaining: burst,
+            reset: Duration::ZERO,
+        };
+    }
+    let capacity = u64::from(burst) * t;
+    let remaining = capacity.saturating_sub(ahead) / t;
+    // Time until one more fits: until the TAT is (burst − remaining − 1)·T ahead.
+    let reset = ahead.saturating_sub((u64::from(burst) - remaining - 1) * t);
+    LimitState {
+        remaining: u32::try_from(remaining).unwrap_or(0),
+        reset: Duration::from_micros(reset),
+    }
+}
+
+/// Whether the request fits, given the stored TAT (`None` = nothing stored).
+pub fn check(tat: Option<u64>, params: &Params, now: u64) -> Verdict {
+    let t = interval(params);
+    let tat = tat.unwrap_or(now).max(now);
+    let new = tat + u64::from(params.cost) * t;
+    let limit = now + u64::from(params.burst) * t;
+    Verdict {
+        admits: new <= limit,
+        wait: new.saturating_sub(limit),
+        state: state(tat - now, t, params.burst),
+    }
+}
+
+/// Records an admitted request: returns the new TAT and the limit's state.
+pub fn record(tat: Option<u64>, params: &Params, now: u64) -> (u64, LimitState) {
+    let t = interval(params);
+    let new = tat.unwrap_or(now).max(now) + u64::from(params.cost) * t;
+    (new, state(new - now, t, params.burst))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::Algorithm;
+
+    const SECOND: u64 = 1_000_000;
+
+    fn params(requests: u32, burst: u32, cost: u32) -> Params {
+        Params {
+            algorithm: Algorithm::Gcra,
+            requests,
+            window_us: 10 * SECOND,
+            burst,
+            cost,
+            shadow: false,
+        }
+    }
+
+    #[test]
+    fn burst_one_admits_one_and_the_next_waits_exactly_t() {
+        let p = params(10, 1, 1);
+        assert!(check(None, &p, 0).admits);
+        let (tat, st) = record(None, &p, 0);
+        assert_eq!(st.remaining, 0);
+        assert_eq!(st.reset, Duration::from_secs(1));
+        let v = check(Some(tat), &p, 0);
+        assert!(!v.admits);
+        assert_eq!(v.wait, SECOND);
+        assert!(check(Some(tat), &p, SECOND).admits);
+    }
+
+    #[test]
+    fn a_burst_drains_then_refills_one_per_interval() {
+        let p = params(10, 5, 1);
+        let mut tat = None;
+        for expected in [4, 3, 2, 1, 0] {
+            assert!(check(tat, &p, 0).admits);
+            let (new, st) = record(tat, &p, 0);
+            assert_eq!(st.remaining, expected);
+            tat = Some(new);
+        }
+        let v = check(tat, &p, 0);
+        assert!(!v.admits);
+        assert_eq!(v.wait, SECOND);
+        assert_eq!(v.state.reset, Duration::from_secs(1));
+        assert_eq!(check(tat, &p, 2 * SECOND).state.remaining, 2);
+    }
+
+    #[test]
+    fn a_cost_waits_for_that_many_intervals() {
+        let p = params(10, 5, 3);
+        let (tat, _) = record(None, &p, 0);
+        let v = check(Some(tat), &p, 0);
+        assert!(!v.admits);
+        assert_eq!(v.wait, SECOND);
+    }
+}

@@ -1,0 +1,69 @@
+-- The driver: every limit of one request, of any mix of algorithms, decided atomically.
+-- Concatenated after sliding_log.lua, sliding_window.lua, fixed_window.lua and gcra.lua at
+-- compile time (see redis.rs), whose check and record functions it calls.
+--
+-- KEYS[i]      one key per limit, of the type its algorithm keeps
+-- ARGV[1]      a member name unique to this request (instance id and sequence number), so
+--              two requests admitted in the same microsecond never collapse into one entry
+-- ARGV[6i-4..6i+1]  the limit of KEYS[i]: algorithm (sliding_log | sliding_window |
+--              fixed_window | gcra), requests, window in microseconds, burst, cost, shadow
+--              (1: the limit is counted but never rejects)
+--
+-- Returns {admitted, retry_after_us, remaining_1, reset_us_1, rejecting_1, remaining_2, ...}
+--   admitted        1 if the request was admitted and recorded under every key, 0 if it was
+--                   rejected and recorded under none
+--   retry_after_us  for a rejection, the time until every rejecting limit admits it
+--   remaining_i     requests (of cost 1) KEYS[i] would still admit now
+--   reset_us_i      time until KEYS[i] admits one more than now (0 when it holds nothing)
+--   rejecting_i     1 if KEYS[i] had no room for the request (for a shadow limit: would have
+--                   rejected it), else 0
+--
+-- Every key is checked before any is recorded: a rejection records nothing anywhere. A
+-- shadow limit without room neither rejects the request nor records it in itself. The
+-- clock is Redis TIME, so gateways with skewed clocks still agree.
+
+local algorithms = {
+  sliding_log = {check = sliding_log_check, record = sliding_log_record},
+  sliding_window = {check = sliding_window_check, record = sliding_window_record},
+  fixed_window = {check = fixed_window_check, record = fixed_window_record},
+  gcra = {check = gcra_check, record = gcra_record},
+}
+
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local limits, states = {}, {}
+local admitted = 1
+local retry_after = 0
+
+for i = 1, #KEYS do
+  local base = 6 * i - 4
+  local limit = {
+    algorithm = algorithms[ARGV[base]],
+    requests = tonumber(ARGV[base + 1]),
+    window = tonumber(ARGV[base + 2]),
+    burst = tonumber(ARGV[base + 3]),
+    cost = tonumber(ARGV[base + 4]),
+    shadow = ARGV[base + 5] == '1',
+  }
+  if not limit.algorithm then
+    return redis.error_reply('unknown algorithm ' .. tostring(ARGV[base]))
+  end
+  limits[i] = limit
+  states[i] = limit.algorithm.check(KEYS[i], now, limit)
+  if not states[i].ok and not limit.shadow then
+    admitted = 0
+    retry_after = math.max(retry_after, states[i].wait)
+  end
+end
+
+local result = {admitted, retry_after}
+for i = 1, #KEYS do
+  local remaining, reset = states[i].remaining, states[i].reset
+  if admitted == 1 and states[i].ok then
+    remaining, reset = limits[i].algorithm.record(KEYS[i], now, limits[i], states[i], ARGV[1])
+  end
+  result[#result + 1] = remaining
+  result[#result + 1] = reset
+  result[#result + 1] = states[i].ok and 0 or 1
+end
+return result
