@@ -146,12 +146,20 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         };
         let check = &applied.checks[at];
         let parts: Vec<String> = limit.key.iter().map(describe).collect();
+        let mut extras = vec![limit.algorithm.label().to_owned()];
+        if limit.cost > 1 {
+            extras.push(format!("cost {}", limit.cost));
+        }
+        if limit.shadow {
+            extras.push("shadow: counted, never rejects".to_owned());
+        }
         let _ = writeln!(
             out,
-            "  {}: {} per {}, key [{}]",
+            "  {}: {} per {} ({}), key [{}]",
             limit.name,
             limit.requests,
             human(limit.window),
+            extras.join(", "),
             parts.join(", ")
         );
         if let Some(missing) = keys::missing_part(limit, &request) {

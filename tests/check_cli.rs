@@ -128,6 +128,11 @@ fn repo_redis_example_config_is_valid() {
 }
 
 #[test]
+fn repo_public_api_example_config_is_valid() {
+    assert_repo_config_valid("config/public-api.yaml");
+}
+
+#[test]
 fn valid_config_passes() {
     let f = write_config(GOOD);
     let (status, stdout, stderr) = sluice_check(f.path());

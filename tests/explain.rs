@@ -50,9 +50,9 @@ routes:
         "route:      orders",
         "action:     forward to upstream `api` as http://127.0.0.1:3000/v1/USERS/42/orders?x=1",
         "client ip:  203.0.113.9 (from a trusted proxy's forwarded-for header)",
-        "  per-key: 100 per 1m, key [header:x-api-key]",
+        "  per-key: 100 per 1m (sliding_log), key [header:x-api-key]",
         "    store key: sluice-test:orders:per-key:{h:x-api-key=k1}",
-        "  per-ip: 1000 per 1h, key [client_ip]",
+        "  per-ip: 1000 per 1h (sliding_log), key [client_ip]",
         "    store key: sluice-test:orders:per-ip:{ip=203.0.113.9}",
         "nothing was sent to the store or the upstream.",
     ] {
