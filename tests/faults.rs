@@ -402,3 +402,28 @@ async fn sigterm_under_load_fails_nothing_in_flight_and_readyz_goes_first() {
         seen.unanswered.len()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn script_flush_under_load_costs_no_request_an_error() {
+    let redis = Redis::start().await;
+    let upstream = Upstream::start().await;
+    let sluice = Sluice::start(&three_routes(&redis, &upstream)).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    // `deny` answers 503 on any store error, so it shows every one.
+    let (tasks, seen) = steady_load(&sluice, &["deny"], Arc::clone(&stop));
+    for _ in 0..15 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        redis.cmd(&["SCRIPT", "FLUSH"]).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    let statuses = &seen.statuses["deny"];
+    assert!(statuses.len() > 100, "the load ran: {}", statuses.len());
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let metrics = parse_metrics(&sluice.metrics().await);
+    assert_eq!(metric_sum(&metrics, "sluice_store_errors_total", &[]), 0.0);
+    assert!(redis.commandstat("evalsha").await as usize >= statuses.len());
+}
