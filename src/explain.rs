@@ -201,6 +201,7 @@ fn describe(part: &KeyPart) -> String {
         KeyPart::Method => "method".to_owned(),
         KeyPart::Host => "host".to_owned(),
         KeyPart::Path => "path".to_owned(),
+        KeyPart::Param(name) => format!("param:{name}"),
     }
 }
 

@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::{ForwardedHeader, IpNet, KeyPart};
 use crate::limiter::Check;
-use crate::policy::{Limit, Route};
+use crate::policy::{Limit, Matcher, Route};
 
 /// What the parts of a key are read from: the request (its path already canonical) and the
 /// client's address.
@@ -51,7 +51,7 @@ pub fn checks<'r>(route: &'r Route, request: &RequestParts<'_>) -> Applied<'r> {
         .collect();
     let checks = limits
         .iter()
-        .map(|limit| limit.check(key(limit, route.matcher.case_sensitive(), request)))
+        .map(|limit| limit.check(key(limit, &route.matcher, request)))
         .collect();
     Applied { limits, checks }
 }
@@ -127,9 +127,10 @@ fn parse_node(node: &str) -> Option<IpAddr> {
         .map(|ip: IpAddr| ip.to_canonical())
 }
 
-/// `case_sensitive`: whether the route matches paths case-sensitively (a `path` part is
-/// lower-cased otherwise, so that `/LOGIN` is not a bucket of its own).
-fn key(limit: &Limit, case_sensitive: bool, request: &RequestParts<'_>) -> String {
+/// `matcher`: the route's, for its path parameters and whether it compares paths
+/// case-sensitively (a `path` part is lower-cased otherwise, so that `/LOGIN` is not a bucket
+/// of its own).
+fn key(limit: &Limit, matcher: &Matcher, request: &RequestParts<'_>) -> String {
     let mut key = String::with_capacity(limit.key_prefix.len() + 48);
     key.push_str(&limit.key_prefix);
     key.push('{');
@@ -140,10 +141,10 @@ fn key(limit: &Limit, case_sensitive: bool, request: &RequestParts<'_>) -> Strin
             if index > 0 {
                 key.push('|');
             }
-            push_part(&mut key, part, case_sensitive, request);
+            push_part(&mut key, part, matcher, request);
         }
     } else {
-        push_part(&mut key, &KeyPart::ClientIp, case_sensitive, request);
+        push_part(&mut key, &KeyPart::ClientIp, matcher, request);
     }
     key.push('}');
     key
@@ -158,13 +159,15 @@ pub fn missing_part<'a>(limit: &'a Limit, request: &RequestParts<'_>) -> Option<
 fn present(part: &KeyPart, request: &RequestParts<'_>) -> bool {
     match part {
         KeyPart::ClientIp | KeyPart::Method | KeyPart::Host | KeyPart::Path => true,
+        // Checked against the route's pattern when the policy is compiled.
+        KeyPart::Param(_) => true,
         KeyPart::Header(name) => request.headers.contains_key(name),
         KeyPart::Query(name) => query_values(request.uri, name).next().is_some(),
         KeyPart::Cookie(name) => cookie_values(request.headers, name).next().is_some(),
     }
 }
 
-fn push_part(key: &mut String, part: &KeyPart, case_sensitive: bool, request: &RequestParts<'_>) {
+fn push_part(key: &mut String, part: &KeyPart, matcher: &Matcher, request: &RequestParts<'_>) {
     match part {
         KeyPart::ClientIp => {
             let _ = write!(key, "ip={}", request.client_ip);
@@ -203,11 +206,17 @@ fn push_part(key: &mut String, part: &KeyPart, case_sensitive: bool, request: &R
                 .unwrap_or_default();
             push_values(key, &[host.to_ascii_lowercase()]);
         }
+        KeyPart::Param(name) => {
+            let _ = write!(key, "param:{name}=");
+            let path = crate::path::without_parameters(request.uri.path());
+            let value = matcher.param(&path, name).unwrap_or_default();
+            push_values(key, &[value.as_bytes()]);
+        }
         KeyPart::Path => {
             key.push_str("p=");
             // The path as the route matched it, so no other spelling is another bucket.
             let path = crate::path::without_parameters(request.uri.path());
-            let path = if case_sensitive {
+            let path = if matcher.case_sensitive() {
                 path
             } else {
                 Cow::Owned(path.to_ascii_lowercase())
@@ -358,7 +367,12 @@ mod tests {
             headers,
             client_ip: IP,
         };
-        key(limit, false, &request)
+        let matcher = Matcher::new(&crate::config::MatchConfig {
+            path_prefix: crate::config::PathPrefix("/".to_owned()),
+            methods: Vec::new(),
+            case_sensitive: false,
+        });
+        key(limit, &matcher, &request)
     }
 
     #[test]

@@ -340,3 +340,41 @@ fn check_names_a_bad_condition_and_a_bad_key_part_with_line_and_column() {
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_parameter_keys_a_limit() {
+    let yaml = r#"routes:
+  - name: orders
+    match: { path_prefix: "/users/{id}/orders" }
+    respond: { status: 200 }
+    limits:
+      - { name: per-user, key: ["param:id"], requests: 2, window: 1m }
+  - name: other
+    match: { path_prefix: / }
+    respond: { status: 204 }
+"#;
+    let sluice = Sluice::start(yaml).await;
+    let got = statuses(
+        &sluice,
+        "127.0.0.1",
+        &[
+            ("/users/42/orders", &[]),
+            ("/USERS/42/orders/7", &[]),
+            ("/users/42/orders", &[]),
+            ("/users/43/orders", &[]),
+            ("/users/42/profile", &[]),
+        ],
+    )
+    .await;
+    assert_eq!(got, [200, 200, 429, 200, 204]);
+
+    let bad = support::write_config(
+        "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: r\n    match: { path_prefix: \"/users/{id}\" }\n    respond: { status: 200 }\n    limits:\n      - { name: l, key: [\"param:user\"], requests: 1, window: 1s }\n",
+    );
+    let (status, _, stderr) = support::sluice_check(bad.path());
+    assert!(!status.success());
+    assert!(
+        stderr.contains(":8:25: routes[0].limits[0].key[0]: the route's path prefix `/users/{id}` has no `{user}` segment"),
+        "{stderr}"
+    );
+}

@@ -105,6 +105,8 @@ pub enum KeyPart {
     Host,
     /// The canonical path without its `;` parameters (lower-cased on case-insensitive routes).
     Path,
+    /// The value of a `{NAME}` segment of the route's path prefix.
+    Param(String),
 }
 
 impl FromStr for KeyPart {
@@ -140,8 +142,11 @@ impl FromStr for KeyPart {
         if let Some(name) = text.strip_prefix("cookie:") {
             return named("cookie", name).map(KeyPart::Cookie);
         }
+        if let Some(name) = text.strip_prefix("param:") {
+            return named("path parameter", name).map(KeyPart::Param);
+        }
         Err(format!(
-            "expected a key part `client_ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `method`, `host` or `path`, got `{text}`"
+            "expected a key part `client_ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `param:NAME`, `method`, `host` or `path`, got `{text}`"
         ))
     }
 }
@@ -282,6 +287,24 @@ impl FromStr for PathPrefix {
                 "a path prefix starts with `/` and has only printable ASCII, without a query, \
                  fragment, `;` parameters or spaces (percent-encode the rest); got `{text}`"
             ));
+        }
+        // Braces only as a whole `{name}` segment: a path parameter.
+        for segment in text.split('/') {
+            let braced = segment.contains(['{', '}']);
+            let param = segment
+                .strip_prefix('{')
+                .and_then(|s| s.strip_suffix('}'))
+                .filter(|name| {
+                    !name.is_empty()
+                        && name
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
+                });
+            if braced && param.is_none() {
+                return Err(format!(
+                    "`{text}`: a path parameter is a whole segment `{{name}}` (letters, digits, `_`, `-`)"
+                ));
+            }
         }
         crate::path::normalize(text)
             .map(|canonical| PathPrefix(canonical.into_owned()))
@@ -567,6 +590,12 @@ mod tests {
         assert!("/login;x".parse::<PathPrefix>().is_err());
         assert!("/caf\u{e9}".parse::<PathPrefix>().is_err());
         assert!("login".parse::<PathPrefix>().is_err());
+        assert_eq!(
+            "/users/{id}/orders".parse::<PathPrefix>().unwrap().0,
+            "/users/{id}/orders"
+        );
+        assert!("/users/x{id}".parse::<PathPrefix>().is_err());
+        assert!("/users/{}".parse::<PathPrefix>().is_err());
     }
 
     #[test]

@@ -368,6 +368,7 @@ fn check_limits(
             ));
         }
         check_cost(limit, file, &field)?;
+        check_params(route, limit, file, &field)?;
         let when = limit
             .when
             .iter()
@@ -379,6 +380,33 @@ fn check_limits(
         conditions.push(when);
     }
     Ok(conditions)
+}
+
+/// A `param:NAME` key part must name a `{NAME}` segment of the route's path prefix.
+fn check_params(
+    route: &RouteConfig,
+    limit: &LimitConfig,
+    file: &Path,
+    field: &str,
+) -> Result<(), ConfigError> {
+    let prefix = &route.matcher.path_prefix.0;
+    let params: Vec<&str> = prefix
+        .split('/')
+        .filter_map(|segment| segment.strip_prefix('{')?.strip_suffix('}'))
+        .collect();
+    for (index, part) in limit.key.value.iter().enumerate() {
+        if let KeyPart::Param(name) = part {
+            if !params.contains(&name.as_str()) {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(&limit.key),
+                    format!("{field}.key[{index}]"),
+                    format!("the route's path prefix `{prefix}` has no `{{{name}}}` segment"),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A cost the limit could never admit is refused: above `requests`, or for GCRA above `burst`.
