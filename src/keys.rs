@@ -282,6 +282,17 @@ fn cookie_values<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Ite
         })
 }
 
+/// A short hash of a store key, to name the identity in a log line without writing it: API
+/// keys and cookies are secrets, and addresses are personal data.
+pub fn identity_hash(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    let mut hex = String::with_capacity(16);
+    for byte in &digest[..8] {
+        let _ = write!(hex, "{byte:02x}");
+    }
+    hex
+}
+
 /// Longest value, in bytes, written into a key as it came; longer values are hashed.
 pub const MAX_RAW_VALUE: usize = 64;
 

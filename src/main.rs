@@ -60,16 +60,26 @@ enum Command {
     },
 }
 
+/// Log lines go to standard error, at the level `RUST_LOG` sets (default `info`).
+fn init_logging(format: config::LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        config::LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        config::LogFormat::Json => builder.json().init(),
+    }
+}
+
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Run { .. }) {
+        init_logging(config::LogFormat::Text);
+    }
     let result = match cli.command {
         Command::Check { config } => check(&config),
         Command::Explain {
@@ -89,11 +99,15 @@ fn main() -> ExitCode {
                 .map(|text| print!("{text}"))
                 .map_err(anyhow::Error::from)
         }
-        Command::Run { config } => tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .context("cannot start the async runtime")
-            .and_then(|runtime| runtime.block_on(run(&config))),
+        // The file names the log format, so it is read before anything is logged.
+        Command::Run { config } => load(&config).and_then(|loaded| {
+            init_logging(loaded.source.config.log_format);
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("cannot start the async runtime")
+                .and_then(|runtime| runtime.block_on(run(&config, loaded)))
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -140,12 +154,12 @@ fn check(file: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run(file: &Path) -> anyhow::Result<()> {
+async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
     let Loaded {
         source,
         policy,
         metrics,
-    } = load(file)?;
+    } = loaded;
     let config = &source.config;
     let store = match (&config.store.redis, config.store.redis_target(file)?) {
         (Some(redis), Some(target)) => {

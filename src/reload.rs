@@ -12,7 +12,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
-use crate::config::{self, Config, ServerConfig, Source, StoreConfig};
+use crate::config::{self, Config, LogFormat, ServerConfig, Source, StoreConfig};
 use crate::metrics::{Metrics, ReloadResult};
 use crate::policy::Policy;
 use crate::proxy::Gateway;
@@ -46,6 +46,7 @@ pub fn hash_value(digest: &[u8; 32]) -> i64 {
 struct Fixed {
     listen: SocketAddr,
     admin_listen: SocketAddr,
+    log_format: LogFormat,
     server: ServerConfig,
     store: StoreConfig,
 }
@@ -64,6 +65,9 @@ impl Fixed {
                 "`admin_listen` changed from {} to {}",
                 self.admin_listen, new.admin_listen.value
             ));
+        }
+        if new.log_format != self.log_format {
+            return Some("`log_format` changed".to_owned());
         }
         let (old, now) = (&self.server, &new.server);
         let server = [
@@ -150,6 +154,7 @@ impl Reloader {
             fixed: Fixed {
                 listen: config.listen,
                 admin_listen: config.admin_listen.value,
+                log_format: config.log_format,
                 server: config.server,
                 store: config.store,
             },
@@ -261,6 +266,7 @@ mod tests {
         Fixed {
             listen: config.listen,
             admin_listen: config.admin_listen.value,
+            log_format: config.log_format,
             server: config.server,
             store: config.store,
         }

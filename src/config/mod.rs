@@ -22,8 +22,8 @@ use sha2::{Digest, Sha256};
 
 pub use duration::ConfigDuration;
 pub use types::{
-    ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, MethodName, Name, OnStoreError,
-    PathPrefix, Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
+    ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat, MethodName, Name,
+    OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
 };
 
 /// Default timeout of one store call, including waiting for a pooled connection.
@@ -71,6 +71,9 @@ pub struct Config {
     /// Which rate-limit fields responses carry, unless a route says otherwise.
     #[serde(default)]
     pub response_headers: ResponseHeaders,
+    /// `text` or `json` lines on standard error (applied at start; a reload cannot change it).
+    #[serde(default)]
+    pub log_format: LogFormat,
     #[serde(default)]
     pub upstreams: BTreeMap<Name, UpstreamConfig>,
     pub routes: Vec<RouteConfig>,

@@ -215,6 +215,17 @@ pub enum ForwardedHeader {
     Forwarded,
 }
 
+/// How log lines are written to standard error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// For people: one line of text per event.
+    #[default]
+    Text,
+    /// For log pipelines: one JSON object per line.
+    Json,
+}
+
 /// Which rate-limit fields responses carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]

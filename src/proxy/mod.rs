@@ -12,6 +12,7 @@ mod body;
 mod forward;
 mod harden;
 mod headers;
+mod request_id;
 mod upstreams;
 
 use std::net::SocketAddr;
@@ -29,6 +30,7 @@ use self::body::BodyFault;
 pub use self::body::ProxyBody;
 use self::forward::ForwardError;
 pub use self::harden::HeadLimits;
+use self::request_id::{RequestIds, X_REQUEST_ID};
 use self::upstreams::{Clients, Upstreams};
 use crate::config::OnStoreError;
 use crate::keys;
@@ -56,6 +58,7 @@ pub struct Gateway {
     refused_unrouted: IntCounter,
     /// `sluice_refused_requests_total`, by reason.
     refusals: IntCounterVec,
+    request_ids: RequestIds,
 }
 
 impl Gateway {
@@ -77,6 +80,7 @@ impl Gateway {
             unrouted: unrouted(Outcome::NoRoute),
             refused_unrouted: unrouted(Outcome::Refused),
             refusals: metrics.refused.clone(),
+            request_ids: RequestIds::new(),
         }
     }
 
@@ -100,10 +104,30 @@ impl Gateway {
             .any(|route| !route.limits.is_empty() && route.on_store_error == OnStoreError::Deny)
     }
 
+    /// Answers one request; every answer carries the request's id.
     pub async fn handle(
+        &self,
+        request: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let request_id = self.request_ids.id_for(request.headers());
+        let mut trace = Trace {
+            request_id: request_id.to_str().unwrap_or("-").to_owned(),
+            shadow_rejected: String::new(),
+        };
+        let mut response = self
+            .answer(request, peer, request_id.clone(), &mut trace)
+            .await;
+        response.headers_mut().insert(X_REQUEST_ID, request_id);
+        response
+    }
+
+    async fn answer(
         &self,
         mut request: Request<Incoming>,
         peer: SocketAddr,
+        request_id: HeaderValue,
+        trace: &mut Trace,
     ) -> Response<ProxyBody> {
         let started = Instant::now();
         if let Err(refused) = harden::admit_head(&mut request, &self.head_limits) {
@@ -111,6 +135,8 @@ impl Gateway {
             self.count_refusal(refused.reason);
             return response::problem(refused.status, &refused.detail, request.uri().path(), &[]);
         }
+        // The upstream gets the id too.
+        request.headers_mut().insert(X_REQUEST_ID, request_id);
         let active = self.active.load_full();
         let Some(route) = active.policy.route(request.method(), request.uri().path()) else {
             self.unrouted.inc();
@@ -121,9 +147,8 @@ impl Gateway {
                 &[],
             );
         };
-        let mut shadow_rejected = String::new();
         let (outcome, response) = self
-            .handle_routed(&active, route, request, peer, &mut shadow_rejected)
+            .handle_routed(&active, route, request, peer, trace)
             .await;
         let elapsed = started.elapsed();
         route.metrics.count(outcome);
@@ -136,7 +161,8 @@ impl Gateway {
             outcome = outcome.label(),
             status = response.status().as_u16(),
             micros = elapsed.as_micros() as u64,
-            shadow_rejected = %shadow_rejected,
+            shadow_rejected = %trace.shadow_rejected,
+            request_id = %trace.request_id,
         );
         response
     }
@@ -151,7 +177,7 @@ impl Gateway {
         route: &Route,
         request: Request<Incoming>,
         peer: SocketAddr,
-        shadow_rejected: &mut String,
+        trace: &mut Trace,
     ) -> (Outcome, Response<ProxyBody>) {
         // A declared length over the limit is refused before it costs a decision.
         if let Some(max_body) = route.max_body {
@@ -165,7 +191,7 @@ impl Gateway {
             }
         }
         let decided = self
-            .decide(&active.policy, route, &request, peer, shadow_rejected)
+            .decide(&active.policy, route, &request, peer, trace)
             .await;
         let decision = match decided {
             Ok(decision) => decision,
@@ -199,7 +225,7 @@ impl Gateway {
                         )
                     }
                     Err(err) => {
-                        tracing::warn!(route = %route.name, upstream = %upstream.name, error = %err, "upstream failed");
+                        tracing::warn!(route = %route.name, upstream = %upstream.name, error = %err, request_id = %trace.request_id, "upstream failed");
                         (
                             Outcome::UpstreamError,
                             upstream_problem(&err, upstream.name.as_str(), uri.path()),
@@ -217,15 +243,15 @@ impl Gateway {
     /// Decides the route's limits that apply to the request, with those limits. `Ok(None)`:
     /// none applies (or the store failed and the route allows). `Err`: the answer to send
     /// instead of acting (429, or 503 when the store cannot decide). The names of shadow
-    /// limits that would have rejected the request are written to `shadow_rejected` (for the
-    /// access log), separated by commas.
+    /// limits that would have rejected the request are added to `trace.shadow_rejected` (for
+    /// the access log), separated by commas.
     async fn decide<'r>(
         &self,
         policy: &Policy,
         route: &'r Route,
         request: &Request<Incoming>,
         peer: SocketAddr,
-        shadow_rejected: &mut String,
+        trace: &mut Trace,
     ) -> Result<Option<(Vec<&'r Limit>, Decision)>, (Outcome, Response<ProxyBody>)> {
         if route.limits.is_empty() {
             return Ok(None);
@@ -265,10 +291,10 @@ impl Gateway {
         for (limit, &rejecting) in limits.iter().zip(&decision.rejecting) {
             if limit.shadow && rejecting {
                 limit.metrics.shadow_rejected.inc();
-                if !shadow_rejected.is_empty() {
-                    shadow_rejected.push(',');
+                if !trace.shadow_rejected.is_empty() {
+                    trace.shadow_rejected.push(',');
                 }
-                shadow_rejected.push_str(limit.name.as_str());
+                trace.shadow_rejected.push_str(limit.name.as_str());
             } else if decision.admitted {
                 limit.metrics.admitted.inc();
             } else if rejecting {
@@ -278,9 +304,41 @@ impl Gateway {
         if decision.admitted {
             Ok(Some((limits, decision)))
         } else {
+            log_rejection(route, &limits, &checks, &decision, trace);
             let path = request.uri().path();
             let response = response::too_many_requests(route, &limits, &decision, path);
             Err((Outcome::Limited, response))
+        }
+    }
+}
+
+/// What is logged about one request beyond its route and outcome.
+pub struct Trace {
+    pub request_id: String,
+    /// Shadow limits that would have rejected it, comma-separated.
+    pub shadow_rejected: String,
+}
+
+/// One line per rejected request: the route, each rejecting limit with a hash of the identity
+/// it counted (never the identity itself: API keys are secrets), and the Retry-After.
+fn log_rejection(
+    route: &Route,
+    limits: &[&Limit],
+    checks: &[crate::limiter::Check],
+    decision: &Decision,
+    trace: &Trace,
+) {
+    for ((limit, check), &rejecting) in limits.iter().zip(checks).zip(&decision.rejecting) {
+        if rejecting && !limit.shadow {
+            tracing::info!(
+                target: "sluice::rejected",
+                route = %route.name,
+                limit = %limit.name,
+                identity = %keys::identity_hash(&check.key),
+                retry_after = response::ceil_seconds(decision.retry_after).max(1),
+                request_id = %trace.request_id,
+                "rejected"
+            );
         }
     }
 }
