@@ -498,4 +498,78 @@ mod tests {
             }
         }
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// Whatever a client writes in the forwarded-for headers, an untrusted peer is the
+        /// client, and a trusted one yields the peer or an address the header named; nothing
+        /// panics.
+        #[test]
+        fn forwarded_headers_never_lift_an_untrusted_peer(
+            hops in proptest::collection::vec(proptest::sample::select(vec![
+                "198.51.100.7", "10.1.1.1", "::1", "[2001:db8::1]:80", "203.0.113.9:4711",
+                "unknown", "_hidden", "garbage", "", " 10.2.2.2 ",
+            ]), 0..5),
+        ) {
+            let xff = hops.join(",");
+            let forwarded = hops
+                .iter()
+                .map(|hop| format!("for=\"{hop}\";proto=http"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let mut headers = HeaderMap::new();
+            if let Ok(value) = HeaderValue::from_str(&xff) {
+                headers.insert("x-forwarded-for", value);
+            }
+            if let Ok(value) = HeaderValue::from_str(&forwarded) {
+                headers.insert("forwarded", value);
+            }
+            let trusted: IpNet = "10.0.0.0/8".parse().unwrap();
+            for header in [ForwardedHeader::XForwardedFor, ForwardedHeader::Forwarded] {
+                let stranger: IpAddr = "192.0.2.1".parse().unwrap();
+                let untrusted = client_ip(stranger, &headers, &[trusted], header);
+                proptest::prop_assert_eq!(untrusted, stranger);
+                let peer: IpAddr = "10.1.2.3".parse().unwrap();
+                let found = client_ip(peer, &headers, &[trusted], header);
+                let named = xff.contains(&found.to_string()) || forwarded.contains(&found.to_string());
+                proptest::prop_assert!(found == peer || named, "{found}");
+            }
+        }
+
+        /// Any query string and cookie field gives a key of one shape, and the identity is
+        /// the decoded value: two spellings of one value share a key.
+        #[test]
+        fn query_and_cookie_parts_keep_the_key_shape(
+            query in "[a-z0-9=&%+;._~-]{0,40}",
+            cookie in "[a-z0-9=; \"._-]{0,40}",
+        ) {
+            let mut headers = HeaderMap::new();
+            if let Ok(value) = HeaderValue::from_str(&cookie) {
+                headers.insert("cookie", value);
+            }
+            let parts = vec![
+                KeyPart::Query("k".to_owned()),
+                KeyPart::Cookie("c".to_owned()),
+            ];
+            let key = key_of(&limit(parts), &format!("/?{query}"), &headers);
+            let (open, close) = ('{', '}');
+            let head = format!("sluice:r:l:{open}");
+            proptest::prop_assert!(key.starts_with(&head));
+            proptest::prop_assert!(key.ends_with(close));
+            proptest::prop_assert_eq!(key.matches(open).count(), 1);
+            proptest::prop_assert_eq!(key.matches(close).count(), 1);
+        }
+    }
+
+    #[test]
+    fn query_spellings_of_one_value_share_a_key() {
+        let limit = limit(vec![KeyPart::Query("key".to_owned())]);
+        let plain = key_of(&limit, "/?key=a+b%2Fc", &HeaderMap::new());
+        assert_eq!(
+            plain,
+            key_of(&limit, "/?x=1&%6Bey=a%20b/c", &HeaderMap::new())
+        );
+        assert_ne!(plain, key_of(&limit, "/?key=a+b%2Fd", &HeaderMap::new()));
+    }
 }
