@@ -69,6 +69,7 @@ impl Fixed {
         if new.log_format != self.log_format {
             return Some("`log_format` changed".to_owned());
         }
+        let old_server = &self.server;
         let (old, now) = (&self.server, &new.server);
         let server = [
             (
@@ -111,7 +112,11 @@ impl Fixed {
                 .find(|(_, same)| !same)
                 .map(|(field, _)| format!("`{section}.{field}` changed"))
         };
-        changed("server", &server).or_else(|| changed("store", &store))
+        changed("server", &server)
+            // Every `server` field is applied at start only: one missing from the list above
+            // must still refuse the file rather than be accepted and silently ignored.
+            .or_else(|| (old_server != &new.server).then(|| "`server` changed".to_owned()))
+            .or_else(|| changed("store", &store))
     }
 }
 

@@ -112,7 +112,7 @@ impl Gateway {
     ) -> Response<ProxyBody> {
         let request_id = self.request_ids.id_for(request.headers());
         let mut trace = Trace {
-            request_id: request_id.to_str().unwrap_or("-").to_owned(),
+            request_id: request_id.clone(),
             shadow_rejected: String::new(),
         };
         let mut response = self
@@ -162,7 +162,7 @@ impl Gateway {
             status = response.status().as_u16(),
             micros = elapsed.as_micros() as u64,
             shadow_rejected = %trace.shadow_rejected,
-            request_id = %trace.request_id,
+            request_id = trace.id(),
         );
         response
     }
@@ -225,7 +225,7 @@ impl Gateway {
                         )
                     }
                     Err(err) => {
-                        tracing::warn!(route = %route.name, upstream = %upstream.name, error = %err, request_id = %trace.request_id, "upstream failed");
+                        tracing::warn!(route = %route.name, upstream = %upstream.name, error = %err, request_id = trace.id(), "upstream failed");
                         (
                             Outcome::UpstreamError,
                             upstream_problem(&err, upstream.name.as_str(), uri.path()),
@@ -314,13 +314,20 @@ impl Gateway {
 
 /// What is logged about one request beyond its route and outcome.
 pub struct Trace {
-    pub request_id: String,
+    /// Checked to be visible ASCII (see `request_id`), so it always reads as text.
+    pub request_id: HeaderValue,
     /// Shadow limits that would have rejected it, comma-separated.
     pub shadow_rejected: String,
 }
 
 /// One line per rejected request: the route, each rejecting limit with a hash of the identity
 /// it counted (never the identity itself: API keys are secrets), and the Retry-After.
+impl Trace {
+    fn id(&self) -> &str {
+        self.request_id.to_str().unwrap_or("-")
+    }
+}
+
 fn log_rejection(
     route: &Route,
     limits: &[&Limit],
@@ -336,7 +343,7 @@ fn log_rejection(
                 limit = %limit.name,
                 identity = %keys::identity_hash(&check.key),
                 retry_after = response::ceil_seconds(decision.retry_after).max(1),
-                request_id = %trace.request_id,
+                request_id = trace.id(),
                 "rejected"
             );
         }
