@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs sluice's whole test suite: unit tests, and integration tests that spawn a real
 # redis-server, real upstream servers and the real sluice binary.
-# Installs redis-server and redis-sentinel first when they are missing and this machine can (apt-get or Homebrew).
+# Installs redis-server, redis-sentinel and redis-cli first when they are missing and this machine can (apt-get or Homebrew).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +26,8 @@ install_if_missing() {
 install_if_missing redis-server redis-server
 # tests/sentinel.rs runs three sentinels next to a master and a replica.
 install_if_missing redis-sentinel redis-sentinel
+# tests/cluster.rs creates a Redis Cluster with redis-cli (Debian's redis-tools).
+install_if_missing redis-cli redis-tools
 echo "using $(redis-server --version)" >&2
 
 cargo test --locked "$@"

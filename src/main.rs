@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use sluice::admin::Admin;
 use sluice::config::RedisTarget;
-use sluice::limiter::{RedisStore, SentinelSettings, Store};
+use sluice::limiter::{ClusterSettings, RedisStore, SentinelSettings, Store};
 use sluice::metrics::Metrics;
 use sluice::policy::Policy;
 use sluice::proxy::{self, Gateway};
@@ -170,6 +170,9 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
                     RedisStore::with_sentinels(&sentinel_settings(sentinel), pool_size, timeout)
                         .await
                 }
+                RedisTarget::Cluster(cluster) => {
+                    RedisStore::with_cluster(&cluster_settings(cluster), timeout).await
+                }
             }
             .context("invalid Redis settings")?;
             if let Err(err) = store.load_script().await {
@@ -266,6 +269,19 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+fn cluster_settings(cluster: &config::ClusterConfig) -> ClusterSettings {
+    ClusterSettings {
+        nodes: cluster
+            .nodes
+            .value
+            .iter()
+            .map(|node| (node.host.clone(), node.port))
+            .collect(),
+        username: cluster.username.clone(),
+        password: cluster.password.clone(),
+    }
 }
 
 fn sentinel_settings(sentinel: &config::SentinelConfig) -> SentinelSettings {

@@ -167,45 +167,86 @@ impl Default for LocalConfig {
 
 impl StoreConfig {
     /// Where Redis is (`None`: no Redis, the in-process store). Refuses a `store.redis` that
-    /// gives both `url` and `sentinel`, or neither, at the position of the offending field.
+    /// gives more than one of `url`, `sentinel` and `cluster`, or none, at the position of the
+    /// offending field.
     pub fn redis_target(&self, file: &Path) -> Result<Option<RedisTarget<'_>>, ConfigError> {
         let Some(redis) = &self.redis else {
             return Ok(None);
         };
-        let target = match (&redis.value.url, &redis.value.sentinel) {
-            (Some(url), None) => RedisTarget::Url(&url.value),
-            (None, Some(sentinel)) => {
-                if sentinel.value.nodes.value.is_empty() {
-                    return Err(ConfigError::invalid(
-                        file,
-                        Position::from(&sentinel.value.nodes),
-                        "store.redis.sentinel.nodes",
-                        "list at least one sentinel (host:port); three or more is usual",
-                    ));
-                }
-                RedisTarget::Sentinel(&sentinel.value)
-            }
-            (Some(_), Some(sentinel)) => {
-                return Err(ConfigError::invalid(
+        const ONE_OF: &str = "`url` (one Redis), `sentinel` (a master found through Redis \
+                              Sentinel) or `cluster` (a Redis Cluster)";
+        let config = &redis.value;
+        let mut targets = Vec::with_capacity(1);
+        if let Some(url) = &config.url {
+            targets.push((
+                Position::from(url),
+                "store.redis.url",
+                RedisTarget::Url(&url.value),
+            ));
+        }
+        if let Some(sentinel) = &config.sentinel {
+            nodes_listed(
+                file,
+                &sentinel.value.nodes,
+                "store.redis.sentinel.nodes",
+                "sentinel",
+            )?;
+            targets.push((
+                Position::from(sentinel),
+                "store.redis.sentinel",
+                RedisTarget::Sentinel(&sentinel.value),
+            ));
+        }
+        if let Some(cluster) = &config.cluster {
+            nodes_listed(
+                file,
+                &cluster.value.nodes,
+                "store.redis.cluster.nodes",
+                "cluster node",
+            )?;
+            targets.push((
+                Position::from(cluster),
+                "store.redis.cluster",
+                RedisTarget::Cluster(&cluster.value),
+            ));
+        }
+        match targets.len() {
+            0 => Err(ConfigError::invalid(
+                file,
+                Position::from(redis),
+                "store.redis",
+                format!("needs {ONE_OF}"),
+            )),
+            1 => Ok(targets.pop().map(|(_, _, target)| target)),
+            _ => {
+                let (position, field, _) = targets[1];
+                Err(ConfigError::invalid(
                     file,
-                    Position::from(sentinel),
-                    "store.redis.sentinel",
-                    "give either `url` (one Redis) or `sentinel` (a master found through \
-                     Redis Sentinel), not both",
+                    position,
+                    field,
+                    format!("give exactly one of {ONE_OF}"),
                 ))
             }
-            (None, None) => {
-                return Err(ConfigError::invalid(
-                    file,
-                    Position::from(redis),
-                    "store.redis",
-                    "needs `url` (one Redis) or `sentinel` (a master found through Redis \
-                     Sentinel)",
-                ))
-            }
-        };
-        Ok(Some(target))
+        }
     }
+}
+
+/// Refuses an empty list of nodes to start from.
+fn nodes_listed(
+    file: &Path,
+    nodes: &Spanned<Vec<HostPort>>,
+    field: &str,
+    what: &str,
+) -> Result<(), ConfigError> {
+    if nodes.value.is_empty() {
+        return Err(ConfigError::invalid(
+            file,
+            Position::from(nodes),
+            field,
+            format!("list at least one {what} (host:port); three or more is usual"),
+        ));
+    }
+    Ok(())
 }
 
 /// `store.redis`: where Redis is (exactly one of `url` and `sentinel`, checked by
@@ -215,6 +256,7 @@ impl StoreConfig {
 pub struct RedisConfig {
     pub url: Option<Spanned<RedisUrl>>,
     pub sentinel: Option<Spanned<SentinelConfig>>,
+    pub cluster: Option<Spanned<ClusterConfig>>,
     #[serde(default = "default_store_timeout")]
     pub timeout: ConfigDuration,
     #[serde(default = "default_pool_size")]
@@ -237,8 +279,19 @@ impl RedisConfig {
                 )
             })
         };
+        let cluster = |c: &RedisConfig| {
+            c.cluster.as_ref().map(|c| {
+                let c = &c.value;
+                (
+                    c.nodes.value.clone(),
+                    c.username.clone(),
+                    c.password.clone(),
+                )
+            })
+        };
         url(self) == url(other)
             && sentinel(self) == sentinel(other)
+            && cluster(self) == cluster(other)
             && self.timeout == other.timeout
             && self.pool_size == other.pool_size
     }
@@ -258,11 +311,24 @@ pub struct SentinelConfig {
     pub sentinel_password: Option<String>,
 }
 
+/// A Redis Cluster: the nodes to learn the slot map from (any of its masters or replicas;
+/// the rest of the cluster is discovered from them).
+#[derive(Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    pub nodes: Spanned<Vec<HostPort>>,
+    /// ACL user of every node, when not `default`.
+    pub username: Option<String>,
+    /// Password of every node (`requirepass`, or the ACL user's).
+    pub password: Option<String>,
+}
+
 /// Where the Redis store is.
 #[derive(Debug, Clone, Copy)]
 pub enum RedisTarget<'a> {
     Url(&'a RedisUrl),
     Sentinel(&'a SentinelConfig),
+    Cluster(&'a ClusterConfig),
 }
 
 #[derive(Debug, Deserialize)]

@@ -9,6 +9,7 @@
 //! in process memory (one instance).
 
 mod breaker;
+mod cluster;
 mod deny_cache;
 mod fixed_window;
 mod gcra;
@@ -24,6 +25,7 @@ use std::time::{Duration, Instant};
 use prometheus::{Histogram, IntCounter};
 
 use self::breaker::{Breaker, BreakerMetrics};
+pub use self::cluster::ClusterSettings;
 use self::deny_cache::DenyCache;
 use self::local::{LocalMetrics, LocalStore};
 pub use self::redis::RedisStore;

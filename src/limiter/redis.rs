@@ -28,11 +28,17 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, RedisError, Script};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::RedisFuture;
+use redis::{
+    Client, Cmd, ConnectionAddr, ErrorKind, FromRedisValue, IntoConnectionInfo,
+    RedisConnectionInfo, RedisError, RedisResult, Script, ServerErrorKind,
+};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+use super::cluster::{self, ClusterLink, ClusterSettings};
 use super::sentinel::{watch_failovers, MasterAddr, SentinelSettings, Sentinels};
 use super::{Check, Decision, LimitState, StoreError};
 
@@ -66,6 +72,8 @@ pub struct RedisStore {
     shared: Arc<Shared>,
     /// Present when the master is found through Sentinel.
     follower: Option<Follower>,
+    /// Present for a Redis Cluster, which replaces `shared.master`.
+    cluster: Option<ClusterLink>,
     next: AtomicUsize,
     /// Random per process, so members written by different instances never collide.
     instance: u64,
@@ -166,6 +174,21 @@ impl RedisStore {
         Ok(store)
     }
 
+    /// A store on a Redis Cluster, connected once before returning; if the cluster does not
+    /// answer, the store starts without it and keeps trying in the background.
+    pub async fn with_cluster(
+        settings: &ClusterSettings,
+        timeout: Duration,
+    ) -> Result<RedisStore, StoreError> {
+        let empty = Master {
+            addr: None,
+            connections: Vec::new(),
+        };
+        let mut store = RedisStore::with_master(empty, timeout);
+        store.cluster = Some(ClusterLink::connect(settings, timeout).await?);
+        Ok(store)
+    }
+
     fn with_master(master: Master, timeout: Duration) -> RedisStore {
         RedisStore {
             shared: Arc::new(Shared {
@@ -175,6 +198,7 @@ impl RedisStore {
                 timeout,
             }),
             follower: None,
+            cluster: None,
             next: AtomicUsize::new(0),
             instance: std::collections::hash_map::RandomState::new()
                 .build_hasher()
@@ -203,31 +227,121 @@ impl RedisStore {
             self.instance,
             self.sequence.fetch_add(1, Ordering::Relaxed)
         );
-        let mut invocation = self.shared.script.prepare_invoke();
-        for check in checks {
-            invocation.key(&check.key);
+        if self.cluster.is_some() {
+            if let Some(groups) = cluster::slot_groups(checks) {
+                return self.decide_across_slots(checks, &groups, &member).await;
+            }
         }
-        invocation.arg(member);
+        self.decide_in_one_call(checks.iter(), &member).await
+    }
+
+    /// One call of the decide script over `checks`, whose keys must share a slot on a cluster.
+    async fn decide_in_one_call<'a>(
+        &self,
+        checks: impl ExactSizeIterator<Item = &'a Check> + Clone,
+        member: &str,
+    ) -> Result<Decision, StoreError> {
+        let count = checks.len();
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.shared.script.get_hash()).arg(count);
+        for check in checks.clone() {
+            cmd.arg(&check.key);
+        }
+        cmd.arg(member);
         for check in checks {
             let params = check.params();
-            invocation
-                .arg(params.algorithm.label())
+            cmd.arg(params.algorithm.label())
                 .arg(params.requests)
                 .arg(params.window_us)
                 .arg(params.burst)
                 .arg(params.cost)
                 .arg(u8::from(params.shadow));
         }
+        let reply: Vec<i64> = self.run_script(&self.shared.script, &cmd).await?;
+        decision_from_reply(&reply, count)
+    }
+
+    /// A request whose limits live in several cluster slots: each slot decided by its own
+    /// call, all at once; when any rejects, the others' admissions are given back (see
+    /// `cluster` for what this guarantees).
+    async fn decide_across_slots(
+        &self,
+        checks: &[Check],
+        groups: &[Vec<usize>],
+        member: &str,
+    ) -> Result<Decision, StoreError> {
+        let calls = groups.iter().map(|members| {
+            self.decide_in_one_call(members.iter().map(|&index| &checks[index]), member)
+        });
+        let results = futures_util::future::join_all(calls).await;
+        let mut decisions = Vec::with_capacity(results.len());
+        let mut failure = None;
+        for result in results {
+            match result {
+                Ok(decision) => decisions.push(Some(decision)),
+                Err(err) => {
+                    decisions.push(None);
+                    failure = Some(err);
+                }
+            }
+        }
+        let rejected = failure.is_some() || decisions.iter().flatten().any(|d| !d.admitted);
+        if rejected {
+            // Give back what the slots that admitted recorded: the request is not forwarded.
+            let admitted = groups
+                .iter()
+                .zip(&decisions)
+                .filter(|(_, d)| d.as_ref().is_some_and(|d| d.admitted));
+            let releases = admitted.map(|(members, _)| {
+                self.release_in_one_call(members.iter().map(|&index| &checks[index]), member)
+            });
+            for result in futures_util::future::join_all(releases).await {
+                if let Err(err) = result {
+                    tracing::warn!(error = %err, "cannot give back a cluster slot's admission of a rejected request; it expires with its window");
+                }
+            }
+        }
+        if let Some(err) = failure {
+            return Err(err);
+        }
+        let decisions: Vec<Decision> = decisions.into_iter().flatten().collect();
+        Ok(cluster::merge(checks.len(), groups, &decisions))
+    }
+
+    /// PLACEHOLDER until the release primitive lands.
+    async fn release_in_one_call<'a>(
+        &self,
+        _checks: impl ExactSizeIterator<Item = &'a Check> + Clone,
+        _member: &str,
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Runs `cmd`, an EVALSHA of `script`, bounded by the timeout; loads the script and
+    /// tries again once when Redis has lost it (restart, failover, `SCRIPT FLUSH`), so
+    /// callers never see NOSCRIPT.
+    async fn run_script<T: FromRedisValue>(
+        &self,
+        script: &Script,
+        cmd: &Cmd,
+    ) -> Result<T, StoreError> {
         let mut conn = self.connection()?;
-        let reply: Vec<i64> = self
-            .bounded(async {
-                invocation
-                    .invoke_async(&mut conn)
-                    .await
-                    .map_err(|e| self.failed(e))
-            })
-            .await?;
-        decision_from_reply(&reply, checks.len())
+        self.bounded(async {
+            let value = match conn.send(cmd).await {
+                Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    // On a cluster, SCRIPT LOAD goes to every master.
+                    script
+                        .load_async(&mut conn)
+                        .await
+                        .map_err(|e| self.failed(e))?;
+                    conn.send(cmd).await
+                }
+                other => other,
+            }
+            .map_err(|e| self.failed(e))?;
+            T::from_redis_value(value).map_err(|e| StoreError::Script(e.to_string()))
+        })
+        .await
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
@@ -244,7 +358,10 @@ impl RedisStore {
 
     /// The next connection to the current master, round robin. A clone is a handle to the
     /// same connection.
-    fn connection(&self) -> Result<ConnectionManager, StoreError> {
+    fn connection(&self) -> Result<Connection, StoreError> {
+        if let Some(cluster) = &self.cluster {
+            return cluster.connection().map(Connection::Cluster);
+        }
         let master = self.shared.current();
         if master.connections.is_empty() {
             self.rediscover();
@@ -254,7 +371,7 @@ impl RedisStore {
             ));
         }
         let index = self.next.fetch_add(1, Ordering::Relaxed) % master.connections.len();
-        Ok(master.connections[index].clone())
+        Ok(Connection::Node(master.connections[index].clone()))
     }
 
     /// Classifies a failed call, and asks for a new lookup of the master when a failover
@@ -326,6 +443,53 @@ impl Shared {
                 false
             }
             None => false,
+        }
+    }
+}
+
+/// A connection to one node (standalone or the sentinels' master) or to a cluster, which
+/// routes each call by its keys' slot.
+enum Connection {
+    Node(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    /// Sends one command; on a cluster, to the master owning its keys' slot, following
+    /// redirections.
+    async fn send(&mut self, cmd: &Cmd) -> RedisResult<redis::Value> {
+        match self {
+            Connection::Node(conn) => conn.req_packed_command(cmd).await,
+            Connection::Cluster(conn) => cluster::call(conn, cmd).await,
+        }
+        .and_then(redis::Value::extract_error)
+    }
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> RedisFuture<'a, redis::Value> {
+        match self {
+            Connection::Node(conn) => conn.req_packed_command(cmd),
+            Connection::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Connection::Node(conn) => conn.req_packed_commands(cmd, offset, count),
+            Connection::Cluster(conn) => conn.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Node(conn) => conn.get_db(),
+            Connection::Cluster(conn) => conn.get_db(),
         }
     }
 }
@@ -457,6 +621,8 @@ fn script_error(err: RedisError) -> StoreError {
         || err.is_connection_refusal()
         || err.is_io_error()
         || err.code() == Some("READONLY")
+        // A cluster that is failing over or resharding beyond the retries.
+        || err.is_cluster_error()
         // Older servers wrap it in the script's own error.
         || err.to_string().contains("READONLY")
     {

@@ -1403,3 +1403,151 @@ pub fn header<'a>(resp: &'a reqwest::Response, name: &str) -> &'a str {
         .to_str()
         .unwrap()
 }
+
+// ---------------------------------------------------------------------------
+// Redis Cluster
+// ---------------------------------------------------------------------------
+
+/// Locate `redis-cli` (Debian's `redis-tools`, installed with `redis-server`), or panic with
+/// installation instructions.
+pub fn redis_cli_path() -> PathBuf {
+    find_on_path("redis-cli").unwrap_or_else(|| {
+        panic!(
+            "redis-cli not found on PATH: install it with `sudo apt-get install redis-tools` \
+             (Homebrew's `redis` has it) or run `bash scripts/test.sh`, which installs it"
+        )
+    })
+}
+
+/// A real three-master Redis Cluster on loopback, created with `redis-cli --cluster create`
+/// (no replicas: the tests move slots, they do not fail nodes over).
+pub struct RedisCluster {
+    pub nodes: Vec<Redis>,
+}
+
+impl RedisCluster {
+    /// Starts three cluster-enabled redis-servers, joins them and waits (up to 20 s) until
+    /// every node reports `cluster_state:ok`.
+    pub async fn start() -> RedisCluster {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            nodes.push(
+                Redis::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ])
+                .await,
+            );
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        let output = Command::new(redis_cli_path())
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed: {}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let cluster = RedisCluster { nodes };
+        for node in &cluster.nodes {
+            let port = node.port();
+            wait_for(Duration::from_secs(20), "cluster_state:ok", || async move {
+                let info = match command_at(port, &["CLUSTER", "INFO"]).await {
+                    Ok(redis::Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+                    Ok(redis::Value::VerbatimString { text, .. }) => text,
+                    _ => String::new(),
+                };
+                info.contains("cluster_state:ok")
+            })
+            .await;
+        }
+        cluster
+    }
+
+    /// `host:port` of every node, for `store.redis.cluster.nodes`.
+    pub fn addrs(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect()
+    }
+
+    /// The `store:` section for this cluster.
+    pub fn store_yaml(&self) -> String {
+        let nodes: Vec<String> = self.addrs().iter().map(|a| format!("\"{a}\"")).collect();
+        format!(
+            "store:\n  redis:\n    cluster:\n      nodes: [{}]\n    timeout: 1s\n  key_prefix: sluice-test\n",
+            nodes.join(", ")
+        )
+    }
+
+    /// The hash slot of `key`, as the cluster computes it.
+    pub async fn slot_of(&self, key: &str) -> u16 {
+        match self.nodes[0].cmd(&["CLUSTER", "KEYSLOT", key]).await {
+            redis::Value::Int(slot) => slot as u16,
+            other => panic!("CLUSTER KEYSLOT answered {other:?}"),
+        }
+    }
+
+    /// The node id (`CLUSTER MYID`) of node `index`.
+    pub async fn node_id(&self, index: usize) -> String {
+        match self.nodes[index].cmd(&["CLUSTER", "MYID"]).await {
+            redis::Value::BulkString(id) => String::from_utf8(id).expect("a node id"),
+            other => panic!("CLUSTER MYID answered {other:?}"),
+        }
+    }
+
+    /// The index of the node that owns `slot` (the one that answers `CLUSTER COUNTKEYSINSLOT`
+    /// without redirecting is not enough: each node knows the whole map, so this asks node 0
+    /// for `CLUSTER SLOTS` and matches ports).
+    pub async fn owner_of(&self, slot: u16) -> usize {
+        let redis::Value::Array(ranges) = self.nodes[0].cmd(&["CLUSTER", "SLOTS"]).await else {
+            panic!("CLUSTER SLOTS did not answer an array");
+        };
+        for range in ranges {
+            let redis::Value::Array(fields) = range else {
+                continue;
+            };
+            let (Some(redis::Value::Int(from)), Some(redis::Value::Int(to))) =
+                (fields.first(), fields.get(1))
+            else {
+                continue;
+            };
+            if (*from..=*to).contains(&i64::from(slot)) {
+                if let Some(redis::Value::Array(master)) = fields.get(2) {
+                    if let Some(redis::Value::Int(port)) = master.get(1) {
+                        return self
+                            .nodes
+                            .iter()
+                            .position(|n| i64::from(n.port()) == *port)
+                            .expect("a node of this cluster");
+                    }
+                }
+            }
+        }
+        panic!("no node owns slot {slot}");
+    }
+
+    /// Number of keys node `index` holds in `slot`.
+    pub async fn keys_in_slot(&self, index: usize, slot: u16) -> i64 {
+        match self.nodes[index]
+            .cmd(&["CLUSTER", "COUNTKEYSINSLOT", &slot.to_string()])
+            .await
+        {
+            redis::Value::Int(n) => n,
+            other => panic!("CLUSTER COUNTKEYSINSLOT answered {other:?}"),
+        }
+    }
+}

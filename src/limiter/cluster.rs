@@ -1,0 +1,323 @@
+//! Redis Cluster: the connection that routes each script call to the master owning its
+//! keys' slot, and the decision of a request whose limits live in different slots.
+//!
+//! Every key carries its identity as a hash tag (`…:{identity}`), so all entries of one
+//! (limit, identity) live in one slot, and the limits of a request that share an identity
+//! share a slot: such a request is still decided by one atomic script call. Limits with
+//! different identities (a per-client limit next to a global cap) usually fall into different
+//! slots, often on different masters; Redis cannot run one script across them. Those requests
+//! are decided per slot, all slots at once, and when any slot rejects, what the other slots
+//! admitted is given back (`Store::release`'s script). So:
+//!
+//! - per (limit, identity), every guarantee of the single-node store holds: the log is exact
+//!   and atomic in its slot, across every sluice instance;
+//! - a rejected request consumes nothing once its give-back has run; between its admission in
+//!   one slot and the give-back (one round trip) it holds a place there, so a concurrent
+//!   request may be refused that would otherwise have had room (never the other way round:
+//!   no limit ever admits more than it allows);
+//! - if the give-back itself fails (the master of that slot became unreachable in between),
+//!   the place stays taken until the window expires: the limit under-admits, it never
+//!   over-admits;
+//! - a request spanning slots is never delayed (`on_exceed: delay`): the slots' masters have
+//!   their own clocks, so no single future instant can be agreed on in one round trip. Its
+//!   delay limits answer as if they rejected.
+//!
+//! Slot migrations are followed here (`call`), not by the `redis` crate's own retries: its
+//! ASK redirection sends `ASKING` and the command as two separate writes on a connection that
+//! other requests share, so under load another request's command takes the `ASKING` flag and
+//! the redirected call bounces between the two nodes until it fails. Here an ASK redirection
+//! is one pipelined write (`ASKING` then the command), which nothing can come between; a
+//! MOVED reply goes to the named node at once (the crate refreshes its slot map in the
+//! background), and a TRYAGAIN (a multi-key call while its keys are split between two nodes)
+//! is tried again after a short wait. Each call stays bounded by the store's timeout.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use redis::aio::ConnectionLike;
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, Slot};
+use redis::{
+    Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo, RedisError, RedisResult,
+    ServerErrorKind, Value,
+};
+use tokio::task::JoinHandle;
+
+use super::{Check, Decision, StoreError};
+
+/// How often a cluster that could not be reached at start is tried again.
+const CONNECT_RETRY: Duration = Duration::from_millis(250);
+
+/// Redirections and TRYAGAIN waits one call may follow; the store's timeout bounds them all.
+const MAX_REDIRECTS: u32 = 16;
+/// The first wait after TRYAGAIN, doubled each time up to `MAX_TRY_AGAIN_WAIT`.
+const TRY_AGAIN_WAIT: Duration = Duration::from_millis(2);
+const MAX_TRY_AGAIN_WAIT: Duration = Duration::from_millis(50);
+
+/// Where the cluster is: nodes to learn the slot map from, and the credentials of every node.
+#[derive(Debug, Clone)]
+pub struct ClusterSettings {
+    pub nodes: Vec<(String, u16)>,
+    pub username: Option<String>,
+    pub password: Option<String>,
+}
+
+/// The cluster connection, opened in the background: sluice starts (and serves its
+/// unlimited routes) while the cluster is still unreachable.
+pub(super) struct ClusterLink {
+    connection: Arc<ArcSwapOption<ClusterConnection>>,
+    /// The background connection attempts, when the first one failed.
+    connecting: Option<JoinHandle<()>>,
+}
+
+impl Drop for ClusterLink {
+    fn drop(&mut self) {
+        if let Some(task) = &self.connecting {
+            task.abort();
+        }
+    }
+}
+
+impl ClusterLink {
+    /// Connects to the cluster, trying the first time before returning so that a reachable
+    /// cluster is ready for the first request. Must be called on a Tokio runtime.
+    pub(super) async fn connect(
+        settings: &ClusterSettings,
+        timeout: Duration,
+    ) -> Result<ClusterLink, StoreError> {
+        let nodes = settings
+            .nodes
+            .iter()
+            .map(|(host, port)| ConnectionAddr::Tcp(host.clone(), *port).into_connection_info())
+            .collect::<RedisResult<Vec<ConnectionInfo>>>()
+            .map_err(|e| StoreError::Connection(e.to_string()))?;
+        // No retries in the crate: `call` follows redirections itself, and a failed call is
+        // the store's to count. The crate still refreshes its slot map on MOVED.
+        let mut builder = ClusterClientBuilder::new(nodes)
+            .connection_timeout(timeout)
+            .retries(0);
+        if let Some(username) = &settings.username {
+            builder = builder.username(username);
+        }
+        if let Some(password) = &settings.password {
+            builder = builder.password(password);
+        }
+        let client = builder
+            .build()
+            .map_err(|e| StoreError::Connection(e.to_string()))?;
+        let connection = Arc::new(ArcSwapOption::empty());
+        let first =
+            tokio::time::timeout(timeout.max(CONNECT_RETRY), client.get_async_connection()).await;
+        let connecting = match first {
+            Ok(Ok(established)) => {
+                connection.store(Some(Arc::new(established)));
+                None
+            }
+            failed => {
+                let reason = match failed {
+                    Ok(Err(err)) => err.to_string(),
+                    _ => format!("no answer within {:?}", timeout.max(CONNECT_RETRY)),
+                };
+                tracing::warn!(error = %reason, "cannot reach the Redis Cluster yet; retrying in the background");
+                let slot = Arc::clone(&connection);
+                Some(tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(CONNECT_RETRY).await;
+                        if let Ok(established) = client.get_async_connection().await {
+                            tracing::info!("connected to the Redis Cluster");
+                            slot.store(Some(Arc::new(established)));
+                            return;
+                        }
+                    }
+                }))
+            }
+        };
+        Ok(ClusterLink {
+            connection,
+            connecting,
+        })
+    }
+
+    /// A handle to the cluster connection (cheap: the connection is shared).
+    pub(super) fn connection(&self) -> Result<ClusterConnection, StoreError> {
+        self.connection
+            .load()
+            .as_deref()
+            .cloned()
+            .ok_or_else(|| StoreError::Connection("the Redis Cluster is not reachable yet".into()))
+    }
+}
+
+/// Where a reply sent the call next.
+enum Redirect {
+    /// The slot map changed: the named node owns the slot now.
+    Moved(String, u16),
+    /// The slot is moving and its keys are no longer on the node asked: ask the importing
+    /// node, this once.
+    Ask(String, u16),
+}
+
+impl Redirect {
+    fn of(err: &RedisError) -> Option<Redirect> {
+        let (addr, _slot) = err.redirect_node()?;
+        let (host, port) = addr.rsplit_once(':')?;
+        let (host, port) = (host.to_owned(), port.parse().ok()?);
+        match err.kind() {
+            ErrorKind::Server(ServerErrorKind::Ask) => Some(Redirect::Ask(host, port)),
+            _ => Some(Redirect::Moved(host, port)),
+        }
+    }
+}
+
+/// Runs `cmd` (its keys in one slot) on the master owning that slot, following MOVED and ASK
+/// redirections and TRYAGAIN replies (see the module comment).
+pub(super) async fn call(conn: &mut ClusterConnection, cmd: &Cmd) -> RedisResult<Value> {
+    let mut redirect = None;
+    let mut wait = TRY_AGAIN_WAIT;
+    let mut attempt = 0;
+    loop {
+        let result = match &redirect {
+            None => conn.req_packed_command(cmd).await,
+            Some(Redirect::Moved(host, port)) => {
+                let node = SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                };
+                conn.route_command(cmd.clone(), RoutingInfo::SingleNode(node))
+                    .await
+            }
+            Some(Redirect::Ask(host, port)) => {
+                let node = SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                };
+                let mut asking = redis::pipe();
+                asking.cmd("ASKING").add_command(cmd.clone());
+                conn.route_pipeline(asking, 1, 1, node)
+                    .await
+                    .and_then(|mut replies| replies.pop().unwrap_or(Value::Nil).extract_error())
+            }
+        };
+        attempt += 1;
+        let err = match result {
+            Ok(value) => return Ok(value),
+            Err(err) if attempt >= MAX_REDIRECTS => return Err(err),
+            Err(err) => err,
+        };
+        match err.kind() {
+            ErrorKind::Server(ServerErrorKind::Ask | ServerErrorKind::Moved) => {
+                redirect = Some(Redirect::of(&err).ok_or(err)?);
+            }
+            ErrorKind::Server(ServerErrorKind::TryAgain) => {
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(MAX_TRY_AGAIN_WAIT);
+            }
+            _ => return Err(err),
+        }
+    }
+}
+
+/// The request's checks grouped by hash slot, each group the indices of its checks in
+/// order; `None` when they all share one slot (the common case, decided in one call).
+pub(super) fn slot_groups(checks: &[Check]) -> Option<Vec<Vec<usize>>> {
+    let first = Slot::for_key(checks.first()?.key.as_bytes());
+    if checks[1..]
+        .iter()
+        .all(|check| Slot::for_key(check.key.as_bytes()) == first)
+    {
+        return None;
+    }
+    let mut groups: Vec<(Slot, Vec<usize>)> = Vec::new();
+    for (index, check) in checks.iter().enumerate() {
+        let slot = Slot::for_key(check.key.as_bytes());
+        match groups.iter_mut().find(|(s, _)| *s == slot) {
+            Some((_, members)) => members.push(index),
+            None => groups.push((slot, vec![index])),
+        }
+    }
+    Some(groups.into_iter().map(|(_, members)| members).collect())
+}
+
+/// Puts the decisions of each slot group back together as one decision over all `checks`:
+/// admitted only if every group admitted. The groups that admitted a rejected request are
+/// the caller's to give back.
+pub(super) fn merge(checks: usize, groups: &[Vec<usize>], decisions: &[Decision]) -> Decision {
+    let mut merged = Decision {
+        admitted: decisions.iter().all(|d| d.admitted),
+        retry_after: Duration::ZERO,
+        limits: vec![None; checks],
+        rejecting: vec![false; checks],
+    };
+    for (members, decision) in groups.iter().zip(decisions) {
+        if !decision.admitted {
+            merged.retry_after = merged.retry_after.max(decision.retry_after);
+        }
+        for (position, &index) in members.iter().enumerate() {
+            merged.limits[index] = decision.limits.get(position).copied().flatten();
+            merged.rejecting[index] = decision.rejecting.get(position).copied().unwrap_or(false);
+        }
+    }
+    merged
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::{Algorithm, LimitState};
+
+    fn check(key: &str) -> Check {
+        Check {
+            key: key.to_owned(),
+            algorithm: Algorithm::SlidingLog,
+            requests: 1,
+            window: Duration::from_secs(1),
+            burst: 1,
+            cost: 1,
+            shadow: false,
+        }
+    }
+
+    #[test]
+    fn one_identity_is_one_slot() {
+        let checks = [check("s:r:a:{ip=1.2.3.4}"), check("s:r:b:{ip=1.2.3.4}")];
+        assert_eq!(slot_groups(&checks), None);
+    }
+
+    #[test]
+    fn groups_by_slot_in_order() {
+        // `{a}` and `{b}` hash to different slots (15495 and 3300).
+        let checks = [check("x:{a}"), check("y:{b}"), check("z:{a}")];
+        assert_eq!(slot_groups(&checks), Some(vec![vec![0, 2], vec![1]]));
+    }
+
+    #[test]
+    fn merges_a_rejection_in_one_slot() {
+        let state = |remaining| LimitState {
+            remaining,
+            reset: Duration::from_secs(1),
+        };
+        let groups = vec![vec![0, 2], vec![1]];
+        let decisions = [
+            Decision {
+                admitted: true,
+                retry_after: Duration::ZERO,
+                limits: vec![Some(state(4)), Some(state(6))],
+                rejecting: vec![false, false],
+            },
+            Decision {
+                admitted: false,
+                retry_after: Duration::from_millis(300),
+                limits: vec![Some(state(0))],
+                rejecting: vec![true],
+            },
+        ];
+        let merged = merge(3, &groups, &decisions);
+        assert!(!merged.admitted);
+        assert_eq!(merged.retry_after, Duration::from_millis(300));
+        assert_eq!(merged.rejecting, [false, true, false]);
+        assert_eq!(merged.limits[2], Some(state(6)));
+        assert_eq!(merged.limits[1], Some(state(0)));
+    }
+}
