@@ -387,7 +387,7 @@ fn check_refuses_url_and_sentinel_together() {
     let (status, _, stderr) = sluice_check(file.path());
     assert!(!status.success());
     let expected = format!(
-        "error: {}:7:7: store.redis.sentinel: give either `url`",
+        "error: {}:7:7: store.redis.sentinel: give exactly one of `url`",
         file.path().display()
     );
     assert!(stderr.contains(&expected), "{stderr}");
@@ -403,7 +403,7 @@ fn check_refuses_url_and_sentinel_together() {
     let (status, _, stderr) = sluice_check(file.path());
     assert!(!status.success());
     let expected = format!(
-        "error: {}:5:5: store.redis: needs `url` (one Redis) or `sentinel`",
+        "error: {}:5:5: store.redis: needs `url` (one Redis), `sentinel`",
         file.path().display()
     );
     assert!(stderr.contains(&expected), "{stderr}");

@@ -770,22 +770,41 @@ mod tests {
     }
 
     #[test]
-    fn redis_needs_url_or_sentinel_but_not_both() {
+    fn redis_needs_exactly_one_of_url_sentinel_and_cluster() {
         let sentinel =
             "    sentinel:\n      master_name: mymaster\n      nodes: [\"127.0.0.1:26379\"]\n";
         let url = "    url: redis://127.0.0.1:6379/0\n";
+        let cluster = "    cluster:\n      nodes: [\"127.0.0.1:7000\"]\n";
         let both = format!("{HEAD}routes: []\nstore:\n  redis:\n{url}{sentinel}");
         assert_eq!(
             error_of(&both),
-            "test.yaml:8:7: store.redis.sentinel: give either `url` (one Redis) or `sentinel` \
-             (a master found through Redis Sentinel), not both"
+            "test.yaml:8:7: store.redis.sentinel: give exactly one of `url` (one Redis), \
+             `sentinel` (a master found through Redis Sentinel) or `cluster` (a Redis Cluster)"
+        );
+        let both = format!("{HEAD}routes: []\nstore:\n  redis:\n{url}{cluster}");
+        assert!(
+            error_of(&both).starts_with("test.yaml:8:7: store.redis.cluster: give exactly one of"),
+            "{}",
+            error_of(&both)
         );
         let neither = format!("{HEAD}routes: []\nstore:\n  redis:\n    timeout: 1s\n");
         assert_eq!(
             error_of(&neither),
-            "test.yaml:6:5: store.redis: needs `url` (one Redis) or `sentinel` (a master found \
-             through Redis Sentinel)"
+            "test.yaml:6:5: store.redis: needs `url` (one Redis), `sentinel` (a master found \
+             through Redis Sentinel) or `cluster` (a Redis Cluster)"
         );
+        let no_nodes = format!("{HEAD}routes: []\nstore:\n  redis:\n    cluster: {{ nodes: [] }}\n");
+        let err = error_of(&no_nodes);
+        assert!(
+            err.starts_with("test.yaml:6:23: store.redis.cluster.nodes: list at least one cluster node"),
+            "{err}"
+        );
+        let bad = format!("{HEAD}routes: []\nstore:\n  redis:\n    cluster: {{ nodes: [\"h:1\", \"h:0\"] }}\n");
+        let err = error_of(&bad);
+        assert!(err.contains(": store.redis.cluster.nodes[1]: expected host:port"), "{err}");
+        let unknown = format!("{HEAD}routes: []\nstore:\n  redis:\n    cluster: {{ nodes: [\"h:1\"], replicas: 1 }}\n");
+        let err = error_of(&unknown);
+        assert!(err.contains("store.redis.cluster"), "{err}");
         let none = format!(
             "{HEAD}routes: []\nstore:\n  redis:\n    sentinel: {{ master_name: m, nodes: [] }}\n"
         );
