@@ -131,10 +131,24 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         client_ip,
     };
     let applied = keys::checks(route, &request);
-    let _ = writeln!(
-        out,
-        "limits:     all that apply decided together, in one store call"
-    );
+    let cluster = source
+        .config
+        .store
+        .redis
+        .as_ref()
+        .is_some_and(|redis| redis.value.cluster.is_some());
+    if cluster && crate::limiter::spans_slots(&applied.checks) {
+        let _ = writeln!(
+            out,
+            "limits:     in different Redis Cluster slots: each slot decided by its own call, \
+             and what one admits given back when another rejects"
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "limits:     all that apply decided together, in one store call"
+        );
+    }
     for limit in &route.limits {
         let Some(at) = applied.limits.iter().position(|l| std::ptr::eq(*l, limit)) else {
             let _ = writeln!(
@@ -170,7 +184,15 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             );
         }
         let _ = writeln!(out, "    store key: {}", check.key);
+        if cluster {
+            let _ = writeln!(
+                out,
+                "    cluster slot: {}",
+                crate::limiter::slot_of(&check.key)
+            );
+        }
     }
+
     let _ = writeln!(
         out,
         "on store error: {}\nnothing was sent to the store or the upstream.",

@@ -793,15 +793,23 @@ mod tests {
             "test.yaml:6:5: store.redis: needs `url` (one Redis), `sentinel` (a master found \
              through Redis Sentinel) or `cluster` (a Redis Cluster)"
         );
-        let no_nodes = format!("{HEAD}routes: []\nstore:\n  redis:\n    cluster: {{ nodes: [] }}\n");
+        let no_nodes =
+            format!("{HEAD}routes: []\nstore:\n  redis:\n    cluster: {{ nodes: [] }}\n");
         let err = error_of(&no_nodes);
         assert!(
-            err.starts_with("test.yaml:6:23: store.redis.cluster.nodes: list at least one cluster node"),
+            err.starts_with(
+                "test.yaml:6:23: store.redis.cluster.nodes: list at least one cluster node"
+            ),
             "{err}"
         );
-        let bad = format!("{HEAD}routes: []\nstore:\n  redis:\n    cluster: {{ nodes: [\"h:1\", \"h:0\"] }}\n");
+        let bad = format!(
+            "{HEAD}routes: []\nstore:\n  redis:\n    cluster: {{ nodes: [\"h:1\", \"h:0\"] }}\n"
+        );
         let err = error_of(&bad);
-        assert!(err.contains(": store.redis.cluster.nodes[1]: expected host:port"), "{err}");
+        assert!(
+            err.contains(": store.redis.cluster.nodes[1]: expected host:port"),
+            "{err}"
+        );
         let unknown = format!("{HEAD}routes: []\nstore:\n  redis:\n    cluster: {{ nodes: [\"h:1\"], replicas: 1 }}\n");
         let err = error_of(&unknown);
         assert!(err.contains("store.redis.cluster"), "{err}");

@@ -38,7 +38,7 @@ use arc_swap::ArcSwapOption;
 use redis::aio::ConnectionLike;
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, Slot};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{
     Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo, RedisError, RedisResult,
     ServerErrorKind, Value,
@@ -219,19 +219,43 @@ pub(super) async fn call(conn: &mut ClusterConnection, cmd: &Cmd) -> RedisResult
     }
 }
 
+/// The cluster hash slot of `key`: CRC16 (XMODEM) of its hash tag — the part between the
+/// first `{` and the next `}`, when not empty — or of the whole key, modulo 16384.
+pub fn slot_of(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let tagged = bytes.iter().position(|&b| b == b'{').and_then(|open| {
+        let rest = &bytes[open + 1..];
+        let close = rest.iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    crc16_xmodem(tagged.unwrap_or(bytes)) % 16384
+}
+
+fn crc16_xmodem(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in bytes {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
 /// The request's checks grouped by hash slot, each group the indices of its checks in
 /// order; `None` when they all share one slot (the common case, decided in one call).
 pub(super) fn slot_groups(checks: &[Check]) -> Option<Vec<Vec<usize>>> {
-    let first = Slot::for_key(checks.first()?.key.as_bytes());
-    if checks[1..]
-        .iter()
-        .all(|check| Slot::for_key(check.key.as_bytes()) == first)
-    {
+    let first = slot_of(&checks.first()?.key);
+    if checks[1..].iter().all(|check| slot_of(&check.key) == first) {
         return None;
     }
-    let mut groups: Vec<(Slot, Vec<usize>)> = Vec::new();
+    let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
     for (index, check) in checks.iter().enumerate() {
-        let slot = Slot::for_key(check.key.as_bytes());
+        let slot = slot_of(&check.key);
         match groups.iter_mut().find(|(s, _)| *s == slot) {
             Some((_, members)) => members.push(index),
             None => groups.push((slot, vec![index])),
@@ -277,6 +301,25 @@ mod tests {
             cost: 1,
             shadow: false,
         }
+    }
+
+    #[test]
+    fn slots_as_redis_computes_them() {
+        // CLUSTER KEYSLOT answers, from Redis 7.0.
+        assert_eq!(slot_of("foo"), 12182);
+        assert_eq!(slot_of("123456789"), 12739);
+        assert_eq!(slot_of("{a}"), 15495);
+        assert_eq!(slot_of("x:{a}:y"), 15495);
+        assert_eq!(slot_of("{b}"), 3300);
+        // An empty tag does not count: the whole key is hashed.
+        assert_eq!(slot_of("{}foo"), slot_of_whole("{}foo"));
+        assert_eq!(slot_of("foo{}{bar}"), slot_of_whole("foo{}{bar}"));
+        // Only the first tag counts.
+        assert_eq!(slot_of("{user1000}.following{x}"), slot_of("user1000"));
+    }
+
+    fn slot_of_whole(key: &str) -> u16 {
+        crc16_xmodem(key.as_bytes()) % 16384
     }
 
     #[test]

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use prometheus::{Histogram, IntCounter};
 
 use self::breaker::{Breaker, BreakerMetrics};
-pub use self::cluster::ClusterSettings;
+pub use self::cluster::{slot_of, ClusterSettings};
 use self::deny_cache::DenyCache;
 use self::local::{LocalMetrics, LocalStore};
 pub use self::redis::RedisStore;
@@ -101,6 +101,11 @@ pub struct Params {
     pub burst: u32,
     pub cost: u32,
     pub shadow: bool,
+}
+
+/// Whether `checks` live in more than one Redis Cluster slot (and so are decided per slot).
+pub fn spans_slots(checks: &[Check]) -> bool {
+    cluster::slot_groups(checks).is_some()
 }
 
 /// One algorithm's answer for one limit, before anything is recorded.
