@@ -6,6 +6,7 @@
 //! part of the file to another (unknown upstream, duplicate names) happen in `policy`, using
 //! the positions kept here with `Spanned`.
 
+mod admin;
 mod duration;
 mod types;
 
@@ -20,6 +21,7 @@ pub use serde_saphyr::Spanned;
 pub use crate::limiter::Algorithm;
 use sha2::{Digest, Sha256};
 
+pub use admin::{AdminConfig, EnvName};
 pub use duration::ConfigDuration;
 pub use types::{
     ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat, MethodName, Name,
@@ -58,6 +60,9 @@ pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 30_000;
 pub struct Config {
     pub listen: SocketAddr,
     pub admin_listen: Spanned<SocketAddr>,
+    /// Who may use the admin API on `admin_listen` (applied at start).
+    #[serde(default)]
+    pub admin: AdminConfig,
     #[serde(default)]
     pub server: ServerConfig,
     #[serde(default)]
@@ -560,6 +565,7 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
         )
     })?;
     config.store.redis_target(file)?;
+    admin::check(&config.admin_listen, &config.admin, file)?;
     Ok(config)
 }
 
