@@ -31,6 +31,14 @@ impl Default for AdminConfig {
     }
 }
 
+impl AdminConfig {
+    /// Whether `other` sets the same values, wherever they stand in the file.
+    pub fn same_as(&self, other: &AdminConfig) -> bool {
+        let name = |c: &AdminConfig| c.token_env.as_ref().map(|t| t.value.clone());
+        name(self) == name(other) && self.api == other.api
+    }
+}
+
 fn enabled() -> bool {
     true
 }

@@ -511,6 +511,8 @@ impl fmt::Display for Located<'_> {
 pub struct Source {
     pub config: Config,
     pub digest: [u8; 32],
+    /// The text it was parsed from (for `/admin/v1/config`).
+    pub text: std::sync::Arc<str>,
 }
 
 /// Reads and parses the policy file at `file`.
@@ -529,7 +531,11 @@ pub fn from_bytes(bytes: &[u8], file: &Path) -> Result<Source, ConfigError> {
         )
     })?;
     let config = parse(text, file)?;
-    Ok(Source { config, digest })
+    Ok(Source {
+        config,
+        digest,
+        text: std::sync::Arc::from(text),
+    })
 }
 
 /// The error for a policy file that cannot be read (or is not UTF-8).
@@ -567,6 +573,12 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
     config.store.redis_target(file)?;
     admin::check(&config.admin_listen, &config.admin, file)?;
     Ok(config)
+}
+
+/// Policy text as a JSON value (aliases resolved), read with the same limits as `parse`: for
+/// showing the file in force, not for checking it.
+pub fn to_json(text: &str) -> Result<serde_json::Value, serde_saphyr::Error> {
+    serde_saphyr::from_str_with_options(text, options())
 }
 
 /// Limits that keep a hostile or broken file (deep nesting, alias bombs) from using much time
