@@ -214,7 +214,7 @@ fn parse_headers(lines: &[String]) -> Result<HeaderMap, ExplainError> {
 }
 
 /// A key part as written in the policy file.
-fn describe(part: &KeyPart) -> String {
+pub fn describe(part: &KeyPart) -> String {
     match part {
         KeyPart::ClientIp => "client_ip".to_owned(),
         KeyPart::Header(name) => format!("header:{name}"),

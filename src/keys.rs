@@ -150,6 +150,48 @@ fn key(limit: &Limit, matcher: &Matcher, request: &RequestParts<'_>) -> String {
     key
 }
 
+/// The store key of `limit`, a limit of `route`, for `request`: the key a live request with
+/// these parts gets. The admin API builds a request from an operator's per-part values and
+/// asks here, so it never spells a key differently from the gateway.
+pub fn store_key(limit: &Limit, route: &Route, request: &RequestParts<'_>) -> String {
+    key(limit, &route.matcher, request)
+}
+
+/// How a part's value is labelled inside the identity (`ip=`, `h:x-api-key=`, ...).
+pub fn part_label(part: &KeyPart) -> Cow<'static, str> {
+    match part {
+        KeyPart::ClientIp => Cow::Borrowed("ip="),
+        KeyPart::Header(name) => Cow::Owned(format!("h:{name}=")),
+        KeyPart::Query(name) => Cow::Owned(format!("q:{name}=")),
+        KeyPart::Cookie(name) => Cow::Owned(format!("c:{name}=")),
+        KeyPart::Method => Cow::Borrowed("m="),
+        KeyPart::Host => Cow::Borrowed("host="),
+        KeyPart::Param(name) => Cow::Owned(format!("param:{name}=")),
+        KeyPart::Path => Cow::Borrowed("p="),
+    }
+}
+
+/// Whether `identity` (the part of a store key between `{` and `}`) has the shape `limit`'s
+/// keys have: `*` for an empty key, its parts' labels in order joined by `|`, or the client
+/// IP a request lacking a part counts instead. Values are escaped (`|`, `{`, `}` never appear
+/// raw), so splitting on `|` finds the parts.
+pub fn identity_fits(limit: &Limit, identity: &str) -> bool {
+    let printable = |s: &str| s.bytes().all(|b| (0x21..=0x7E).contains(&b));
+    if identity.is_empty() || !printable(identity) || identity.contains(['{', '}']) {
+        return false;
+    }
+    if limit.key.is_empty() {
+        return identity == "*";
+    }
+    let segments: Vec<&str> = identity.split('|').collect();
+    let fits = segments.len() == limit.key.len()
+        && segments
+            .iter()
+            .zip(&limit.key)
+            .all(|(segment, part)| segment.starts_with(&*part_label(part)));
+    fits || (segments.len() == 1 && identity.starts_with("ip="))
+}
+
 /// The first part of `limit`'s key the request lacks, if any: the limit then counts the
 /// client IP instead.
 pub fn missing_part<'a>(limit: &'a Limit, request: &RequestParts<'_>) -> Option<&'a KeyPart> {
@@ -238,7 +280,7 @@ fn query_values<'a>(uri: &'a Uri, name: &'a str) -> impl Iterator<Item = Vec<u8>
         })
 }
 
-fn percent_decode(text: &str) -> Vec<u8> {
+pub(crate) fn percent_decode(text: &str) -> Vec<u8> {
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut index = 0;
@@ -560,6 +602,39 @@ mod tests {
             proptest::prop_assert_eq!(key.matches(open).count(), 1);
             proptest::prop_assert_eq!(key.matches(close).count(), 1);
         }
+    }
+
+    #[test]
+    fn each_part_is_written_after_its_label_and_fits() {
+        let parts = vec![
+            KeyPart::ClientIp,
+            KeyPart::Header(API_KEY),
+            KeyPart::Query("k".to_owned()),
+            KeyPart::Cookie("c".to_owned()),
+            KeyPart::Method,
+            KeyPart::Host,
+            KeyPart::Path,
+        ];
+        let mut headers = HeaderMap::new();
+        headers.insert(API_KEY, HeaderValue::from_static("a|b"));
+        headers.insert("cookie", HeaderValue::from_static("c=v"));
+        headers.insert("host", HeaderValue::from_static("h"));
+        for part in &parts {
+            let one = limit(vec![part.clone()]);
+            let key = key_of(&one, "/x?k=1", &headers);
+            let identity = &key["sluice:r:l:{".len()..key.len() - 1];
+            assert!(identity.starts_with(&*part_label(part)), "{key}");
+            assert!(identity_fits(&one, identity), "{identity}");
+        }
+        let all = limit(parts);
+        let key = key_of(&all, "/x?k=1", &headers);
+        let identity = &key["sluice:r:l:{".len()..key.len() - 1];
+        assert!(identity_fits(&all, identity), "{identity}");
+        assert!(identity_fits(&all, "ip=10.0.0.7"), "the fallback to the client ip");
+        assert!(!identity_fits(&all, "h:x-api-key=a"), "parts missing");
+        assert!(!identity_fits(&all, "ip=1|x}"), "braces");
+        assert!(!identity_fits(&limit(Vec::new()), "ip=1"));
+        assert!(identity_fits(&limit(Vec::new()), "*"));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use tokio::sync::watch;
 
-use sluice::admin::Admin;
+use sluice::admin::{Admin, Api, Token};
 use sluice::config::RedisTarget;
 use sluice::limiter::{ClusterSettings, RedisStore, SentinelSettings, Store};
 use sluice::metrics::Metrics;
@@ -161,6 +161,13 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
         metrics,
     } = loaded;
     let config = &source.config;
+    // Before anything is bound or connected: a token that cannot be read stops the start.
+    let token = if config.admin.api {
+        Token::from_env(&config.admin)?
+    } else {
+        None
+    };
+    let admin_api = config.admin.api;
     let store = match (&config.store.redis, config.store.redis_target(file)?) {
         (Some(redis), Some(target)) => {
             let (pool_size, timeout) = (redis.value.pool_size.0 as usize, redis.value.timeout.0);
@@ -204,14 +211,19 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
     let (gateway_open, admin_open) = (open("gateway"), open("admin"));
     let gateway = Arc::new(Gateway::new(policy, store, head_limits, &metrics));
     let draining = Arc::new(AtomicBool::new(false));
-    let admin = Arc::new(Admin {
-        gateway: Arc::clone(&gateway),
-        metrics: Arc::clone(&metrics),
-        draining: Arc::clone(&draining),
-    });
     let (stop, stopping) = watch::channel(false);
     let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
+    let admin_metrics = Arc::clone(&metrics);
     let reloader = Reloader::new(file, source, Arc::clone(&gateway), metrics);
+    let admin = Arc::new(Admin {
+        gateway: Arc::clone(&gateway),
+        metrics: admin_metrics,
+        draining: Arc::clone(&draining),
+        api: admin_api.then(|| Api {
+            token,
+            reload: reloader.handle(),
+        }),
+    });
     tokio::spawn(reloader.run(stopping.clone()));
     tokio::spawn(async move {
         shutdown_signal().await;

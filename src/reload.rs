@@ -9,10 +9,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::config::{self, Config, LogFormat, ServerConfig, Source, StoreConfig};
+use crate::config::{self, AdminConfig, Config, LogFormat, ServerConfig, Source, StoreConfig};
 use crate::metrics::{Metrics, ReloadResult};
 use crate::policy::Policy;
 use crate::proxy::Gateway;
@@ -46,6 +47,8 @@ pub fn hash_value(digest: &[u8; 32]) -> i64 {
 struct Fixed {
     listen: SocketAddr,
     admin_listen: SocketAddr,
+    /// The admin API's token is read from the environment at start only.
+    admin: AdminConfig,
     log_format: LogFormat,
     server: ServerConfig,
     store: StoreConfig,
@@ -65,6 +68,9 @@ impl Fixed {
                 "`admin_listen` changed from {} to {}",
                 self.admin_listen, new.admin_listen.value
             ));
+        }
+        if !new.admin.same_as(&self.admin) {
+            return Some("`admin` changed".to_owned());
         }
         if new.log_format != self.log_format {
             return Some("`log_format` changed".to_owned());
@@ -120,6 +126,52 @@ impl Fixed {
     }
 }
 
+/// The config file in force: what `/admin/v1/config` shows.
+pub struct Serving {
+    pub file: PathBuf,
+    pub text: Arc<str>,
+    pub digest: [u8; 32],
+}
+
+impl Serving {
+    /// The SHA-256 of the file in force, as `sha256sum` prints it.
+    pub fn sha256(&self) -> String {
+        self.digest.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// A reload that was applied: the file's SHA-256 and its number of routes.
+#[derive(Debug, Clone)]
+pub struct Applied {
+    pub sha256: String,
+    pub config_hash: i64,
+    pub routes: usize,
+}
+
+type Reply = oneshot::Sender<Result<Applied, ReloadError>>;
+
+/// Asks the reloader to reload now, as SIGHUP does, and waits for the outcome (the admin
+/// API's `POST /admin/v1/reload`).
+#[derive(Clone)]
+pub struct ReloadHandle {
+    requests: mpsc::Sender<Reply>,
+    serving: Arc<ArcSwap<Serving>>,
+}
+
+impl ReloadHandle {
+    /// Reloads the file now; `None` when the reloader has stopped (shutting down).
+    pub async fn reload(&self) -> Option<Result<Applied, ReloadError>> {
+        let (reply, outcome) = oneshot::channel();
+        self.requests.send(reply).await.ok()?;
+        outcome.await.ok()
+    }
+
+    /// The config file in force now.
+    pub fn serving(&self) -> Arc<Serving> {
+        self.serving.load_full()
+    }
+}
+
 /// Watches the config file and puts each valid new version in force.
 pub struct Reloader {
     file: PathBuf,
@@ -131,6 +183,11 @@ pub struct Reloader {
     last_seen: [u8; 32],
     #[cfg(unix)]
     hangup: Option<tokio::signal::unix::Signal>,
+    serving: Arc<ArcSwap<Serving>>,
+    /// Taken by `run`.
+    requests: Option<mpsc::Receiver<Reply>>,
+    /// Kept to hand out `ReloadHandle`s.
+    sender: mpsc::Sender<Reply>,
 }
 
 impl Reloader {
@@ -143,6 +200,13 @@ impl Reloader {
         metrics: Arc<Metrics>,
     ) -> Reloader {
         metrics.config_hash.set(hash_value(&started.digest));
+        let serving = Arc::new(ArcSwap::from_pointee(Serving {
+            file: file.to_owned(),
+            text: started.text,
+            digest: started.digest,
+        }));
+        // Reloads asked for over the admin API wait their turn; a few queued is plenty.
+        let (sender, requests) = mpsc::channel(4);
         let config = started.config;
         #[cfg(unix)]
         let hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
@@ -159,6 +223,7 @@ impl Reloader {
             fixed: Fixed {
                 listen: config.listen,
                 admin_listen: config.admin_listen.value,
+                admin: config.admin,
                 log_format: config.log_format,
                 server: config.server,
                 store: config.store,
@@ -166,11 +231,25 @@ impl Reloader {
             last_seen: started.digest,
             #[cfg(unix)]
             hangup,
+            serving,
+            requests: Some(requests),
+            sender,
+        }
+    }
+
+    /// A handle to ask for reloads and read the config in force.
+    pub fn handle(&self) -> ReloadHandle {
+        ReloadHandle {
+            requests: self.sender.clone(),
+            serving: Arc::clone(&self.serving),
         }
     }
 
     /// Polls the file and waits for SIGHUP until `stopping` turns true.
     pub async fn run(mut self, mut stopping: watch::Receiver<bool>) {
+        let Some(mut requests) = self.requests.take() else {
+            return;
+        };
         let mut poll = tokio::time::interval(POLL_INTERVAL);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -178,10 +257,11 @@ impl Reloader {
                 _ = poll.tick() => self.poll(),
                 () = self.hangup() => {
                     tracing::info!(file = %self.file.display(), "SIGHUP: reloading the config file");
-                    match std::fs::read(&self.file) {
-                        Ok(bytes) => self.reload(&bytes),
-                        Err(err) => self.refused(&config::read_error(&self.file, err).into()),
-                    }
+                    let _ = self.reload_file();
+                }
+                Some(reply) = requests.recv() => {
+                    tracing::info!(file = %self.file.display(), "admin API: reloading the config file");
+                    let _ = reply.send(self.reload_file());
                 }
                 _ = stopping.changed() => return,
             }
@@ -194,7 +274,7 @@ impl Reloader {
         match std::fs::read(&self.file) {
             Ok(bytes) => {
                 if <[u8; 32]>::from(Sha256::digest(&bytes)) != self.last_seen {
-                    self.reload(&bytes);
+                    let _ = self.reload(&bytes);
                 }
             }
             // A file briefly missing (an editor that deletes, then writes) is not a new
@@ -215,16 +295,32 @@ impl Reloader {
         std::future::pending::<()>().await;
     }
 
-    fn reload(&mut self, bytes: &[u8]) {
+    /// Reads the file and reloads it whatever its bytes (SIGHUP, the admin API).
+    fn reload_file(&mut self) -> Result<Applied, ReloadError> {
+        match std::fs::read(&self.file) {
+            Ok(bytes) => self.reload(&bytes),
+            Err(err) => {
+                let err = ReloadError::from(config::read_error(&self.file, err));
+                self.refused(&err);
+                Err(err)
+            }
+        }
+    }
+
+    fn reload(&mut self, bytes: &[u8]) -> Result<Applied, ReloadError> {
         match self.apply(bytes) {
-            Ok(routes) => {
+            Ok(applied) => {
                 self.metrics
                     .config_reloads
                     .with_label_values(&[ReloadResult::Ok.label()])
                     .inc();
-                tracing::info!(file = %self.file.display(), routes, "config reloaded");
+                tracing::info!(file = %self.file.display(), routes = applied.routes, "config reloaded");
+                Ok(applied)
             }
-            Err(err) => self.refused(&err),
+            Err(err) => {
+                self.refused(&err);
+                Err(err)
+            }
         }
     }
 
@@ -236,9 +332,8 @@ impl Reloader {
         tracing::error!("config reload refused; the old policy keeps serving: {err}");
     }
 
-    /// Parses, checks and compiles `bytes` completely, then installs the policy; the number
-    /// of routes on success.
-    fn apply(&mut self, bytes: &[u8]) -> Result<usize, ReloadError> {
+    /// Parses, checks and compiles `bytes` completely, then installs the policy.
+    fn apply(&mut self, bytes: &[u8]) -> Result<Applied, ReloadError> {
         self.last_seen = Sha256::digest(bytes).into();
         let source = config::from_bytes(bytes, &self.file)?;
         if let Some(change) = self.fixed.change(&source.config) {
@@ -250,8 +345,20 @@ impl Reloader {
         let policy = Policy::compile(&source.config, &self.file, &self.metrics)?;
         let routes = policy.routes.len();
         self.gateway.install(policy);
-        self.metrics.config_hash.set(hash_value(&source.digest));
-        Ok(routes)
+        let config_hash = hash_value(&source.digest);
+        self.metrics.config_hash.set(config_hash);
+        let serving = Serving {
+            file: self.file.clone(),
+            text: source.text,
+            digest: source.digest,
+        };
+        let sha256 = serving.sha256();
+        self.serving.store(Arc::new(serving));
+        Ok(Applied {
+            sha256,
+            config_hash,
+            routes,
+        })
     }
 }
 
@@ -271,6 +378,7 @@ mod tests {
         Fixed {
             listen: config.listen,
             admin_listen: config.admin_listen.value,
+            admin: config.admin,
             log_format: config.log_format,
             server: config.server,
             store: config.store,

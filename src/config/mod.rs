@@ -6,6 +6,7 @@
 //! part of the file to another (unknown upstream, duplicate names) happen in `policy`, using
 //! the positions kept here with `Spanned`.
 
+mod admin;
 mod duration;
 mod types;
 
@@ -20,6 +21,7 @@ pub use serde_saphyr::Spanned;
 pub use crate::limiter::Algorithm;
 use sha2::{Digest, Sha256};
 
+pub use admin::{AdminConfig, EnvName};
 pub use duration::ConfigDuration;
 pub use types::{
     ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat, MethodName, Name,
@@ -58,6 +60,9 @@ pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 30_000;
 pub struct Config {
     pub listen: SocketAddr,
     pub admin_listen: Spanned<SocketAddr>,
+    /// Who may use the admin API on `admin_listen` (applied at start).
+    #[serde(default)]
+    pub admin: AdminConfig,
     #[serde(default)]
     pub server: ServerConfig,
     #[serde(default)]
@@ -572,6 +577,8 @@ impl fmt::Display for Located<'_> {
 pub struct Source {
     pub config: Config,
     pub digest: [u8; 32],
+    /// The text it was parsed from (for `/admin/v1/config`).
+    pub text: std::sync::Arc<str>,
 }
 
 /// Reads and parses the policy file at `file`.
@@ -590,7 +597,11 @@ pub fn from_bytes(bytes: &[u8], file: &Path) -> Result<Source, ConfigError> {
         )
     })?;
     let config = parse(text, file)?;
-    Ok(Source { config, digest })
+    Ok(Source {
+        config,
+        digest,
+        text: std::sync::Arc::from(text),
+    })
 }
 
 /// The error for a policy file that cannot be read (or is not UTF-8).
@@ -626,7 +637,14 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
         )
     })?;
     config.store.redis_target(file)?;
+    admin::check(&config.admin_listen, &config.admin, file)?;
     Ok(config)
+}
+
+/// Policy text as a JSON value (aliases resolved), read with the same limits as `parse`: for
+/// showing the file in force, not for checking it.
+pub fn to_json(text: &str) -> Result<serde_json::Value, serde_saphyr::Error> {
+    serde_saphyr::from_str_with_options(text, options())
 }
 
 /// Limits that keep a hostile or broken file (deep nesting, alias bombs) from using much time

@@ -140,6 +140,14 @@ impl DenyCache {
     }
 }
 
+impl DenyCache {
+    /// Forgets a remembered denial of `key` (whatever its limit's parameters), so the next
+    /// request is decided by Redis; whether there was one. For the admin API's reset.
+    pub fn forget(&self, key: &str) -> bool {
+        self.shard(key).remove(key).is_some()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@ use lru::LruCache;
 use prometheus::{IntCounter, IntGauge};
 
 use super::{fixed_window, gcra, sliding_log, sliding_window};
-use super::{Algorithm, Check, Decision, LimitState, Params, Verdict};
+use super::{Algorithm, Check, Decision, LimitState, Params, Peek, Verdict};
 
 /// How often logs that have emptied are dropped, so memory follows live keys only.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -265,6 +265,63 @@ impl LocalStore {
         match logs.peek_mut(check.key.as_str()) {
             Some(log) => log.cell.record(&params, now),
             None => Cell::new(params.algorithm).record(&params, now),
+        }
+    }
+}
+
+/// Read and reset for the admin API: neither records an admission.
+impl LocalStore {
+    /// Where `check.key` stands now for one more request of cost 1, with the same arithmetic
+    /// as a decision; drops what time has expired, records nothing, and leaves the key's
+    /// place in the LRU order alone.
+    pub fn peek(&self, check: &Check) -> Peek {
+        let params = Params {
+            cost: 1,
+            ..check.params()
+        };
+        let now = micros_since(self.epoch);
+        let mut logs = lock(&self.shards.shards[self.shards.index(&check.key)]);
+        let verdict = match logs.peek_mut(check.key.as_str()) {
+            Some(log) if log.cell.algorithm() == params.algorithm => {
+                log.cell.advance(params.window_us, now);
+                let verdict = log.cell.check(&params, now);
+                return Peek {
+                    count: log.cell.count(&params, &verdict),
+                    remaining: verdict.state.remaining,
+                    reset: verdict.state.reset,
+                };
+            }
+            _ => Cell::new(params.algorithm).check(&params, now),
+        };
+        Peek {
+            count: 0,
+            remaining: verdict.state.remaining,
+            reset: verdict.state.reset,
+        }
+    }
+
+    /// Forgets everything recorded under `key`; whether there was anything.
+    pub fn forget(&self, key: &str) -> bool {
+        let mut logs = lock(&self.shards.shards[self.shards.index(key)]);
+        let found = logs.pop(key).is_some();
+        if found {
+            self.shards.keys.dec();
+        }
+        found
+    }
+}
+
+impl Cell {
+    /// Requests counted against the limit now (the state advanced to now): entries or the
+    /// counter where the algorithm keeps them; for the sliding-window counter (a weighted
+    /// sum) and GCRA (a timestamp), the room used, capacity minus remaining.
+    fn count(&self, params: &Params, verdict: &Verdict) -> u64 {
+        let remaining = u64::from(verdict.state.remaining);
+        match self {
+            Cell::Log(times) => times.len() as u64,
+            Cell::Counter(counter) => counter.count,
+            Cell::Window(_) => u64::from(params.requests).saturating_sub(remaining),
+            Cell::Tat(_) => u64::from(params.burst).saturating_sub(remaining),
         }
     }
 }

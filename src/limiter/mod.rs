@@ -143,6 +143,25 @@ pub struct Decision {
     pub rejecting: Vec<bool>,
 }
 
+/// Where one identity's limit stands, read without recording anything (the admin API).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peek {
+    /// Requests counted against the limit now (see `scripts/peek.lua` for each algorithm).
+    pub count: u64,
+    /// Requests of cost 1 the limit would still admit now.
+    pub remaining: u32,
+    /// Time until the limit admits one more request than now; zero when it holds nothing.
+    pub reset: Duration,
+}
+
+/// What a reset forgot: the store's key, a remembered denial, the local fallback's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Forgotten {
+    pub store_key: bool,
+    pub deny_cache: bool,
+    pub fallback: bool,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("the store did not answer within {0:?}")]
@@ -340,6 +359,56 @@ impl Store {
         match &self.backend {
             Backend::Local(_) => Ok(()),
             Backend::Redis { store, .. } => store.ping().await,
+        }
+    }
+}
+
+/// One identity's state, for the admin API: read without consuming, and reset.
+impl Store {
+    /// Where `check` stands for one more request of cost 1, and which store answered:
+    /// `local`, `redis`, or `local_fallback` while the breaker is open (the store that decides
+    /// then, for routes with `on_store_error: local`). Records nothing.
+    pub async fn peek(&self, check: &Check) -> Result<(Peek, &'static str), StoreError> {
+        match &self.backend {
+            Backend::Local(store) => Ok((store.peek(check), "local")),
+            Backend::Redis {
+                store,
+                breaker,
+                fallback,
+                ..
+            } => {
+                if breaker.is_open() {
+                    return Ok((fallback.peek(check), "local_fallback"));
+                }
+                Ok((store.peek(check).await?, "redis"))
+            }
+        }
+    }
+
+    /// Forgets everything this instance and the store hold for `check.key`: the store's key,
+    /// and with Redis also this instance's remembered denial and local-fallback state, so the
+    /// identity's next request is decided afresh. The local parts are forgotten even when
+    /// Redis fails (the error is returned).
+    pub async fn reset(&self, check: &Check) -> Result<Forgotten, StoreError> {
+        match &self.backend {
+            Backend::Local(store) => Ok(Forgotten {
+                store_key: store.forget(&check.key),
+                ..Forgotten::default()
+            }),
+            Backend::Redis {
+                store,
+                denials,
+                fallback,
+                ..
+            } => {
+                let deny_cache = denials.forget(&check.key);
+                let fallback = fallback.forget(&check.key);
+                Ok(Forgotten {
+                    store_key: store.reset(&check.key).await?,
+                    deny_cache,
+                    fallback,
+                })
+            }
         }
     }
 }

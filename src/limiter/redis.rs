@@ -40,7 +40,7 @@ use tokio::task::JoinHandle;
 
 use super::cluster::{self, ClusterLink, ClusterSettings};
 use super::sentinel::{watch_failovers, MasterAddr, SentinelSettings, Sentinels};
-use super::{Check, Decision, LimitState, StoreError};
+use super::{Check, Decision, LimitState, Peek, StoreError};
 
 /// The script Redis runs: each algorithm's functions, then the driver that calls them. One
 /// script for all algorithms, so a request with limits of several algorithms is still decided
@@ -52,6 +52,20 @@ const DECIDE: &str = concat!(
     include_str!("scripts/gcra.lua"),
     include_str!("scripts/decide.lua"),
 );
+
+/// The admin API's read-only script: each algorithm's functions, then `peek.lua`, which calls
+/// one check function and records nothing.
+const PEEK: &str = concat!(
+    include_str!("scripts/sliding_log.lua"),
+    include_str!("scripts/sliding_window.lua"),
+    include_str!("scripts/fixed_window.lua"),
+    include_str!("scripts/gcra.lua"),
+    include_str!("scripts/peek.lua"),
+);
+
+/// Built once: `Script` hashes its source. Loaded into Redis on first use (EVALSHA, then
+/// SCRIPT LOAD on NOSCRIPT), so the admin API costs the request path nothing.
+static PEEK_SCRIPT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| Script::new(PEEK));
 
 /// How often the sentinels are asked for the master when nothing has failed. A failover
 /// promotes the replica some time before the old master is demoted (Sentinel waits several
@@ -659,6 +673,55 @@ fn decision_from_reply(reply: &[i64], checks: usize) -> Result<Decision, StoreEr
         limits,
         rejecting,
     })
+}
+
+/// Read and reset for the admin API, over the same connections and timeout as decisions.
+impl RedisStore {
+    /// Where `check.key` stands for one more request of cost 1, recording nothing.
+    pub async fn peek(&self, check: &Check) -> Result<Peek, StoreError> {
+        let params = check.params();
+        let mut invocation = PEEK_SCRIPT.prepare_invoke();
+        invocation
+            .key(&check.key)
+            .arg(params.algorithm.label())
+            .arg(params.requests)
+            .arg(params.window_us)
+            .arg(params.burst);
+        let mut conn = self.connection()?;
+        let reply: Vec<i64> = self
+            .bounded(async {
+                invocation
+                    .invoke_async(&mut conn)
+                    .await
+                    .map_err(|e| self.failed(e))
+            })
+            .await?;
+        let [count, remaining, reset] = reply[..] else {
+            return Err(StoreError::Script(format!(
+                "unexpected peek reply {reply:?}"
+            )));
+        };
+        Ok(Peek {
+            count: u64::try_from(count).unwrap_or(0),
+            remaining: u32::try_from(remaining).unwrap_or(0),
+            reset: Duration::from_micros(u64::try_from(reset).unwrap_or(0)),
+        })
+    }
+
+    /// Deletes `key`; whether it existed.
+    pub async fn reset(&self, key: &str) -> Result<bool, StoreError> {
+        let mut conn = self.connection()?;
+        let deleted: u64 = self
+            .bounded(async {
+                redis::cmd("DEL")
+                    .arg(key)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| self.failed(e))
+            })
+            .await?;
+        Ok(deleted > 0)
+    }
 }
 
 #[cfg(test)]

@@ -47,6 +47,17 @@ struct Active {
     clients: Clients,
 }
 
+/// One policy in force, kept alive while held.
+pub struct PolicySnapshot(Arc<Active>);
+
+impl std::ops::Deref for PolicySnapshot {
+    type Target = Policy;
+
+    fn deref(&self) -> &Policy {
+        &self.0.policy
+    }
+}
+
 pub struct Gateway {
     active: ArcSwap<Active>,
     upstreams: Upstreams,
@@ -92,6 +103,11 @@ impl Gateway {
     pub fn install(&self, policy: Policy) {
         let clients = self.upstreams.clients_for(&policy);
         self.active.store(Arc::new(Active { policy, clients }));
+    }
+
+    /// The policy in force now (for the admin API); held, it stays valid across a reload.
+    pub fn policy(&self) -> PolicySnapshot {
+        PolicySnapshot(self.active.load_full())
     }
 
     /// Whether some limited route answers 503 when the store cannot decide.

@@ -1,0 +1,340 @@
+//! The admin listener: `/metrics` for Prometheus, `/healthz` (the process is up) and `/readyz`
+//! (this instance should get traffic) for orchestrators — open, so scrapers and probes need
+//! no credentials — and the admin API under `/admin/v1/`, behind a bearer token: one
+//! identity's quota (`limits`), the policy in force (`config`), a reload (`reload`). Kept on
+//! its own address so it is never exposed through the gateway's routes.
+
+mod auth;
+mod config_view;
+mod limits;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, ALLOW, AUTHORIZATION, CONTENT_TYPE, WWW_AUTHENTICATE};
+use http::{Method, Request, Response, StatusCode};
+use serde_json::json;
+
+pub use self::auth::{Token, TokenError};
+use crate::config::ConfigError;
+use crate::metrics::Metrics;
+use crate::proxy::{Gateway, ProxyBody};
+use crate::reload::{ReloadError, ReloadHandle};
+use crate::response::problem;
+
+pub struct Admin {
+    pub gateway: Arc<Gateway>,
+    pub metrics: Arc<Metrics>,
+    /// Set on SIGTERM: `/readyz` answers 503 from then on.
+    pub draining: Arc<AtomicBool>,
+    /// `None` with `admin: { api: false }`: `/admin/v1/*` is not served.
+    pub api: Option<Api>,
+}
+
+/// What the admin API needs beyond the open endpoints.
+pub struct Api {
+    /// `None`: no token configured, which the config allows only on a loopback address.
+    pub token: Option<Token>,
+    pub reload: ReloadHandle,
+}
+
+const API_PREFIX: &str = "/admin/v1/";
+
+impl Admin {
+    pub async fn handle<B>(&self, request: Request<B>) -> Response<ProxyBody> {
+        if request.uri().path().starts_with(API_PREFIX) {
+            return match &self.api {
+                Some(api) => self.api(api, &request).await,
+                None => problem(
+                    StatusCode::NOT_FOUND,
+                    "the admin API is off (admin.api: false)",
+                    request.uri().path(),
+                    &[],
+                ),
+            };
+        }
+        if request.method() != Method::GET && request.method() != Method::HEAD {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+        }
+        match request.uri().path() {
+            "/metrics" => {
+                let mut response =
+                    Response::new(ProxyBody::full(Bytes::from(self.metrics.render())));
+                response.headers_mut().insert(
+                    CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                );
+                response
+            }
+            "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" => self.readiness().await,
+            _ => text(
+                StatusCode::NOT_FOUND,
+                "not found: try /metrics, /healthz or /readyz\n",
+            ),
+        }
+    }
+}
+
+impl Admin {
+    /// Not ready while shutting down. When the store does not answer, not ready only if a
+    /// limited route refuses requests then (`on_store_error: deny`): routes that decide
+    /// locally or admit keep serving, and taking every instance out of the load balancer
+    /// would turn a Redis outage into an API outage.
+    async fn readiness(&self) -> Response<ProxyBody> {
+        if self.draining.load(Ordering::Relaxed) {
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not ready: shutting down\n",
+            );
+        }
+        let store = self.gateway.store();
+        match store.ping().await {
+            Ok(()) => text(StatusCode::OK, "ready\n"),
+            Err(err) if self.gateway.refuses_without_store() => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("not ready: {} store: {err}\n", store.name()),
+            ),
+            Err(err) => text(
+                StatusCode::OK,
+                &format!(
+                    "ready; {} store: {err}; limited routes follow on_store_error\n",
+                    store.name()
+                ),
+            ),
+        }
+    }
+}
+
+impl Admin {
+    async fn api<B>(&self, api: &Api, request: &Request<B>) -> Response<ProxyBody> {
+        let path = request.uri().path();
+        if let Some(token) = &api.token {
+            if !token.admits(request.headers().get(AUTHORIZATION)) {
+                let mut response = problem(
+                    StatusCode::UNAUTHORIZED,
+                    "the admin API needs `Authorization: Bearer <token>` with the token in the                      environment variable admin.token_env names",
+                    path,
+                    &[],
+                );
+                response.headers_mut().insert(
+                    WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"sluice-admin\""),
+                );
+                return response;
+            }
+        }
+        let method = request.method();
+        let rest = &path[API_PREFIX.len()..];
+        match rest.split('/').collect::<Vec<_>>()[..] {
+            ["config"] if method == Method::GET => {
+                let policy = self.gateway.policy();
+                json_response(
+                    StatusCode::OK,
+                    &config_view::view(&api.reload.serving(), &policy),
+                )
+            }
+            ["config"] => not_allowed(path, "GET"),
+            ["reload"] if method == Method::POST => self.reload(api, path).await,
+            ["reload"] => not_allowed(path, "POST"),
+            ["limits", route, limit] if method == Method::GET || method == Method::DELETE => {
+                let query = request.uri().query().unwrap_or_default();
+                self.limit(method, route, limit, query, path).await
+            }
+            ["limits", _, _] => not_allowed(path, "GET, DELETE"),
+            _ => problem(
+                StatusCode::NOT_FOUND,
+                "no such admin endpoint: try /admin/v1/limits/{route}/{limit}?key=..., \
+                 /admin/v1/config or /admin/v1/reload",
+                path,
+                &[],
+            ),
+        }
+    }
+
+    async fn limit(
+        &self,
+        method: &Method,
+        route: &str,
+        limit: &str,
+        query: &str,
+        path: &str,
+    ) -> Response<ProxyBody> {
+        let policy = self.gateway.policy();
+        let Some(found) = policy.routes.iter().find(|r| r.name.as_str() == route) else {
+            return problem(
+                StatusCode::NOT_FOUND,
+                &format!("no route `{route}` in the policy in force"),
+                path,
+                &[("route", route)],
+            );
+        };
+        let Some(rule) = found.limits.iter().find(|l| l.name.as_str() == limit) else {
+            return problem(
+                StatusCode::NOT_FOUND,
+                &format!("route `{route}` has no limit `{limit}`"),
+                path,
+                &[("route", route), ("limit", limit)],
+            );
+        };
+        let key = match limits::store_key(found, rule, query) {
+            Ok(key) => key,
+            Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
+        };
+        let check = rule.check(key);
+        let store = self.gateway.store();
+        let unavailable = |err: crate::limiter::StoreError| {
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("{} store: {err}", store.name()),
+                path,
+                &[],
+            )
+        };
+        let identity = &check.key[rule.key_prefix.len()..];
+        let identity = identity
+            .strip_prefix('{')
+            .and_then(|i| i.strip_suffix('}'))
+            .unwrap_or(identity);
+        let mut body = json!({
+            "route": route,
+            "limit": limit,
+            "algorithm": rule.algorithm.label(),
+            "key": check.key,
+            "identity": identity,
+            "requests": rule.requests,
+            "window": rule.window.as_secs_f64(),
+            "burst": rule.burst,
+            "cost": rule.cost,
+        });
+        let Some(members) = body.as_object_mut() else {
+            return text(StatusCode::INTERNAL_SERVER_ERROR, "unreachable\n");
+        };
+        if method == Method::DELETE {
+            match store.reset(&check).await {
+                Ok(forgotten) => {
+                    tracing::info!(route, limit, identity = %crate::keys::identity_hash(&check.key), "admin API: quota reset");
+                    members.insert("store".into(), json!(store.name()));
+                    members.insert(
+                        "forgotten".into(),
+                        json!({
+                            "store_key": forgotten.store_key,
+                            "deny_cache": forgotten.deny_cache,
+                            "local_fallback": forgotten.fallback,
+                        }),
+                    );
+                }
+                Err(err) => return unavailable(err),
+            }
+        } else {
+            match store.peek(&check).await {
+                Ok((peek, answered)) => {
+                    members.insert("count".into(), json!(peek.count));
+                    members.insert("remaining".into(), json!(peek.remaining));
+                    members.insert("reset".into(), json!(peek.reset.as_secs_f64()));
+                    members.insert("store".into(), json!(answered));
+                }
+                Err(err) => return unavailable(err),
+            }
+        }
+        json_response(StatusCode::OK, &body)
+    }
+
+    async fn reload(&self, api: &Api, path: &str) -> Response<ProxyBody> {
+        match api.reload.reload().await {
+            Some(Ok(applied)) => json_response(
+                StatusCode::OK,
+                &json!({
+                    "applied": true,
+                    "sha256": applied.sha256,
+                    "config_hash": applied.config_hash,
+                    "routes": applied.routes,
+                }),
+            ),
+            Some(Err(err)) => {
+                let mut body = json!({
+                    "type": "about:blank",
+                    "title": "Unprocessable Content",
+                    "status": 422,
+                    "detail": format!("the config was not applied; the old policy keeps serving: {err}"),
+                    "instance": path,
+                    "applied": false,
+                });
+                if let (Some(members), Some(error)) = (body.as_object_mut(), error_fields(&err)) {
+                    members.insert("error".into(), error);
+                }
+                let mut response = json_response(StatusCode::UNPROCESSABLE_ENTITY, &body);
+                response.headers_mut().insert(
+                    CONTENT_TYPE,
+                    HeaderValue::from_static("application/problem+json"),
+                );
+                response
+            }
+            None => problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting down: no reload",
+                path,
+                &[],
+            ),
+        }
+    }
+}
+
+/// Where a refused config is wrong, as members of the 422 answer.
+fn error_fields(err: &ReloadError) -> Option<serde_json::Value> {
+    Some(match err {
+        ReloadError::Config(ConfigError::Invalid {
+            file,
+            position,
+            field,
+            message,
+        }) => json!({
+            "file": file.display().to_string(),
+            "line": position.line,
+            "column": position.column,
+            "field": field,
+            "message": message,
+        }),
+        ReloadError::Config(ConfigError::Read { file, source }) => json!({
+            "file": file.display().to_string(),
+            "message": format!("cannot read the file: {source}"),
+        }),
+        ReloadError::NeedsRestart { file, change } => json!({
+            "file": file.display().to_string(),
+            "message": format!("{change}: a restart is needed to apply it"),
+        }),
+    })
+}
+
+fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<ProxyBody> {
+    let mut response = Response::new(ProxyBody::full(Bytes::from(body.to_string())));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+fn not_allowed(path: &str, allow: &'static str) -> Response<ProxyBody> {
+    let mut response = problem(
+        StatusCode::METHOD_NOT_ALLOWED,
+        &format!("use {allow}"),
+        path,
+        &[],
+    );
+    response
+        .headers_mut()
+        .insert(ALLOW, HeaderValue::from_static(allow));
+    response
+}
+
+fn text(status: StatusCode, body: &str) -> Response<ProxyBody> {
+    let mut response = Response::new(ProxyBody::full(Bytes::copy_from_slice(body.as_bytes())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}

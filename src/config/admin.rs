@@ -1,0 +1,127 @@
+//! `admin:`: who may use the admin API on `admin_listen` (`/admin/v1/*`). The token itself is
+//! never in the file (a policy file is committed, mounted from ConfigMaps, printed by
+//! `/admin/v1/config`): the file names the environment variable that holds it.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::str::FromStr;
+
+use serde::de::{Deserialize, Deserializer, Error as _};
+
+use super::{ConfigError, Position, Spanned};
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// The environment variable holding the bearer token `/admin/v1/*` requires.
+    pub token_env: Option<Spanned<EnvName>>,
+    /// Serve `/admin/v1/*` at all; `false` leaves `admin_listen` with `/metrics`, `/healthz`
+    /// and `/readyz` only (then no token is needed on any address).
+    #[serde(default = "enabled")]
+    pub api: bool,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            token_env: None,
+            api: true,
+        }
+    }
+}
+
+impl AdminConfig {
+    /// Whether `other` sets the same values, wherever they stand in the file.
+    pub fn same_as(&self, other: &AdminConfig) -> bool {
+        let name = |c: &AdminConfig| c.token_env.as_ref().map(|t| t.value.clone());
+        name(self) == name(other) && self.api == other.api
+    }
+}
+
+fn enabled() -> bool {
+    true
+}
+
+/// The name of an environment variable: a letter or `_`, then letters, digits and `_` (what a
+/// shell, Docker and Kubernetes can all set).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvName(String);
+
+impl EnvName {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for EnvName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for EnvName {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let mut chars = text.chars();
+        let first_ok = chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+        if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') || text.len() > 128
+        {
+            return Err(format!(
+                "expected the name of an environment variable (like SLUICE_ADMIN_TOKEN: a letter \
+                 or `_`, then letters, digits and `_`), got `{text}`; the token itself never \
+                 goes in the file"
+            ));
+        }
+        Ok(EnvName(text.to_owned()))
+    }
+}
+
+impl<'de> Deserialize<'de> for EnvName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(D::Error::custom)
+    }
+}
+
+/// Refuses an admin API reachable from other hosts without a token: it can reset any client's
+/// quota and reload the policy.
+pub fn check(
+    admin_listen: &Spanned<SocketAddr>,
+    admin: &AdminConfig,
+    file: &Path,
+) -> Result<(), ConfigError> {
+    if admin.api && admin.token_env.is_none() && !admin_listen.value.ip().is_loopback() {
+        return Err(ConfigError::invalid(
+            file,
+            Position::from(admin_listen),
+            "admin_listen",
+            format!(
+                "{} is not a loopback address, and the admin API (/admin/v1/*, which can reset \
+                 quotas and reload the policy) has no token: set `admin: {{ token_env: NAME }}` \
+                 to the environment variable holding its bearer token, or `admin: {{ api: false \
+                 }}` to serve only /metrics, /healthz and /readyz there",
+                admin_listen.value
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_names() {
+        assert!("SLUICE_ADMIN_TOKEN".parse::<EnvName>().is_ok());
+        assert!("_x1".parse::<EnvName>().is_ok());
+        assert!("".parse::<EnvName>().is_err());
+        assert!("1TOKEN".parse::<EnvName>().is_err());
+        assert!("MY-TOKEN".parse::<EnvName>().is_err());
+        assert!("s3cr3t token".parse::<EnvName>().is_err());
+    }
+}
