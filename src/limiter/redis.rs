@@ -271,7 +271,7 @@ impl RedisStore {
                 .arg(params.cost)
                 .arg(u8::from(params.shadow));
         }
-        let reply: Vec<i64> = self.run_script(&self.shared.script, &cmd).await?;
+        let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.script)).await?;
         decision_from_reply(&reply, count)
     }
 
@@ -331,18 +331,20 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Runs `cmd`, an EVALSHA of `script`, bounded by the timeout; loads the script and
-    /// tries again once when Redis has lost it (restart, failover, `SCRIPT FLUSH`), so
-    /// callers never see NOSCRIPT.
-    async fn run_script<T: FromRedisValue>(
+    /// Runs `cmd` bounded by the timeout (on a cluster, on the master owning its keys). For
+    /// an EVALSHA of `script`, loads the script and tries again once when Redis has lost it
+    /// (restart, failover, `SCRIPT FLUSH`), so callers never see NOSCRIPT.
+    async fn run<T: FromRedisValue>(
         &self,
-        script: &Script,
         cmd: &Cmd,
+        script: Option<&Script>,
     ) -> Result<T, StoreError> {
         let mut conn = self.connection()?;
         self.bounded(async {
-            let value = match conn.send(cmd).await {
-                Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            let value = match (conn.send(cmd).await, script) {
+                (Err(err), Some(script))
+                    if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) =>
+                {
                     // On a cluster, SCRIPT LOAD goes to every master.
                     script
                         .load_async(&mut conn)
@@ -350,7 +352,7 @@ impl RedisStore {
                         .map_err(|e| self.failed(e))?;
                     conn.send(cmd).await
                 }
-                other => other,
+                (result, _) => result,
             }
             .map_err(|e| self.failed(e))?;
             T::from_redis_value(value).map_err(|e| StoreError::Script(e.to_string()))
@@ -680,22 +682,15 @@ impl RedisStore {
     /// Where `check.key` stands for one more request of cost 1, recording nothing.
     pub async fn peek(&self, check: &Check) -> Result<Peek, StoreError> {
         let params = check.params();
-        let mut invocation = PEEK_SCRIPT.prepare_invoke();
-        invocation
-            .key(&check.key)
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(PEEK_SCRIPT.get_hash())
+            .arg(1)
+            .arg(&check.key)
             .arg(params.algorithm.label())
             .arg(params.requests)
             .arg(params.window_us)
             .arg(params.burst);
-        let mut conn = self.connection()?;
-        let reply: Vec<i64> = self
-            .bounded(async {
-                invocation
-                    .invoke_async(&mut conn)
-                    .await
-                    .map_err(|e| self.failed(e))
-            })
-            .await?;
+        let reply: Vec<i64> = self.run(&cmd, Some(&PEEK_SCRIPT)).await?;
         let [count, remaining, reset] = reply[..] else {
             return Err(StoreError::Script(format!(
                 "unexpected peek reply {reply:?}"
@@ -710,16 +705,7 @@ impl RedisStore {
 
     /// Deletes `key`; whether it existed.
     pub async fn reset(&self, key: &str) -> Result<bool, StoreError> {
-        let mut conn = self.connection()?;
-        let deleted: u64 = self
-            .bounded(async {
-                redis::cmd("DEL")
-                    .arg(key)
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(|e| self.failed(e))
-            })
-            .await?;
+        let deleted: u64 = self.run(redis::cmd("DEL").arg(key), None).await?;
         Ok(deleted > 0)
     }
 }
