@@ -34,7 +34,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use super::sentinel::{watch_failovers, MasterAddr, SentinelSettings, Sentinels};
-use super::{Check, Decision, LimitState, StoreError};
+use super::{Admission, Check, Decision, LimitState, StoreError};
 
 /// The script Redis runs: each algorithm's functions, then the driver that calls them. One
 /// script for all algorithms, so a request with limits of several algorithms is still decided
@@ -46,6 +46,9 @@ const DECIDE: &str = concat!(
     include_str!("scripts/gcra.lua"),
     include_str!("scripts/decide.lua"),
 );
+
+/// Gives back what an admitted request recorded (`Store::release`): a script of its own.
+const RELEASE: &str = include_str!("scripts/release.lua");
 
 /// How often the sentinels are asked for the master when nothing has failed. A failover
 /// promotes the replica some time before the old master is demoted (Sentinel waits several
@@ -78,6 +81,7 @@ struct Shared {
     /// A master being failed over, not to be used again until this instant.
     fence: Mutex<Option<(MasterAddr, Instant)>>,
     script: Script,
+    release: Script,
     timeout: Duration,
 }
 
@@ -172,6 +176,7 @@ impl RedisStore {
                 master: RwLock::new(Arc::new(master)),
                 fence: Mutex::new(None),
                 script: Script::new(DECIDE),
+                release: Script::new(RELEASE),
                 timeout,
             }),
             follower: None,
@@ -192,6 +197,11 @@ impl RedisStore {
                 .load_async(&mut conn)
                 .await
                 .map_err(|e| self.failed(e))?;
+            self.shared
+                .release
+                .load_async(&mut conn)
+                .await
+                .map_err(|e| self.failed(e))?;
             Ok(())
         })
         .await
@@ -207,7 +217,7 @@ impl RedisStore {
         for check in checks {
             invocation.key(&check.key);
         }
-        invocation.arg(member);
+        invocation.arg(&member);
         for check in checks {
             let params = check.params();
             invocation
@@ -216,7 +226,8 @@ impl RedisStore {
                 .arg(params.window_us)
                 .arg(params.burst)
                 .arg(params.cost)
-                .arg(u8::from(params.shadow));
+                .arg(u8::from(params.shadow))
+                .arg(params.max_delay_us);
         }
         let mut conn = self.connection()?;
         let reply: Vec<i64> = self
@@ -227,7 +238,37 @@ impl RedisStore {
                     .map_err(|e| self.failed(e))
             })
             .await?;
-        decision_from_reply(&reply, checks.len())
+        decision_from_reply(&reply, checks.len(), member)
+    }
+
+    /// Gives back what the request of `admission` recorded under `checks` (`release.lua`).
+    pub async fn release(&self, checks: &[Check], admission: &Admission) -> Result<(), StoreError> {
+        let mut invocation = self.shared.release.prepare_invoke();
+        for check in checks {
+            invocation.key(&check.key);
+        }
+        invocation
+            .arg(&admission.member)
+            .arg(admission.at_us)
+            .arg(admission.decided_us);
+        for check in checks {
+            let params = check.params();
+            invocation
+                .arg(params.algorithm.label())
+                .arg(params.requests)
+                .arg(params.window_us)
+                .arg(params.cost);
+        }
+        let mut conn = self.connection()?;
+        let _released: i64 = self
+            .bounded(async {
+                invocation
+                    .invoke_async(&mut conn)
+                    .await
+                    .map_err(|e| self.failed(e))
+            })
+            .await?;
+        Ok(())
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
@@ -416,8 +457,9 @@ async fn follow_once(
         .ok_or_else(|| StoreError::Connection("no connections configured".to_owned()))?;
     let check = async {
         let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut first).await?;
-        // Loading the script now saves the first decisions on the new master a NOSCRIPT.
+        // Loading the scripts now saves the first calls on the new master a NOSCRIPT.
         shared.script.load_async(&mut first).await?;
+        shared.release.load_async(&mut first).await?;
         Ok::<_, RedisError>(role)
     };
     let role = tokio::time::timeout(shared.timeout.max(MIN_SENTINEL_TIMEOUT), check)
@@ -466,11 +508,15 @@ fn script_error(err: RedisError) -> StoreError {
     }
 }
 
-/// Reads the script's reply: `{admitted, retry_after_us, (remaining, reset_us, rejecting) per
-/// check}`.
-fn decision_from_reply(reply: &[i64], checks: usize) -> Result<Decision, StoreError> {
+/// Reads the script's reply: `{admitted, retry_after_us, now_us, at_us, (remaining, reset_us,
+/// rejecting) per check}`; `member` is the request's member prefix, kept for a release.
+fn decision_from_reply(
+    reply: &[i64],
+    checks: usize,
+    member: String,
+) -> Result<Decision, StoreError> {
     let malformed = || StoreError::Script(format!("unexpected script reply {reply:?}"));
-    let [admitted, retry_after, per_limit @ ..] = reply else {
+    let [admitted, retry_after, now, at, per_limit @ ..] = reply else {
         return Err(malformed());
     };
     if per_limit.len() != 3 * checks {
@@ -487,11 +533,20 @@ fn decision_from_reply(reply: &[i64], checks: usize) -> Result<Decision, StoreEr
         })
         .collect();
     let rejecting = per_limit.chunks_exact(3).map(|t| t[2] == 1).collect();
+    let admitted = *admitted == 1;
+    let time = |v: i64| u64::try_from(v).unwrap_or(0);
     Ok(Decision {
-        admitted: *admitted == 1,
+        admitted,
         retry_after: micros(*retry_after),
         limits,
         rejecting,
+        admission: admitted.then(|| Admission {
+            member,
+            decided_us: time(*now),
+            // Never before the decision, whatever the reply says.
+            at_us: time(*at).max(time(*now)),
+            local: false,
+        }),
     })
 }
 
@@ -501,17 +556,26 @@ mod tests {
 
     #[test]
     fn reads_a_reply() {
-        let d = decision_from_reply(&[0, 1_500_000, 0, 1_500_000, 1, 7, 200, 0], 2).unwrap();
+        let d = decision_from_reply(
+            &[0, 1_500_000, 9, 9, 0, 1_500_000, 1, 7, 200, 0],
+            2,
+            String::new(),
+        )
+        .unwrap();
         assert!(!d.admitted);
         assert_eq!(d.retry_after, Duration::from_millis(1500));
         assert_eq!(d.limits[1].unwrap().remaining, 7);
         assert_eq!(d.limits[1].unwrap().reset, Duration::from_micros(200));
         assert_eq!(d.rejecting, [true, false]);
+        assert_eq!(d.admission, None);
+        let d = decision_from_reply(&[1, 0, 100, 350, 0, 0, 1], 1, "m".to_owned()).unwrap();
+        assert_eq!(d.delay(), Duration::from_micros(250));
+        assert_eq!(d.admission.unwrap().member, "m");
     }
 
     #[test]
     fn refuses_a_short_reply() {
-        assert!(decision_from_reply(&[1, 0, 3], 1).is_err());
-        assert!(decision_from_reply(&[], 0).is_err());
+        assert!(decision_from_reply(&[1, 0, 0, 0, 3], 1, String::new()).is_err());
+        assert!(decision_from_reply(&[], 0, String::new()).is_err());
     }
 }
