@@ -13,8 +13,10 @@ const LIMIT: usize = 5;
 const WINDOW: Duration = Duration::from_secs(1);
 const RUN_FOR: Duration = Duration::from_secs(4);
 const CLIENTS: usize = 32;
-/// Clock and scheduling slack between the test's clock and Redis's decisions.
-const MARGIN: Duration = Duration::from_millis(30);
+/// Clock and scheduling slack between the test's clock and Redis's decisions: an admitted
+/// request can reach the upstream late on a loaded machine (30 ms was seen exceeded while
+/// other builds ran). A cache 150 ms stale still fails the test.
+const MARGIN: Duration = Duration::from_millis(80);
 
 /// One response: when the request left, when its answer came back, and whether it passed.
 #[derive(Clone, Copy)]

@@ -447,7 +447,7 @@ async fn a_demoted_master_counts_as_unreachable() {
         window: Duration::from_secs(60),
         burst: 5,
         cost: 1,
-        shadow: false,
+        ..Check::default()
     };
     match store.decide(&[check]).await {
         Err(StoreError::Connection(message)) => {

@@ -267,12 +267,23 @@ pub(super) fn slot_groups(checks: &[Check]) -> Option<Vec<Vec<usize>>> {
 /// Puts the decisions of each slot group back together as one decision over all `checks`:
 /// admitted only if every group admitted. The groups that admitted a rejected request are
 /// the caller's to give back.
+///
+/// An admitted request keeps the first group's admission for a later give-back (`count:`):
+/// every group recorded the same member, and no group delayed it (delays are off across
+/// slots), so only the decision time differs between the groups' masters — by their clock
+/// skew, which only a sliding window's give-back reads (to pick the window it counted in).
 pub(super) fn merge(checks: usize, groups: &[Vec<usize>], decisions: &[Decision]) -> Decision {
+    let admitted = decisions.iter().all(|d| d.admitted);
     let mut merged = Decision {
-        admitted: decisions.iter().all(|d| d.admitted),
+        admitted,
         retry_after: Duration::ZERO,
         limits: vec![None; checks],
         rejecting: vec![false; checks],
+        admission: if admitted {
+            decisions.first().and_then(|d| d.admission.clone())
+        } else {
+            None
+        },
     };
     for (members, decision) in groups.iter().zip(decisions) {
         if !decision.admitted {
@@ -299,7 +310,7 @@ mod tests {
             window: Duration::from_secs(1),
             burst: 1,
             cost: 1,
-            shadow: false,
+            ..Check::default()
         }
     }
 
@@ -348,12 +359,14 @@ mod tests {
                 retry_after: Duration::ZERO,
                 limits: vec![Some(state(4)), Some(state(6))],
                 rejecting: vec![false, false],
+                admission: None,
             },
             Decision {
                 admitted: false,
                 retry_after: Duration::from_millis(300),
                 limits: vec![Some(state(0))],
                 rejecting: vec![true],
+                admission: None,
             },
         ];
         let merged = merge(3, &groups, &decisions);

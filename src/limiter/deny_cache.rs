@@ -90,6 +90,7 @@ impl DenyCache {
             retry_after,
             limits,
             rejecting,
+            admission: None,
         })
     }
 
@@ -98,6 +99,13 @@ impl DenyCache {
         let denial = shard.get(&check.key)?;
         let same_limit = denial.params == check.params();
         (same_limit && denial.until > now).then_some(denial.until)
+    }
+
+    /// Forgets the denials of these keys: their room grew other than with time (a release).
+    pub fn forget_checks(&self, checks: &[Check]) {
+        for check in checks {
+            self.forget(&check.key);
+        }
     }
 
     /// Remembers every exhausted limit of a rejection decided by a store call sent at `sent`.
@@ -110,7 +118,7 @@ impl DenyCache {
             .iter()
             .zip(&decision.limits)
             .zip(&decision.rejecting)
-            .filter(|&((check, _), &rejects)| rejects && !check.shadow)
+            .filter(|&((check, _), &rejects)| rejects && !check.shadow && !check.returnable)
             .filter_map(|((check, state), _)| Some((check, (*state)?)))
             .filter(|(_, state)| !state.reset.is_zero());
         let alone = rejecting.clone().count() == 1;
@@ -123,6 +131,12 @@ impl DenyCache {
             } else {
                 state.reset
             };
+            // A limit that delays (`on_exceed: delay`) admits again, held, as soon as its wait
+            // is within `max_delay`.
+            let wait = wait.saturating_sub(check.max_delay);
+            if wait.is_zero() {
+                continue;
+            }
             let denial = Denial {
                 params: check.params(),
                 until: sent + wait,
@@ -160,7 +174,7 @@ mod tests {
             window: Duration::from_secs(window_s),
             burst: requests,
             cost: 1,
-            shadow: false,
+            ..Check::default()
         }
     }
 
@@ -173,6 +187,7 @@ mod tests {
                 .map(|s| s.is_some_and(|s| s.remaining == 0))
                 .collect(),
             limits: states,
+            admission: None,
         }
     }
 
@@ -226,6 +241,7 @@ mod tests {
             retry_after: Duration::ZERO,
             limits: vec![full(60)],
             rejecting: vec![false],
+            admission: None,
         };
         cache.remember(&checks, &admitted, Instant::now());
         assert!(cache.answer(&checks, Instant::now()).is_none());

@@ -65,6 +65,21 @@ pub fn record(counter: &mut Counter, params: &Params, now: u64) -> LimitState {
     counter.state(params, now)
 }
 
+/// Gives back a request: the count of the window in force drops by `cost`, never below zero
+/// (an empty counter is no window: the next hit starts one). If the window the request was
+/// counted in ended in between, nothing of it is left to give back, and the give-back lands
+/// in the new window: at most `cost` more admissions there, within the algorithm's
+/// documented two windows' worth across a boundary.
+pub fn release(counter: Counter, params: &Params, now: u64) -> Counter {
+    let mut counter = counter.at(now);
+    counter.count = counter.count.saturating_sub(u64::from(params.cost));
+    if counter.count == 0 {
+        Counter::default()
+    } else {
+        counter
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,7 +95,31 @@ mod tests {
             burst: requests,
             cost,
             shadow: false,
+            max_delay_us: 0,
         }
+    }
+
+    #[test]
+    fn a_release_leaves_the_counter_as_if_never_admitted() {
+        let p = params(3, 2);
+        let mut c = Counter::default();
+        record(&mut c, &p, SECOND);
+        let before = c;
+        let never = check(c, &params(3, 1), 2 * SECOND);
+        record(&mut c, &params(3, 1), 2 * SECOND);
+        assert!(!check(c, &p, 2 * SECOND).admits);
+        let c = release(c, &params(3, 1), 2 * SECOND);
+        assert_eq!(c, before);
+        assert_eq!(check(c.at(2 * SECOND), &params(3, 1), 2 * SECOND), never);
+        assert_eq!(
+            release(c, &p, 3 * SECOND),
+            Counter::default(),
+            "emptied: no window"
+        );
+        assert_eq!(
+            release(Counter::default(), &p, 3 * SECOND),
+            Counter::default()
+        );
     }
 
     #[test]

@@ -49,11 +49,28 @@ pub fn check(tat: Option<u64>, params: &Params, now: u64) -> Verdict {
     }
 }
 
-/// Records an admitted request: returns the new TAT and the limit's state.
-pub fn record(tat: Option<u64>, params: &Params, now: u64) -> (u64, LimitState) {
+/// Records an admitted request at `at` (`now`, or later for a delayed request): returns the
+/// new TAT and the limit's state at `now`. A request delayed by this limit has
+/// `at = now + wait = TAT + cost·T − burst·T ≤ TAT`, so it moves the TAT as if admitted now;
+/// one delayed further (by another limit) moves it to `at + cost·T`, which conforms at
+/// `at` since the TAT had room for it at `now`.
+pub fn record(tat: Option<u64>, params: &Params, now: u64, at: u64) -> (u64, LimitState) {
     let t = interval(params);
-    let new = tat.unwrap_or(now).max(now) + u64::from(params.cost) * t;
+    let new = tat.unwrap_or(now).max(at) + u64::from(params.cost) * t;
     (new, state(new - now, t, params.burst))
+}
+
+/// Gives back a request: the TAT moves back by `cost·T`, never below `now` (`None`: nothing
+/// stored, the bucket is full). Exact when nothing else moved the TAT since the request, or
+/// when everything admitted since was spaced by the schedule (the TAT stayed ahead of the
+/// clock). Otherwise it can give back more than the request's exact share, at most its
+/// `cost·T` (so at most `cost` more admissions, once); and a request recorded later than the
+/// TAT (delayed by another limit) left the TAT at its own time, which stays: less is
+/// given back than was taken.
+pub fn release(tat: Option<u64>, params: &Params, now: u64) -> Option<u64> {
+    let back = u64::from(params.cost) * interval(params);
+    tat.map(|tat| tat.saturating_sub(back))
+        .filter(|&tat| tat > now)
 }
 
 #[cfg(test)]
@@ -71,6 +88,7 @@ mod tests {
             burst,
             cost,
             shadow: false,
+            max_delay_us: 0,
         }
     }
 
@@ -78,7 +96,7 @@ mod tests {
     fn burst_one_admits_one_and_the_next_waits_exactly_t() {
         let p = params(10, 1, 1);
         assert!(check(None, &p, 0).admits);
-        let (tat, st) = record(None, &p, 0);
+        let (tat, st) = record(None, &p, 0, 0);
         assert_eq!(st.remaining, 0);
         assert_eq!(st.reset, Duration::from_secs(1));
         let v = check(Some(tat), &p, 0);
@@ -93,7 +111,7 @@ mod tests {
         let mut tat = None;
         for expected in [4, 3, 2, 1, 0] {
             assert!(check(tat, &p, 0).admits);
-            let (new, st) = record(tat, &p, 0);
+            let (new, st) = record(tat, &p, 0, 0);
             assert_eq!(st.remaining, expected);
             tat = Some(new);
         }
@@ -105,9 +123,48 @@ mod tests {
     }
 
     #[test]
+    fn a_release_leaves_the_tat_as_if_never_admitted() {
+        let p = params(10, 5, 2);
+        let (tat, _) = record(None, &p, 0, 0);
+        let never = check(Some(tat), &p, SECOND / 2);
+        let (after, _) = record(Some(tat), &p, SECOND / 2, SECOND / 2);
+        assert_ne!(check(Some(after), &p, SECOND / 2), never);
+        let back = release(Some(after), &p, SECOND / 2);
+        assert_eq!(back, Some(tat));
+        assert_eq!(check(back, &p, SECOND / 2), never);
+        // The only request, given back: nothing stored, as before it.
+        let (only, _) = record(None, &p, 0, 0);
+        assert_eq!(release(Some(only), &p, SECOND / 2), None);
+        assert_eq!(
+            check(None, &p, SECOND / 2),
+            check(release(Some(only), &p, SECOND / 2), &p, SECOND / 2)
+        );
+    }
+
+    #[test]
+    fn a_delayed_request_moves_the_tat_as_if_admitted_now() {
+        let p = params(10, 2, 1);
+        let (tat, _) = record(None, &p, 0, 0);
+        let (tat, _) = record(Some(tat), &p, 0, 0);
+        let v = check(Some(tat), &p, 0);
+        assert!(!v.admits);
+        assert_eq!(v.wait, SECOND);
+        let (delayed, st) = record(Some(tat), &p, 0, v.wait);
+        assert_eq!(delayed, 3 * SECOND);
+        assert_eq!(st.remaining, 0);
+        // Delayed further by another limit, to 5 s: the TAT follows it.
+        let (later, _) = record(Some(tat), &p, 0, 5 * SECOND);
+        assert_eq!(later, 6 * SECOND);
+        assert!(
+            check(Some(later), &p, 5 * SECOND).admits,
+            "room at its own time"
+        );
+    }
+
+    #[test]
     fn a_cost_waits_for_that_many_intervals() {
         let p = params(10, 5, 3);
-        let (tat, _) = record(None, &p, 0);
+        let (tat, _) = record(None, &p, 0, 0);
         let v = check(Some(tat), &p, 0);
         assert!(!v.admits);
         assert_eq!(v.wait, SECOND);

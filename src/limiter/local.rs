@@ -19,7 +19,7 @@ use lru::LruCache;
 use prometheus::{IntCounter, IntGauge};
 
 use super::{fixed_window, gcra, sliding_log, sliding_window};
-use super::{Algorithm, Check, Decision, LimitState, Params, Peek, Verdict};
+use super::{Admission, Algorithm, Check, Decision, LimitState, Params, Peek, Verdict};
 
 /// How often logs that have emptied are dropped, so memory follows live keys only.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -87,19 +87,34 @@ impl Cell {
         }
     }
 
-    fn record(&mut self, params: &Params, now: u64) -> LimitState {
+    /// Records an admitted request: the exact algorithms at `at` (its forwarding time), the
+    /// counters at `now` (they keep no time finer than their windows).
+    fn record(&mut self, params: &Params, now: u64, at: u64) -> LimitState {
         // A fresh state starts at time zero: bring it to `now` first, or a sliding window
         // would count the request in a window long gone.
         self.advance(params.window_us, now);
         match self {
-            Cell::Log(times) => sliding_log::record(times, params, now),
+            Cell::Log(times) => sliding_log::record(times, params, now, at),
             Cell::Window(counts) => sliding_window::record(counts, params, now),
             Cell::Counter(counter) => fixed_window::record(counter, params, now),
             Cell::Tat(tat) => {
-                let (new, state) = gcra::record(*tat, params, now);
+                let (new, state) = gcra::record(*tat, params, now, at);
                 *tat = Some(new);
                 state
             }
+        }
+    }
+
+    /// Gives back an admitted request (see `Store::release`).
+    fn release(&mut self, params: &Params, admission: &Admission, now: u64) {
+        self.advance(params.window_us, now);
+        match self {
+            Cell::Log(times) => sliding_log::release(times, params.cost, admission.at_us),
+            Cell::Window(counts) => {
+                *counts = sliding_window::release(*counts, params, now, admission.decided_us)
+            }
+            Cell::Counter(counter) => *counter = fixed_window::release(*counter, params, now),
+            Cell::Tat(tat) => *tat = gcra::release(*tat, params, now),
         }
     }
 }
@@ -180,10 +195,10 @@ impl LocalStore {
         LocalStore { shards, epoch }
     }
 
-    pub fn decide(&self, checks: &[Check]) -> Decision {
-        // Every shard the request touches is locked, in ascending order (so two requests can
-        // never wait on each other in a cycle), for the whole decision: all limits of a request
-        // are decided as one step, as in the Redis script.
+    /// Locks every shard the checks touch, in ascending order (so two requests can never wait
+    /// on each other in a cycle), for one whole step over all of them, as in the Redis
+    /// script. Returns the guards and, per check, the index of its shard's guard.
+    fn lock_all(&self, checks: &[Check]) -> (Vec<MutexGuard<'_, Logs>>, Vec<usize>) {
         let shard_of: Vec<usize> = checks.iter().map(|c| self.shards.index(&c.key)).collect();
         let mut order = shard_of.clone();
         order.sort_unstable();
@@ -193,14 +208,21 @@ impl LocalStore {
             .iter()
             .map(|shard| order.binary_search(shard).unwrap_or_default())
             .collect();
-        let mut guards: Vec<MutexGuard<'_, Logs>> = order
+        let guards = order
             .iter()
             .map(|&index| lock(&self.shards.shards[index]))
             .collect();
+        (guards, slot)
+    }
+
+    pub fn decide(&self, checks: &[Check]) -> Decision {
+        let (mut guards, slot) = self.lock_all(checks);
         let now = micros_since(self.epoch);
 
         let mut admitted = true;
         let mut retry_after = 0;
+        // The longest wait among the limits that delay the request instead of rejecting it.
+        let mut delay = 0;
         let mut states = Vec::with_capacity(checks.len());
         let mut rejecting = Vec::with_capacity(checks.len());
         for (check, &slot) in checks.iter().zip(&slot) {
@@ -216,12 +238,17 @@ impl LocalStore {
             };
             // A shadow limit without room is only reported: it neither rejects nor records.
             if !verdict.admits && !check.shadow {
-                admitted = false;
+                if verdict.wait <= params.max_delay_us {
+                    delay = delay.max(verdict.wait);
+                } else {
+                    admitted = false;
+                }
                 retry_after = retry_after.max(verdict.wait);
             }
             rejecting.push(!verdict.admits);
             states.push(verdict.state);
         }
+        let at = now + delay;
         if admitted {
             for (((check, &slot), state), &rejects) in checks
                 .iter()
@@ -229,22 +256,43 @@ impl LocalStore {
                 .zip(states.iter_mut())
                 .zip(&rejecting)
             {
-                if !rejects {
-                    *state = self.record(&mut guards[slot], check, now);
+                // Recorded: every limit with room, and every limit that delays it.
+                if !rejects || !check.shadow {
+                    *state = self.record(&mut guards[slot], check, now, at);
                 }
             }
         }
         // A rejection records nothing, not even an empty state.
         Decision {
             admitted,
-            retry_after: Duration::from_micros(retry_after),
+            retry_after: Duration::from_micros(if admitted { 0 } else { retry_after }),
             limits: states.into_iter().map(Some).collect(),
             rejecting,
+            admission: admitted.then(|| Admission {
+                member: String::new(),
+                at_us: at,
+                decided_us: now,
+                local: true,
+            }),
+        }
+    }
+
+    /// Gives back what an admitted request recorded under `checks` (see `Store::release`).
+    pub fn release(&self, checks: &[Check], admission: &Admission) {
+        let (mut guards, slot) = self.lock_all(checks);
+        let now = micros_since(self.epoch);
+        for (check, &slot) in checks.iter().zip(&slot) {
+            let params = check.params();
+            if let Some(log) = guards[slot].peek_mut(check.key.as_str()) {
+                if log.cell.algorithm() == params.algorithm {
+                    log.cell.release(&params, admission, now);
+                }
+            }
         }
     }
 
     /// Records an admitted request under `check.key`, creating its state if needed.
-    fn record(&self, logs: &mut Logs, check: &Check, now: u64) -> LimitState {
+    fn record(&self, logs: &mut Logs, check: &Check, now: u64, at: u64) -> LimitState {
         let params = check.params();
         let fresh = logs
             .peek(check.key.as_str())
@@ -263,8 +311,8 @@ impl LocalStore {
             );
         }
         match logs.peek_mut(check.key.as_str()) {
-            Some(log) => log.cell.record(&params, now),
-            None => Cell::new(params.algorithm).record(&params, now),
+            Some(log) => log.cell.record(&params, now, at),
+            None => Cell::new(params.algorithm).record(&params, now, at),
         }
     }
 }
@@ -426,7 +474,7 @@ mod tests {
             window,
             burst: requests,
             cost: 1,
-            shadow: false,
+            ..Check::default()
         }
     }
 

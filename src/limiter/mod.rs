@@ -62,8 +62,9 @@ impl Algorithm {
 }
 
 /// One limit to check for a request: the full store key (prefix, route, limit, identity) and
-/// every parameter of the limit that changes a decision.
-#[derive(Debug, Clone)]
+/// every parameter of the limit that changes a decision. `Default` is there so code that
+/// builds checks by hand can name only the fields it cares about (`..Check::default()`).
+#[derive(Debug, Clone, Default)]
 pub struct Check {
     pub key: String,
     pub algorithm: Algorithm,
@@ -76,6 +77,12 @@ pub struct Check {
     /// Evaluated and counted, but never rejects the request (a shadow limit without room
     /// records nothing in itself).
     pub shadow: bool,
+    /// `on_exceed: delay`: the longest a request this limit has no room for may be held to be
+    /// admitted later instead of rejected; zero = reject (sliding_log and gcra only).
+    pub max_delay: Duration,
+    /// The request's place may be given back before it expires (`count:` by outcome), so
+    /// this limit's room can grow other than with time: its rejections are never cached.
+    pub returnable: bool,
 }
 
 impl Check {
@@ -88,6 +95,7 @@ impl Check {
             burst: self.burst,
             cost: self.cost,
             shadow: self.shadow,
+            max_delay_us: u64::try_from(self.max_delay.as_micros()).unwrap_or(u64::MAX),
         }
     }
 }
@@ -101,6 +109,8 @@ pub struct Params {
     pub burst: u32,
     pub cost: u32,
     pub shadow: bool,
+    /// Longest delay instead of a rejection; 0 = reject.
+    pub max_delay_us: u64,
 }
 
 /// Whether `checks` live in more than one Redis Cluster slot (and so are decided per slot).
@@ -139,8 +149,40 @@ pub struct Decision {
     /// store was not asked about (a rejection answered from the deny cache).
     pub limits: Vec<Option<LimitState>>,
     /// One flag per check: whether that limit had no room for the request. For a shadow limit
-    /// this is a rejection that was only counted; for the others, a reason for the rejection.
+    /// this is a rejection that was only counted; for the others, a reason for the rejection
+    /// (or, for an admitted request, for its delay).
     pub rejecting: Vec<bool>,
+    /// For an admitted request, what `Store::release` needs to give its places back; `None`
+    /// for a rejection.
+    pub admission: Option<Admission>,
+}
+
+impl Decision {
+    /// How long an admitted request must be held before it is forwarded (`on_exceed: delay`):
+    /// zero unless some limit delayed it.
+    pub fn delay(&self) -> Duration {
+        self.admission.as_ref().map_or(Duration::ZERO, |a| {
+            Duration::from_micros(a.at_us - a.decided_us)
+        })
+    }
+}
+
+/// Where an admitted request was recorded, so that it can be given back (`Store::release`).
+/// Times are on the clock of the store that decided (Redis TIME, or the in-process store's
+/// monotonic clock): only that store can use them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admission {
+    /// The Redis script's member prefix of this request (`{instance:016x}-{seq}`): the
+    /// sliding log's entries are `member:1` .. `member:cost`. Empty for an in-process decision.
+    pub member: String,
+    /// When the request was recorded in the exact algorithms (sliding_log, gcra): the time it
+    /// is forwarded, in the future for a delayed request. Store-clock microseconds.
+    pub at_us: u64,
+    /// When the store decided: the counters (fixed_window, sliding_window) are recorded then.
+    pub decided_us: u64,
+    /// Decided by the in-process store (the local store, or Redis's local fallback), which
+    /// is then the one to give it back to.
+    pub local: bool,
 }
 
 /// Where one identity's limit stands, read without recording anything (the admin API).
@@ -351,6 +393,42 @@ impl Store {
         match &self.backend {
             Backend::Local(store) => store.decide(checks),
             Backend::Redis { fallback, .. } => fallback.decide(checks),
+        }
+    }
+
+    /// Gives back what an admitted request recorded in `checks` (a subset of the checks it was
+    /// decided with, with the same parameters): afterwards those limits stand as if the
+    /// request had never been admitted by them, as exactly as each algorithm allows (see
+    /// `scripts/release.lua`). Used for a held client that leaves (`on_exceed: delay`), for
+    /// an outcome a `count:` limit does not count, and by multi-call stores to undo the part
+    /// of a request that was admitted when another part was rejected.
+    ///
+    /// Never answered from the deny cache. A release makes room other than with time, which
+    /// the cache's exactness rests on, so this instance forgets its cached denials of those
+    /// keys (a `returnable` limit's denials are never cached in the first place). Other
+    /// instances may still hold a denial of those keys until its wait ends: they refuse
+    /// where the store would now admit (under-admit), never the other way.
+    pub async fn release(&self, checks: &[Check], admission: &Admission) -> Result<(), StoreError> {
+        if checks.is_empty() {
+            return Ok(());
+        }
+        match &self.backend {
+            Backend::Local(store) => {
+                store.release(checks, admission);
+                Ok(())
+            }
+            Backend::Redis { fallback, .. } if admission.local => {
+                fallback.release(checks, admission);
+                Ok(())
+            }
+            Backend::Redis { store, denials, .. } => {
+                denials.forget_checks(checks);
+                let result = store.release(checks, admission).await;
+                if let Some(counter) = result.as_ref().err().and_then(|err| self.errors.of(err)) {
+                    counter.inc();
+                }
+                result
+            }
         }
     }
 

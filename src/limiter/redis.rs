@@ -40,7 +40,7 @@ use tokio::task::JoinHandle;
 
 use super::cluster::{self, ClusterLink, ClusterSettings};
 use super::sentinel::{watch_failovers, MasterAddr, SentinelSettings, Sentinels};
-use super::{Check, Decision, LimitState, Peek, StoreError};
+use super::{Admission, Check, Decision, LimitState, Peek, StoreError};
 
 /// The script Redis runs: each algorithm's functions, then the driver that calls them. One
 /// script for all algorithms, so a request with limits of several algorithms is still decided
@@ -66,6 +66,9 @@ const PEEK: &str = concat!(
 /// Built once: `Script` hashes its source. Loaded into Redis on first use (EVALSHA, then
 /// SCRIPT LOAD on NOSCRIPT), so the admin API costs the request path nothing.
 static PEEK_SCRIPT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| Script::new(PEEK));
+
+/// Gives back what an admitted request recorded (`Store::release`): a script of its own.
+const RELEASE: &str = include_str!("scripts/release.lua");
 
 /// How often the sentinels are asked for the master when nothing has failed. A failover
 /// promotes the replica some time before the old master is demoted (Sentinel waits several
@@ -100,6 +103,7 @@ struct Shared {
     /// A master being failed over, not to be used again until this instant.
     fence: Mutex<Option<(MasterAddr, Instant)>>,
     script: Script,
+    release: Script,
     timeout: Duration,
 }
 
@@ -209,6 +213,7 @@ impl RedisStore {
                 master: RwLock::new(Arc::new(master)),
                 fence: Mutex::new(None),
                 script: Script::new(DECIDE),
+                release: Script::new(RELEASE),
                 timeout,
             }),
             follower: None,
@@ -230,6 +235,11 @@ impl RedisStore {
                 .load_async(&mut conn)
                 .await
                 .map_err(|e| self.failed(e))?;
+            self.shared
+                .release
+                .load_async(&mut conn)
+                .await
+                .map_err(|e| self.failed(e))?;
             Ok(())
         })
         .await
@@ -246,14 +256,16 @@ impl RedisStore {
                 return self.decide_across_slots(checks, &groups, &member).await;
             }
         }
-        self.decide_in_one_call(checks.iter(), &member).await
+        self.decide_in_one_call(checks.iter(), member, true).await
     }
 
-    /// One call of the decide script over `checks`, whose keys must share a slot on a cluster.
+    /// One call of the decide script over `checks`, whose keys must share a slot on a cluster;
+    /// without `may_delay`, delay limits reject instead.
     async fn decide_in_one_call<'a>(
         &self,
         checks: impl ExactSizeIterator<Item = &'a Check> + Clone,
-        member: &str,
+        member: String,
+        may_delay: bool,
     ) -> Result<Decision, StoreError> {
         let count = checks.len();
         let mut cmd = redis::cmd("EVALSHA");
@@ -261,7 +273,7 @@ impl RedisStore {
         for check in checks.clone() {
             cmd.arg(&check.key);
         }
-        cmd.arg(member);
+        cmd.arg(&member);
         for check in checks {
             let params = check.params();
             cmd.arg(params.algorithm.label())
@@ -269,10 +281,11 @@ impl RedisStore {
                 .arg(params.window_us)
                 .arg(params.burst)
                 .arg(params.cost)
-                .arg(u8::from(params.shadow));
+                .arg(u8::from(params.shadow))
+                .arg(if may_delay { params.max_delay_us } else { 0 });
         }
         let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.script)).await?;
-        decision_from_reply(&reply, count)
+        decision_from_reply(&reply, count, member)
     }
 
     /// A request whose limits live in several cluster slots: each slot decided by its own
@@ -284,8 +297,13 @@ impl RedisStore {
         groups: &[Vec<usize>],
         member: &str,
     ) -> Result<Decision, StoreError> {
+        // No delay across slots: their masters' clocks cannot agree on one future instant.
         let calls = groups.iter().map(|members| {
-            self.decide_in_one_call(members.iter().map(|&index| &checks[index]), member)
+            self.decide_in_one_call(
+                members.iter().map(|&index| &checks[index]),
+                member.to_owned(),
+                false,
+            )
         });
         let results = futures_util::future::join_all(calls).await;
         let mut decisions = Vec::with_capacity(results.len());
@@ -305,9 +323,9 @@ impl RedisStore {
             let admitted = groups
                 .iter()
                 .zip(&decisions)
-                .filter(|(_, d)| d.as_ref().is_some_and(|d| d.admitted));
-            let releases = admitted.map(|(members, _)| {
-                self.release_in_one_call(members.iter().map(|&index| &checks[index]), member)
+                .filter_map(|(members, d)| Some((members, d.as_ref()?.admission.as_ref()?)));
+            let releases = admitted.map(|(members, admission)| {
+                self.release_in_one_call(members.iter().map(|&index| &checks[index]), admission)
             });
             for result in futures_util::future::join_all(releases).await {
                 if let Err(err) = result {
@@ -320,15 +338,6 @@ impl RedisStore {
         }
         let decisions: Vec<Decision> = decisions.into_iter().flatten().collect();
         Ok(cluster::merge(checks.len(), groups, &decisions))
-    }
-
-    /// PLACEHOLDER until the release primitive lands.
-    async fn release_in_one_call<'a>(
-        &self,
-        _checks: impl ExactSizeIterator<Item = &'a Check> + Clone,
-        _member: &str,
-    ) -> Result<(), StoreError> {
-        Ok(())
     }
 
     /// Runs `cmd` bounded by the timeout (on a cluster, on the master owning its keys). For
@@ -358,6 +367,51 @@ impl RedisStore {
             T::from_redis_value(value).map_err(|e| StoreError::Script(e.to_string()))
         })
         .await
+    }
+
+    /// Gives back what the request of `admission` recorded under `checks` (`release.lua`);
+    /// on a cluster, one call per slot the checks live in.
+    pub async fn release(&self, checks: &[Check], admission: &Admission) -> Result<(), StoreError> {
+        let groups = match &self.cluster {
+            Some(_) => cluster::slot_groups(checks),
+            None => None,
+        };
+        let Some(groups) = groups else {
+            return self.release_in_one_call(checks.iter(), admission).await;
+        };
+        let calls = groups.iter().map(|members| {
+            self.release_in_one_call(members.iter().map(|&index| &checks[index]), admission)
+        });
+        futures_util::future::join_all(calls)
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    /// One call of the release script over `checks`, whose keys must share a slot on a
+    /// cluster.
+    async fn release_in_one_call<'a>(
+        &self,
+        checks: impl ExactSizeIterator<Item = &'a Check> + Clone,
+        admission: &Admission,
+    ) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.shared.release.get_hash()).arg(checks.len());
+        for check in checks.clone() {
+            cmd.arg(&check.key);
+        }
+        cmd.arg(&admission.member)
+            .arg(admission.at_us)
+            .arg(admission.decided_us);
+        for check in checks {
+            let params = check.params();
+            cmd.arg(params.algorithm.label())
+                .arg(params.requests)
+                .arg(params.window_us)
+                .arg(params.cost);
+        }
+        let _released: i64 = self.run(&cmd, Some(&self.shared.release)).await?;
+        Ok(())
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
@@ -596,8 +650,9 @@ async fn follow_once(
         .ok_or_else(|| StoreError::Connection("no connections configured".to_owned()))?;
     let check = async {
         let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut first).await?;
-        // Loading the script now saves the first decisions on the new master a NOSCRIPT.
+        // Loading the scripts now saves the first calls on the new master a NOSCRIPT.
         shared.script.load_async(&mut first).await?;
+        shared.release.load_async(&mut first).await?;
         Ok::<_, RedisError>(role)
     };
     let role = tokio::time::timeout(shared.timeout.max(MIN_SENTINEL_TIMEOUT), check)
@@ -648,11 +703,15 @@ fn script_error(err: RedisError) -> StoreError {
     }
 }
 
-/// Reads the script's reply: `{admitted, retry_after_us, (remaining, reset_us, rejecting) per
-/// check}`.
-fn decision_from_reply(reply: &[i64], checks: usize) -> Result<Decision, StoreError> {
+/// Reads the script's reply: `{admitted, retry_after_us, now_us, at_us, (remaining, reset_us,
+/// rejecting) per check}`; `member` is the request's member prefix, kept for a release.
+fn decision_from_reply(
+    reply: &[i64],
+    checks: usize,
+    member: String,
+) -> Result<Decision, StoreError> {
     let malformed = || StoreError::Script(format!("unexpected script reply {reply:?}"));
-    let [admitted, retry_after, per_limit @ ..] = reply else {
+    let [admitted, retry_after, now, at, per_limit @ ..] = reply else {
         return Err(malformed());
     };
     if per_limit.len() != 3 * checks {
@@ -669,11 +728,20 @@ fn decision_from_reply(reply: &[i64], checks: usize) -> Result<Decision, StoreEr
         })
         .collect();
     let rejecting = per_limit.chunks_exact(3).map(|t| t[2] == 1).collect();
+    let admitted = *admitted == 1;
+    let time = |v: i64| u64::try_from(v).unwrap_or(0);
     Ok(Decision {
-        admitted: *admitted == 1,
+        admitted,
         retry_after: micros(*retry_after),
         limits,
         rejecting,
+        admission: admitted.then(|| Admission {
+            member,
+            decided_us: time(*now),
+            // Never before the decision, whatever the reply says.
+            at_us: time(*at).max(time(*now)),
+            local: false,
+        }),
     })
 }
 
@@ -716,17 +784,26 @@ mod tests {
 
     #[test]
     fn reads_a_reply() {
-        let d = decision_from_reply(&[0, 1_500_000, 0, 1_500_000, 1, 7, 200, 0], 2).unwrap();
+        let d = decision_from_reply(
+            &[0, 1_500_000, 9, 9, 0, 1_500_000, 1, 7, 200, 0],
+            2,
+            String::new(),
+        )
+        .unwrap();
         assert!(!d.admitted);
         assert_eq!(d.retry_after, Duration::from_millis(1500));
         assert_eq!(d.limits[1].unwrap().remaining, 7);
         assert_eq!(d.limits[1].unwrap().reset, Duration::from_micros(200));
         assert_eq!(d.rejecting, [true, false]);
+        assert_eq!(d.admission, None);
+        let d = decision_from_reply(&[1, 0, 100, 350, 0, 0, 1], 1, "m".to_owned()).unwrap();
+        assert_eq!(d.delay(), Duration::from_micros(250));
+        assert_eq!(d.admission.unwrap().member, "m");
     }
 
     #[test]
     fn refuses_a_short_reply() {
-        assert!(decision_from_reply(&[1, 0, 3], 1).is_err());
-        assert!(decision_from_reply(&[], 0).is_err());
+        assert!(decision_from_reply(&[1, 0, 0, 0, 3], 1, String::new()).is_err());
+        assert!(decision_from_reply(&[], 0, String::new()).is_err());
     }
 }

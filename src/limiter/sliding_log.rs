@@ -50,10 +50,37 @@ pub fn check(times: &VecDeque<u64>, params: &Params, now: u64) -> Verdict {
     }
 }
 
-/// Records an admitted request: one entry per unit of cost.
-pub fn record(times: &mut VecDeque<u64>, params: &Params, now: u64) -> LimitState {
-    times.extend(std::iter::repeat_n(now, params.cost as usize));
+/// Records an admitted request at `at` (`now`, or later for a delayed request): one entry per
+/// unit of cost, keeping `times` sorted (a delayed request's entries can land before other
+/// future ones). Returns the state at `now`.
+///
+/// Why recording in the future keeps the log exact (no window `(s − window, s]`, wherever
+/// it starts, holds more than `requests` entries). Let the pruned log be t_1 ≤ … ≤ t_n (some
+/// may be in the future: `check` counts them, since it only drops entries that are old),
+/// and let the request of cost c be admitted with n + c ≤ requests, or delayed to
+/// a = t_k + window with k = n + c − requests ≥ 1 (the check's wait), or recorded at any
+/// later `at` (another limit of the request delayed it further). Any window holding `at`
+/// lies in (at − window, at + window), so its other entries are all later than
+/// at − window ≥ t_k (≥ now − window when k < 1). At most n − k = requests − c entries are
+/// later than t_k (ties with t_k included in the n − k only if they come after it; entries
+/// equal to t_k are not in the window, which is open on that side), so the window holds at
+/// most requests − c + c = requests. Windows without `at` are unchanged.
+pub fn record(times: &mut VecDeque<u64>, params: &Params, now: u64, at: u64) -> LimitState {
+    let index = times.partition_point(|&t| t <= at);
+    for _ in 0..params.cost {
+        times.insert(index, at);
+    }
     state(times, params.requests, params.window_us, now)
+}
+
+/// Gives back a request recorded at `at`: removes `cost` entries at that time (entries at the
+/// same time are interchangeable, so it does not matter whose). Exact: the log is what it
+/// would be had the request never been admitted.
+pub fn release(times: &mut VecDeque<u64>, cost: u32, at: u64) {
+    let start = times.partition_point(|&t| t < at);
+    let end = times.partition_point(|&t| t <= at);
+    let remove = (end - start).min(cost as usize);
+    times.drain(start..start + remove);
 }
 
 /// Where the limit stands, as reported in the `RateLimit` field.
@@ -117,6 +144,7 @@ mod tests {
             burst: 4,
             cost: 3,
             shadow: false,
+            max_delay_us: 0,
         };
         let verdict = check(&times, &params, 4 * SECOND);
         assert!(!verdict.admits);
@@ -125,6 +153,92 @@ mod tests {
             8 * SECOND,
             "two must leave: the second at 12 s"
         );
+    }
+
+    fn params(requests: u32, cost: u32) -> Params {
+        Params {
+            algorithm: crate::limiter::Algorithm::SlidingLog,
+            requests,
+            window_us: 10 * SECOND,
+            burst: requests,
+            cost,
+            shadow: false,
+            max_delay_us: 0,
+        }
+    }
+
+    #[test]
+    fn a_release_leaves_the_log_as_if_never_admitted() {
+        let p = params(3, 2);
+        let mut times = VecDeque::from([SECOND, 2 * SECOND]);
+        let before = times.clone();
+        let never = check(&times, &params(3, 1), 3 * SECOND);
+        record(&mut times, &p, 3 * SECOND, 3 * SECOND);
+        assert_eq!(times.len(), 4);
+        assert!(!check(&times, &params(3, 1), 3 * SECOND).admits);
+        release(&mut times, p.cost, 3 * SECOND);
+        assert_eq!(times, before);
+        assert_eq!(check(&times, &params(3, 1), 3 * SECOND), never);
+    }
+
+    #[test]
+    fn a_release_takes_only_its_own_time_and_cost() {
+        let mut times = VecDeque::from([SECOND, 5 * SECOND, 5 * SECOND, 5 * SECOND, 7 * SECOND]);
+        release(&mut times, 2, 5 * SECOND);
+        assert_eq!(times, [SECOND, 5 * SECOND, 7 * SECOND]);
+        release(&mut times, 3, 6 * SECOND);
+        assert_eq!(times.len(), 3, "nothing recorded then: nothing given back");
+    }
+
+    #[test]
+    fn a_delayed_entry_lands_in_order_and_counts_at_once() {
+        let p = params(2, 1);
+        let mut times = VecDeque::from([SECOND, 2 * SECOND]);
+        let v = check(&times, &p, 3 * SECOND);
+        assert!(!v.admits);
+        assert_eq!(
+            v.wait,
+            8 * SECOND,
+            "room when the entry at 1 s leaves, at 11 s"
+        );
+        let st = record(&mut times, &p, 3 * SECOND, 3 * SECOND + v.wait);
+        assert_eq!(st.remaining, 0);
+        assert_eq!(times, [SECOND, 2 * SECOND, 11 * SECOND]);
+        // A later request delayed by another limit to 9 s lands before the entry at 11 s.
+        record(&mut times, &p, 3 * SECOND, 9 * SECOND);
+        assert_eq!(times, [SECOND, 2 * SECOND, 9 * SECOND, 11 * SECOND]);
+        // The future entries count now, and wait for the entries they follow.
+        prune(&mut times, p.window_us, 12 * SECOND);
+        let v = check(&times, &p, 12 * SECOND);
+        assert!(!v.admits);
+        assert_eq!(v.wait, 7 * SECOND, "the entry at 9 s leaves at 19 s");
+    }
+
+    /// Every window of the log's length, starting at any entry, holds at most `requests`:
+    /// requests arriving in a flood, each delayed to the time the check says.
+    #[test]
+    fn delayed_admissions_never_crowd_a_window() {
+        let p = params(5, 1);
+        let mut times = VecDeque::new();
+        let mut all = Vec::new();
+        // Not at zero: the pruning horizon saturates there.
+        let mut now = SECOND;
+        for n in 0..200u64 {
+            now += (n * 7919) % (SECOND / 2);
+            prune(&mut times, p.window_us, now);
+            let v = check(&times, &p, now);
+            let at = now + v.wait;
+            record(&mut times, &p, now, at);
+            all.push(at);
+        }
+        all.sort_unstable();
+        for (i, &start) in all.iter().enumerate() {
+            let within = all[i..]
+                .iter()
+                .take_while(|&&t| t < start + p.window_us)
+                .count();
+            assert!(within <= 5, "{within} entries in the window from {start}");
+        }
     }
 
     #[test]

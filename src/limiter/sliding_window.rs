@@ -110,6 +110,22 @@ pub fn record(counts: &mut Counts, params: &Params, now: u64) -> LimitState {
     state(*counts, params, now)
 }
 
+/// Gives back a request counted at `decided` (store time): the count of the fixed window
+/// holding `decided` drops by `cost`, never below zero, if that window is still the current
+/// or the previous one; otherwise it has no weight left and nothing is given back. Exact for
+/// the counts; a release into the previous window gives back the request's weight there.
+pub fn release(counts: Counts, params: &Params, now: u64, decided: u64) -> Counts {
+    let mut counts = counts.at(params.window_us, now);
+    let index = decided / params.window_us.max(1);
+    let cost = u64::from(params.cost);
+    if index == counts.index {
+        counts.current = counts.current.saturating_sub(cost);
+    } else if index + 1 == counts.index {
+        counts.previous = counts.previous.saturating_sub(cost);
+    }
+    counts
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,7 +141,29 @@ mod tests {
             burst: requests,
             cost: 1,
             shadow: false,
+            max_delay_us: 0,
         }
+    }
+
+    #[test]
+    fn a_release_leaves_the_counts_as_if_never_admitted() {
+        let p = params(10);
+        let mut counts = Counts::default().at(p.window_us, 3 * SECOND);
+        record(&mut counts, &p, 3 * SECOND);
+        let before = counts;
+        let never = check(counts, &p, 4 * SECOND);
+        record(&mut counts, &p, 4 * SECOND);
+        assert_ne!(check(counts, &p, 4 * SECOND), never);
+        let back = release(counts, &p, 4 * SECOND, 4 * SECOND);
+        assert_eq!(back, before);
+        assert_eq!(check(back, &p, 4 * SECOND), never);
+        // Counted in the previous window: given back there.
+        let later = release(counts, &p, 12 * SECOND, 4 * SECOND);
+        assert_eq!(later.previous, 1);
+        assert_eq!(later, before.at(p.window_us, 12 * SECOND));
+        // Two windows on, it weighs nothing: nothing to give back.
+        let gone = release(counts, &p, 25 * SECOND, 4 * SECOND);
+        assert_eq!(gone, counts.at(p.window_us, 25 * SECOND));
     }
 
     #[test]
@@ -185,7 +223,7 @@ mod tests {
         for &now in arrivals {
             crate::limiter::sliding_log::prune(&mut times, p.window_us, now);
             if crate::limiter::sliding_log::check(&times, p, now).admits {
-                crate::limiter::sliding_log::record(&mut times, p, now);
+                crate::limiter::sliding_log::record(&mut times, p, now, now);
                 admitted.push(now);
             }
         }

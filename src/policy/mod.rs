@@ -457,6 +457,7 @@ impl Limit {
             burst: self.burst,
             cost: self.cost,
             shadow: self.shadow,
+            ..Check::default()
         }
     }
 }

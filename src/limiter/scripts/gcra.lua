@@ -29,7 +29,10 @@ local function gcra_check(key, now, limit)
   return st
 end
 
-local function gcra_record(key, now, limit, st)
-  redis.call('SET', key, string.format('%.0f', st.new), 'PX', math.ceil((st.new - now) / 1000))
-  return gcra_state(st.new - now, st.t, limit.burst)
+-- `at`: now, or the later time a delayed request is forwarded at; the TAT moves to
+-- max(TAT, at) + cost * T (see gcra.rs).
+local function gcra_record(key, now, limit, st, member, at)
+  local new = math.max(st.new, at + limit.cost * st.t)
+  redis.call('SET', key, string.format('%.0f', new), 'PX', math.ceil((new - now) / 1000))
+  return gcra_state(new - now, st.t, limit.burst)
 end

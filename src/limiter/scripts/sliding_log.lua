@@ -6,6 +6,9 @@
 -- limit      {requests, window (us), burst (unused), cost}
 -- Returns    check: {ok, wait_us, remaining, reset_us}; record: {remaining, reset_us}
 --
+-- Entries can be in the future (a delayed request is recorded at the time it is forwarded):
+-- the check counts them, since it only removes entries that have left the window.
+--
 -- Scores are written with %.0f: Lua would otherwise print a 16-digit number with 14
 -- significant digits.
 
@@ -34,8 +37,8 @@ local function sliding_log_check(key, now, limit)
   return st
 end
 
-local function sliding_log_record(key, now, limit, st, member)
-  local score = string.format('%.0f', now)
+local function sliding_log_record(key, now, limit, st, member, at)
+  local score = string.format('%.0f', at)
   -- One entry per unit of cost, added in batches: unpack() is limited by Lua's C stack.
   local args = {}
   for j = 1, limit.cost do
@@ -46,15 +49,23 @@ local function sliding_log_record(key, now, limit, st, member)
       args = {}
     end
   end
-  redis.call('PEXPIRE', key, math.ceil(limit.window / 1000))
+  -- The key lives until its newest entry leaves the window. Entries can be in the future
+  -- only on a route with a delay limit (which then applies to every request of the route:
+  -- `sluice check` refuses `when:` on it), so only there is the newest entry read.
+  local newest = at
+  if limit.delays then
+    newest = math.max(at, tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]))
+  end
+  redis.call('PEXPIRE', key, math.ceil((newest - now + limit.window) / 1000))
   local n = st.count + limit.cost
   local index = math.max(n - limit.requests, 0)
-  -- The pivot moves only when the key was empty or a cost above 1 passes it; with cost 1 no
-  -- extra read is needed.
+  -- The pivot moves only when the key was empty, a cost above 1 passes it, or the new
+  -- entries land before it (in the future, it can be later than now); otherwise no extra
+  -- read is needed.
   local pivot = st.pivot
   if st.count == 0 then
-    pivot = now
-  elseif index ~= math.max(st.count - limit.requests, 0) then
+    pivot = at
+  elseif index ~= math.max(st.count - limit.requests, 0) or st.pivot > at then
     pivot = tonumber(redis.call('ZRANGE', key, index, index, 'WITHSCORES')[2])
   end
   return math.max(limit.requests - n, 0), pivot + limit.window - now

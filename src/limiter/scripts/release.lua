@@ -1,0 +1,104 @@
+-- Release: gives back what one admitted request recorded under some of its limits, so each
+-- stands as if the request had never been admitted by it (as exactly as its algorithm
+-- allows). Used for a held request whose client left (`on_exceed: delay`), for an outcome a
+-- `count:` limit does not count, and to undo the admitted part of a request decided in
+-- several calls. A script of its own (not part of decide.lua); it needs no helper of the
+-- algorithms' files.
+--
+-- KEYS[i]      the keys the request was recorded under (any subset of its checks)
+-- ARGV[1]      the request's member prefix (decide.lua's ARGV[1])
+-- ARGV[2]      at_us: when it was recorded in sliding_log and gcra (decide.lua's at_us)
+-- ARGV[3]      decided_us: when it was decided (decide.lua's now_us): the counters'
+--              record time
+-- ARGV[4i..4i+3]  the limit of KEYS[i]: algorithm, requests, window in microseconds, cost
+--
+-- Returns the number of keys that held something to give back.
+--
+-- Per algorithm:
+--   sliding_log     ZREM member:1 .. member:cost. Exact.
+--   gcra            TAT -= cost * T, never below now (then the key goes: a full bucket).
+--                   Exact unless the TAT fell behind the clock in between (then up to
+--                   cost * T more than the request's share comes back, once); a request
+--                   recorded after the TAT (delayed by another limit) left the TAT at its own
+--                   time, which stays (less comes back).
+--   fixed_window    DECRBY cost, only if the key exists; at zero the key goes (the next hit
+--                   starts a window, as for a fresh key). If the request's window ended in
+--                   between, the give-back lands in the new window: at most `cost` more,
+--                   within the algorithm's documented twice the limit across a boundary.
+--   sliding_window  the count of the fixed window holding decided_us (current or previous
+--                   counter) drops by cost, never below 0; an older window weighs nothing.
+
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local member = ARGV[1]
+local at = tonumber(ARGV[2])
+local decided = tonumber(ARGV[3])
+local released = 0
+
+for i = 1, #KEYS do
+  local key = KEYS[i]
+  local base = 4 * i
+  local algorithm = ARGV[base]
+  local requests = tonumber(ARGV[base + 1])
+  local window = tonumber(ARGV[base + 2])
+  local cost = tonumber(ARGV[base + 3])
+  if algorithm == 'sliding_log' then
+    local members, removed = {}, 0
+    for j = 1, cost do
+      members[#members + 1] = member .. ':' .. j
+      if #members == 1000 or j == cost then
+        removed = removed + redis.call('ZREM', key, unpack(members))
+        members = {}
+      end
+    end
+    if removed > 0 then
+      released = released + 1
+    end
+  elseif algorithm == 'gcra' then
+    local tat = tonumber(redis.call('GET', key) or '0')
+    if tat > now then
+      local t = math.ceil(window / requests)
+      local new = tat - cost * t
+      if new > now then
+        redis.call('SET', key, string.format('%.0f', new), 'PX', math.ceil((new - now) / 1000))
+      else
+        redis.call('DEL', key)
+      end
+      released = released + 1
+    end
+  elseif algorithm == 'fixed_window' then
+    local count = tonumber(redis.call('GET', key) or '0')
+    if count > 0 then
+      if count > cost then
+        redis.call('DECRBY', key, cost)
+      else
+        redis.call('DEL', key)
+      end
+      released = released + 1
+    end
+  elseif algorithm == 'sliding_window' then
+    local stored = redis.call('HMGET', key, 'w', 'c', 'p')
+    local w = tonumber(stored[1])
+    if w then
+      local index = math.floor(now / window)
+      local counted = math.floor(decided / window)
+      local c, p = tonumber(stored[2] or '0'), tonumber(stored[3] or '0')
+      -- The stored window may be behind the clock: bring it to now first.
+      if w == index - 1 then
+        w, c, p = index, 0, c
+      elseif w < index - 1 then
+        w, c, p = index, 0, 0
+      end
+      if counted == w and c > 0 then
+        redis.call('HSET', key, 'w', w, 'c', math.max(c - cost, 0), 'p', p)
+        released = released + 1
+      elseif counted == w - 1 and p > 0 then
+        redis.call('HSET', key, 'w', w, 'c', c, 'p', math.max(p - cost, 0))
+        released = released + 1
+      end
+    end
+  else
+    return redis.error_reply('unknown algorithm ' .. tostring(algorithm))
+  end
+end
+return released
