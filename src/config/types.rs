@@ -454,9 +454,11 @@ impl FromStr for UpstreamUrl {
         let https = match uri.scheme() {
             Some(s) if *s == Scheme::HTTP => false,
             Some(s) if *s == Scheme::HTTPS => true,
-            _ => return Err(format!(
+            _ => {
+                return Err(format!(
                 "expected a URL like http://127.0.0.1:3000 or https://api.internal, got `{text}`"
-            )),
+            ))
+            }
         };
         let authority = uri
             .authority()

@@ -42,6 +42,8 @@ pub struct ListenerTls {
     /// The SHA-256 of the certificate and key bytes last tried, loaded or refused: a refused
     /// pair is reported once, and tried again when either file changes.
     last_seen: [u8; 32],
+    /// Whether the last poll could not read the files: reported once, not at every poll.
+    unreadable: bool,
 }
 
 impl ListenerTls {
@@ -79,6 +81,7 @@ impl ListenerTls {
             acceptor: TlsAcceptor::from(Arc::new(config)),
             current,
             last_seen: digest(&bytes),
+            unreadable: false,
             cert,
             key,
         })
@@ -115,10 +118,14 @@ impl ListenerTls {
                 return
             }
             Err(err) => {
-                tracing::warn!(error = %err, "cannot read the TLS certificate; the old one keeps serving");
+                if !self.unreadable {
+                    tracing::warn!(error = %err, "cannot read the TLS certificate; the old one keeps serving");
+                }
+                self.unreadable = true;
                 return;
             }
         };
+        self.unreadable = false;
         let seen = digest(&bytes);
         if seen == self.last_seen {
             return;
