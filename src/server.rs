@@ -148,10 +148,14 @@ pub async fn serve<H, F>(
         let accepted = Instant::now();
         let handler = handler.clone();
         let first_request = Arc::new(AtomicBool::new(false));
+        let over_tls = settings.tls.is_some();
         let service = {
             let first_request = Arc::clone(&first_request);
-            service_fn(move |request| {
+            service_fn(move |mut request: Request<Incoming>| {
                 first_request.store(true, Ordering::Relaxed);
+                if over_tls {
+                    request.extensions_mut().insert(crate::tls::ClientTls);
+                }
                 let response = handler(request, peer);
                 async move { Ok::<_, Infallible>(response.await) }
             })

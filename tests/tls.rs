@@ -281,6 +281,8 @@ async fn https_over_http1_and_http2_through_alpn_with_reqwest_and_curl() {
     assert_eq!(peer_cert(&response), der_of(&leaf.cert));
     let echoed: serde_json::Value = response.json().await.unwrap();
     assert_eq!(echoed["path"], "/users/1");
+    // The upstream is told the client came over TLS.
+    assert_eq!(echoed["headers"]["x-forwarded-proto"][0], "https");
 
     let h1 = https_client(&ca.pem(), sluice.addr())
         .http1_only()

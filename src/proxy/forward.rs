@@ -101,6 +101,7 @@ pub async fn forward(
 ) -> Result<Response<Incoming>, ForwardError> {
     let (parts, body) = request.into_parts();
     let (body, fault) = RequestBody::new(body, max_body.unwrap_or(u64::MAX));
+    let tls_client = parts.extensions.get::<crate::tls::ClientTls>().is_some();
     let mut request = Request::from_parts(parts, body);
     let host = request.headers().get(HOST).cloned().or_else(|| {
         request
@@ -115,6 +116,12 @@ pub async fn forward(
     headers::remove_hop_by_hop(headers);
     headers.remove(HOST);
     headers::add_forwarded(headers, peer.ip(), host);
+    if tls_client {
+        headers.insert(
+            http::header::HeaderName::from_static("x-forwarded-proto"),
+            http::HeaderValue::from_static("https"),
+        );
+    }
 
     let result = match tokio::time::timeout(upstream.timeout, client.client.request(request)).await
     {

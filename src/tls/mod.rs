@@ -17,6 +17,11 @@ pub use files::TlsFileError;
 pub use listener::ListenerTls;
 pub use upstream::UpstreamTls;
 
+/// Marks a request that arrived over TLS (a request extension set by `server`), so that the
+/// upstream is told `X-Forwarded-Proto: https`.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientTls;
+
 /// The crypto provider of every TLS config sluice builds.
 pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
