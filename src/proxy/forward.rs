@@ -126,7 +126,9 @@ pub async fn forward(
     let result = match tokio::time::timeout(upstream.timeout, client.client.request(request)).await
     {
         Ok(Ok(response)) => Ok(response),
-        Ok(Err(err)) if err.is_connect() => Err(ForwardError::Connect(error_chain(&err))),
+        Ok(Err(err)) if err.is_connect() || crate::tls::upstream::is_tls_failure(&err) => {
+            Err(ForwardError::Connect(error_chain(&err)))
+        }
         Ok(Err(err)) => Err(ForwardError::Other(error_chain(&err))),
         Err(_) => Err(ForwardError::Timeout(upstream.timeout)),
     };

@@ -190,3 +190,25 @@ pub fn connector(
         .enable_http1()
         .wrap_connector(http)
 }
+
+/// Whether `err` is, or was caused by, a TLS failure. Under TLS 1.3 a server checks the client
+/// certificate after the client has finished its side of the handshake, so a refused (or
+/// missing) client certificate arrives as an alert on the first read of the response rather
+/// than from the connector; it is still the handshake that failed.
+pub fn is_tls_failure(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(err);
+    while let Some(err) = current {
+        if err.is::<rustls::Error>() {
+            return true;
+        }
+        // `io::Error::source` skips the error it wraps; `get_ref` is the way to it.
+        let wrapped = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref());
+        if wrapped.is_some_and(|inner| inner.is::<rustls::Error>()) {
+            return true;
+        }
+        current = err.source();
+    }
+    false
+}
