@@ -796,6 +796,22 @@ fn check_accepts_a_tls_config_with_relative_paths() {
 }
 
 #[test]
+fn the_example_config_checks_with_its_certificate_files_in_place() {
+    let (ca, files) = (Ca::new("test CA"), Files::new());
+    let leaf = ca.server("sluice");
+    std::fs::create_dir(files.path("tls")).unwrap();
+    files.write("tls/cert.pem", &leaf.cert);
+    files.write("tls/key.pem", &leaf.key);
+    let example =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/tls.yaml"))
+            .unwrap();
+    let path = files.write("tls.yaml", &example);
+    let (status, stdout, stderr) = sluice_check(&path);
+    assert!(status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains(", tls)"), "{stdout}");
+}
+
+#[test]
 fn check_names_the_file_line_column_and_field_of_each_bad_tls_setting() {
     let (ca, files) = (Ca::new("test CA"), Files::new());
     let leaf = ca.server("sluice");
