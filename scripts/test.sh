@@ -5,9 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Installs the Debian/Ubuntu package $2 (or Homebrew's `redis`) when the command $1 is missing.
+# Installs the Debian/Ubuntu package $2 (or the Homebrew formula $3, `redis` by default) when
+# the command $1 is missing.
 install_if_missing() {
-  local command=$1 package=$2
+  local command=$1 package=$2 formula=${3:-redis}
   if command -v "$command" >/dev/null 2>&1; then return; fi
   echo "$command not found; installing it" >&2
   if command -v apt-get >/dev/null 2>&1; then
@@ -16,9 +17,9 @@ install_if_missing() {
     $sudo apt-get update -qq
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package" >/dev/null
   elif command -v brew >/dev/null 2>&1; then
-    brew install redis
+    brew install "$formula"
   else
-    echo "cannot install $command here: install Redis (5.0 or newer, see README) and run this again" >&2
+    echo "cannot install $command here: install $package (see README) and run this again" >&2
     exit 1
   fi
 }
@@ -28,6 +29,10 @@ install_if_missing redis-server redis-server
 install_if_missing redis-sentinel redis-sentinel
 # tests/cluster.rs creates a Redis Cluster with redis-cli (Debian's redis-tools).
 install_if_missing redis-cli redis-tools
+# tests/tls.rs uses curl as a real TLS client (HTTP/2 through ALPN), and openssl to rewrite
+# test keys in the PKCS#1 and SEC1 formats.
+install_if_missing curl curl curl
+install_if_missing openssl openssl openssl
 echo "using $(redis-server --version)" >&2
 
 cargo test --locked "$@"

@@ -1,6 +1,6 @@
 //! sluice: a rate-limiting reverse proxy. One request's path through the modules:
 //!
-//! `server` (accept, HTTP/1.1 and h2c, connection limits) → `proxy` (the request phases:
+//! `server` (accept, TLS from `tls`, HTTP/1.1 and HTTP/2, connection limits) → `proxy` (the request phases:
 //! `path` canonicalization and head limits, routing on the `policy`, `keys` for each limit,
 //! the `limiter` decision, then a `response` of 429 or a forward to the upstream) — with
 //! `metrics` observing each step and `admin` serving them. `config` reads the policy file;
@@ -22,3 +22,4 @@ pub mod ratelimit_field;
 pub mod reload;
 pub mod response;
 pub mod server;
+pub mod tls;

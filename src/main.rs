@@ -18,6 +18,7 @@ use sluice::metrics::Metrics;
 use sluice::policy::Policy;
 use sluice::proxy::{self, Gateway};
 use sluice::reload::Reloader;
+use sluice::tls::ListenerTls;
 use sluice::{config, server};
 
 #[derive(Parser)]
@@ -124,16 +125,23 @@ struct Loaded {
     source: config::Source,
     policy: Policy,
     metrics: Arc<Metrics>,
+    /// The listener's TLS, its certificate and key read and checked.
+    tls: Option<ListenerTls>,
 }
 
 fn load(file: &Path) -> anyhow::Result<Loaded> {
     let source = config::load(file)?;
     let metrics = Arc::new(Metrics::new().context("cannot create the metrics registry")?);
     let policy = Policy::compile(&source.config, file, &metrics)?;
+    let tls = match &source.config.tls {
+        Some(tls) => Some(ListenerTls::load(tls, file)?),
+        None => None,
+    };
     Ok(Loaded {
         source,
         policy,
         metrics,
+        tls,
     })
 }
 
@@ -141,7 +149,7 @@ fn check(file: &Path) -> anyhow::Result<()> {
     let loaded = load(file)?;
     let config = &loaded.source.config;
     println!(
-        "{}: ok ({} routes, {} upstreams, store: {})",
+        "{}: ok ({} routes, {} upstreams, store: {}{})",
         file.display(),
         loaded.policy.routes.len(),
         config.upstreams.len(),
@@ -149,7 +157,8 @@ fn check(file: &Path) -> anyhow::Result<()> {
             "redis"
         } else {
             "in-process"
-        }
+        },
+        if loaded.tls.is_some() { ", tls" } else { "" }
     );
     Ok(())
 }
@@ -159,6 +168,7 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
         source,
         policy,
         metrics,
+        tls,
     } = loaded;
     let config = &source.config;
     // Before anything is bound or connected: a token that cannot be read stops the start.
@@ -199,6 +209,7 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
     })?;
     tracing::info!(
         listen = %config.listen,
+        tls = config.tls.is_some(),
         admin_listen = %config.admin_listen.value,
         routes = policy.routes.len(),
         store = store.name(),
@@ -212,6 +223,14 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
     let gateway = Arc::new(Gateway::new(policy, store, head_limits, &metrics));
     let draining = Arc::new(AtomicBool::new(false));
     let (stop, stopping) = watch::channel(false);
+    let mut gateway_settings = settings.clone();
+    if let Some(tls) = tls {
+        gateway_settings.tls = Some(server::ServerTls {
+            acceptor: tls.acceptor(),
+            handshake_errors: metrics.tls_handshake_errors.clone(),
+        });
+        tokio::spawn(tls.watch(metrics.tls_cert_reloads.clone(), stopping.clone()));
+    }
     let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
     let admin_metrics = Arc::clone(&metrics);
     let reloader = Reloader::new(file, source, Arc::clone(&gateway), metrics);
@@ -243,7 +262,7 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
             let gateway = Arc::clone(&gateway);
             async move { gateway.handle(request, peer).await }
         },
-        settings.clone(),
+        gateway_settings,
         gateway_open,
         stopping.clone(),
     );

@@ -176,6 +176,8 @@ pub struct Metrics {
     pub store_fallback_decisions: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub config_hash: IntGauge,
+    pub tls_cert_reloads: IntCounterVec,
+    pub tls_handshake_errors: IntCounter,
 }
 
 /// Buckets for whole requests: from a fast local answer to a slow upstream.
@@ -289,8 +291,20 @@ impl Metrics {
             "sluice_config_hash",
             "The config file serving now: the first 52 bits of its SHA-256 as an integer (exact in a float64), e.g. compare with `sha256sum FILE | cut -c1-13` read as hex.",
         )?;
+        let tls_cert_reloads = IntCounterVec::new(
+            Opts::new(
+                "sluice_tls_cert_reloads_total",
+                "Changes of the listener's TLS certificate or key files, by result: ok (new handshakes use the new pair), error (refused; the old pair keeps serving).",
+            ),
+            &["result"],
+        )?;
+        let tls_handshake_errors = IntCounter::new(
+            "sluice_tls_handshake_errors_total",
+            "Client TLS handshakes that failed or were not done within server.header_read_timeout.",
+        )?;
         for result in ReloadResult::ALL {
             config_reloads.with_label_values(&[result.label()]);
+            tls_cert_reloads.with_label_values(&[result.label()]);
         }
         for refusal in Refusal::ALL {
             refused.with_label_values(&[refusal.label()]);
@@ -311,6 +325,8 @@ impl Metrics {
         registry.register(Box::new(upstream_errors.clone()))?;
         registry.register(Box::new(config_reloads.clone()))?;
         registry.register(Box::new(config_hash.clone()))?;
+        registry.register(Box::new(tls_cert_reloads.clone()))?;
+        registry.register(Box::new(tls_handshake_errors.clone()))?;
         Ok(Metrics {
             registry,
             requests,
@@ -329,6 +345,8 @@ impl Metrics {
             store_fallback_decisions,
             config_reloads,
             config_hash,
+            tls_cert_reloads,
+            tls_handshake_errors,
         })
     }
 

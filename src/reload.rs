@@ -13,7 +13,9 @@ use arc_swap::ArcSwap;
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::config::{self, AdminConfig, Config, LogFormat, ServerConfig, Source, StoreConfig};
+use crate::config::{
+    self, AdminConfig, Config, ListenerTlsConfig, LogFormat, ServerConfig, Source, StoreConfig,
+};
 use crate::metrics::{Metrics, ReloadResult};
 use crate::policy::Policy;
 use crate::proxy::Gateway;
@@ -50,6 +52,9 @@ struct Fixed {
     /// The admin API's token is read from the environment at start only.
     admin: AdminConfig,
     log_format: LogFormat,
+    /// The listener's TLS files are watched on their own (`tls::listener`); which files, and
+    /// whether there is TLS at all, is fixed at start.
+    tls: Option<ListenerTlsConfig>,
     server: ServerConfig,
     store: StoreConfig,
 }
@@ -74,6 +79,14 @@ impl Fixed {
         }
         if new.log_format != self.log_format {
             return Some("`log_format` changed".to_owned());
+        }
+        let paths = |tls: &ListenerTlsConfig| (tls.cert.value.clone(), tls.key.value.clone());
+        if new.tls.as_ref().map(|tls| paths(&tls.value)) != self.tls.as_ref().map(paths) {
+            return Some(
+                "`tls` changed (the certificate files' contents are reloaded; which files, or \
+                 whether there is TLS, is not)"
+                    .to_owned(),
+            );
         }
         let old_server = &self.server;
         let (old, now) = (&self.server, &new.server);
@@ -225,6 +238,7 @@ impl Reloader {
                 admin_listen: config.admin_listen.value,
                 admin: config.admin,
                 log_format: config.log_format,
+                tls: config.tls.map(|tls| tls.value),
                 server: config.server,
                 store: config.store,
             },
@@ -380,6 +394,7 @@ mod tests {
             admin_listen: config.admin_listen.value,
             admin: config.admin,
             log_format: config.log_format,
+            tls: config.tls.map(|tls| tls.value),
             server: config.server,
             store: config.store,
         }
@@ -416,6 +431,8 @@ mod tests {
             change("store:\n  redis:\n    url: redis://127.0.0.1:6379\n", base).as_deref(),
             Some("`store.redis` changed")
         );
+        assert!(change("tls:\n  cert: c.pem\n  key: k.pem\n", base)
+            .is_some_and(|change| change.starts_with("`tls` changed")));
     }
 
     #[test]

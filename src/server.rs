@@ -1,6 +1,7 @@
-//! Listeners: accept TCP connections and serve HTTP/1.1 and cleartext HTTP/2 (h2c) on them,
-//! with a bounded number of connections, a header-read timeout against slow clients, an idle
-//! timeout, and a graceful shutdown that lets requests in flight finish.
+//! Listeners: accept TCP connections and serve HTTP/1.1 and cleartext HTTP/2 (h2c) on them, or
+//! TLS with both offered through ALPN, with a bounded number of connections, a header-read
+//! timeout against slow clients (which bounds the TLS handshake too), an idle timeout, and a
+//! graceful shutdown that lets requests in flight finish.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -17,13 +18,14 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use prometheus::IntGauge;
+use prometheus::{IntCounter, IntGauge};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{watch, Semaphore};
 
 use crate::config::ServerConfig;
 use crate::proxy::ProxyBody;
+use crate::tls::stream::MaybeTls;
 
 /// Connections the kernel may hold, handshake done, until sluice accepts them. The standard
 /// library's (and tokio's) 128 is easily overrun by a burst of new connections, and each SYN
@@ -55,6 +57,22 @@ pub struct Settings {
     /// wins, and past them the parser cuts a hostile head short without buffering it.
     pub parser_max_head_bytes: usize,
     pub parser_max_headers: usize,
+    /// TLS on this listener; `None`: cleartext.
+    pub tls: Option<ServerTls>,
+}
+
+/// A listener's TLS: the acceptor (its certificate may rotate underneath) and the counter of
+/// handshakes that failed or timed out.
+#[derive(Clone)]
+pub struct ServerTls {
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    pub handshake_errors: IntCounter,
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ServerTls")
+    }
 }
 
 impl Settings {
@@ -72,6 +90,7 @@ impl Settings {
             // hyper refuses a buffer below 8 KiB.
             parser_max_head_bytes: usize::try_from(head).unwrap_or(usize::MAX).max(8192),
             parser_max_headers: config.max_headers.0 as usize * 2,
+            tls: None,
         }
     }
 }
@@ -129,10 +148,14 @@ pub async fn serve<H, F>(
         let accepted = Instant::now();
         let handler = handler.clone();
         let first_request = Arc::new(AtomicBool::new(false));
+        let over_tls = settings.tls.is_some();
         let service = {
             let first_request = Arc::clone(&first_request);
-            service_fn(move |request| {
+            service_fn(move |mut request: Request<Incoming>| {
                 first_request.store(true, Ordering::Relaxed);
+                if over_tls {
+                    request.extensions_mut().insert(crate::tls::ClientTls);
+                }
                 let response = handler(request, peer);
                 async move { Ok::<_, Infallible>(response.await) }
             })
@@ -142,6 +165,7 @@ pub async fn serve<H, F>(
         let open = open.clone();
         let idle_timeout = settings.idle_timeout;
         let head_due = accepted + settings.header_read_timeout;
+        let tls = settings.tls.clone();
         tokio::spawn(async move {
             open.inc();
             let now = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -150,6 +174,32 @@ pub async fn serve<H, F>(
                 stream,
                 epoch,
                 activity: Arc::clone(&activity),
+            };
+            let stream = match tls {
+                None => MaybeTls::Plain(stream),
+                // The handshake is part of what must arrive by `head_due`: a client that
+                // opens TLS and stalls holds a slot no longer than one that sends no head.
+                Some(tls) => {
+                    let handshake =
+                        tokio::time::timeout_at(head_due.into(), tls.acceptor.accept(stream));
+                    match handshake.await {
+                        Ok(Ok(stream)) => MaybeTls::Tls(Box::new(stream)),
+                        Ok(Err(err)) => {
+                            tls.handshake_errors.inc();
+                            tracing::debug!(%peer, error = %err, "TLS handshake failed");
+                            open.dec();
+                            drop(slot);
+                            return;
+                        }
+                        Err(_) => {
+                            tls.handshake_errors.inc();
+                            tracing::debug!(%peer, "TLS handshake not done within the header-read timeout");
+                            open.dec();
+                            drop(slot);
+                            return;
+                        }
+                    }
+                }
             };
             let connection = builder.serve_connection(TokioIo::new(stream), service);
             let watch = Watch {
@@ -197,7 +247,7 @@ struct Watch {
     shutdown: watch::Receiver<bool>,
 }
 
-type Connection<'a, S> = auto::Connection<'a, TokioIo<Watched>, S, TokioExecutor>;
+type Connection<'a, S> = auto::Connection<'a, TokioIo<MaybeTls<Watched>>, S, TokioExecutor>;
 
 impl Watch {
     async fn run<S>(

@@ -63,6 +63,8 @@ pub struct Config {
     /// Who may use the admin API on `admin_listen` (applied at start).
     #[serde(default)]
     pub admin: AdminConfig,
+    /// TLS on `listen` (the gateway listener); absent: cleartext HTTP/1.1 and h2c.
+    pub tls: Option<Spanned<ListenerTlsConfig>>,
     #[serde(default)]
     pub server: ServerConfig,
     #[serde(default)]
@@ -336,6 +338,16 @@ pub enum RedisTarget<'a> {
     Cluster(&'a ClusterConfig),
 }
 
+/// `tls:` of the gateway listener: a PEM certificate chain (leaf first) and its private key
+/// (PKCS#8, PKCS#1 RSA or SEC1 EC). Relative paths are relative to the config file's
+/// directory. The files are watched: a valid new pair serves new handshakes.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerTlsConfig {
+    pub cert: Spanned<PathBuf>,
+    pub key: Spanned<PathBuf>,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamConfig {
@@ -344,6 +356,12 @@ pub struct UpstreamConfig {
     pub connect_timeout: ConfigDuration,
     #[serde(default = "default_upstream_timeout")]
     pub timeout: ConfigDuration,
+    /// https upstreams: a PEM bundle of the CAs to trust instead of the built-in roots.
+    pub ca_file: Option<Spanned<PathBuf>>,
+    /// https upstreams: the PEM certificate chain sluice presents (mTLS); needs `client_key`.
+    pub client_cert: Option<Spanned<PathBuf>>,
+    /// https upstreams: the private key of `client_cert`.
+    pub client_key: Option<Spanned<PathBuf>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -433,10 +433,12 @@ impl<'de> Deserialize<'de> for Status {
     }
 }
 
-/// Where an upstream lives: `http://host:port` with an optional base path that is put in
-/// front of every forwarded path.
+/// Where an upstream lives: `http://host:port` or `https://host:port` with an optional base
+/// path that is put in front of every forwarded path.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UpstreamUrl {
+    /// `https://`: the upstream is reached over TLS, its host name sent as SNI and verified.
+    pub https: bool,
     pub authority: Authority,
     /// Empty, or a path starting with `/` and not ending with one.
     pub base_path: String,
@@ -449,19 +451,15 @@ impl FromStr for UpstreamUrl {
         let uri: Uri = text
             .parse()
             .map_err(|e| format!("`{text}` is not a URL: {e}"))?;
-        match uri.scheme() {
-            Some(s) if *s == Scheme::HTTP => {}
-            Some(s) if *s == Scheme::HTTPS => {
-                return Err(format!(
-                    "`{text}`: https upstreams are not supported yet; use http"
-                ))
-            }
+        let https = match uri.scheme() {
+            Some(s) if *s == Scheme::HTTP => false,
+            Some(s) if *s == Scheme::HTTPS => true,
             _ => {
                 return Err(format!(
-                    "expected a URL like http://127.0.0.1:3000, got `{text}`"
-                ))
+                "expected a URL like http://127.0.0.1:3000 or https://api.internal, got `{text}`"
+            ))
             }
-        }
+        };
         let authority = uri
             .authority()
             .cloned()
@@ -476,6 +474,7 @@ impl FromStr for UpstreamUrl {
         }
         let base_path = uri.path().trim_end_matches('/').to_owned();
         Ok(UpstreamUrl {
+            https,
             authority,
             base_path,
         })
@@ -627,7 +626,10 @@ mod tests {
         assert_eq!(url.base_path, "");
         let url: UpstreamUrl = "http://api.internal/v1/".parse().unwrap();
         assert_eq!(url.base_path, "/v1");
-        assert!("https://x".parse::<UpstreamUrl>().is_err());
+        let url: UpstreamUrl = "https://api.internal:8443".parse().unwrap();
+        assert!(url.https);
+        assert!(!"http://x".parse::<UpstreamUrl>().unwrap().https);
+        assert!("ftp://x".parse::<UpstreamUrl>().is_err());
         assert!("127.0.0.1:3000".parse::<UpstreamUrl>().is_err());
         assert!("http://x/?a=1".parse::<UpstreamUrl>().is_err());
     }

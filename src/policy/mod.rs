@@ -28,6 +28,7 @@ use crate::config::{
 use crate::limiter::{Algorithm, Check};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::ratelimit_field::{ceil_seconds, limit_items};
+use crate::tls::UpstreamTls;
 
 pub struct Policy {
     pub routes: Vec<Route>,
@@ -164,6 +165,8 @@ pub struct Upstream {
     pub connect_timeout: Duration,
     /// Time allowed for the response headers.
     pub timeout: Duration,
+    /// `https://` upstreams: how to verify them and what to present; `None`: cleartext.
+    pub tls: Option<Arc<UpstreamTls>>,
 }
 
 impl Policy {
@@ -187,10 +190,11 @@ impl Policy {
                     base_path: upstream.url.base_path.clone(),
                     connect_timeout: upstream.connect_timeout.0,
                     timeout: upstream.timeout.0,
+                    tls: UpstreamTls::from_config(name, upstream, file)?.map(Arc::new),
                 };
-                (name, Arc::new(compiled))
+                Ok((name, Arc::new(compiled)))
             })
-            .collect();
+            .collect::<Result<_, ConfigError>>()?;
         let mut seen: HashMap<&Name, Position> = HashMap::new();
         let mut actions = Vec::with_capacity(config.routes.len());
         let mut conditions = Vec::with_capacity(config.routes.len());

@@ -10,6 +10,7 @@ use http::header::HOST;
 use http::uri::{PathAndQuery, Scheme};
 use http::{Request, Response, Uri, Version};
 use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -19,14 +20,16 @@ use super::body::{BodyFault, RequestBody};
 use super::headers;
 use crate::metrics::UpstreamErrorKind;
 use crate::policy::Upstream;
+use crate::tls::UpstreamTls;
 
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The pooled HTTP/1.1 client of one upstream, with its error counters. Long-lived: the
-/// registry in `proxy::upstreams` keeps it across reloads that leave the upstream unchanged.
+/// The pooled HTTP/1.1 client of one upstream (over TLS for an https one), with its error
+/// counters. Long-lived: the registry in `proxy::upstreams` keeps it across reloads that leave
+/// the upstream unchanged.
 pub struct UpstreamClient {
-    client: Client<HttpConnector, RequestBody>,
+    client: Client<HttpsConnector<HttpConnector>, RequestBody>,
     errors: UpstreamErrors,
 }
 
@@ -39,14 +42,14 @@ struct UpstreamErrors {
 
 impl UpstreamClient {
     /// `errors` is `sluice_upstream_errors_total`; `upstream` names this upstream in it.
+    /// `tls`: the settings of an https upstream. A failed TLS handshake is a connect error.
     pub fn new(
         connect_timeout: Duration,
+        tls: Option<&UpstreamTls>,
         upstream: &str,
         errors: &IntCounterVec,
     ) -> UpstreamClient {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(connect_timeout));
-        connector.set_nodelay(true);
+        let connector = crate::tls::upstream::connector(connect_timeout, tls);
         let counter = |kind: UpstreamErrorKind| errors.with_label_values(&[upstream, kind.label()]);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
@@ -98,6 +101,7 @@ pub async fn forward(
 ) -> Result<Response<Incoming>, ForwardError> {
     let (parts, body) = request.into_parts();
     let (body, fault) = RequestBody::new(body, max_body.unwrap_or(u64::MAX));
+    let tls_client = parts.extensions.get::<crate::tls::ClientTls>().is_some();
     let mut request = Request::from_parts(parts, body);
     let host = request.headers().get(HOST).cloned().or_else(|| {
         request
@@ -112,11 +116,19 @@ pub async fn forward(
     headers::remove_hop_by_hop(headers);
     headers.remove(HOST);
     headers::add_forwarded(headers, peer.ip(), host);
+    if tls_client {
+        headers.insert(
+            http::header::HeaderName::from_static("x-forwarded-proto"),
+            http::HeaderValue::from_static("https"),
+        );
+    }
 
     let result = match tokio::time::timeout(upstream.timeout, client.client.request(request)).await
     {
         Ok(Ok(response)) => Ok(response),
-        Ok(Err(err)) if err.is_connect() => Err(ForwardError::Connect(error_chain(&err))),
+        Ok(Err(err)) if err.is_connect() || crate::tls::upstream::is_tls_failure(&err) => {
+            Err(ForwardError::Connect(error_chain(&err)))
+        }
         Ok(Err(err)) => Err(ForwardError::Other(error_chain(&err))),
         Err(_) => Err(ForwardError::Timeout(upstream.timeout)),
     };
@@ -152,7 +164,11 @@ fn upstream_uri(upstream: &Upstream, original: &Uri) -> Result<Uri, ForwardError
             .map_err(|e| unbuildable(&e))?
     };
     Uri::builder()
-        .scheme(Scheme::HTTP)
+        .scheme(if upstream.tls.is_some() {
+            Scheme::HTTPS
+        } else {
+            Scheme::HTTP
+        })
         .authority(upstream.authority.clone())
         .path_and_query(path_and_query)
         .build()
@@ -182,6 +198,7 @@ mod tests {
             base_path: base_path.to_owned(),
             connect_timeout: Duration::from_secs(1),
             timeout: Duration::from_secs(1),
+            tls: None,
         }
     }
 

@@ -20,6 +20,8 @@ struct ClientKey {
     name: Name,
     authority: Authority,
     connect_timeout: Duration,
+    /// The fingerprint of the TLS settings and files of an https upstream.
+    tls: Option<[u8; 32]>,
 }
 
 /// Clients by upstream settings, for the life of the process.
@@ -57,10 +59,12 @@ impl Upstreams {
                 name: upstream.name.clone(),
                 authority: upstream.authority.clone(),
                 connect_timeout: upstream.connect_timeout,
+                tls: upstream.tls.as_ref().map(|tls| tls.fingerprint),
             };
             let client = registry.entry(key.clone()).or_insert_with(|| {
                 Arc::new(UpstreamClient::new(
                     upstream.connect_timeout,
+                    upstream.tls.as_deref(),
                     upstream.name.as_str(),
                     &self.errors,
                 ))

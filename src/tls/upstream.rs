@@ -1,0 +1,214 @@
+//! Client TLS for `https://` upstreams: which CAs are trusted (the Mozilla roots built into
+//! sluice, or the upstream's `ca_file`), and the client certificate presented for mTLS. The
+//! host name of the upstream URL is sent as SNI and must be in the upstream's certificate.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use rustls::{ClientConfig, RootCertStore};
+use sha2::{Digest, Sha256};
+
+use super::files::{self, PairBytes, TlsFileError};
+use crate::config::{ConfigError, Name, Position, Spanned, UpstreamConfig};
+
+/// The TLS client settings of one https upstream, built from its files when the policy is
+/// compiled (so `sluice check` and a reload refuse a bad file before anything serves).
+pub struct UpstreamTls {
+    pub config: Arc<ClientConfig>,
+    /// The SHA-256 of the settings and file contents: the client registry builds a new client
+    /// (and pool) when it changes, and keeps the old one when it does not.
+    pub fingerprint: [u8; 32],
+}
+
+impl fmt::Debug for UpstreamTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpstreamTls")
+            .field("alpn", &self.config.alpn_protocols)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for UpstreamTls {
+    fn eq(&self, other: &Self) -> bool {
+        self.fingerprint == other.fingerprint
+    }
+}
+
+impl Eq for UpstreamTls {}
+
+impl UpstreamTls {
+    /// The TLS settings of upstream `name`: `None` for an `http://` one (which may then set
+    /// none of `ca_file`, `client_cert`, `client_key`). Errors point at the field to fix.
+    pub fn from_config(
+        name: &Name,
+        upstream: &UpstreamConfig,
+        file: &Path,
+    ) -> Result<Option<UpstreamTls>, ConfigError> {
+        let field = |key: &str| format!("upstreams.{name}.{key}");
+        let invalid = |key: &str, at: &Spanned<std::path::PathBuf>, message: String| {
+            ConfigError::invalid(file, Position::from(at), field(key), message)
+        };
+        let named = [
+            ("ca_file", &upstream.ca_file),
+            ("client_cert", &upstream.client_cert),
+            ("client_key", &upstream.client_key),
+        ];
+        if !upstream.url.https {
+            if let Some((key, Some(at))) = named.iter().find(|(_, v)| v.is_some()) {
+                return Err(invalid(
+                    key,
+                    at,
+                    "only an https:// upstream uses TLS settings; this upstream's url is http://"
+                        .to_owned(),
+                ));
+            }
+            return Ok(None);
+        }
+        let mut fingerprint = Sha256::new();
+        let roots = match &upstream.ca_file {
+            Some(ca) => {
+                let path = super::resolve(file, &ca.value);
+                let pem = files::read(&path).map_err(|e| invalid("ca_file", ca, e.to_string()))?;
+                fingerprint.update(b"ca");
+                fingerprint.update(Sha256::digest(&pem));
+                files::roots(&path, &pem).map_err(|e| invalid("ca_file", ca, e.to_string()))?
+            }
+            None => {
+                fingerprint.update(b"builtin");
+                builtin_roots()
+            }
+        };
+        let builder = ClientConfig::builder_with_provider(super::provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| {
+                ConfigError::invalid(file, Position::default(), field("url"), e.to_string())
+            })?
+            .with_root_certificates(roots);
+        let config = match (&upstream.client_cert, &upstream.client_key) {
+            (None, None) => builder.with_no_client_auth(),
+            (Some(cert), Some(key)) => {
+                let (cert_path, key_path) = (
+                    super::resolve(file, &cert.value),
+                    super::resolve(file, &key.value),
+                );
+                let bytes = PairBytes::read(&cert_path, &key_path).map_err(|e| match &e {
+                    TlsFileError::Read { path, .. } if *path == key_path => {
+                        invalid("client_key", key, e.to_string())
+                    }
+                    _ => invalid("client_cert", cert, e.to_string()),
+                })?;
+                // Checked here, with the same reading as the listener's pair, so a mismatch
+                // is reported at the config rather than as a failed handshake later.
+                files::certified_key(&cert_path, &key_path, &bytes).map_err(|e| match &e {
+                    TlsFileError::NoKey { .. } | TlsFileError::KeyMismatch { .. } => {
+                        invalid("client_key", key, e.to_string())
+                    }
+                    TlsFileError::Pem { path, .. } | TlsFileError::Unusable { path, .. }
+                        if *path == key_path =>
+                    {
+                        invalid("client_key", key, e.to_string())
+                    }
+                    _ => invalid("client_cert", cert, e.to_string()),
+                })?;
+                fingerprint.update(b"client");
+                fingerprint.update(Sha256::digest(&bytes.cert));
+                fingerprint.update(Sha256::digest(&bytes.key));
+                let chain = files::certificates(&cert_path, &bytes.cert)
+                    .map_err(|e| invalid("client_cert", cert, e.to_string()))?;
+                let private = files::private_key(&key_path, &bytes.key)
+                    .map_err(|e| invalid("client_key", key, e.to_string()))?;
+                builder
+                    .with_client_auth_cert(chain, private)
+                    .map_err(|e| invalid("client_key", key, e.to_string()))?
+            }
+            (Some(cert), None) => {
+                return Err(invalid(
+                    "client_cert",
+                    cert,
+                    "`client_cert` needs `client_key`, the certificate's private key".to_owned(),
+                ))
+            }
+            (None, Some(key)) => {
+                return Err(invalid(
+                    "client_key",
+                    key,
+                    "`client_key` needs `client_cert`, the certificate it belongs to".to_owned(),
+                ))
+            }
+        };
+        Ok(Some(UpstreamTls {
+            config: Arc::new(config),
+            fingerprint: fingerprint.finalize().into(),
+        }))
+    }
+}
+
+/// The Mozilla root CAs compiled into sluice (webpki-roots): the same set wherever sluice
+/// runs, with or without a CA bundle in the image.
+fn builtin_roots() -> RootCertStore {
+    RootCertStore {
+        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+    }
+}
+
+/// The client config of plain `http://` upstreams: never used for a handshake (the connector
+/// passes http URIs through), but the connector needs one.
+fn plain_config() -> Arc<ClientConfig> {
+    static PLAIN: OnceLock<Arc<ClientConfig>> = OnceLock::new();
+    Arc::clone(PLAIN.get_or_init(|| {
+        let config = ClientConfig::builder_with_provider(super::provider())
+            .with_safe_default_protocol_versions()
+            .map(|builder| {
+                builder
+                    .with_root_certificates(RootCertStore::empty())
+                    .with_no_client_auth()
+            });
+        // ring supports the default protocol versions; this cannot fail with it.
+        Arc::new(config.unwrap_or_else(|_| unreachable!("ring supports TLS 1.2 and 1.3")))
+    }))
+}
+
+/// The connector of one upstream: TCP within `connect_timeout`, then TLS for `https://` URIs
+/// with `tls` (ALPN `http/1.1`: sluice forwards HTTP/1.1).
+pub fn connector(
+    connect_timeout: Duration,
+    tls: Option<&UpstreamTls>,
+) -> HttpsConnector<HttpConnector> {
+    let mut http = HttpConnector::new();
+    http.set_connect_timeout(Some(connect_timeout));
+    http.set_nodelay(true);
+    // The https connector wraps this one and hands it https URIs too.
+    http.enforce_http(false);
+    let config = tls.map_or_else(plain_config, |tls| Arc::clone(&tls.config));
+    hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config((*config).clone())
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http)
+}
+
+/// Whether `err` is, or was caused by, a TLS failure. Under TLS 1.3 a server checks the client
+/// certificate after the client has finished its side of the handshake, so a refused (or
+/// missing) client certificate arrives as an alert on the first read of the response rather
+/// than from the connector; it is still the handshake that failed.
+pub fn is_tls_failure(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(err);
+    while let Some(err) = current {
+        if err.is::<rustls::Error>() {
+            return true;
+        }
+        // `io::Error::source` skips the error it wraps; `get_ref` is the way to it.
+        let wrapped = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref());
+        if wrapped.is_some_and(|inner| inner.is::<rustls::Error>()) {
+            return true;
+        }
+        current = err.source();
+    }
+    false
+}
