@@ -1,6 +1,7 @@
 //! Listeners: accept TCP connections and serve HTTP/1.1 and cleartext HTTP/2 (h2c) on them,
 //! with a bounded number of connections, a header-read timeout against slow clients, an idle
-//! timeout, and a graceful shutdown that lets requests in flight finish.
+//! timeout, and a graceful shutdown that lets requests in flight finish. HTTP/1.1 connections
+//! may be upgraded (WebSocket): the upgraded connection keeps its slot until it closes.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -20,10 +21,10 @@ use hyper_util::server::conn::auto;
 use prometheus::IntGauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::config::ServerConfig;
-use crate::proxy::ProxyBody;
+use crate::proxy::{ConnectionHold, ProxyBody};
 
 /// Connections the kernel may hold, handshake done, until sluice accepts them. The standard
 /// library's (and tokio's) 128 is easily overrun by a burst of new connections, and each SYN
@@ -129,21 +130,30 @@ pub async fn serve<H, F>(
         let accepted = Instant::now();
         let handler = handler.clone();
         let first_request = Arc::new(AtomicBool::new(false));
+        open.inc();
+        // Every request carries a clone: a WebSocket tunnel keeps the connection counted
+        // after hyper has handed it over.
+        let hold = ConnectionHold {
+            idle_timeout: settings.idle_timeout,
+            hold: Arc::new(Counted {
+                _slot: slot,
+                open: open.clone(),
+            }),
+        };
         let service = {
             let first_request = Arc::clone(&first_request);
-            service_fn(move |request| {
+            service_fn(move |mut request: Request<Incoming>| {
                 first_request.store(true, Ordering::Relaxed);
+                request.extensions_mut().insert(hold.clone());
                 let response = handler(request, peer);
                 async move { Ok::<_, Infallible>(response.await) }
             })
         };
         let builder = Arc::clone(&builder);
         let shutdown = shutdown.clone();
-        let open = open.clone();
         let idle_timeout = settings.idle_timeout;
         let head_due = accepted + settings.header_read_timeout;
         tokio::spawn(async move {
-            open.inc();
             let now = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
             let activity = Arc::new(AtomicU64::new(now));
             let stream = Watched {
@@ -151,7 +161,7 @@ pub async fn serve<H, F>(
                 epoch,
                 activity: Arc::clone(&activity),
             };
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             let watch = Watch {
                 epoch,
                 activity,
@@ -163,8 +173,6 @@ pub async fn serve<H, F>(
             if let Err(err) = watch.run(connection).await {
                 tracing::debug!(%peer, error = %err, "connection ended with an error");
             }
-            open.dec();
-            drop(slot);
         });
     }
     drop(listener);
@@ -197,7 +205,20 @@ struct Watch {
     shutdown: watch::Receiver<bool>,
 }
 
-type Connection<'a, S> = auto::Connection<'a, TokioIo<Watched>, S, TokioExecutor>;
+type Connection<'a, S> = auto::UpgradeableConnection<'a, TokioIo<Watched>, S, TokioExecutor>;
+
+/// One accepted connection, counted under `max_connections` and in the open-connections
+/// gauge until the last holder (the connection's task, or a tunnel made of it) drops it.
+struct Counted {
+    _slot: OwnedSemaphorePermit,
+    open: IntGauge,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
+}
 
 impl Watch {
     async fn run<S>(

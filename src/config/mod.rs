@@ -273,6 +273,9 @@ pub struct UpstreamConfig {
     pub connect_timeout: ConfigDuration,
     #[serde(default = "default_upstream_timeout")]
     pub timeout: ConfigDuration,
+    /// Speak HTTP/2 with prior knowledge (h2c) to this upstream, as gRPC servers expect.
+    #[serde(default)]
+    pub http2: bool,
 }
 
 #[derive(Debug, Deserialize)]

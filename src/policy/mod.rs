@@ -164,6 +164,8 @@ pub struct Upstream {
     pub connect_timeout: Duration,
     /// Time allowed for the response headers.
     pub timeout: Duration,
+    /// Spoken to over HTTP/2 with prior knowledge (h2c) instead of HTTP/1.1.
+    pub http2: bool,
 }
 
 impl Policy {
@@ -187,6 +189,7 @@ impl Policy {
                     base_path: upstream.url.base_path.clone(),
                     connect_timeout: upstream.connect_timeout.0,
                     timeout: upstream.timeout.0,
+                    http2: upstream.http2,
                 };
                 (name, Arc::new(compiled))
             })

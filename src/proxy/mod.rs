@@ -13,6 +13,7 @@ mod forward;
 mod harden;
 mod headers;
 mod request_id;
+mod tunnel;
 mod upstreams;
 
 use std::net::SocketAddr;
@@ -31,6 +32,7 @@ pub use self::body::ProxyBody;
 use self::forward::ForwardError;
 pub use self::harden::HeadLimits;
 use self::request_id::{RequestIds, X_REQUEST_ID};
+pub use self::tunnel::ConnectionHold;
 use self::upstreams::{Clients, Upstreams};
 use crate::config::OnStoreError;
 use crate::keys;
@@ -204,7 +206,15 @@ impl Gateway {
                 let uri = request.uri().clone();
                 let result = match active.clients.get(&upstream.name) {
                     Some(client) => {
-                        forward::forward(upstream, client, request, peer, route.max_body).await
+                        forward::forward(
+                            upstream,
+                            client,
+                            request,
+                            peer,
+                            route.max_body,
+                            route.name.as_str(),
+                        )
+                        .await
                     }
                     // `install` builds a client for every upstream of the policy.
                     None => Err(ForwardError::Other(

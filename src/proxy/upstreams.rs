@@ -20,6 +20,7 @@ struct ClientKey {
     name: Name,
     authority: Authority,
     connect_timeout: Duration,
+    http2: bool,
 }
 
 /// Clients by upstream settings, for the life of the process.
@@ -57,12 +58,14 @@ impl Upstreams {
                 name: upstream.name.clone(),
                 authority: upstream.authority.clone(),
                 connect_timeout: upstream.connect_timeout,
+                http2: upstream.http2,
             };
             let client = registry.entry(key.clone()).or_insert_with(|| {
                 Arc::new(UpstreamClient::new(
                     upstream.connect_timeout,
                     upstream.name.as_str(),
                     &self.errors,
+                    upstream.http2,
                 ))
             });
             clients.insert(upstream.name.clone(), Arc::clone(client));
