@@ -10,6 +10,7 @@
 
 mod body;
 mod forward;
+mod grpc;
 mod harden;
 mod headers;
 mod request_id;
@@ -316,7 +317,11 @@ impl Gateway {
         } else {
             log_rejection(route, &limits, &checks, &decision, trace);
             let path = request.uri().path();
-            let response = response::too_many_requests(route, &limits, &decision, path);
+            let mut response = response::too_many_requests(route, &limits, &decision, path);
+            if grpc::is_grpc(request.headers()) {
+                let retry_after = response::ceil_seconds(decision.retry_after).max(1);
+                grpc::mark_limited(&mut response, retry_after);
+            }
             Err((Outcome::Limited, response))
         }
     }
