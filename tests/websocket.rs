@@ -163,9 +163,19 @@ async fn echo(stream: TcpStream, state: Arc<Mutex<EchoState>>) {
 }
 
 fn config(upstream: SocketAddr, requests: u32, idle_timeout: &str) -> String {
+    config_with(upstream, requests, idle_timeout, 10_000)
+}
+
+fn config_with(
+    upstream: SocketAddr,
+    requests: u32,
+    idle_timeout: &str,
+    max_connections: u32,
+) -> String {
     format!(
         r#"server:
   idle_timeout: {idle_timeout}
+  max_connections: {max_connections}
 upstreams:
   echo:
     url: "http://{upstream}"
@@ -387,4 +397,63 @@ async fn a_silent_tunnel_is_closed_after_the_idle_timeout() {
         silent.elapsed()
     );
     assert_eq!(upstream.wait_ended(1).await, vec![Ended::Disconnected]);
+}
+
+async fn open_connections(sluice: &Sluice) -> f64 {
+    let text = support::client()
+        .get(format!("{}/metrics", sluice.admin_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    metric_sum(
+        &parse_metrics(&text),
+        "sluice_open_connections",
+        &[("listener", "gateway")],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_keeps_its_connection_slot_until_it_closes() {
+    let upstream = EchoServer::start().await;
+    let sluice = Sluice::start(&config_with(upstream.addr, 10, "60s", 2)).await;
+    let mut first = connect(&sluice, "/ws/chat").await.expect("upgrade");
+    let mut second = connect(&sluice, "/ws/chat").await.expect("upgrade");
+    for ws in [&mut first, &mut second] {
+        ws.send(Message::text("up")).await.unwrap();
+        assert_eq!(receive(ws).await.unwrap().unwrap(), Message::text("up"));
+    }
+    assert_eq!(open_connections(&sluice).await, 2.0);
+    // Both slots are held by tunnels: a third connection waits in the backlog.
+    let url = format!("ws://127.0.0.1:{}/ws/chat", sluice.addr().port());
+    let mut third = tokio::spawn(tokio_tungstenite::connect_async(url));
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), &mut third)
+            .await
+            .is_err(),
+        "a third connection was served past max_connections = 2"
+    );
+    drop(first);
+    let (mut third, _) = tokio::time::timeout(STEP, third)
+        .await
+        .expect("the third connection is served once a tunnel closes")
+        .unwrap()
+        .expect("upgrade");
+    third.send(Message::text("in")).await.unwrap();
+    assert_eq!(
+        receive(&mut third).await.unwrap().unwrap(),
+        Message::text("in")
+    );
+    drop(second);
+    drop(third);
+    let deadline = Instant::now() + STEP;
+    while open_connections(&sluice).await != 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "closed tunnels still counted open"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
