@@ -178,6 +178,7 @@ fn config_with(
         r#"server:
   idle_timeout: {idle_timeout}
   max_connections: {max_connections}
+  shutdown_grace: 3s
 upstreams:
   echo:
     url: "http://{upstream}"
@@ -455,4 +456,30 @@ async fn a_tunnel_keeps_its_connection_slot_until_it_closes() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_shutdown_an_open_websocket_gets_the_grace_period_then_is_cut() {
+    let upstream = EchoServer::start().await;
+    let mut sluice = Sluice::start(&config(upstream.addr, 10, "60s")).await;
+    let mut ws = connect(&sluice, "/ws/chat").await.expect("upgrade");
+    sluice.terminate();
+    // Well within the grace period (3 s), and long after a sluice with nothing to wait for
+    // has exited, the WebSocket still works.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    ws.send(Message::text("still here")).await.unwrap();
+    assert_eq!(
+        receive(&mut ws).await.unwrap().unwrap(),
+        Message::text("still here")
+    );
+    let status = sluice
+        .wait_exit(STEP)
+        .await
+        .expect("sluice exits once the grace period is over, an open WebSocket or not");
+    assert!(status.success(), "{status}");
+    match receive(&mut ws).await {
+        Some(Err(_)) | None => {}
+        Some(Ok(other)) => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(upstream.wait_ended(1).await, vec![Ended::Disconnected]);
 }
