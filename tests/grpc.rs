@@ -437,3 +437,33 @@ async fn an_http1_client_reaches_the_http2_upstream() {
     assert_eq!(seen[0].version, Version::HTTP_2);
     assert_eq!(seen[0].te.as_deref(), Some("trailers"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_turns_http2_on_replaces_the_upstream_client() {
+    let upstream = GrpcUpstream::start().await;
+    let config = config(upstream.addr).replace("http2: true", "http2: false");
+    let sluice = Sluice::start(&config).await;
+    let client = support::client();
+    let plain = || async {
+        client
+            .post(format!("{}/plain", sluice.url()))
+            .body("x")
+            .send()
+            .await
+            .map(|response| response.status().as_u16())
+            .unwrap_or(0)
+    };
+    // HTTP/1.1 to a server that speaks only HTTP/2: the upstream exchange fails.
+    assert_eq!(plain().await, 502);
+    let path = sluice.config_path();
+    let text = std::fs::read_to_string(path).unwrap();
+    std::fs::write(path, text.replace("http2: false", "http2: true")).unwrap();
+    // The pooled HTTP/1.1 client must not be kept for the same address.
+    support::wait_for(
+        STEP,
+        "the reloaded upstream to answer over HTTP/2",
+        || async { plain().await == 200 },
+    )
+    .await;
+    assert!(upstream.seen().iter().all(|s| s.version == Version::HTTP_2));
+}
