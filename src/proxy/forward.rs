@@ -111,6 +111,10 @@ pub async fn forward(
     // Extended CONNECT (RFC 8441) is not supported, so an HTTP/2 upstream gets no upgrade.
     let upgrade = (!upstream.http2 && tunnel::is_websocket_upgrade(&request))
         .then(|| tunnel::ClientSide::take(&mut request));
+    if upgrade.is_none() {
+        // Only a tunnel may hold the client's connection slot; the upstream client must not.
+        request.extensions_mut().remove::<tunnel::ConnectionHold>();
+    }
     // `TE: trailers` is the one TE allowed in HTTP/2, and gRPC servers require it.
     let wants_trailers = upstream.http2
         && request
