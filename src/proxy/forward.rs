@@ -30,8 +30,8 @@ use crate::policy::Upstream;
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The pooled HTTP/1.1 (or, for an `http2` upstream, HTTP/2) client of one upstream, with its
-/// error counters. Long-lived: the
-/// registry in `proxy::upstreams` keeps it across reloads that leave the upstream unchanged.
+/// error counters. Long-lived: the registry in `proxy::upstreams` keeps it across reloads that
+/// leave the upstream unchanged.
 pub struct UpstreamClient {
     client: Client<HttpConnector, RequestBody>,
     errors: UpstreamErrors,
