@@ -1,7 +1,8 @@
 //! Listeners: accept TCP connections and serve HTTP/1.1 and cleartext HTTP/2 (h2c) on them, or
 //! TLS with both offered through ALPN, with a bounded number of connections, a header-read
 //! timeout against slow clients (which bounds the TLS handshake too), an idle timeout, and a
-//! graceful shutdown that lets requests in flight finish.
+//! graceful shutdown that lets requests in flight finish. HTTP/1.1 connections may be upgraded
+//! (WebSocket): the upgraded connection keeps its slot until it closes.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -21,10 +22,10 @@ use hyper_util::server::conn::auto;
 use prometheus::{IntCounter, IntGauge};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::config::ServerConfig;
-use crate::proxy::ProxyBody;
+use crate::proxy::{ConnectionHold, ProxyBody};
 use crate::tls::stream::MaybeTls;
 
 /// Connections the kernel may hold, handshake done, until sluice accepts them. The standard
@@ -149,6 +150,16 @@ pub async fn serve<H, F>(
         let handler = handler.clone();
         let first_request = Arc::new(AtomicBool::new(false));
         let over_tls = settings.tls.is_some();
+        open.inc();
+        // Every request carries a clone: a WebSocket tunnel keeps the connection counted
+        // after hyper has handed it over.
+        let hold = ConnectionHold {
+            idle_timeout: settings.idle_timeout,
+            hold: Arc::new(Counted {
+                _slot: slot,
+                open: open.clone(),
+            }),
+        };
         let service = {
             let first_request = Arc::clone(&first_request);
             service_fn(move |mut request: Request<Incoming>| {
@@ -156,18 +167,17 @@ pub async fn serve<H, F>(
                 if over_tls {
                     request.extensions_mut().insert(crate::tls::ClientTls);
                 }
+                request.extensions_mut().insert(hold.clone());
                 let response = handler(request, peer);
                 async move { Ok::<_, Infallible>(response.await) }
             })
         };
         let builder = Arc::clone(&builder);
         let shutdown = shutdown.clone();
-        let open = open.clone();
         let idle_timeout = settings.idle_timeout;
         let head_due = accepted + settings.header_read_timeout;
         let tls = settings.tls.clone();
         tokio::spawn(async move {
-            open.inc();
             let now = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
             let activity = Arc::new(AtomicU64::new(now));
             let stream = Watched {
@@ -187,21 +197,17 @@ pub async fn serve<H, F>(
                         Ok(Err(err)) => {
                             tls.handshake_errors.inc();
                             tracing::debug!(%peer, error = %err, "TLS handshake failed");
-                            open.dec();
-                            drop(slot);
                             return;
                         }
                         Err(_) => {
                             tls.handshake_errors.inc();
                             tracing::debug!(%peer, "TLS handshake not done within the header-read timeout");
-                            open.dec();
-                            drop(slot);
                             return;
                         }
                     }
                 }
             };
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             let watch = Watch {
                 epoch,
                 activity,
@@ -213,8 +219,6 @@ pub async fn serve<H, F>(
             if let Err(err) = watch.run(connection).await {
                 tracing::debug!(%peer, error = %err, "connection ended with an error");
             }
-            open.dec();
-            drop(slot);
         });
     }
     drop(listener);
@@ -247,7 +251,21 @@ struct Watch {
     shutdown: watch::Receiver<bool>,
 }
 
-type Connection<'a, S> = auto::Connection<'a, TokioIo<MaybeTls<Watched>>, S, TokioExecutor>;
+type Connection<'a, S> =
+    auto::UpgradeableConnection<'a, TokioIo<MaybeTls<Watched>>, S, TokioExecutor>;
+
+/// One accepted connection, counted under `max_connections` and in the open-connections
+/// gauge until the last holder (the connection's task, or a tunnel made of it) drops it.
+struct Counted {
+    _slot: OwnedSemaphorePermit,
+    open: IntGauge,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
+}
 
 impl Watch {
     async fn run<S>(

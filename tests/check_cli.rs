@@ -515,3 +515,28 @@ fn an_unknown_algorithm_is_refused() {
         &["leaky"],
     );
 }
+
+#[test]
+fn upstream_http2_must_be_a_boolean() {
+    let yaml = variant("    timeout: 30s\n", "    timeout: 30s\n    http2: maybe\n");
+    assert_refused(
+        &yaml,
+        "http2: maybe",
+        "maybe",
+        "upstreams.api.http2",
+        &["boolean"],
+    );
+}
+
+#[test]
+fn upstream_http2_true_is_accepted() {
+    let f = write_config(&variant(
+        "    timeout: 30s\n",
+        "    timeout: 30s\n    http2: true\n",
+    ));
+    let (status, stdout, stderr) = sluice_check(f.path());
+    assert!(
+        status.success(),
+        "http2: true is valid: {status}\nstdout: {stdout}\nstderr: {stderr}"
+    );
+}

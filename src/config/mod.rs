@@ -362,6 +362,9 @@ pub struct UpstreamConfig {
     pub client_cert: Option<Spanned<PathBuf>>,
     /// https upstreams: the private key of `client_cert`.
     pub client_key: Option<Spanned<PathBuf>>,
+    /// Speak HTTP/2 with prior knowledge (h2c) to this upstream, as gRPC servers expect.
+    #[serde(default)]
+    pub http2: bool,
 }
 
 #[derive(Debug, Deserialize)]

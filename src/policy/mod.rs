@@ -167,6 +167,8 @@ pub struct Upstream {
     pub timeout: Duration,
     /// `https://` upstreams: how to verify them and what to present; `None`: cleartext.
     pub tls: Option<Arc<UpstreamTls>>,
+    /// Spoken to over HTTP/2 with prior knowledge (h2c) instead of HTTP/1.1.
+    pub http2: bool,
 }
 
 impl Policy {
@@ -191,6 +193,7 @@ impl Policy {
                     connect_timeout: upstream.connect_timeout.0,
                     timeout: upstream.timeout.0,
                     tls: UpstreamTls::from_config(name, upstream, file)?.map(Arc::new),
+                    http2: upstream.http2,
                 };
                 Ok((name, Arc::new(compiled)))
             })

@@ -2,13 +2,18 @@
 //! streamed both ways. An upstream that cannot be reached is a 502, one that does not answer
 //! its response headers in time is a 504; a client body that breaks off or outgrows the
 //! route's `max_body` before the upstream answers is the client's 400 or 413.
+//!
+//! An upstream is spoken to over HTTP/1.1, or over HTTP/2 with prior knowledge when it is
+//! marked `http2` (gRPC): then `TE: trailers` is passed on, and trailers flow both ways as
+//! frames of the streamed bodies. A WebSocket upgrade to an HTTP/1.1 upstream keeps its
+//! `Connection`/`Upgrade` fields, and a `101` answer turns both connections into a tunnel.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use http::header::HOST;
+use http::header::{HeaderValue, HOST, TE};
 use http::uri::{PathAndQuery, Scheme};
-use http::{Request, Response, Uri, Version};
+use http::{Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -18,6 +23,7 @@ use prometheus::{IntCounter, IntCounterVec};
 
 use super::body::{BodyFault, RequestBody};
 use super::headers;
+use super::tunnel;
 use crate::metrics::UpstreamErrorKind;
 use crate::policy::Upstream;
 use crate::tls::UpstreamTls;
@@ -25,9 +31,9 @@ use crate::tls::UpstreamTls;
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The pooled HTTP/1.1 client of one upstream (over TLS for an https one), with its error
-/// counters. Long-lived: the registry in `proxy::upstreams` keeps it across reloads that leave
-/// the upstream unchanged.
+/// The pooled HTTP/1.1 (or, for an `http2` upstream, HTTP/2) client of one upstream (over TLS
+/// for an https one), with its error counters. Long-lived: the registry in `proxy::upstreams`
+/// keeps it across reloads that leave the upstream unchanged.
 pub struct UpstreamClient {
     client: Client<HttpsConnector<HttpConnector>, RequestBody>,
     errors: UpstreamErrors,
@@ -43,16 +49,19 @@ struct UpstreamErrors {
 impl UpstreamClient {
     /// `errors` is `sluice_upstream_errors_total`; `upstream` names this upstream in it.
     /// `tls`: the settings of an https upstream. A failed TLS handshake is a connect error.
+    /// `http2`: speak HTTP/2 with prior knowledge (h2c) instead of HTTP/1.1.
     pub fn new(
         connect_timeout: Duration,
         tls: Option<&UpstreamTls>,
         upstream: &str,
         errors: &IntCounterVec,
+        http2: bool,
     ) -> UpstreamClient {
-        let connector = crate::tls::upstream::connector(connect_timeout, tls);
+        let connector = crate::tls::upstream::connector(connect_timeout, tls, http2);
         let counter = |kind: UpstreamErrorKind| errors.with_label_values(&[upstream, kind.label()]);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .http2_only(http2)
             .build(connector);
         UpstreamClient {
             client,
@@ -91,14 +100,32 @@ impl UpstreamErrors {
 }
 
 /// Forwards `request` (from `peer`) to `upstream` through its `client`, its body cut past
-/// `max_body` bytes, and returns the response with hop-by-hop fields removed.
+/// `max_body` bytes, and returns the response with hop-by-hop fields removed. A WebSocket
+/// upgrade the upstream accepts becomes a tunnel (see `tunnel`) named after `route`.
 pub async fn forward(
     upstream: &Upstream,
     client: &UpstreamClient,
-    request: Request<Incoming>,
+    mut request: Request<Incoming>,
     peer: SocketAddr,
     max_body: Option<u64>,
+    route: &str,
 ) -> Result<Response<Incoming>, ForwardError> {
+    // Extended CONNECT (RFC 8441) is not supported, so an HTTP/2 upstream gets no upgrade.
+    let upgrade = (!upstream.http2 && tunnel::is_websocket_upgrade(&request))
+        .then(|| tunnel::ClientSide::take(&mut request));
+    if upgrade.is_none() {
+        // Only a tunnel may hold the client's connection slot; the upstream client must not.
+        request.extensions_mut().remove::<tunnel::ConnectionHold>();
+    }
+    // `TE: trailers` is the one TE allowed in HTTP/2, and gRPC servers require it.
+    let wants_trailers = upstream.http2
+        && request
+            .headers()
+            .get_all(TE)
+            .iter()
+            .filter_map(|value| value.to_str().ok())
+            .flat_map(|value| value.split(','))
+            .any(|item| item.trim().eq_ignore_ascii_case("trailers"));
     let (parts, body) = request.into_parts();
     let (body, fault) = RequestBody::new(body, max_body.unwrap_or(u64::MAX));
     let tls_client = parts.extensions.get::<crate::tls::ClientTls>().is_some();
@@ -110,10 +137,21 @@ pub async fn forward(
             .and_then(|a| a.as_str().parse().ok())
     });
     *request.uri_mut() = upstream_uri(upstream, request.uri())?;
-    // The upstream speaks HTTP/1.1 whatever the client spoke; the client sets Host from the URI.
-    *request.version_mut() = Version::HTTP_11;
+    // The upstream speaks its own version whatever the client spoke; the client sets Host
+    // (HTTP/1.1) or :authority (HTTP/2) from the URI.
+    *request.version_mut() = if upstream.http2 {
+        Version::HTTP_2
+    } else {
+        Version::HTTP_11
+    };
     let headers = request.headers_mut();
     headers::remove_hop_by_hop(headers);
+    if let Some(upgrade) = &upgrade {
+        tunnel::set_upgrade_fields(headers, upgrade.protocol.clone());
+    }
+    if wants_trailers {
+        headers.insert(TE, HeaderValue::from_static("trailers"));
+    }
     headers.remove(HOST);
     headers::add_forwarded(headers, peer.ip(), host);
     if tls_client {
@@ -134,7 +172,15 @@ pub async fn forward(
     };
     match result {
         Ok(mut response) => {
+            let switched = upgrade.filter(|_| response.status() == StatusCode::SWITCHING_PROTOCOLS);
+            let protocol = response.headers().get(http::header::UPGRADE).cloned();
             headers::remove_hop_by_hop(response.headers_mut());
+            if let Some(client_side) = switched {
+                let protocol = protocol.unwrap_or_else(|| client_side.protocol.clone());
+                tunnel::set_upgrade_fields(response.headers_mut(), protocol);
+                let upstream_side = hyper::upgrade::on(&mut response);
+                tunnel::spawn(client_side, upstream_side, route.to_owned());
+            }
             Ok(response)
         }
         Err(err) => {
@@ -199,6 +245,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             timeout: Duration::from_secs(1),
             tls: None,
+            http2: false,
         }
     }
 

@@ -10,9 +10,11 @@
 
 mod body;
 mod forward;
+mod grpc;
 mod harden;
 mod headers;
 mod request_id;
+mod tunnel;
 mod upstreams;
 
 use std::net::SocketAddr;
@@ -31,6 +33,7 @@ pub use self::body::ProxyBody;
 use self::forward::ForwardError;
 pub use self::harden::HeadLimits;
 use self::request_id::{RequestIds, X_REQUEST_ID};
+pub use self::tunnel::ConnectionHold;
 use self::upstreams::{Clients, Upstreams};
 use crate::config::OnStoreError;
 use crate::keys;
@@ -220,7 +223,15 @@ impl Gateway {
                 let uri = request.uri().clone();
                 let result = match active.clients.get(&upstream.name) {
                     Some(client) => {
-                        forward::forward(upstream, client, request, peer, route.max_body).await
+                        forward::forward(
+                            upstream,
+                            client,
+                            request,
+                            peer,
+                            route.max_body,
+                            route.name.as_str(),
+                        )
+                        .await
                     }
                     // `install` builds a client for every upstream of the policy.
                     None => Err(ForwardError::Other(
@@ -322,7 +333,11 @@ impl Gateway {
         } else {
             log_rejection(route, &limits, &checks, &decision, trace);
             let path = request.uri().path();
-            let response = response::too_many_requests(route, &limits, &decision, path);
+            let mut response = response::too_many_requests(route, &limits, &decision, path);
+            if grpc::is_grpc(request.headers()) {
+                let retry_after = response::ceil_seconds(decision.retry_after).max(1);
+                grpc::mark_limited(&mut response, retry_after);
+            }
             Err((Outcome::Limited, response))
         }
     }

@@ -22,6 +22,7 @@ struct ClientKey {
     connect_timeout: Duration,
     /// The fingerprint of the TLS settings and files of an https upstream.
     tls: Option<[u8; 32]>,
+    http2: bool,
 }
 
 /// Clients by upstream settings, for the life of the process.
@@ -60,6 +61,7 @@ impl Upstreams {
                 authority: upstream.authority.clone(),
                 connect_timeout: upstream.connect_timeout,
                 tls: upstream.tls.as_ref().map(|tls| tls.fingerprint),
+                http2: upstream.http2,
             };
             let client = registry.entry(key.clone()).or_insert_with(|| {
                 Arc::new(UpstreamClient::new(
@@ -67,6 +69,7 @@ impl Upstreams {
                     upstream.tls.as_deref(),
                     upstream.name.as_str(),
                     &self.errors,
+                    upstream.http2,
                 ))
             });
             clients.insert(upstream.name.clone(), Arc::clone(client));

@@ -174,9 +174,12 @@ fn plain_config() -> Arc<ClientConfig> {
 
 /// The connector of one upstream: TCP within `connect_timeout`, then TLS for `https://` URIs
 /// with `tls` (ALPN `http/1.1`: sluice forwards HTTP/1.1).
+/// `http2`: an https upstream is offered only `h2` through ALPN (an `http2: true` upstream);
+/// otherwise only `http/1.1`.
 pub fn connector(
     connect_timeout: Duration,
     tls: Option<&UpstreamTls>,
+    http2: bool,
 ) -> HttpsConnector<HttpConnector> {
     let mut http = HttpConnector::new();
     http.set_connect_timeout(Some(connect_timeout));
@@ -184,11 +187,14 @@ pub fn connector(
     // The https connector wraps this one and hands it https URIs too.
     http.enforce_http(false);
     let config = tls.map_or_else(plain_config, |tls| Arc::clone(&tls.config));
-    hyper_rustls::HttpsConnectorBuilder::new()
+    let builder = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config((*config).clone())
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http)
+        .https_or_http();
+    if http2 {
+        builder.enable_http2().wrap_connector(http)
+    } else {
+        builder.enable_http1().wrap_connector(http)
+    }
 }
 
 /// Whether `err` is, or was caused by, a TLS failure. Under TLS 1.3 a server checks the client

@@ -1,0 +1,230 @@
+//! WebSocket upgrades passed through: the client's `Upgrade: websocket` request is forwarded
+//! with its `Connection`/`Upgrade` fields, and when the upstream answers `101 Switching
+//! Protocols` both connections are taken over from HTTP and their bytes copied both ways
+//! until either side closes or the tunnel has been idle for the listener's idle timeout.
+//! sluice does not parse WebSocket frames: the upgrade request is what is rate-limited.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use http::header::{HeaderMap, HeaderValue, CONNECTION, UPGRADE};
+use http::{Request, Version};
+use hyper::upgrade::OnUpgrade;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Put by the listener into every request's extensions: what keeps the client's connection
+/// counted (its slot under `server.max_connections`, the open-connections gauge) for as long
+/// as a clone of it lives, and the listener's idle timeout. A tunnel holds one, so that a
+/// connection taken over from HTTP still counts, and is closed when it falls silent.
+#[derive(Clone)]
+pub struct ConnectionHold {
+    pub idle_timeout: Duration,
+    pub hold: Arc<dyn Send + Sync>,
+}
+
+/// Whether `request` asks to switch its HTTP/1.1 connection to WebSocket (RFC 6455 §4.1):
+/// `Connection` names `upgrade` and `Upgrade` names `websocket`. Other protocols (h2c among
+/// them) are not passed through: their `Upgrade` is removed like any hop-by-hop field.
+pub fn is_websocket_upgrade<B>(request: &Request<B>) -> bool {
+    request.version() == Version::HTTP_11
+        && has_token(request.headers(), CONNECTION, "upgrade")
+        && has_token(request.headers(), UPGRADE, "websocket")
+}
+
+fn has_token(headers: &HeaderMap, name: http::header::HeaderName, token: &str) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        // `Upgrade: websocket/13` names a version after the protocol.
+        .any(|item| {
+            let item = item.trim();
+            let protocol = item.split('/').next().unwrap_or(item);
+            protocol.eq_ignore_ascii_case(token)
+        })
+}
+
+/// The client's side of an upgrade, taken from the request before it is forwarded.
+pub struct ClientSide {
+    on_upgrade: OnUpgrade,
+    /// The value of the client's `Upgrade` field, sent on to the upstream.
+    pub protocol: HeaderValue,
+    hold: Option<ConnectionHold>,
+}
+
+impl ClientSide {
+    /// Takes the upgrade future and the connection hold out of `request`'s extensions.
+    pub fn take<B>(request: &mut Request<B>) -> ClientSide {
+        let protocol = request
+            .headers()
+            .get(UPGRADE)
+            .cloned()
+            .unwrap_or_else(|| HeaderValue::from_static("websocket"));
+        let hold = request.extensions_mut().remove::<ConnectionHold>();
+        ClientSide {
+            on_upgrade: hyper::upgrade::on(request),
+            protocol,
+            hold,
+        }
+    }
+}
+
+/// Sets the two fields that ask the next hop to switch protocols.
+pub fn set_upgrade_fields(headers: &mut HeaderMap, protocol: HeaderValue) {
+    headers.insert(CONNECTION, HeaderValue::from_static("upgrade"));
+    headers.insert(UPGRADE, protocol);
+}
+
+/// Once both sides have switched, copies bytes both ways in a task of its own. `upstream`
+/// is the upgrade future of the upstream's `101` response.
+pub fn spawn(client: ClientSide, upstream: OnUpgrade, route: String) {
+    tokio::spawn(async move {
+        let ClientSide {
+            on_upgrade, hold, ..
+        } = client;
+        let (client_io, upstream_io) = match tokio::try_join!(on_upgrade, upstream) {
+            Ok(pair) => pair,
+            Err(err) => {
+                tracing::debug!(route, error = %err, "a WebSocket upgrade did not complete");
+                return;
+            }
+        };
+        let idle_timeout = hold.as_ref().map(|hold| hold.idle_timeout);
+        let epoch = Instant::now();
+        let activity = Arc::new(AtomicU64::new(0));
+        let mut client_io = Noted::new(TokioIo::new(client_io), epoch, &activity);
+        let mut upstream_io = Noted::new(TokioIo::new(upstream_io), epoch, &activity);
+        let copy = tokio::io::copy_bidirectional(&mut client_io, &mut upstream_io);
+        let ended = match idle_timeout {
+            Some(idle) => until_idle(copy, epoch, &activity, idle).await,
+            None => Some(copy.await),
+        };
+        match ended {
+            Some(Ok((up, down))) => {
+                tracing::debug!(route, bytes_up = up, bytes_down = down, "WebSocket closed")
+            }
+            Some(Err(err)) => tracing::debug!(route, error = %err, "WebSocket broke off"),
+            None => tracing::debug!(route, "WebSocket closed after the idle timeout"),
+        }
+        // The connections close as they drop here, and the client's slot is given back.
+        drop(hold);
+    });
+}
+
+/// Runs `copy` until it ends (`Some`), or until no byte has moved for `idle` (`None`).
+async fn until_idle<F: std::future::Future>(
+    copy: F,
+    epoch: Instant,
+    activity: &AtomicU64,
+    idle: Duration,
+) -> Option<F::Output> {
+    let mut copy = std::pin::pin!(copy);
+    loop {
+        let last = Duration::from_millis(activity.load(Ordering::Relaxed));
+        let idle_at = epoch + last + idle;
+        tokio::select! {
+            ended = copy.as_mut() => return Some(ended),
+            _ = tokio::time::sleep_until(idle_at.into()) => {
+                let last = Duration::from_millis(activity.load(Ordering::Relaxed));
+                if epoch + last + idle <= Instant::now() {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// One side of a tunnel, noting when a byte last moved through either side.
+struct Noted<T> {
+    io: T,
+    epoch: Instant,
+    /// Milliseconds since `epoch` of the last byte read or written, shared by both sides.
+    activity: Arc<AtomicU64>,
+}
+
+impl<T> Noted<T> {
+    fn new(io: T, epoch: Instant, activity: &Arc<AtomicU64>) -> Noted<T> {
+        Noted {
+            io,
+            epoch,
+            activity: Arc::clone(activity),
+        }
+    }
+
+    fn touch(&self) {
+        let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.activity.store(now, Ordering::Relaxed);
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Noted<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let result = Pin::new(&mut this.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.touch();
+        }
+        result
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Noted<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.io).poll_write(cx, buf);
+        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
+            this.touch();
+        }
+        result
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(connection: &str, upgrade: &str) -> Request<()> {
+        Request::builder()
+            .header(CONNECTION, connection)
+            .header(UPGRADE, upgrade)
+            .body(())
+            .unwrap()
+    }
+
+    #[test]
+    fn a_websocket_upgrade_is_recognised_by_its_tokens() {
+        assert!(is_websocket_upgrade(&request("Upgrade", "websocket")));
+        assert!(is_websocket_upgrade(&request(
+            "keep-alive, upgrade",
+            "WebSocket"
+        )));
+        assert!(!is_websocket_upgrade(&request("keep-alive", "websocket")));
+        assert!(!is_websocket_upgrade(&request("upgrade", "h2c")));
+        let mut http2 = request("upgrade", "websocket");
+        *http2.version_mut() = Version::HTTP_2;
+        assert!(!is_websocket_upgrade(&http2));
+    }
+}
