@@ -630,7 +630,10 @@ mod tests {
         let key = key_of(&all, "/x?k=1", &headers);
         let identity = &key["sluice:r:l:{".len()..key.len() - 1];
         assert!(identity_fits(&all, identity), "{identity}");
-        assert!(identity_fits(&all, "ip=10.0.0.7"), "the fallback to the client ip");
+        assert!(
+            identity_fits(&all, "ip=10.0.0.7"),
+            "the fallback to the client ip"
+        );
         assert!(!identity_fits(&all, "h:x-api-key=a"), "parts missing");
         assert!(!identity_fits(&all, "ip=1|x}"), "braces");
         assert!(!identity_fits(&limit(Vec::new()), "ip=1"));

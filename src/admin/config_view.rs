@@ -71,17 +71,33 @@ pub fn view(serving: &Serving, policy: &Policy) -> Value {
 fn secret_name(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
     name != "token_env"
-        && ["password", "passwd", "secret", "token", "credential", "api_key", "apikey"]
-            .iter()
-            .any(|word| name.contains(word))
+        && [
+            "password",
+            "passwd",
+            "secret",
+            "token",
+            "credential",
+            "api_key",
+            "apikey",
+        ]
+        .iter()
+        .any(|word| name.contains(word))
 }
 
 /// Headers whose values are credentials: a condition comparing one of them names secrets.
 fn credential_header(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
-    ["authorization", "cookie", "token", "secret", "key", "session", "password"]
-        .iter()
-        .any(|word| name.contains(word))
+    [
+        "authorization",
+        "cookie",
+        "token",
+        "secret",
+        "key",
+        "session",
+        "password",
+    ]
+    .iter()
+    .any(|word| name.contains(word))
 }
 
 pub fn redact(value: &mut Value) {
@@ -147,7 +163,9 @@ fn redact_url(text: &str) -> Option<String> {
         Some((path, query)) => {
             out.push_str(path);
             out.push('?');
-            let (query, fragment) = query.split_once('#').map_or((query, None), |(q, f)| (q, Some(f)));
+            let (query, fragment) = query
+                .split_once('#')
+                .map_or((query, None), |(q, f)| (q, Some(f)));
             let pairs: Vec<String> = query
                 .split('&')
                 .map(|pair| match pair.split_once('=') {

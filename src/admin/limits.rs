@@ -47,9 +47,8 @@ impl Given {
             let name = String::from_utf8(percent_decode(name))
                 .map_err(|_| "a parameter name is not UTF-8".to_owned())?;
             let value = percent_decode(value);
-            let text = || {
-                String::from_utf8(value.clone()).map_err(|_| format!("`{name}` is not UTF-8"))
-            };
+            let text =
+                || String::from_utf8(value.clone()).map_err(|_| format!("`{name}` is not UTF-8"));
             let named = |prefix: &str| {
                 name.strip_prefix(prefix)
                     .map(|rest| rest.strip_prefix(['.', ':']).unwrap_or(rest))
@@ -59,9 +58,12 @@ impl Given {
             match name.as_str() {
                 "key" => given.key = Some(text()?),
                 "client_ip" => {
-                    let ip: IpAddr = text()?
-                        .parse()
-                        .map_err(|_| format!("client_ip: `{}` is not an IP address", text().unwrap_or_default()))?;
+                    let ip: IpAddr = text()?.parse().map_err(|_| {
+                        format!(
+                            "client_ip: `{}` is not an IP address",
+                            text().unwrap_or_default()
+                        )
+                    })?;
                     given.client_ip = Some(ip.to_canonical());
                 }
                 "method" => given.parts.push((KeyPart::Method, value)),
@@ -101,7 +103,10 @@ pub fn store_key(route: &Route, limit: &Limit, query: &str) -> Result<String, St
     let given = Given::parse(query)?;
     let parts: Vec<String> = limit.key.iter().map(describe).collect();
     let shape = format!("the limit's key is [{}]", parts.join(", "));
-    match (&given.key, given.parts.is_empty() && given.client_ip.is_none()) {
+    match (
+        &given.key,
+        given.parts.is_empty() && given.client_ip.is_none(),
+    ) {
         (Some(_), false) => Err("give either key= or per-part values, not both".to_owned()),
         (Some(key), true) => from_key(limit, key, &shape),
         (None, false) => from_parts(route, limit, given, &shape),

@@ -68,8 +68,7 @@ impl FromStr for EnvName {
         let first_ok = chars
             .next()
             .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
-        if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') || text.len() > 128
-        {
+        if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') || text.len() > 128 {
             return Err(format!(
                 "expected the name of an environment variable (like SLUICE_ADMIN_TOKEN: a letter \
                  or `_`, then letters, digits and `_`), got `{text}`; the token itself never \
