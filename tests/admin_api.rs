@@ -507,3 +507,38 @@ fn sluice_refuses_to_start_without_a_token_it_needs() {
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_redis_is_down_the_local_fallback_answers_and_is_reset() {
+    let mut store = Store::start(StoreKind::Redis).await;
+    let sluice = start(&store).await;
+    let c = support::client();
+    store.redis.as_mut().expect("redis").stop();
+    // Failures open the breaker; from then on the in-process fallback decides (local is the
+    // default on_store_error).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut admitted = 0;
+    loop {
+        let metrics = parse_metrics(&sluice.metrics().await);
+        if metric_sum(&metrics, "sluice_store_fallback_active", &[]) == 1.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the breaker never opened");
+        hit(&c, &sluice, "fixed_window", "warm-up").await;
+    }
+    for _ in 0..2 {
+        if hit(&c, &sluice, "fixed_window", "k").await == 200 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 2, "the fallback admits within the limit");
+    let body = peek(&c, &sluice, "fixed_window", "header.x-api-key=k").await;
+    assert_eq!(body["store"], "local_fallback", "{body}");
+    assert_eq!(body["count"], 2, "{body}");
+    // Redis is down: the store part fails (503), this instance's fallback state is forgotten.
+    let path = "/admin/v1/limits/fixed_window/per-key?header.x-api-key=k";
+    let (status, body) = admin(&c, &sluice, reqwest::Method::DELETE, path).await;
+    assert_eq!(status, 503, "{body}");
+    let body = peek(&c, &sluice, "fixed_window", "header.x-api-key=k").await;
+    assert_eq!(body["count"], 0, "{body}");
+}

@@ -225,7 +225,18 @@ impl Admin {
                         }),
                     );
                 }
-                Err(err) => return unavailable(err),
+                Err(err) => {
+                    return problem(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        &format!(
+                            "{} store: {err}; this instance's deny cache and local fallback \
+                             state for the key were forgotten, the store's key was not",
+                            store.name()
+                        ),
+                        path,
+                        &[],
+                    )
+                }
             }
         } else {
             match store.peek(&check).await {
