@@ -542,3 +542,72 @@ async fn while_redis_is_down_the_local_fallback_answers_and_is_reset() {
     let body = peek(&c, &sluice, "fixed_window", "header.x-api-key=k").await;
     assert_eq!(body["count"], 0, "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_key_sluice_explain_prints_names_the_identity() {
+    let routes = r#"routes:
+  - name: api
+    match: { path_prefix: /api }
+    respond: { status: 200 }
+    limits:
+      - { name: per-client, key: [client_ip, "header:x-api-key"], requests: 10, window: 1d }
+"#;
+    let sluice = Sluice::start(routes).await;
+    let config = sluice.config_path().to_str().expect("path").to_owned();
+    let explained = support::run_sluice(
+        &[
+            "explain",
+            "--config",
+            &config,
+            "GET",
+            "/api",
+            "-H",
+            "x-api-key: a|b c",
+            "--from",
+            "127.0.0.1",
+        ],
+        Duration::from_secs(20),
+    );
+    assert!(explained.status.success(), "{}", explained.stderr);
+    let store_key = explained
+        .stdout
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("store key: "))
+        .unwrap_or_else(|| panic!("no store key in:\n{}", explained.stdout))
+        .to_owned();
+    let c = support::client();
+    for _ in 0..2 {
+        let r = c
+            .get(format!("{}/api", sluice.url()))
+            .header("x-api-key", "a|b c")
+            .send()
+            .await
+            .expect("GET /api");
+        assert_eq!(r.status(), 200);
+    }
+    let identity = store_key
+        .split_once('{')
+        .and_then(|(_, rest)| rest.strip_suffix('}'))
+        .expect("an identity in braces");
+    for query in [
+        format!("key={}", encode(&store_key)),
+        format!("key={}", encode(identity)),
+        format!("client_ip=127.0.0.1&header.x-api-key={}", encode("a|b c")),
+    ] {
+        let url = format!(
+            "{}/admin/v1/limits/api/per-client?{query}",
+            sluice.admin_url()
+        );
+        let body: Value = c
+            .get(&url)
+            .send()
+            .await
+            .expect("GET limit")
+            .json()
+            .await
+            .expect("JSON");
+        assert_eq!(body["key"], store_key.as_str(), "{query}: {body}");
+        assert_eq!(body["count"], 2, "{query}: {body}");
+        assert_eq!(body["remaining"], 8, "{query}: {body}");
+    }
+}
