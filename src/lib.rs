@@ -3,7 +3,8 @@
 //! `server` (accept, TLS from `tls`, HTTP/1.1 and HTTP/2, connection limits) → `proxy` (the request phases:
 //! `path` canonicalization and head limits, routing on the `policy`, `keys` for each limit,
 //! the `limiter` decision, then a `response` of 429 or a forward to the upstream) — with
-//! `metrics` observing each step and `admin` serving them. `config` reads the policy file;
+//! `metrics` observing each step and `admin` serving them, with the admin API (one identity's
+//! quota, the policy in force, reload on request). `config` reads the policy file;
 //! `reload` watches it and swaps in each valid new policy whole.
 //!
 //! The binary (`main.rs`) is the command line around this library; the library exists so

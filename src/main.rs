@@ -213,6 +213,11 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
         admin_listen = %config.admin_listen.value,
         routes = policy.routes.len(),
         store = store.name(),
+        admin_api = match (admin_api, &token) {
+            (false, _) => "off",
+            (true, Some(_)) => "bearer token",
+            (true, None) => "open (loopback, no token)",
+        },
         "sluice is serving"
     );
 

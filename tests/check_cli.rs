@@ -529,6 +529,21 @@ fn upstream_http2_must_be_a_boolean() {
 }
 
 #[test]
+fn bad_admin_token_env() {
+    let yaml = variant(
+        "admin_listen: 127.0.0.1:9090\n",
+        "admin_listen: 127.0.0.1:9090\nadmin:\n  token_env: \"my token\"\n",
+    );
+    assert_refused(
+        &yaml,
+        "token_env:",
+        "\"my token\"",
+        "admin.token_env",
+        &["environment variable", "my token"],
+    );
+}
+
+#[test]
 fn upstream_http2_true_is_accepted() {
     let f = write_config(&variant(
         "    timeout: 30s\n",
@@ -539,4 +554,34 @@ fn upstream_http2_true_is_accepted() {
         status.success(),
         "http2: true is valid: {status}\nstdout: {stdout}\nstderr: {stderr}"
     );
+}
+
+#[test]
+fn unknown_admin_field() {
+    let yaml = variant(
+        "admin_listen: 127.0.0.1:9090\n",
+        "admin_listen: 127.0.0.1:9090\nadmin:\n  token: s3cret\n",
+    );
+    assert_refused(&yaml, "token: s3cret", "token", "admin", &["token"]);
+}
+
+#[test]
+fn admin_api_on_a_public_address_without_a_token() {
+    let yaml = variant("admin_listen: 127.0.0.1:9090", "admin_listen: 0.0.0.0:9090");
+    assert_refused(
+        &yaml,
+        "admin_listen: 0.0.0.0",
+        "0.0.0.0",
+        "admin_listen",
+        &["not a loopback address", "token_env"],
+    );
+    // With a token, or with the API off, the same address is accepted.
+    for admin in [
+        "admin: { token_env: SLUICE_ADMIN_TOKEN }\n",
+        "admin: { api: false }\n",
+    ] {
+        let f = write_config(&format!("{yaml}{admin}"));
+        let (status, stdout, stderr) = sluice_check(f.path());
+        assert!(status.success(), "{admin}: {stdout}\n{stderr}");
+    }
 }

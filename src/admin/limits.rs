@@ -240,3 +240,19 @@ fn encode_into(out: &mut String, bytes: &[u8]) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_encoded_query_value_decodes_to_the_same_bytes() {
+        // `+`, `%`, `&`, `=` and non-ASCII bytes included: the key builder must read back
+        // exactly what the operator gave.
+        let bytes: Vec<u8> = (0u8..=255).collect();
+        let mut text = String::new();
+        encode_into(&mut text, &bytes);
+        assert_eq!(percent_decode(&text), bytes);
+        assert!(!text.contains(['+', '&', '=']), "{text}");
+    }
+}

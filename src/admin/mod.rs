@@ -184,19 +184,55 @@ impl Admin {
         };
         let check = rule.check(key);
         let store = self.gateway.store();
-        let unavailable = |err: crate::limiter::StoreError| {
-            problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("{} store: {err}", store.name()),
-                path,
-                &[],
-            )
-        };
         let identity = &check.key[rule.key_prefix.len()..];
         let identity = identity
             .strip_prefix('{')
             .and_then(|i| i.strip_suffix('}'))
             .unwrap_or(identity);
+        let outcome = if method == Method::DELETE {
+            match store.reset(&check).await {
+                Ok(forgotten) => {
+                    tracing::info!(route, limit, identity = %crate::keys::identity_hash(&check.key), "admin API: quota reset");
+                    json!({
+                        "store": store.name(),
+                        "forgotten": {
+                            "store_key": forgotten.store_key,
+                            "deny_cache": forgotten.deny_cache,
+                            "local_fallback": forgotten.fallback,
+                        },
+                    })
+                }
+                Err(err) => {
+                    return problem(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        &format!(
+                            "{} store: {err}; this instance's deny cache and local fallback \
+                             state for the key were forgotten, the store's key was not",
+                            store.name()
+                        ),
+                        path,
+                        &[],
+                    )
+                }
+            }
+        } else {
+            match store.peek(&check).await {
+                Ok((peek, answered)) => json!({
+                    "count": peek.count,
+                    "remaining": peek.remaining,
+                    "reset": peek.reset.as_secs_f64(),
+                    "store": answered,
+                }),
+                Err(err) => {
+                    return problem(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        &format!("{} store: {err}", store.name()),
+                        path,
+                        &[],
+                    )
+                }
+            }
+        };
         let mut body = json!({
             "route": route,
             "limit": limit,
@@ -208,36 +244,7 @@ impl Admin {
             "burst": rule.burst,
             "cost": rule.cost,
         });
-        let Some(members) = body.as_object_mut() else {
-            return text(StatusCode::INTERNAL_SERVER_ERROR, "unreachable\n");
-        };
-        if method == Method::DELETE {
-            match store.reset(&check).await {
-                Ok(forgotten) => {
-                    tracing::info!(route, limit, identity = %crate::keys::identity_hash(&check.key), "admin API: quota reset");
-                    members.insert("store".into(), json!(store.name()));
-                    members.insert(
-                        "forgotten".into(),
-                        json!({
-                            "store_key": forgotten.store_key,
-                            "deny_cache": forgotten.deny_cache,
-                            "local_fallback": forgotten.fallback,
-                        }),
-                    );
-                }
-                Err(err) => return unavailable(err),
-            }
-        } else {
-            match store.peek(&check).await {
-                Ok((peek, answered)) => {
-                    members.insert("count".into(), json!(peek.count));
-                    members.insert("remaining".into(), json!(peek.remaining));
-                    members.insert("reset".into(), json!(peek.reset.as_secs_f64()));
-                    members.insert("store".into(), json!(answered));
-                }
-                Err(err) => return unavailable(err),
-            }
-        }
+        merge(&mut body, outcome);
         json_response(StatusCode::OK, &body)
     }
 
@@ -261,9 +268,7 @@ impl Admin {
                     "instance": path,
                     "applied": false,
                 });
-                if let (Some(members), Some(error)) = (body.as_object_mut(), error_fields(&err)) {
-                    members.insert("error".into(), error);
-                }
+                merge(&mut body, json!({ "error": error_fields(&err) }));
                 let mut response = json_response(StatusCode::UNPROCESSABLE_ENTITY, &body);
                 response.headers_mut().insert(
                     CONTENT_TYPE,
@@ -282,8 +287,8 @@ impl Admin {
 }
 
 /// Where a refused config is wrong, as members of the 422 answer.
-fn error_fields(err: &ReloadError) -> Option<serde_json::Value> {
-    Some(match err {
+fn error_fields(err: &ReloadError) -> serde_json::Value {
+    match err {
         ReloadError::Config(ConfigError::Invalid {
             file,
             position,
@@ -304,7 +309,14 @@ fn error_fields(err: &ReloadError) -> Option<serde_json::Value> {
             "file": file.display().to_string(),
             "message": format!("{change}: a restart is needed to apply it"),
         }),
-    })
+    }
+}
+
+/// Adds the members of the object `extra` to the object `body`.
+fn merge(body: &mut serde_json::Value, extra: serde_json::Value) {
+    if let (Some(members), serde_json::Value::Object(extra)) = (body.as_object_mut(), extra) {
+        members.extend(extra);
+    }
 }
 
 fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<ProxyBody> {

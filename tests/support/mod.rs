@@ -797,8 +797,13 @@ impl Sluice {
     /// A port picked free can be taken by another test before sluice binds it;
     /// when sluice says it cannot listen, it is started again on new ports.
     pub async fn start(yaml_rest: &str) -> Sluice {
+        Sluice::start_with_env(yaml_rest, &[]).await
+    }
+
+    /// As `start`, with these environment variables set for sluice.
+    pub async fn start_with_env(yaml_rest: &str, env: &[(&str, &str)]) -> Sluice {
         for attempt in 1..=3 {
-            match Sluice::try_start(yaml_rest).await {
+            match Sluice::try_start(yaml_rest, env).await {
                 Ok(sluice) => return sluice,
                 Err(log) if attempt < 3 && log.contains("cannot listen on") => {
                     eprintln!("sluice could not listen; retrying on other ports:\n{log}");
@@ -810,7 +815,7 @@ impl Sluice {
     }
 
     /// Starts sluice; `Err(log)` if it exits during startup.
-    async fn try_start(yaml_rest: &str) -> Result<Sluice, String> {
+    async fn try_start(yaml_rest: &str, env: &[(&str, &str)]) -> Result<Sluice, String> {
         let dir = tempfile::tempdir().expect("tempdir for sluice");
         let port = free_port();
         let mut admin_port = free_port();
@@ -827,6 +832,7 @@ impl Sluice {
             .arg("run")
             .arg("--config")
             .arg(&config_path)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)

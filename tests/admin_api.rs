@@ -1,0 +1,613 @@
+//! The admin API on `admin_listen`, through the real binary, against a real redis-server and
+//! the in-process store: one identity's quota read without consuming it and reset (also past
+//! the deny cache), the policy in force with its secrets redacted, reloads on request, the
+//! bearer token, and the refusal to start without one on a non-loopback address.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use support::{metric_sum, parse_metrics, Redis, Sluice, Store, StoreKind, SLUICE_BIN};
+
+const TOKEN_ENV: &str = "SLUICE_TEST_ADMIN_TOKEN";
+const TOKEN: &str = "adm-tok-7f3c9e2b41d8";
+/// Each algorithm's limit: this many per day (no window boundary or refill within a test).
+const LIMIT: u64 = 5;
+const ALGORITHMS: [&str; 4] = ["sliding_log", "sliding_window", "fixed_window", "gcra"];
+
+/// One route per algorithm, `/ALGORITHM`, limited per API key.
+fn routes() -> String {
+    let mut yaml = String::from("routes:\n");
+    for algorithm in ALGORITHMS {
+        yaml.push_str(&format!(
+            r#"  - name: {algorithm}
+    match: {{ path_prefix: /{algorithm} }}
+    respond: {{ status: 200, body: "ok\n" }}
+    limits:
+      - {{ name: per-key, key: ["header:x-api-key"], requests: {LIMIT}, window: 1d, algorithm: {algorithm} }}
+"#
+        ));
+    }
+    yaml
+}
+
+fn admin_section() -> String {
+    format!("admin:\n  token_env: {TOKEN_ENV}\n")
+}
+
+async fn start(store: &Store) -> Sluice {
+    let yaml = format!("{}{}{}", admin_section(), store.yaml, routes());
+    Sluice::start_with_env(&yaml, &[(TOKEN_ENV, TOKEN)]).await
+}
+
+/// Sends `GET /{route}` with `key`; the status.
+async fn hit(c: &reqwest::Client, sluice: &Sluice, route: &str, key: &str) -> u16 {
+    c.get(format!("{}/{route}", sluice.url()))
+        .header("x-api-key", key)
+        .send()
+        .await
+        .expect("GET through sluice")
+        .status()
+        .as_u16()
+}
+
+/// An admin API call with the token; the status and the JSON body.
+async fn admin(
+    c: &reqwest::Client,
+    sluice: &Sluice,
+    method: reqwest::Method,
+    path_and_query: &str,
+) -> (u16, Value) {
+    let r = c
+        .request(method, format!("{}{path_and_query}", sluice.admin_url()))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("admin API call");
+    let status = r.status().as_u16();
+    let text = r.text().await.expect("admin API body");
+    let body = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("{path_and_query}: not JSON ({e}): {text}"));
+    (status, body)
+}
+
+async fn peek(c: &reqwest::Client, sluice: &Sluice, route: &str, query: &str) -> Value {
+    let path = format!("/admin/v1/limits/{route}/per-key?{query}");
+    let (status, body) = admin(c, sluice, reqwest::Method::GET, &path).await;
+    assert_eq!(status, 200, "GET {path}: {body}");
+    body
+}
+
+async fn read_only_and_reset(kind: StoreKind) {
+    let store = Store::start(kind).await;
+    let sluice = start(&store).await;
+    let c = support::client();
+    let expected_store = match kind {
+        StoreKind::Redis => "redis",
+        StoreKind::Memory => "local",
+    };
+    const USED: u64 = 3;
+    for algorithm in ALGORITHMS {
+        let key = format!("k-{algorithm}");
+        for _ in 0..USED {
+            assert_eq!(hit(&c, &sluice, algorithm, &key).await, 200, "{algorithm}");
+        }
+        let query = format!("header.x-api-key={key}");
+        // Read twice: a read must not count.
+        for _ in 0..2 {
+            let body = peek(&c, &sluice, algorithm, &query).await;
+            assert_eq!(body["count"], USED, "{algorithm}: {body}");
+            assert_eq!(body["remaining"], LIMIT - USED, "{algorithm}: {body}");
+            assert_eq!(body["algorithm"], algorithm, "{body}");
+            assert_eq!(body["store"], expected_store, "{body}");
+            assert_eq!(body["requests"], LIMIT, "{body}");
+            assert_eq!(body["window"], 86_400.0, "{body}");
+            let reset = body["reset"].as_f64().expect("reset is a number");
+            // The sliding-window counter's weighted count falls to zero over two windows.
+            assert!(
+                reset > 0.0 && reset <= 2.0 * 86_400.0,
+                "{algorithm}: {body}"
+            );
+            assert_eq!(body["identity"], format!("h:x-api-key={key}"), "{body}");
+        }
+        // The same identity named by `key=`, bare or as the whole store key.
+        let by_key = peek(&c, &sluice, algorithm, &format!("key=h:x-api-key={key}")).await;
+        let whole = by_key["key"].as_str().expect("the store key").to_owned();
+        assert!(
+            whole.ends_with(&format!("{{h:x-api-key={key}}}")),
+            "{whole}"
+        );
+        let by_whole = peek(&c, &sluice, algorithm, &format!("key={}", encode(&whole))).await;
+        assert_eq!(by_key["count"], USED);
+        assert_eq!(by_whole["key"], whole.as_str());
+        if let Some(redis) = &store.redis {
+            assert!(
+                redis.keys().await.contains(&whole),
+                "{whole} is the key in Redis"
+            );
+        }
+        // Nothing was consumed: exactly LIMIT - USED more pass.
+        for n in USED..LIMIT {
+            assert_eq!(
+                hit(&c, &sluice, algorithm, &key).await,
+                200,
+                "{algorithm} #{n}"
+            );
+        }
+        assert_eq!(hit(&c, &sluice, algorithm, &key).await, 429, "{algorithm}");
+        let full = peek(&c, &sluice, algorithm, &query).await;
+        assert_eq!(full["remaining"], 0, "{full}");
+        assert_eq!(full["count"], LIMIT, "{full}");
+        // Reset: admitted again at once, with the whole quota.
+        let path = format!("/admin/v1/limits/{algorithm}/per-key?{query}");
+        let (status, body) = admin(&c, &sluice, reqwest::Method::DELETE, &path).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["forgotten"]["store_key"], true, "{body}");
+        assert_eq!(hit(&c, &sluice, algorithm, &key).await, 200, "{algorithm}");
+        assert_eq!(
+            peek(&c, &sluice, algorithm, &query).await["remaining"],
+            LIMIT - 1
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_consumes_nothing_and_a_reset_readmits_in_process() {
+    read_only_and_reset(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_consumes_nothing_and_a_reset_readmits_with_redis() {
+    read_only_and_reset(StoreKind::Redis).await;
+}
+
+/// Percent-encodes a query value.
+fn encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_clears_a_denial_the_deny_cache_remembers() {
+    let store = Store::start(StoreKind::Redis).await;
+    let sluice = start(&store).await;
+    let c = support::client();
+    // A key too long to be written raw: the per-part form must find the hashed key.
+    let key = format!("sk-{}", "x".repeat(100));
+    let mut rejected = 0;
+    for _ in 0..(LIMIT + 20) {
+        if hit(&c, &sluice, "sliding_log", &key).await == 429 {
+            rejected += 1;
+        }
+    }
+    assert_eq!(rejected, 20);
+    let metrics = parse_metrics(&sluice.metrics().await);
+    assert!(
+        metric_sum(&metrics, "sluice_deny_cache_answers_total", &[]) > 0.0,
+        "the flood was answered from the deny cache"
+    );
+    let query = format!("header.x-api-key={key}");
+    let body = peek(&c, &sluice, "sliding_log", &query).await;
+    assert!(
+        body["identity"]
+            .as_str()
+            .unwrap()
+            .starts_with("h:x-api-key=#"),
+        "{body}"
+    );
+    assert_eq!(body["count"], LIMIT, "{body}");
+    let path = format!("/admin/v1/limits/sliding_log/per-key?{query}");
+    let (status, body) = admin(&c, &sluice, reqwest::Method::DELETE, &path).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["forgotten"]["deny_cache"], true, "{body}");
+    assert_eq!(body["forgotten"]["store_key"], true, "{body}");
+    assert_eq!(hit(&c, &sluice, "sliding_log", &key).await, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_names_and_bad_identities_are_refused() {
+    let store = Store::start(StoreKind::Memory).await;
+    let sluice = start(&store).await;
+    let c = support::client();
+    let get = |path: &'static str| {
+        let (c, sluice) = (&c, &sluice);
+        async move { admin(c, sluice, reqwest::Method::GET, path).await }
+    };
+    let (status, body) = get("/admin/v1/limits/nope/per-key?key=ip=1.2.3.4").await;
+    assert_eq!(
+        (status, body["route"].as_str()),
+        (404, Some("nope")),
+        "{body}"
+    );
+    let (status, body) = get("/admin/v1/limits/gcra/nope?key=ip=1.2.3.4").await;
+    assert_eq!(
+        (status, body["limit"].as_str()),
+        (404, Some("nope")),
+        "{body}"
+    );
+    for bad in [
+        "/admin/v1/limits/gcra/per-key",
+        "/admin/v1/limits/gcra/per-key?key=",
+        "/admin/v1/limits/gcra/per-key?key=q:other=1",
+        "/admin/v1/limits/gcra/per-key?key=h:x-api-key=a%7D%7Bb",
+        "/admin/v1/limits/gcra/per-key?header.x-other=1",
+        "/admin/v1/limits/gcra/per-key?client_ip=not-an-ip",
+        "/admin/v1/limits/gcra/per-key?bogus=1",
+        "/admin/v1/limits/gcra/per-key?key=ip=1.2.3.4&client_ip=1.2.3.4",
+    ] {
+        let (status, body) = get(bad).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+        assert!(body["detail"].as_str().is_some(), "{body}");
+    }
+    // A request without the header counts its client IP: `client_ip=` names that bucket.
+    let body = peek(&c, &sluice, "gcra", "client_ip=203.0.113.9").await;
+    assert_eq!(body["identity"], "ip=203.0.113.9", "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_config_in_force_hides_its_secrets() {
+    const PASSWORD: &str = "hunter2-redis-Pa55";
+    let redis = Redis::start_with(&["--requirepass", PASSWORD]).await;
+    assert!(redis.url().contains(PASSWORD));
+    let yaml = format!(
+        "{}{}{}",
+        admin_section(),
+        support::redis_store_yaml(&redis.url()),
+        routes()
+    );
+    let sluice = Sluice::start_with_env(&yaml, &[(TOKEN_ENV, TOKEN)]).await;
+    let c = support::client();
+    assert_eq!(
+        hit(&c, &sluice, "gcra", "k").await,
+        200,
+        "Redis is reachable"
+    );
+    let r = c
+        .get(format!("{}/admin/v1/config", sluice.admin_url()))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("GET config");
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.expect("body");
+    assert!(
+        !text.contains(PASSWORD),
+        "the Redis password leaked: {text}"
+    );
+    assert!(!text.contains(TOKEN), "the token leaked: {text}");
+    let body: Value = serde_json::from_str(&text).expect("JSON");
+    let url = body["config"]["store"]["redis"]["url"]
+        .as_str()
+        .expect("url");
+    assert_eq!(
+        url,
+        format!("redis://:[redacted]@127.0.0.1:{}/0", redis.port())
+    );
+    assert_eq!(body["config"]["admin"]["token_env"], TOKEN_ENV);
+    let file = std::fs::read(sluice.config_path()).expect("config file");
+    assert_eq!(body["sha256"], hex(&Sha256::digest(&file)));
+    assert_eq!(body["routes"][3]["limits"][0]["algorithm"], "gcra");
+    assert_eq!(
+        body["routes"][3]["limits"][0]["burst"], LIMIT,
+        "defaults filled in"
+    );
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `sluice_config_reloads_total{result}`.
+async fn reloads(sluice: &Sluice, result: &str) -> f64 {
+    let metrics = parse_metrics(&sluice.metrics().await);
+    metric_sum(
+        &metrics,
+        "sluice_config_reloads_total",
+        &[("result", result)],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_on_request_applies_a_good_file_and_refuses_a_bad_one() {
+    let store = Store::start(StoreKind::Memory).await;
+    let sluice = start(&store).await;
+    let c = support::client();
+    let original = std::fs::read_to_string(sluice.config_path()).expect("config");
+    let head: String = original.lines().take(2).map(|l| format!("{l}\n")).collect();
+    let one = "routes:\n  - name: api\n    match: { path_prefix: /api }\n    respond: { status: 200 }\n    limits:\n      - { name: per-key, key: [\"header:x-api-key\"], requests: 1, window: 1d }\n";
+    let text = format!("{head}{}{one}", admin_section());
+    std::fs::write(sluice.config_path(), &text).expect("rewrite");
+    let (status, body) = admin(&c, &sluice, reqwest::Method::POST, "/admin/v1/reload").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["applied"], true);
+    assert_eq!(body["sha256"], hex(&Sha256::digest(text.as_bytes())));
+    assert_eq!(body["routes"], 1);
+    // In force as soon as the answer came.
+    assert_eq!(hit(&c, &sluice, "api", "k").await, 200);
+    assert_eq!(
+        hit(&c, &sluice, "api", "k").await,
+        429,
+        "the new limit of 1"
+    );
+    assert!(reloads(&sluice, "ok").await >= 1.0);
+
+    let bad = one.replace("requests: 1,", "requests: many,");
+    std::fs::write(
+        sluice.config_path(),
+        format!("{head}{}{bad}", admin_section()),
+    )
+    .expect("rewrite");
+    let (status, body) = admin(&c, &sluice, reqwest::Method::POST, "/admin/v1/reload").await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["applied"], false);
+    let error = &body["error"];
+    assert_eq!(error["field"], "routes[0].limits[0].requests", "{body}");
+    assert_eq!(error["line"], 10, "{body}");
+    assert!(error["column"].as_u64().is_some_and(|c| c > 0), "{body}");
+    assert_eq!(error["file"], sluice.config_path().display().to_string());
+    assert!(reloads(&sluice, "error").await >= 1.0);
+    // The old policy keeps serving.
+    assert_eq!(hit(&c, &sluice, "api", "other").await, 200);
+    assert_eq!(hit(&c, &sluice, "api", "other").await, 429);
+    let (_, config) = admin(&c, &sluice, reqwest::Method::GET, "/admin/v1/config").await;
+    assert_eq!(config["sha256"], hex(&Sha256::digest(text.as_bytes())));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_needs_the_token_and_the_probes_do_not() {
+    let store = Store::start(StoreKind::Memory).await;
+    let sluice = start(&store).await;
+    let c = support::client();
+    let url = format!("{}/admin/v1/config", sluice.admin_url());
+    let denied = [
+        c.get(&url).send().await.expect("no token"),
+        c.get(&url)
+            .bearer_auth("wrong")
+            .send()
+            .await
+            .expect("wrong"),
+        c.get(&url)
+            .bearer_auth(format!("{TOKEN}x"))
+            .send()
+            .await
+            .expect("longer"),
+        c.get(&url)
+            .header("authorization", format!("Basic {TOKEN}"))
+            .send()
+            .await
+            .expect("other scheme"),
+        c.post(format!("{}/admin/v1/reload", sluice.admin_url()))
+            .send()
+            .await
+            .expect("reload without a token"),
+        c.delete(format!(
+            "{}/admin/v1/limits/gcra/per-key?key=ip=1.2.3.4",
+            sluice.admin_url()
+        ))
+        .send()
+        .await
+        .expect("reset without a token"),
+    ];
+    for r in denied {
+        assert_eq!(r.status(), 401, "{}", r.url());
+        let challenge = r.headers().get("www-authenticate").expect("a challenge");
+        assert!(challenge.to_str().unwrap().starts_with("Bearer"));
+    }
+    let r = c.get(&url).bearer_auth(TOKEN).send().await.expect("token");
+    assert_eq!(r.status(), 200);
+    for open in ["/metrics", "/healthz", "/readyz"] {
+        let r = c
+            .get(format!("{}{open}", sluice.admin_url()))
+            .send()
+            .await
+            .expect("probe");
+        assert_eq!(r.status(), 200, "{open} needs no token");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_token_the_api_is_open_on_loopback_only_and_can_be_off() {
+    let sluice = Sluice::start(&routes()).await;
+    let c = support::client();
+    let r = c
+        .get(format!("{}/admin/v1/config", sluice.admin_url()))
+        .send()
+        .await
+        .expect("GET config");
+    assert_eq!(r.status(), 200, "loopback without a token: open");
+    drop(sluice);
+    let off = Sluice::start(&format!("admin: {{ api: false }}\n{}", routes())).await;
+    let r = c
+        .get(format!("{}/admin/v1/config", off.admin_url()))
+        .send()
+        .await
+        .expect("GET config");
+    assert_eq!(r.status(), 404, "api: false");
+    let r = c
+        .get(format!("{}/metrics", off.admin_url()))
+        .send()
+        .await
+        .expect("GET metrics");
+    assert_eq!(r.status(), 200);
+}
+
+/// Runs `sluice run` on `yaml` with `env`; it must exit (not serve) within 10 s. The exit
+/// status and what it wrote to stderr.
+fn run_until_exit(yaml: &str, env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("sluice.yaml");
+    std::fs::write(&config, yaml).expect("write config");
+    let stderr = dir.path().join("stderr");
+    let mut child = Command::new(SLUICE_BIN)
+        .args(["run", "--config"])
+        .arg(&config)
+        .env_remove(TOKEN_ENV)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&stderr).expect("stderr file"))
+        .spawn()
+        .expect("spawn sluice");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("sluice started serving:\n{yaml}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, read(&stderr))
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+#[test]
+fn sluice_refuses_to_start_without_a_token_it_needs() {
+    let (port, admin_port) = (support::free_port(), support::free_port());
+    let head = format!("listen: 127.0.0.1:{port}\n");
+    let open = format!("{head}admin_listen: 0.0.0.0:{admin_port}\n{}", routes());
+    let (status, stderr) = run_until_exit(&open, &[]);
+    assert!(!status.success());
+    assert!(stderr.contains(":2:15: admin_listen:"), "{stderr}");
+    assert!(stderr.contains("not a loopback address"), "{stderr}");
+    assert!(stderr.contains("admin: { token_env: NAME }"), "{stderr}");
+
+    let named = format!(
+        "{head}admin_listen: 0.0.0.0:{admin_port}\n{}{}",
+        admin_section(),
+        routes()
+    );
+    let (status, stderr) = run_until_exit(&named, &[]);
+    assert!(!status.success());
+    assert!(
+        stderr.contains(TOKEN_ENV) && stderr.contains("not set"),
+        "{stderr}"
+    );
+    let (status, stderr) = run_until_exit(&named, &[(TOKEN_ENV, "")]);
+    assert!(!status.success());
+    assert!(
+        stderr.contains(TOKEN_ENV) && stderr.contains("empty"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_redis_is_down_the_local_fallback_answers_and_is_reset() {
+    let mut store = Store::start(StoreKind::Redis).await;
+    let sluice = start(&store).await;
+    let c = support::client();
+    store.redis.as_mut().expect("redis").stop();
+    // Failures open the breaker; from then on the in-process fallback decides (local is the
+    // default on_store_error).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut admitted = 0;
+    loop {
+        let metrics = parse_metrics(&sluice.metrics().await);
+        if metric_sum(&metrics, "sluice_store_fallback_active", &[]) == 1.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the breaker never opened");
+        hit(&c, &sluice, "fixed_window", "warm-up").await;
+    }
+    for _ in 0..2 {
+        if hit(&c, &sluice, "fixed_window", "k").await == 200 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 2, "the fallback admits within the limit");
+    let body = peek(&c, &sluice, "fixed_window", "header.x-api-key=k").await;
+    assert_eq!(body["store"], "local_fallback", "{body}");
+    assert_eq!(body["count"], 2, "{body}");
+    // Redis is down: the store part fails (503), this instance's fallback state is forgotten.
+    let path = "/admin/v1/limits/fixed_window/per-key?header.x-api-key=k";
+    let (status, body) = admin(&c, &sluice, reqwest::Method::DELETE, path).await;
+    assert_eq!(status, 503, "{body}");
+    let body = peek(&c, &sluice, "fixed_window", "header.x-api-key=k").await;
+    assert_eq!(body["count"], 0, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_key_sluice_explain_prints_names_the_identity() {
+    let routes = r#"routes:
+  - name: api
+    match: { path_prefix: /api }
+    respond: { status: 200 }
+    limits:
+      - { name: per-client, key: [client_ip, "header:x-api-key"], requests: 10, window: 1d }
+"#;
+    let sluice = Sluice::start(routes).await;
+    let config = sluice.config_path().to_str().expect("path").to_owned();
+    let explained = support::run_sluice(
+        &[
+            "explain",
+            "--config",
+            &config,
+            "GET",
+            "/api",
+            "-H",
+            "x-api-key: a|b c",
+            "--from",
+            "127.0.0.1",
+        ],
+        Duration::from_secs(20),
+    );
+    assert!(explained.status.success(), "{}", explained.stderr);
+    let store_key = explained
+        .stdout
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("store key: "))
+        .unwrap_or_else(|| panic!("no store key in:\n{}", explained.stdout))
+        .to_owned();
+    let c = support::client();
+    for _ in 0..2 {
+        let r = c
+            .get(format!("{}/api", sluice.url()))
+            .header("x-api-key", "a|b c")
+            .send()
+            .await
+            .expect("GET /api");
+        assert_eq!(r.status(), 200);
+    }
+    let identity = store_key
+        .split_once('{')
+        .and_then(|(_, rest)| rest.strip_suffix('}'))
+        .expect("an identity in braces");
+    for query in [
+        format!("key={}", encode(&store_key)),
+        format!("key={}", encode(identity)),
+        format!("client_ip=127.0.0.1&header.x-api-key={}", encode("a|b c")),
+    ] {
+        let url = format!(
+            "{}/admin/v1/limits/api/per-client?{query}",
+            sluice.admin_url()
+        );
+        let body: Value = c
+            .get(&url)
+            .send()
+            .await
+            .expect("GET limit")
+            .json()
+            .await
+            .expect("JSON");
+        assert_eq!(body["key"], store_key.as_str(), "{query}: {body}");
+        assert_eq!(body["count"], 2, "{query}: {body}");
+        assert_eq!(body["remaining"], 8, "{query}: {body}");
+    }
+}
