@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Checks the deploy kit with real tools, without a Docker engine or a cluster:
+#   - the Dockerfile with hadolint;
+#   - the Prometheus config and alert rules with promtool (Debian's `prometheus` package);
+#   - the Kubernetes manifests against the Kubernetes API schemas (kubernetes-validate,
+#     strict: unknown fields fail), and the PodMonitor/ServiceMonitor against the Prometheus
+#     Operator's API types (scripts/check_monitors.py);
+#   - the compose file against the compose specification's schema (check-jsonschema);
+#   - the Grafana dashboard is JSON (its queries run against a real Prometheus in
+#     tests/prometheus.rs);
+#   - every sluice policy in config/ and deploy/ (including those inside ConfigMaps) with
+#     `sluice check` and against config/sluice.schema.json.
+# Installs promtool with apt-get and the Python checkers into target/ci-tools when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v promtool >/dev/null 2>&1; then
+  echo "promtool not found; installing Debian's prometheus package" >&2
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+fi
+
+tools=target/ci-tools
+stamp=$tools/.installed-$(sha256sum scripts/ci-tools.txt | cut -c1-16)
+if [ ! -e "$stamp" ]; then
+  python3 -m venv "$tools"
+  "$tools/bin/pip" install --quiet -r scripts/ci-tools.txt
+  touch "$stamp"
+fi
+
+echo "== hadolint Dockerfile" >&2
+"$tools/bin/hadolint" Dockerfile
+
+echo "== promtool" >&2
+promtool check rules deploy/prometheus/alerts.yml
+# Also checks the rule files the config names.
+promtool check config deploy/prometheus/prometheus.yml
+
+echo "== Kubernetes manifests" >&2
+manifests=(deploy/kubernetes/*.yaml)
+"$tools/bin/kubernetes-validate" --strict --quiet "${manifests[@]}"
+"$tools/bin/python" scripts/check_monitors.py "${manifests[@]}"
+
+echo "== compose file" >&2
+"$tools/bin/check-jsonschema" --builtin-schema vendor.compose-spec deploy/docker-compose.yaml
+
+echo "== Grafana dashboard" >&2
+"$tools/bin/python" -m json.tool deploy/grafana/sluice-dashboard.json >/dev/null
+
+echo "== sluice policies" >&2
+policies=$(mktemp -d)
+trap 'rm -rf "$policies"' EXIT
+cp config/*.yaml deploy/sluice.container.yaml "$policies/"
+# The policies inside the ConfigMaps, each written out as a file of its own.
+"$tools/bin/python" - "$policies" "${manifests[@]}" <<'PY'
+import os, sys, yaml
+out, paths = sys.argv[1], sys.argv[2:]
+for path in paths:
+    with open(path) as f:
+        for doc in yaml.safe_load_all(f):
+            if doc and doc.get("kind") == "ConfigMap":
+                for key, text in doc.get("data", {}).items():
+                    if key.endswith((".yaml", ".yml")):
+                        name = f"{os.path.basename(path)}-{doc['metadata']['name']}-{key}"
+                        with open(os.path.join(out, name), "w") as g:
+                            g.write(text)
+PY
+cargo build --locked --quiet
+for policy in "$policies"/*.yaml; do
+  target/debug/sluice check --config "$policy" >/dev/null \
+    || { echo "sluice check failed for $(basename "$policy")" >&2; exit 1; }
+done
+"$tools/bin/check-jsonschema" --schemafile config/sluice.schema.json "$policies"/*.yaml
+echo "deploy kit: all checks passed" >&2
