@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Runs sluice's whole test suite: unit tests, and integration tests that spawn a real
 # redis-server, real upstream servers and the real sluice binary.
-# Installs redis-server and redis-sentinel first when they are missing and this machine can (apt-get or Homebrew).
+# Installs redis-server, redis-sentinel and prometheus first when they are missing and this
+# machine can (apt-get or Homebrew).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Installs the Debian/Ubuntu package $2 (or Homebrew's `redis`) when the command $1 is missing.
+# Installs the Debian/Ubuntu package $2 (or the Homebrew formula $3, `redis` unless given)
+# when the command $1 is missing.
 install_if_missing() {
-  local command=$1 package=$2
+  local command=$1 package=$2 formula=${3:-redis}
   if command -v "$command" >/dev/null 2>&1; then return; fi
   echo "$command not found; installing it" >&2
   if command -v apt-get >/dev/null 2>&1; then
@@ -16,9 +18,9 @@ install_if_missing() {
     $sudo apt-get update -qq
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package" >/dev/null
   elif command -v brew >/dev/null 2>&1; then
-    brew install redis
+    brew install "$formula"
   else
-    echo "cannot install $command here: install Redis (5.0 or newer, see README) and run this again" >&2
+    echo "cannot install $command here: install the $package package (see README) and run this again" >&2
     exit 1
   fi
 }
@@ -26,6 +28,8 @@ install_if_missing() {
 install_if_missing redis-server redis-server
 # tests/sentinel.rs runs three sentinels next to a master and a replica.
 install_if_missing redis-sentinel redis-sentinel
+# tests/prometheus.rs scrapes sluice with a real Prometheus server.
+install_if_missing prometheus prometheus prometheus
 echo "using $(redis-server --version)" >&2
 
 cargo test --locked "$@"
