@@ -73,4 +73,33 @@ for policy in "$policies"/*.yaml; do
     || { echo "sluice check failed for $(basename "$policy")" >&2; exit 1; }
 done
 "$tools/bin/check-jsonschema" --schemafile config/sluice.schema.json "$policies"/*.yaml
+
+# The schema is not vacuous: policies `sluice check` refuses, the schema refuses too.
+bad=$policies/bad
+mkdir "$bad"
+head='listen: 127.0.0.1:8080
+admin_listen: 127.0.0.1:9090
+routes:
+  - name: api
+    match: { path_prefix: /api }
+    respond: { status: 200 }'
+printf '%s\n    limts: []\n' "$head" >"$bad/unknown-field.yaml"
+printf '%s\n    limits: [{ name: x, key: [client_ip], requests: 5, window: 60 }]\n' "$head" \
+  >"$bad/window-without-unit.yaml"
+printf '%s\n    limits: [{ name: x, key: [jwt], requests: 5, window: 1m }]\n' "$head" \
+  >"$bad/unknown-key-part.yaml"
+printf '%s\n    limits: [{ name: "a b", key: [client_ip], requests: 0, window: 1m }]\n' "$head" \
+  >"$bad/bad-name-and-count.yaml"
+sed 's/path_prefix: \/api/path_prefix: api/' <<<"$head" >"$bad/relative-prefix.yaml"
+sed 's/respond: { status: 200 }/respond: { status: 200 }\n    match_methods: [GET]/' <<<"$head" \
+  >"$bad/unknown-route-field.yaml"
+for policy in "$bad"/*.yaml; do
+  if target/debug/sluice check --config "$policy" >/dev/null 2>&1; then
+    echo "sluice check accepted $(basename "$policy"), which is meant to be invalid" >&2; exit 1
+  fi
+  if "$tools/bin/check-jsonschema" --schemafile config/sluice.schema.json "$policy" >/dev/null; then
+    echo "config/sluice.schema.json accepts $(basename "$policy"), which sluice check refuses" >&2
+    exit 1
+  fi
+done
 echo "deploy kit: all checks passed" >&2

@@ -7,6 +7,7 @@
 //! the positions kept here with `Spanned`.
 
 mod duration;
+mod schema;
 mod types;
 
 use std::collections::BTreeMap;
@@ -21,6 +22,7 @@ pub use crate::limiter::Algorithm;
 use sha2::{Digest, Sha256};
 
 pub use duration::ConfigDuration;
+pub use schema::json_schema;
 pub use types::{
     ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat, MethodName, Name,
     OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
@@ -53,10 +55,11 @@ pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// Default time allowed for an upstream to answer with its response headers.
 pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 30_000;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub listen: SocketAddr,
+    #[schemars(with = "SocketAddr")]
     pub admin_listen: Spanned<SocketAddr>,
     #[serde(default)]
     pub server: ServerConfig,
@@ -80,22 +83,26 @@ pub struct Config {
 }
 
 /// What the listeners accept: sizes of the request head and body, connections, timeouts.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     #[serde(default = "default_max_request_line")]
     #[serde(deserialize_with = "bytes_within::<256, 65_534, _>")]
+    #[schemars(schema_with = "schema::bytes_within::<256, 65_534>")]
     pub max_request_line: ByteSize,
     #[serde(default = "default_max_header_bytes")]
     #[serde(deserialize_with = "bytes_within::<1_024, 1_048_576, _>")]
+    #[schemars(schema_with = "schema::bytes_within::<1_024, 1_048_576>")]
     pub max_header_bytes: ByteSize,
     #[serde(default = "default_max_headers")]
     #[serde(deserialize_with = "count_within::<1, 10_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1, 10_000>")]
     pub max_headers: Positive,
     /// The default `max_body` of routes that set none; `None`: unlimited.
     pub max_body: Option<ByteSize>,
     #[serde(default = "default_max_connections")]
     #[serde(deserialize_with = "count_within::<1, 1_000_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1, 1_000_000>")]
     pub max_connections: Positive,
     #[serde(default = "default_header_read_timeout")]
     pub header_read_timeout: ConfigDuration,
@@ -124,9 +131,10 @@ impl Default for ServerConfig {
     }
 }
 
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
+    #[schemars(with = "Option<RedisConfig>")]
     pub redis: Option<Spanned<RedisConfig>>,
     #[serde(default)]
     pub local: LocalConfig,
@@ -149,11 +157,12 @@ impl Default for StoreConfig {
 }
 
 /// The in-process store, used when no Redis is configured.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LocalConfig {
     #[serde(default = "default_local_max_keys")]
     #[serde(deserialize_with = "count_within::<1_024, 100_000_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1_024, 100_000_000>")]
     pub max_keys: Positive,
 }
 
@@ -210,10 +219,12 @@ impl StoreConfig {
 
 /// `store.redis`: where Redis is (exactly one of `url` and `sentinel`, checked by
 /// `StoreConfig::redis_target`) and how each decision uses it.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
+    #[schemars(with = "Option<RedisUrl>")]
     pub url: Option<Spanned<RedisUrl>>,
+    #[schemars(with = "Option<SentinelConfig>")]
     pub sentinel: Option<Spanned<SentinelConfig>>,
     #[serde(default = "default_store_timeout")]
     pub timeout: ConfigDuration,
@@ -245,12 +256,13 @@ impl RedisConfig {
 }
 
 /// A Redis master found and followed through Redis Sentinel.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SentinelConfig {
     /// The name the sentinels monitor the master under (`sentinel monitor NAME ...`).
     pub master_name: Name,
     /// Sentinels asked in turn for the master's address.
+    #[schemars(with = "Vec<HostPort>")]
     pub nodes: Spanned<Vec<HostPort>>,
     /// Password of the Redis master and replicas (`requirepass`).
     pub password: Option<String>,
@@ -265,7 +277,7 @@ pub enum RedisTarget<'a> {
     Sentinel(&'a SentinelConfig),
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamConfig {
     pub url: UpstreamUrl,
@@ -275,13 +287,16 @@ pub struct UpstreamConfig {
     pub timeout: ConfigDuration,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
+    #[schemars(with = "Name")]
     pub name: Spanned<Name>,
     #[serde(rename = "match")]
     pub matcher: MatchConfig,
+    #[schemars(with = "Option<Name>")]
     pub upstream: Option<Spanned<Name>>,
+    #[schemars(with = "Option<RespondConfig>")]
     pub respond: Option<Spanned<RespondConfig>>,
     /// Largest request body forwarded; overrides `server.max_body`.
     pub max_body: Option<ByteSize>,
@@ -293,7 +308,7 @@ pub struct RouteConfig {
     pub limits: Vec<LimitConfig>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct MatchConfig {
     pub path_prefix: PathPrefix,
@@ -305,7 +320,7 @@ pub struct MatchConfig {
     pub case_sensitive: bool,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RespondConfig {
     pub status: Status,
@@ -315,11 +330,14 @@ pub struct RespondConfig {
     pub content_type: String,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LimitConfig {
+    #[schemars(with = "Name")]
     pub name: Spanned<Name>,
+    #[schemars(with = "Vec<KeyPart>")]
     pub key: Spanned<Vec<KeyPart>>,
+    #[schemars(with = "Positive")]
     pub requests: Spanned<Positive>,
     pub window: ConfigDuration,
     /// How the limit counts; `sliding_log` (exact) by default.
@@ -327,20 +345,23 @@ pub struct LimitConfig {
     pub algorithm: Algorithm,
     /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
     /// key admits as many at once as under the other algorithms.
+    #[schemars(with = "Option<Positive>")]
     pub burst: Option<Spanned<Positive>>,
     /// How many requests one request counts as; 1 by default.
+    #[schemars(with = "Option<Positive>")]
     pub cost: Option<Spanned<Positive>>,
     /// Evaluate and count, but never reject (to try a limit on live traffic).
     #[serde(default)]
     pub shadow: bool,
     /// Conditions on the request, all of which must hold for this limit to apply.
     #[serde(default)]
+    #[schemars(with = "Vec<ConditionConfig>")]
     pub when: Vec<Spanned<ConditionConfig>>,
 }
 
 /// One condition of a limit's `when:`: exactly one of `header` (with one of `equals`,
 /// `one_of`, `present`), `method` or `host`. Checked, with its position, in `policy`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ConditionConfig {
     pub header: Option<FieldName>,
