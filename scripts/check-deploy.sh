@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks the deploy kit with real tools, without a Docker engine or a cluster:
-#   - the Dockerfile with hadolint;
+#   - the Dockerfile with hadolint, and its build stage's files (what it COPYs) make a project
+#     cargo accepts (`cargo fetch --locked --offline` in a folder holding only those);
 #   - the Prometheus config and alert rules with promtool (Debian's `prometheus` package);
 #   - the Kubernetes manifests against the Kubernetes API schemas (kubernetes-validate,
 #     strict: unknown fields fail), and the PodMonitor/ServiceMonitor against the Prometheus
@@ -32,6 +33,20 @@ fi
 
 echo "== hadolint Dockerfile" >&2
 "$tools/bin/hadolint" Dockerfile
+
+# No image is built here, but the build stage's context is: the files its COPY lines bring in,
+# alone in a folder, must make a Cargo project whose manifest and lock file cargo accepts.
+echo "== Docker build context" >&2
+context=$(mktemp -d)
+awk '/^FROM .* AS build/ {build=1; next} /^FROM / {build=0}
+     build && /^COPY / && !/--from/ {for (i = 2; i < NF; i++) print $i}' Dockerfile |
+  while read -r source; do cp -r "$source" "$context/"; done
+(cd "$context" && cargo fetch --locked --offline --quiet) ||
+  { echo "the Dockerfile's build stage does not copy a buildable project" >&2; exit 1; }
+rm -rf "$context"
+awk '/^COPY / && !/--from/ {print $2}' Dockerfile | while read -r source; do
+  [ -e "$source" ] || { echo "Dockerfile copies $source, which does not exist" >&2; exit 1; }
+done
 
 echo "== promtool" >&2
 promtool check rules deploy/prometheus/alerts.yml
