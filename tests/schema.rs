@@ -35,7 +35,7 @@ fn the_committed_schema_is_what_the_config_types_generate() {
 fn every_object_refuses_unknown_fields() {
     let schema: Value = serde_json::from_str(&sluice::config::json_schema()).expect("JSON");
     let mut objects = vec![("(root)".to_owned(), &schema)];
-    for (name, def) in schema["$defs"].as_object().expect("$defs") {
+    for (name, def) in schema["definitions"].as_object().expect("definitions") {
         objects.push((name.clone(), def));
     }
     let mut checked = 0;
@@ -50,7 +50,7 @@ fn every_object_refuses_unknown_fields() {
         }
     }
     assert!(checked >= 12, "only {checked} objects in the schema");
-    let route = &schema["$defs"]["RouteConfig"]["properties"];
+    let route = &schema["definitions"]["RouteConfig"]["properties"];
     assert!(route["match"].is_object(), "serde's rename of `matcher`");
     assert!(route.get("matcher").is_none());
 }

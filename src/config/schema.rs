@@ -9,6 +9,7 @@
 
 use std::borrow::Cow;
 
+use schemars::generate::SchemaSettings;
 use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 
 use super::types::PoolSize;
@@ -17,9 +18,12 @@ use super::{
     PathPrefix, Positive, RedisUrl, Status, UpstreamUrl,
 };
 
-/// The schema of the whole policy file, as pretty-printed JSON with a final newline.
+/// The schema of the whole policy file, as pretty-printed JSON with a final newline. Draft 7,
+/// the newest draft every YAML language server reads.
 pub fn json_schema() -> String {
-    let mut schema = schemars::schema_for!(Config);
+    let mut schema = SchemaSettings::draft07()
+        .into_generator()
+        .into_root_schema_for::<Config>();
     schema.insert("title".into(), "sluice policy".into());
     schema.insert(
         "description".into(),
