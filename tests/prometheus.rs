@@ -549,5 +549,4 @@ async fn prometheus_scrapes_sluice_and_the_dashboard_and_alerts_query_real_serie
         "queries that failed or returned nothing:\n{}",
         failures.join("\n")
     );
-    drop(redis);
 }

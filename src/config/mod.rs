@@ -5,6 +5,11 @@
 //! methods, names), so a wrong value is reported at its own position. Checks that relate one
 //! part of the file to another (unknown upstream, duplicate names) happen in `policy`, using
 //! the positions kept here with `Spanned`.
+//!
+//! Every type of the file also describes itself as JSON Schema (`schemars::JsonSchema`: derived
+//! on the structs, written by hand in `schema` for values parsed from text; a `Spanned<T>`
+//! field says `#[schemars(with = "T")]`). After changing a field, regenerate
+//! `config/sluice.schema.json` with `SLUICE_UPDATE_SCHEMA=1 cargo test --test schema`.
 
 mod duration;
 mod schema;
