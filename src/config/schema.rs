@@ -113,8 +113,8 @@ string_schema!(
 string_schema!(
     RedisUrl,
     "RedisUrl",
-    r"^(rediss?|redis\+unix|unix)://",
-    "A Redis URL: `redis://[user:password@]host:port/db`.",
+    r"^(rediss?|valkeys?|(redis|valkey)\+unix|unix)://",
+    "A Redis URL: `redis://[user:password@]host:port/db` (also `valkey://`, `unix://PATH`).",
     ["redis://127.0.0.1:6379/0"]
 );
 string_schema!(
