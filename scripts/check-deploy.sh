@@ -9,8 +9,9 @@
 #   - the compose file against the compose specification's schema (check-jsonschema);
 #   - the Grafana dashboard is JSON (its queries run against a real Prometheus in
 #     tests/prometheus.rs);
-#   - every sluice policy in config/ and deploy/ (including those inside ConfigMaps) with
-#     `sluice check` and against config/sluice.schema.json.
+#   - every sluice policy in config/, deploy/ (including those inside ConfigMaps) and the
+#     README's complete examples with `sluice check` and against config/sluice.schema.json, and
+#     policies `sluice check` refuses must be refused by the schema too.
 # Installs promtool with apt-get and the Python checkers into target/ci-tools when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,10 +69,19 @@ echo "== sluice policies" >&2
 policies=$(mktemp -d)
 trap 'rm -rf "$policies"' EXIT
 cp config/*.yaml deploy/sluice.container.yaml "$policies/"
-# The policies inside the ConfigMaps, each written out as a file of its own.
+# The policies inside the ConfigMaps, and the README's complete examples (a YAML block with
+# top-level `listen:` and `routes:`), each written out as a file of its own.
 "$tools/bin/python" - "$policies" "${manifests[@]}" <<'PY'
-import os, sys, yaml
+import os, re, sys, yaml
 out, paths = sys.argv[1], sys.argv[2:]
+with open("README.md") as f:
+    blocks = re.findall(r"```yaml\n(.*?)```", f.read(), re.S)
+complete = [b for b in blocks if re.search(r"^listen:", b, re.M) and re.search(r"^routes:", b, re.M)]
+if not complete:
+    sys.exit("no complete policy example found in README.md")
+for n, text in enumerate(complete, 1):
+    with open(os.path.join(out, f"README-{n}.yaml"), "w") as g:
+        g.write(text)
 for path in paths:
     with open(path) as f:
         for doc in yaml.safe_load_all(f):
