@@ -4,6 +4,8 @@ FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
+# Cargo.toml names a benchmark target; cargo refuses a manifest whose targets are missing.
+COPY benches ./benches
 RUN cargo build --release --locked \
     && strip target/release/sluice
 

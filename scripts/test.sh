@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs sluice's whole test suite: unit tests, and integration tests that spawn a real
 # redis-server, real upstream servers and the real sluice binary.
-# Installs redis-server, redis-sentinel and redis-cli first when they are missing and this machine can (apt-get or Homebrew).
+# Installs redis-server, redis-sentinel, redis-cli, curl, openssl and prometheus first when
+# they are missing and this machine can (apt-get or Homebrew).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Installs the Debian/Ubuntu package $2 (or the Homebrew formula $3, `redis` by default) when
-# the command $1 is missing.
+# Installs the Debian/Ubuntu package $2 (or the Homebrew formula $3, `redis` unless given)
+# when the command $1 is missing.
 install_if_missing() {
   local command=$1 package=$2 formula=${3:-redis}
   if command -v "$command" >/dev/null 2>&1; then return; fi
@@ -19,7 +20,7 @@ install_if_missing() {
   elif command -v brew >/dev/null 2>&1; then
     brew install "$formula"
   else
-    echo "cannot install $command here: install $package (see README) and run this again" >&2
+    echo "cannot install $command here: install the $package package (see README) and run this again" >&2
     exit 1
   fi
 }
@@ -33,6 +34,8 @@ install_if_missing redis-cli redis-tools
 # test keys in the PKCS#1 and SEC1 formats.
 install_if_missing curl curl curl
 install_if_missing openssl openssl openssl
+# tests/prometheus.rs scrapes sluice with a real Prometheus server.
+install_if_missing prometheus prometheus prometheus
 echo "using $(redis-server --version)" >&2
 
 cargo test --locked "$@"

@@ -11,10 +11,11 @@ use serde::de::{Deserialize, Deserializer, Error as _};
 
 use super::{ConfigError, Position, Spanned};
 
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AdminConfig {
     /// The environment variable holding the bearer token `/admin/v1/*` requires.
+    #[schemars(with = "Option<EnvName>")]
     pub token_env: Option<Spanned<EnvName>>,
     /// Serve `/admin/v1/*` at all; `false` leaves `admin_listen` with `/metrics`, `/healthz`
     /// and `/readyz` only (then no token is needed on any address).

@@ -5,9 +5,15 @@
 //! methods, names), so a wrong value is reported at its own position. Checks that relate one
 //! part of the file to another (unknown upstream, duplicate names) happen in `policy`, using
 //! the positions kept here with `Spanned`.
+//!
+//! Every type of the file also describes itself as JSON Schema (`schemars::JsonSchema`: derived
+//! on the structs, written by hand in `schema` for values parsed from text; a `Spanned<T>`
+//! field says `#[schemars(with = "T")]`). After changing a field, regenerate
+//! `config/sluice.schema.json` with `SLUICE_UPDATE_SCHEMA=1 cargo test --test schema`.
 
 mod admin;
 mod duration;
+mod schema;
 mod types;
 
 use std::collections::BTreeMap;
@@ -23,6 +29,7 @@ use sha2::{Digest, Sha256};
 
 pub use admin::{AdminConfig, EnvName};
 pub use duration::ConfigDuration;
+pub use schema::json_schema;
 pub use types::{
     ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat, MethodName, Name,
     OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
@@ -55,15 +62,17 @@ pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// Default time allowed for an upstream to answer with its response headers.
 pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 30_000;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub listen: SocketAddr,
+    #[schemars(with = "SocketAddr")]
     pub admin_listen: Spanned<SocketAddr>,
     /// Who may use the admin API on `admin_listen` (applied at start).
     #[serde(default)]
     pub admin: AdminConfig,
     /// TLS on `listen` (the gateway listener); absent: cleartext HTTP/1.1 and h2c.
+    #[schemars(with = "Option<ListenerTlsConfig>")]
     pub tls: Option<Spanned<ListenerTlsConfig>>,
     #[serde(default)]
     pub server: ServerConfig,
@@ -87,22 +96,26 @@ pub struct Config {
 }
 
 /// What the listeners accept: sizes of the request head and body, connections, timeouts.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     #[serde(default = "default_max_request_line")]
     #[serde(deserialize_with = "bytes_within::<256, 65_534, _>")]
+    #[schemars(schema_with = "schema::bytes_within::<256, 65_534>")]
     pub max_request_line: ByteSize,
     #[serde(default = "default_max_header_bytes")]
     #[serde(deserialize_with = "bytes_within::<1_024, 1_048_576, _>")]
+    #[schemars(schema_with = "schema::bytes_within::<1_024, 1_048_576>")]
     pub max_header_bytes: ByteSize,
     #[serde(default = "default_max_headers")]
     #[serde(deserialize_with = "count_within::<1, 10_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1, 10_000>")]
     pub max_headers: Positive,
     /// The default `max_body` of routes that set none; `None`: unlimited.
     pub max_body: Option<ByteSize>,
     #[serde(default = "default_max_connections")]
     #[serde(deserialize_with = "count_within::<1, 1_000_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1, 1_000_000>")]
     pub max_connections: Positive,
     #[serde(default = "default_header_read_timeout")]
     pub header_read_timeout: ConfigDuration,
@@ -131,9 +144,10 @@ impl Default for ServerConfig {
     }
 }
 
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
+    #[schemars(with = "Option<RedisConfig>")]
     pub redis: Option<Spanned<RedisConfig>>,
     #[serde(default)]
     pub local: LocalConfig,
@@ -156,11 +170,12 @@ impl Default for StoreConfig {
 }
 
 /// The in-process store, used when no Redis is configured.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LocalConfig {
     #[serde(default = "default_local_max_keys")]
     #[serde(deserialize_with = "count_within::<1_024, 100_000_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1_024, 100_000_000>")]
     pub max_keys: Positive,
 }
 
@@ -258,11 +273,14 @@ fn nodes_listed(
 
 /// `store.redis`: where Redis is (exactly one of `url` and `sentinel`, checked by
 /// `StoreConfig::redis_target`) and how each decision uses it.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
+    #[schemars(with = "Option<RedisUrl>")]
     pub url: Option<Spanned<RedisUrl>>,
+    #[schemars(with = "Option<SentinelConfig>")]
     pub sentinel: Option<Spanned<SentinelConfig>>,
+    #[schemars(with = "Option<ClusterConfig>")]
     pub cluster: Option<Spanned<ClusterConfig>>,
     #[serde(default = "default_store_timeout")]
     pub timeout: ConfigDuration,
@@ -305,12 +323,13 @@ impl RedisConfig {
 }
 
 /// A Redis master found and followed through Redis Sentinel.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SentinelConfig {
     /// The name the sentinels monitor the master under (`sentinel monitor NAME ...`).
     pub master_name: Name,
     /// Sentinels asked in turn for the master's address.
+    #[schemars(with = "Vec<HostPort>")]
     pub nodes: Spanned<Vec<HostPort>>,
     /// Password of the Redis master and replicas (`requirepass`).
     pub password: Option<String>,
@@ -320,9 +339,10 @@ pub struct SentinelConfig {
 
 /// A Redis Cluster: the nodes to learn the slot map from (any of its masters or replicas;
 /// the rest of the cluster is discovered from them).
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterConfig {
+    #[schemars(with = "Vec<HostPort>")]
     pub nodes: Spanned<Vec<HostPort>>,
     /// ACL user of every node, when not `default`.
     pub username: Option<String>,
@@ -341,14 +361,16 @@ pub enum RedisTarget<'a> {
 /// `tls:` of the gateway listener: a PEM certificate chain (leaf first) and its private key
 /// (PKCS#8, PKCS#1 RSA or SEC1 EC). Relative paths are relative to the config file's
 /// directory. The files are watched: a valid new pair serves new handshakes.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListenerTlsConfig {
+    #[schemars(with = "PathBuf")]
     pub cert: Spanned<PathBuf>,
+    #[schemars(with = "PathBuf")]
     pub key: Spanned<PathBuf>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamConfig {
     pub url: UpstreamUrl,
@@ -357,23 +379,29 @@ pub struct UpstreamConfig {
     #[serde(default = "default_upstream_timeout")]
     pub timeout: ConfigDuration,
     /// https upstreams: a PEM bundle of the CAs to trust instead of the built-in roots.
+    #[schemars(with = "Option<PathBuf>")]
     pub ca_file: Option<Spanned<PathBuf>>,
     /// https upstreams: the PEM certificate chain sluice presents (mTLS); needs `client_key`.
+    #[schemars(with = "Option<PathBuf>")]
     pub client_cert: Option<Spanned<PathBuf>>,
     /// https upstreams: the private key of `client_cert`.
+    #[schemars(with = "Option<PathBuf>")]
     pub client_key: Option<Spanned<PathBuf>>,
     /// Speak HTTP/2 with prior knowledge (h2c) to this upstream, as gRPC servers expect.
     #[serde(default)]
     pub http2: bool,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
+    #[schemars(with = "Name")]
     pub name: Spanned<Name>,
     #[serde(rename = "match")]
     pub matcher: MatchConfig,
+    #[schemars(with = "Option<Name>")]
     pub upstream: Option<Spanned<Name>>,
+    #[schemars(with = "Option<RespondConfig>")]
     pub respond: Option<Spanned<RespondConfig>>,
     /// Largest request body forwarded; overrides `server.max_body`.
     pub max_body: Option<ByteSize>,
@@ -385,7 +413,7 @@ pub struct RouteConfig {
     pub limits: Vec<LimitConfig>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct MatchConfig {
     pub path_prefix: PathPrefix,
@@ -397,7 +425,7 @@ pub struct MatchConfig {
     pub case_sensitive: bool,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RespondConfig {
     pub status: Status,
@@ -407,11 +435,14 @@ pub struct RespondConfig {
     pub content_type: String,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LimitConfig {
+    #[schemars(with = "Name")]
     pub name: Spanned<Name>,
+    #[schemars(with = "Vec<KeyPart>")]
     pub key: Spanned<Vec<KeyPart>>,
+    #[schemars(with = "Positive")]
     pub requests: Spanned<Positive>,
     pub window: ConfigDuration,
     /// How the limit counts; `sliding_log` (exact) by default.
@@ -419,20 +450,23 @@ pub struct LimitConfig {
     pub algorithm: Algorithm,
     /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
     /// key admits as many at once as under the other algorithms.
+    #[schemars(with = "Option<Positive>")]
     pub burst: Option<Spanned<Positive>>,
     /// How many requests one request counts as; 1 by default.
+    #[schemars(with = "Option<Positive>")]
     pub cost: Option<Spanned<Positive>>,
     /// Evaluate and count, but never reject (to try a limit on live traffic).
     #[serde(default)]
     pub shadow: bool,
     /// Conditions on the request, all of which must hold for this limit to apply.
     #[serde(default)]
+    #[schemars(with = "Vec<ConditionConfig>")]
     pub when: Vec<Spanned<ConditionConfig>>,
 }
 
 /// One condition of a limit's `when:`: exactly one of `header` (with one of `equals`,
 /// `one_of`, `present`), `method` or `host`. Checked, with its position, in `policy`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ConditionConfig {
     pub header: Option<FieldName>,

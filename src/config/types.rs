@@ -205,7 +205,7 @@ impl FromStr for IpNet {
 }
 
 /// Which header trusted proxies put the client's address in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum ForwardedHeader {
     /// `X-Forwarded-For: client, proxy1, proxy2`.
@@ -216,7 +216,7 @@ pub enum ForwardedHeader {
 }
 
 /// How log lines are written to standard error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum LogFormat {
     /// For people: one line of text per event.
@@ -227,7 +227,7 @@ pub enum LogFormat {
 }
 
 /// Which rate-limit fields responses carry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ResponseHeaders {
     /// `RateLimit-Policy` and `RateLimit` (IETF httpapi draft).
@@ -241,7 +241,7 @@ pub enum ResponseHeaders {
 
 /// What a limited route does when the store cannot decide (Redis down, slow, or its breaker
 /// open).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OnStoreError {
     /// Decide with this instance's in-process store, same algorithm.

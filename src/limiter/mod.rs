@@ -34,7 +34,9 @@ use crate::metrics::Metrics;
 
 /// How a limit counts. Every algorithm runs in both stores with the same results: one Lua file
 /// each under `scripts/`, one pure Rust module each for the in-process store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Algorithm {
     /// Exact: every admission's time is kept for one window.

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Checks the deploy kit with real tools, without a Docker engine or a cluster:
+#   - the Dockerfile with hadolint, and its build stage's files (what it COPYs) make a project
+#     cargo accepts (`cargo fetch --locked --offline` in a folder holding only those);
+#   - the Prometheus config and alert rules with promtool (Debian's `prometheus` package);
+#   - the Kubernetes manifests against the Kubernetes API schemas (kubernetes-validate,
+#     strict: unknown fields fail), and the PodMonitor/ServiceMonitor against the Prometheus
+#     Operator's API types (scripts/check_monitors.py);
+#   - the compose file against the compose specification's schema (check-jsonschema);
+#   - the Grafana dashboard is JSON (its queries run against a real Prometheus in
+#     tests/prometheus.rs);
+#   - every sluice policy in config/, deploy/ (including those inside ConfigMaps) and the
+#     README's complete examples with `sluice check` and against config/sluice.schema.json, and
+#     policies `sluice check` refuses must be refused by the schema too.
+# Installs promtool with apt-get and the Python checkers into target/ci-tools when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v promtool >/dev/null 2>&1; then
+  echo "promtool not found; installing Debian's prometheus package" >&2
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+fi
+
+tools=target/ci-tools
+stamp=$tools/.installed-$(sha256sum scripts/ci-tools.txt | cut -c1-16)
+if [ ! -e "$stamp" ]; then
+  python3 -m venv "$tools"
+  "$tools/bin/pip" install --quiet -r scripts/ci-tools.txt
+  touch "$stamp"
+fi
+
+echo "== hadolint Dockerfile" >&2
+"$tools/bin/hadolint" Dockerfile
+
+# No image is built here, but the build stage's context is: the files its COPY lines bring in,
+# alone in a folder, must make a Cargo project whose manifest and lock file cargo accepts.
+echo "== Docker build context" >&2
+context=$(mktemp -d)
+awk '/^FROM .* AS build/ {build=1; next} /^FROM / {build=0}
+     build && /^COPY / && !/--from/ {for (i = 2; i < NF; i++) print $i}' Dockerfile |
+  while read -r source; do cp -r "$source" "$context/"; done
+(cd "$context" && cargo fetch --locked --offline --quiet) ||
+  { echo "the Dockerfile's build stage does not copy a buildable project" >&2; exit 1; }
+rm -rf "$context"
+awk '/^COPY / && !/--from/ {print $2}' Dockerfile | while read -r source; do
+  [ -e "$source" ] || { echo "Dockerfile copies $source, which does not exist" >&2; exit 1; }
+done
+
+echo "== promtool" >&2
+promtool check rules deploy/prometheus/alerts.yml
+# Also checks the rule files the config names.
+promtool check config deploy/prometheus/prometheus.yml
+
+echo "== Kubernetes manifests" >&2
+manifests=(deploy/kubernetes/*.yaml)
+"$tools/bin/kubernetes-validate" --strict --quiet "${manifests[@]}"
+"$tools/bin/python" scripts/check_monitors.py "${manifests[@]}"
+
+echo "== compose file" >&2
+"$tools/bin/check-jsonschema" --builtin-schema vendor.compose-spec deploy/docker-compose.yaml
+
+echo "== Grafana dashboard" >&2
+"$tools/bin/python" -m json.tool deploy/grafana/sluice-dashboard.json >/dev/null
+
+echo "== sluice policies" >&2
+policies=$(mktemp -d)
+trap 'rm -rf "$policies"' EXIT
+cp config/*.yaml deploy/sluice.container.yaml "$policies/"
+# The policies inside the ConfigMaps, and the README's complete examples (a YAML block with
+# top-level `listen:` and `routes:`), each written out as a file of its own.
+"$tools/bin/python" - "$policies" "${manifests[@]}" <<'PY'
+import os, re, sys, yaml
+out, paths = sys.argv[1], sys.argv[2:]
+with open("README.md") as f:
+    blocks = re.findall(r"```yaml\n(.*?)```", f.read(), re.S)
+complete = [b for b in blocks if re.search(r"^listen:", b, re.M) and re.search(r"^routes:", b, re.M)]
+if not complete:
+    sys.exit("no complete policy example found in README.md")
+for n, text in enumerate(complete, 1):
+    with open(os.path.join(out, f"README-{n}.yaml"), "w") as g:
+        g.write(text)
+for path in paths:
+    with open(path) as f:
+        for doc in yaml.safe_load_all(f):
+            if doc and doc.get("kind") == "ConfigMap":
+                for key, text in doc.get("data", {}).items():
+                    if key.endswith((".yaml", ".yml")):
+                        name = f"{os.path.basename(path)}-{doc['metadata']['name']}-{key}"
+                        with open(os.path.join(out, name), "w") as g:
+                            g.write(text)
+PY
+cargo build --locked --quiet
+for policy in "$policies"/*.yaml; do
+  # config/tls.yaml names certificate files that exist only when generated: tests/tls.rs
+  # runs `sluice check` on it next to a certificate made at test time.
+  if [ "$(basename "$policy")" = tls.yaml ]; then continue; fi
+  target/debug/sluice check --config "$policy" >/dev/null \
+    || { echo "sluice check failed for $(basename "$policy")" >&2; exit 1; }
+done
+"$tools/bin/check-jsonschema" --schemafile config/sluice.schema.json "$policies"/*.yaml
+
+# The schema is not vacuous: policies `sluice check` refuses, the schema refuses too.
+bad=$policies/bad
+mkdir "$bad"
+head='listen: 127.0.0.1:8080
+admin_listen: 127.0.0.1:9090
+routes:
+  - name: api
+    match: { path_prefix: /api }
+    respond: { status: 200 }'
+printf '%s\n    limts: []\n' "$head" >"$bad/unknown-field.yaml"
+printf '%s\n    limits: [{ name: x, key: [client_ip], requests: 5, window: 60 }]\n' "$head" \
+  >"$bad/window-without-unit.yaml"
+printf '%s\n    limits: [{ name: x, key: [jwt], requests: 5, window: 1m }]\n' "$head" \
+  >"$bad/unknown-key-part.yaml"
+printf '%s\n    limits: [{ name: "a b", key: [client_ip], requests: 0, window: 1m }]\n' "$head" \
+  >"$bad/bad-name-and-count.yaml"
+sed 's/path_prefix: \/api/path_prefix: api/' <<<"$head" >"$bad/relative-prefix.yaml"
+sed 's/respond: { status: 200 }/respond: { status: 200 }\n    match_methods: [GET]/' <<<"$head" \
+  >"$bad/unknown-route-field.yaml"
+for policy in "$bad"/*.yaml; do
+  if target/debug/sluice check --config "$policy" >/dev/null 2>&1; then
+    echo "sluice check accepted $(basename "$policy"), which is meant to be invalid" >&2; exit 1
+  fi
+  if "$tools/bin/check-jsonschema" --schemafile config/sluice.schema.json "$policy" >/dev/null; then
+    echo "config/sluice.schema.json accepts $(basename "$policy"), which sluice check refuses" >&2
+    exit 1
+  fi
+done
+echo "deploy kit: all checks passed" >&2
