@@ -1,6 +1,7 @@
 //! sluice: a rate-limiting reverse proxy. One request's path through the modules:
 //!
-//! `server` (accept, TLS from `tls`, HTTP/1.1 and HTTP/2, connection limits) → `proxy` (the request phases:
+//! `server` (accept, TLS from `tls`, HTTP/1.1 and HTTP/2, connection limits, `activity` for
+//! idle timeouts) → `proxy` (the request phases:
 //! `path` canonicalization and head limits, routing on the `policy`, `keys` for each limit,
 //! the `limiter` decision, then a `response` of 429 or a forward to the upstream) — with
 //! `metrics` observing each step and `admin` serving them, with the admin API (one identity's
@@ -10,6 +11,7 @@
 //! The binary (`main.rs`) is the command line around this library; the library exists so
 //! that benchmarks can measure its parts.
 
+pub mod activity;
 pub mod admin;
 pub mod config;
 pub mod explain;

@@ -8,10 +8,9 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
-use std::pin::{pin, Pin};
+use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use http::{Request, Response};
@@ -20,10 +19,10 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use prometheus::{IntCounter, IntGauge};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
+use crate::activity::Noted;
 use crate::config::ServerConfig;
 use crate::proxy::{ConnectionHold, ProxyBody};
 use crate::tls::stream::MaybeTls;
@@ -180,11 +179,7 @@ pub async fn serve<H, F>(
         tokio::spawn(async move {
             let now = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
             let activity = Arc::new(AtomicU64::new(now));
-            let stream = Watched {
-                stream,
-                epoch,
-                activity: Arc::clone(&activity),
-            };
+            let stream = Noted::new(stream, epoch, &activity);
             let stream = match tls {
                 None => MaybeTls::Plain(stream),
                 // The handshake is part of what must arrive by `head_due`: a client that
@@ -308,72 +303,4 @@ impl Watch {
 }
 
 /// A client connection that notes when it last read or wrote a byte, for the idle timeout.
-struct Watched {
-    stream: TcpStream,
-    epoch: Instant,
-    /// Milliseconds since `epoch` of the last byte read or written.
-    activity: Arc<AtomicU64>,
-}
-
-impl Watched {
-    fn touch(&self) {
-        let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.activity.store(now, Ordering::Relaxed);
-    }
-}
-
-impl AsyncRead for Watched {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let before = buf.filled().len();
-        let result = Pin::new(&mut this.stream).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            this.touch();
-        }
-        result
-    }
-}
-
-impl AsyncWrite for Watched {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let result = Pin::new(&mut this.stream).poll_write(cx, buf);
-        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            this.touch();
-        }
-        result
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let result = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
-        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            this.touch();
-        }
-        result
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
-    }
-}
+type Watched = Noted<TcpStream>;

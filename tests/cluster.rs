@@ -74,8 +74,18 @@ async fn limits_hold_across_instances_with_keys_on_their_slots_owner() {
     );
     assert_eq!(upstream.hits(), 5);
     // The admin API reads and resets the identity on the master owning its slot.
-    let quota = format!("{}/admin/v1/limits/api/per_user?header.x-user=alice", a.admin_url());
-    let read: serde_json::Value = client().get(&quota).send().await.unwrap().json().await.unwrap();
+    let quota = format!(
+        "{}/admin/v1/limits/api/per_user?header.x-user=alice",
+        a.admin_url()
+    );
+    let read: serde_json::Value = client()
+        .get(&quota)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(read["count"], 5, "{read}");
     assert_eq!(read["remaining"], 0, "{read}");
     assert_eq!(read["store"], "redis", "{read}");

@@ -4,18 +4,16 @@
 //! until either side closes or the tunnel has been idle for the listener's idle timeout.
 //! sluice does not parse WebSocket frames: the upgrade request is what is rate-limited.
 
-use std::io;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use http::header::{HeaderMap, HeaderValue, CONNECTION, UPGRADE};
 use http::{Request, Version};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::activity::Noted;
 
 /// Put by the listener into every request's extensions: what keeps the client's connection
 /// counted (its slot under `server.max_connections`, the open-connections gauge) for as long
@@ -137,68 +135,6 @@ async fn until_idle<F: std::future::Future>(
                 }
             }
         }
-    }
-}
-
-/// One side of a tunnel, noting when a byte last moved through either side.
-struct Noted<T> {
-    io: T,
-    epoch: Instant,
-    /// Milliseconds since `epoch` of the last byte read or written, shared by both sides.
-    activity: Arc<AtomicU64>,
-}
-
-impl<T> Noted<T> {
-    fn new(io: T, epoch: Instant, activity: &Arc<AtomicU64>) -> Noted<T> {
-        Noted {
-            io,
-            epoch,
-            activity: Arc::clone(activity),
-        }
-    }
-
-    fn touch(&self) {
-        let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.activity.store(now, Ordering::Relaxed);
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Noted<T> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let before = buf.filled().len();
-        let result = Pin::new(&mut this.io).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            this.touch();
-        }
-        result
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Noted<T> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let result = Pin::new(&mut this.io).poll_write(cx, buf);
-        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            this.touch();
-        }
-        result
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
 
