@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use support::{client, metric_sum, parse_metrics, Redis, Sluice, Store, StoreKind, Upstream};
 
-const SLACK: Duration = Duration::from_millis(40);
+const SLACK: Duration = Duration::from_millis(80);
 
 fn policy(store_yaml: &str, upstream: &Upstream, limit: &str, route_extra: &str) -> String {
     format!(
