@@ -933,6 +933,100 @@ def memory_text(mem: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Shaping and counting by outcome (issue 15)
+
+SHAPED_MAX_DELAY = "250ms"
+
+
+def delay_histogram(admin_port: int) -> tuple[float, float, dict[float, float]]:
+    """sluice_delay_seconds of the bench route: (count, sum, cumulative count by bucket)."""
+    _, body = http_get(admin_port, "/metrics")
+    count = total = 0.0
+    buckets: dict[float, float] = {}
+    for line in body.decode().splitlines():
+        value = line.rsplit(" ", 1)[-1]
+        if line.startswith("sluice_delay_seconds_count{"):
+            count = float(value)
+        elif line.startswith("sluice_delay_seconds_sum{"):
+            total = float(value)
+        elif line.startswith("sluice_delay_seconds_bucket{"):
+            le = re.search(r'le="([^"]+)"', line)
+            if le and le.group(1) != "+Inf":
+                buckets[float(le.group(1))] = float(value)
+    return count, total, buckets
+
+
+def features(opts: Options, servers: Servers, state: Path, redis: Redis, up_port: int) -> dict:
+    """A shaped flood (on_exceed: delay) and count-by-outcome limits, through Redis."""
+    out: dict = {"connections": opts.connections}
+    progress(f"features: shaped flood ({LIMIT_REQUESTS}/{LIMIT_WINDOW_S} s, on_exceed: delay, "
+             f"max_delay: {SHAPED_MAX_DELAY}), Redis")
+    limits = sluice_limit(f"on_exceed: delay, max_delay: {SHAPED_MAX_DELAY}")
+    server, port, admin = start_sluice(servers, state, "sluice-shaped", up_port,
+                                       redis_store(redis), limits)
+    target = Target("sluice-shaped", "sluice, Redis, shaped", port, server, limited=True,
+                    redis=True)
+    count0, sum0, _ = delay_histogram(admin)
+    run = run_wrk(opts, target, redis, "flood", opts.duration)
+    count1, sum1, buckets = delay_histogram(admin)
+    delayed = count1 - count0
+    p99 = next((le for le, n in sorted(buckets.items()) if n >= 0.99 * count1), float("nan"))
+    out["shaped"] = {
+        "run": run, "delayed": delayed,
+        "forwarded": run.requests - run.rejected,
+        "mean_delay_ms": 1000 * (sum1 - sum0) / delayed if delayed else 0.0,
+        "p99_delay_le_ms": 1000 * p99,
+    }
+    progress(f"  {run.rps:,.0f} req/s answered, {(run.requests - run.rejected) / run.seconds:,.0f}"
+             f" forwarded/s, {delayed / run.seconds:,.0f} delayed/s, mean delay "
+             f"{out['shaped']['mean_delay_ms']:.0f} ms")
+    servers.stop(server)
+
+    for name, status in (("counted", 200), ("given_back", 401)):
+        progress(f"features: count: {{ status: [{status}] }} (upstream answers 200), Redis, admit")
+        limits = sluice_limit(f"count: {{ status: [{status}] }}", requests=1_000_000, window="1h")
+        server, port, _ = start_sluice(servers, state, f"sluice-count-{name}", up_port,
+                                       redis_store(redis), limits)
+        target = Target(f"sluice-count-{name}", "sluice, Redis, count", port, server,
+                        limited=True, redis=True)
+        run = run_wrk(opts, target, redis, "admit", opts.duration)
+        check_sane(target, "admit", run)
+        out[name] = {"run": run}
+        progress(f"  {run.rps:,.0f} req/s, {run.redis_cmds / run.requests:.2f} Redis cmds/req "
+                 f"({run.redis_scripts / run.requests:.2f} scripts), p99 {run.p99_ms:.2f} ms")
+        servers.stop(server)
+    return out
+
+
+def features_text(feat: dict) -> str:
+    shaped = feat["shaped"]
+    run = shaped["run"]
+    lines = [
+        f"**Shaped flood**: wrk's flood (one API key, closed loop, `-c{feat['connections']}`) against",
+        f"{LIMIT_REQUESTS} per {LIMIT_WINDOW_S} s with `on_exceed: delay, max_delay: "
+        f"{SHAPED_MAX_DELAY}`, through Redis: {run.rps:,.0f} answers/s, of which "
+        f"{shaped['forwarded'] / run.seconds:,.1f}/s forwarded and "
+        f"{shaped['delayed'] / run.seconds:,.1f}/s held first (the rest 429); "
+        f"delay added to a held request: mean {shaped['mean_delay_ms']:.0f} ms, p99 at most "
+        f"{shaped['p99_delay_le_ms']:.0f} ms (`sluice_delay_seconds` buckets); "
+        f"{run.redis_cmds / run.requests:.2f} Redis cmds per answer "
+        f"({run.redis_scripts / run.requests:.2f} scripts: the deny cache answers most 429s).",
+        "",
+        "**Count by outcome**: admit (random keys far under a limit of 1 000 000 per hour), the",
+        "upstream answering 200:",
+        "",
+        "| limit | req/s | Redis cmds/req | scripts/req | p99 ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, label in (("counted", "`count: { status: [200] }` (kept)"),
+                        ("given_back", "`count: { status: [401] }` (given back)")):
+        r = feat[name]["run"]
+        lines.append(f"| {label} | {r.rps:,.0f} | {r.redis_cmds / r.requests:.2f} | "
+                     f"{r.redis_scripts / r.requests:.2f} | {r.p99_ms:.2f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # RESULTS.md
 
 
@@ -997,7 +1091,8 @@ def analysis() -> str:
 
 def write_results(path: Path, opts: Options, state: Path, started: dict, finished: dict,
                   servers_seen: list[tuple[str, list[str]]], rows: list[Row], results: dict,
-                  lines: list[str], mem: dict | None, note: str, rates: dict) -> None:
+                  lines: list[str], mem: dict | None, note: str, rates: dict,
+                  feat: dict | None = None) -> None:
     m = machine()
     n = workers()
     commands = "\n".join(
@@ -1093,6 +1188,10 @@ Load:
 
 {memory_text(mem) if mem else 'Not measured in this run.'}
 
+## Shaping and counting by outcome
+
+{features_text(feat) if feat else 'Not measured in this run.'}
+
 ## Caveats
 
 - Everything shares {m['nproc']} cores over loopback: wrk ({opts.wrk_threads} threads), the
@@ -1135,6 +1234,10 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
     p.add_argument("--connections", type=int, default=50, help="wrk connections (default 50)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory step")
     p.add_argument("--memory-only", action="store_true", help="only the memory step")
+    p.add_argument("--no-features", action="store_true",
+                   help="skip the shaped-flood and count-by-outcome step")
+    p.add_argument("--features-only", action="store_true",
+                   help="only the shaped-flood and count-by-outcome step")
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md",
                    help="where a full run writes its report (default bench/RESULTS.md)")
     p.add_argument("--note", default="", help="a paragraph to put at the top of RESULTS.md")
@@ -1146,8 +1249,9 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
     if a.duration < 1 or a.rounds < 1:
         p.error("--duration and --rounds must be at least 1")
     only = re.compile(a.only) if a.only else None
-    if a.memory_only:
-        scenarios, only = [], re.compile("(?!)")  # no target; the memory step starts its own
+    if a.memory_only or a.features_only:
+        # No target; the memory and features steps start their own.
+        scenarios, only = [], re.compile("(?!)")
     opts = Options(
         smoke=a.smoke, duration=1 if a.smoke else a.duration, rounds=1 if a.smoke else a.rounds,
         warmup=0 if a.smoke else a.warmup, wrk_threads=a.threads, connections=a.connections,
@@ -1189,8 +1293,11 @@ def main(argv: list[str]) -> int:
                 results.update(open_loop(opts, targets, redis, rates))
 
         mem = None
-        if a.memory_only or (not a.no_memory and opts.only is None):
+        if a.memory_only or (not a.no_memory and not a.features_only and opts.only is None):
             mem = memory(opts, servers, state, redis, up_port)
+        feat = None
+        if a.features_only or (not a.no_features and not a.memory_only and opts.only is None):
+            feat = features(opts, servers, state, redis, up_port)
     except HarnessError as err:
         print(f"\nbench: HARNESS FAILURE: {err}", file=sys.stderr)
         return 1
@@ -1211,13 +1318,16 @@ def main(argv: list[str]) -> int:
     if mem:
         print()
         print(memory_text(mem))
+    if feat:
+        print()
+        print(features_text(feat))
     finished = {"load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                 "seconds": time.monotonic() - clock0}
     progress(f"\nbench: {finished['seconds']:.0f} s after the build")
     full = not opts.smoke and opts.only is None and opts.scenarios == SCENARIOS and mem
     if full:
         write_results(a.results, opts, state, started, finished, servers_seen, rows, results,
-                      lines, mem, a.note, rates)
+                      lines, mem, a.note, rates, feat)
         progress(f"bench: wrote {a.results}")
     return 0
 

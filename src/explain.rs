@@ -167,6 +167,25 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         if limit.shadow {
             extras.push("shadow: counted, never rejects".to_owned());
         }
+        if !limit.max_delay.is_zero() {
+            extras.push(format!(
+                "over the limit: held up to {}, then 429",
+                human(limit.max_delay)
+            ));
+        }
+        if let Some(statuses) = &limit.count {
+            let listed: Vec<String> = statuses
+                .iter()
+                .map(|s| match s {
+                    crate::config::StatusMatch::Exact(code) => code.to_string(),
+                    crate::config::StatusMatch::Class(class) => format!("{class}xx"),
+                })
+                .collect();
+            extras.push(format!(
+                "counts only responses {}: others are given back",
+                listed.join(", ")
+            ));
+        }
         let _ = writeln!(
             out,
             "  {}: {} per {} ({}), key [{}]",

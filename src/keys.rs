@@ -402,6 +402,8 @@ mod tests {
             burst: 1,
             cost: 1,
             shadow: false,
+            max_delay: Duration::ZERO,
+            count: None,
             key_prefix: "sluice:r:l:".to_owned(),
             when: Vec::new(),
             metrics: metrics.for_limit("r", "l"),

@@ -124,6 +124,11 @@ pub enum Verdict {
     Rejected,
     /// A shadow limit that would have rejected the request (which it never does).
     ShadowRejected,
+    /// Admitted later: the limit had no room now but within its `max_delay`, and the request
+    /// was held (`on_exceed: delay`).
+    Delayed,
+    /// Given back after the response: its status is not one the limit's `count:` counts.
+    Released,
 }
 
 impl Verdict {
@@ -132,6 +137,8 @@ impl Verdict {
             Verdict::Admitted => "admitted",
             Verdict::Rejected => "rejected",
             Verdict::ShadowRejected => "shadow_rejected",
+            Verdict::Delayed => "delayed",
+            Verdict::Released => "released",
         }
     }
 }
@@ -178,11 +185,17 @@ pub struct Metrics {
     pub config_hash: IntGauge,
     pub tls_cert_reloads: IntCounterVec,
     pub tls_handshake_errors: IntCounter,
+    pub delay: HistogramVec,
+    pub held: IntGaugeVec,
 }
 
 /// Buckets for whole requests: from a fast local answer to a slow upstream.
 const REQUEST_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+/// Buckets for the delays applied by `on_exceed: delay` (at most a minute).
+const DELAY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 /// Buckets for one store call: a Redis round trip on a LAN is tens to hundreds of µs.
 const STORE_BUCKETS: &[f64] = &[
@@ -202,7 +215,7 @@ impl Metrics {
         let limit_decisions = IntCounterVec::new(
             Opts::new(
                 "sluice_limit_decisions_total",
-                "Limit decisions, by route, limit and decision (admitted, rejected, or shadow_rejected: a shadow limit that would have rejected).",
+                "Limit decisions, by route, limit and decision (admitted, rejected, shadow_rejected: a shadow limit that would have rejected, delayed: held by on_exceed: delay then admitted, released: given back after a response its count: does not count).",
             ),
             &["route", "limit", "decision"],
         )?;
@@ -302,6 +315,21 @@ impl Metrics {
             "sluice_tls_handshake_errors_total",
             "Client TLS handshakes that failed or were not done within server.header_read_timeout.",
         )?;
+        let delay = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_delay_seconds",
+                "Delays applied to requests held by on_exceed: delay limits (from the decision to forwarding), by route.",
+            )
+            .buckets(DELAY_BUCKETS.to_vec()),
+            &["route"],
+        )?;
+        let held = IntGaugeVec::new(
+            Opts::new(
+                "sluice_held_requests",
+                "Requests held now by on_exceed: delay limits, by route (bounded by the route's max_delayed).",
+            ),
+            &["route"],
+        )?;
         for result in ReloadResult::ALL {
             config_reloads.with_label_values(&[result.label()]);
             tls_cert_reloads.with_label_values(&[result.label()]);
@@ -327,6 +355,8 @@ impl Metrics {
         registry.register(Box::new(config_hash.clone()))?;
         registry.register(Box::new(tls_cert_reloads.clone()))?;
         registry.register(Box::new(tls_handshake_errors.clone()))?;
+        registry.register(Box::new(delay.clone()))?;
+        registry.register(Box::new(held.clone()))?;
         Ok(Metrics {
             registry,
             requests,
@@ -347,6 +377,8 @@ impl Metrics {
             config_hash,
             tls_cert_reloads,
             tls_handshake_errors,
+            delay,
+            held,
         })
     }
 
@@ -366,6 +398,8 @@ impl Metrics {
             outcomes,
             fallback,
             duration: self.request_duration.with_label_values(&[route]),
+            delay: self.delay.with_label_values(&[route]),
+            held: self.held.with_label_values(&[route]),
         }
     }
 
@@ -378,6 +412,8 @@ impl Metrics {
             admitted: counter(Verdict::Admitted),
             rejected: counter(Verdict::Rejected),
             shadow_rejected: counter(Verdict::ShadowRejected),
+            delayed: counter(Verdict::Delayed),
+            released: counter(Verdict::Released),
         }
     }
 
@@ -396,6 +432,11 @@ pub struct RouteMetrics {
     /// `sluice_store_fallback_decisions_total` of this route, by action.
     fallback: [(OnStoreError, IntCounter); 3],
     pub duration: Histogram,
+    /// `sluice_delay_seconds` of this route.
+    pub delay: Histogram,
+    /// `sluice_held_requests` of this route: also the count `max_delayed` bounds, shared by
+    /// the policies before and after a reload (same label, same gauge).
+    pub held: IntGauge,
 }
 
 impl RouteMetrics {
@@ -419,4 +460,6 @@ pub struct LimitMetrics {
     pub admitted: IntCounter,
     pub rejected: IntCounter,
     pub shadow_rejected: IntCounter,
+    pub delayed: IntCounter,
+    pub released: IntCounter,
 }

@@ -585,3 +585,155 @@ fn admin_api_on_a_public_address_without_a_token() {
         assert!(status.success(), "{admin}: {stdout}\n{stderr}");
     }
 }
+
+#[test]
+fn delay_on_an_inexact_algorithm_is_refused() {
+    let yaml = variant(
+        "requests: 100",
+        "requests: 100\n        algorithm: sliding_window\n        on_exceed: delay\n        max_delay: 100ms",
+    );
+    assert_refused(
+        &yaml,
+        "on_exceed: delay",
+        "delay",
+        "routes[2].limits[0].on_exceed",
+        &["sliding_log", "gcra", "sliding_window"],
+    );
+}
+
+#[test]
+fn delay_without_max_delay_is_refused() {
+    let yaml = variant("requests: 100", "requests: 100\n        on_exceed: delay");
+    assert_refused(
+        &yaml,
+        "on_exceed: delay",
+        "delay",
+        "routes[2].limits[0].on_exceed",
+        &["max_delay"],
+    );
+}
+
+#[test]
+fn max_delay_without_delay_is_refused() {
+    let yaml = variant("requests: 100", "requests: 100\n        max_delay: 100ms");
+    assert_refused(
+        &yaml,
+        "max_delay: 100ms",
+        "100ms",
+        "routes[2].limits[0].max_delay",
+        &["on_exceed: delay"],
+    );
+}
+
+#[test]
+fn a_max_delay_over_a_minute_is_refused() {
+    let yaml = variant(
+        "requests: 100",
+        "requests: 100\n        on_exceed: delay\n        max_delay: 2m",
+    );
+    assert_refused(
+        &yaml,
+        "max_delay: 2m",
+        "2m",
+        "routes[2].limits[0].max_delay",
+        &["60 s"],
+    );
+}
+
+#[test]
+fn an_unknown_on_exceed_is_refused() {
+    let yaml = variant("requests: 100", "requests: 100\n        on_exceed: queue");
+    assert_refused(
+        &yaml,
+        "on_exceed: queue",
+        "queue",
+        "routes[2].limits[0].on_exceed",
+        &["queue"],
+    );
+}
+
+#[test]
+fn delay_with_conditions_is_refused() {
+    let yaml = variant(
+        "requests: 100",
+        "requests: 100\n        on_exceed: delay\n        max_delay: 100ms\n        when:\n          - method: [GET]",
+    );
+    assert_refused(
+        &yaml,
+        "- method: [GET]",
+        "method",
+        "routes[2].limits[0].when",
+        &["every request"],
+    );
+}
+
+#[test]
+fn max_delayed_without_a_delay_limit_is_refused() {
+    let yaml = variant(
+        "    upstream: api\n    limits:\n      - name: per-api-key",
+        "    upstream: api\n    max_delayed: 10\n    limits:\n      - name: per-api-key",
+    );
+    assert_refused(
+        &yaml,
+        "max_delayed: 10",
+        "10",
+        "routes[2].max_delayed",
+        &["on_exceed: delay"],
+    );
+}
+
+#[test]
+fn a_count_status_out_of_range_is_refused() {
+    let yaml = variant(
+        "requests: 100",
+        "requests: 100\n        count: { status: [401, 700] }",
+    );
+    assert_refused(
+        &yaml,
+        "count: { status: [401, 700] }",
+        "700",
+        "routes[2].limits[0].count.status[1]",
+        &["700", "5xx"],
+    );
+}
+
+#[test]
+fn a_count_class_out_of_range_is_refused() {
+    let yaml = variant(
+        "requests: 100",
+        "requests: 100\n        count: { status: [6xx] }",
+    );
+    assert_refused(
+        &yaml,
+        "count: { status: [6xx] }",
+        "6xx",
+        "routes[2].limits[0].count.status[0]",
+        &["6xx"],
+    );
+}
+
+#[test]
+fn an_empty_count_is_refused() {
+    let yaml = variant(
+        "requests: 100",
+        "requests: 100\n        count: { status: [] }",
+    );
+    assert_refused(
+        &yaml,
+        "count: { status: [] }",
+        "{",
+        "routes[2].limits[0].count.status",
+        &["at least one"],
+    );
+}
+
+#[test]
+fn shaping_and_counting_pass_check() {
+    let yaml = variant(
+        "        window: 1s\n",
+        "        window: 1s\n        algorithm: gcra\n        on_exceed: delay\n        max_delay: 250ms\n      - name: failures\n        key: [client_ip]\n        requests: 5\n        window: 1m\n        count: { status: [401, 403, 5xx] }\n",
+    );
+    let f = write_config(&yaml);
+    let (status, _, stderr) = sluice_check(f.path());
+    assert!(status.success(), "{stderr}");
+}

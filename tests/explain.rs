@@ -95,3 +95,32 @@ routes:
     assert!(redis.keys().await.is_empty(), "explain wrote to the store");
     assert_eq!(redis.commandstat("evalsha").await, 0);
 }
+
+#[test]
+fn explains_shaping_and_counting_by_outcome() {
+    let yaml = r#"listen: 127.0.0.1:1
+admin_listen: 127.0.0.1:2
+upstreams:
+  api: { url: "http://127.0.0.1:3000" }
+routes:
+  - name: login
+    match: { path_prefix: /login }
+    upstream: api
+    limits:
+      - { name: shaped, key: [client_ip], requests: 50, window: 1s, on_exceed: delay, max_delay: 250ms }
+      - { name: failed, key: [client_ip], requests: 5, window: 1m, count: { status: [401, 5xx] } }
+"#;
+    let config = write_config(yaml);
+    let path = config.path().to_str().unwrap().to_owned();
+    let out = run_sluice(
+        &["explain", "--config", &path, "POST", "/login"],
+        Duration::from_secs(10),
+    );
+    assert!(out.status.success(), "{}", out.stderr);
+    for line in [
+        "  shaped: 50 per 1s (sliding_log, over the limit: held up to 250ms, then 429), key [client_ip]",
+        "  failed: 5 per 1m (sliding_log, counts only responses 401, 5xx: others are given back), key [client_ip]",
+    ] {
+        assert!(out.stdout.contains(line), "missing {line:?} in\n{}", out.stdout);
+    }
+}

@@ -170,3 +170,32 @@ async fn a_returnable_limit_is_never_answered_from_the_cache() {
         .unwrap();
     assert!(store.decide(&one).await.unwrap().admitted);
 }
+
+/// When Redis cannot decide and a route decides locally, the admission is the in-process
+/// store's: it is given back there, not to Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_fallback_admission_is_given_back_locally() {
+    let metrics = Metrics::new().unwrap();
+    let url = format!("redis://127.0.0.1:{}/0", support::closed_port());
+    let store = Store::redis(
+        RedisStore::new(&url, 1, Duration::from_millis(200)).expect("a store"),
+        1000,
+        &metrics,
+    );
+    let one = [check(
+        "sluice-test:release:local",
+        Algorithm::SlidingLog,
+        1,
+        1,
+    )];
+    assert!(store.decide(&one).await.is_err(), "no Redis there");
+    let admitted = store.decide_locally(&one);
+    let admission = admitted.admission.expect("admitted locally");
+    assert!(admission.local);
+    assert!(!store.decide_locally(&one).admitted);
+    store
+        .release(&one, &admission)
+        .await
+        .expect("no Redis call");
+    assert!(store.decide_locally(&one).admitted);
+}

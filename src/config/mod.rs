@@ -34,6 +34,12 @@ pub use types::{
     ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat, MethodName, Name,
     OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
 };
+pub use types::{OnExceed, StatusMatch};
+
+/// Default most requests of one route held at once by `on_exceed: delay` limits.
+pub const DEFAULT_MAX_DELAYED: u32 = 1024;
+/// Longest `max_delay` accepted: a held request keeps its connection open.
+pub const MAX_MAX_DELAY_MS: u64 = 60_000;
 
 /// Default timeout of one store call, including waiting for a pooled connection.
 pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 50;
@@ -411,6 +417,9 @@ pub struct RouteConfig {
     pub response_headers: Option<ResponseHeaders>,
     #[serde(default)]
     pub limits: Vec<LimitConfig>,
+    /// With a limit of `on_exceed: delay`: most requests of this route held at once.
+    #[schemars(with = "Option<Positive>")]
+    pub max_delayed: Option<Spanned<Positive>>,
 }
 
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
@@ -462,6 +471,22 @@ pub struct LimitConfig {
     #[serde(default)]
     #[schemars(with = "Vec<ConditionConfig>")]
     pub when: Vec<Spanned<ConditionConfig>>,
+    /// `reject` (429, the default) or `delay` (hold the request up to `max_delay`).
+    #[schemars(with = "Option<OnExceed>")]
+    pub on_exceed: Option<Spanned<OnExceed>>,
+    /// With `on_exceed: delay`: the longest a request is held.
+    #[schemars(with = "Option<ConfigDuration>")]
+    pub max_delay: Option<Spanned<ConfigDuration>>,
+    /// Count only the requests whose response status matches; the others are given back.
+    #[schemars(with = "Option<CountConfig>")]
+    pub count: Option<Spanned<CountConfig>>,
+}
+
+/// A limit's `count:`: which outcomes it counts.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CountConfig {
+    pub status: Vec<StatusMatch>,
 }
 
 /// One condition of a limit's `when:`: exactly one of `header` (with one of `equals`,

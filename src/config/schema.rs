@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use schemars::generate::SchemaSettings;
 use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 
-use super::types::PoolSize;
+use super::types::{PoolSize, StatusMatch};
 use super::{
     ByteSize, Config, ConfigDuration, FieldName, HostPort, IpNet, KeyPart, MethodName, Name,
     PathPrefix, Positive, RedisUrl, Status, UpstreamUrl,
@@ -209,6 +209,22 @@ impl JsonSchema for PoolSize {
     }
     fn json_schema(generator: &mut SchemaGenerator) -> Schema {
         count_within::<1, { PoolSize::MAX }>(generator)
+    }
+}
+
+impl JsonSchema for StatusMatch {
+    fn schema_name() -> Cow<'static, str> {
+        "StatusMatch".into()
+    }
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({
+            "description": "A status from 100 to 599, or a class from 1xx to 5xx.",
+            "oneOf": [
+                {"type": "integer", "minimum": 100, "maximum": 599},
+                {"type": "string", "pattern": "^\\s*([1-5][0-9][0-9]|[1-5][xX][xX])\\s*$"},
+            ],
+            "examples": [401, "5xx"],
+        })
     }
 }
 

@@ -640,3 +640,74 @@ mod tests {
         assert!("post".parse::<MethodName>().is_err());
     }
 }
+
+/// What a limit does with a request it has no room for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OnExceed {
+    /// Answer 429.
+    #[default]
+    Reject,
+    /// Hold the request until the limit admits it, if that is within `max_delay`; else 429.
+    Delay,
+}
+
+/// One entry of a limit's `count: { status: [...] }`: a status (`401`) or a class (`5xx`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusMatch {
+    Exact(u16),
+    /// The hundreds digit: `4` for `4xx`.
+    Class(u16),
+}
+
+impl StatusMatch {
+    pub fn matches(self, status: u16) -> bool {
+        match self {
+            StatusMatch::Exact(code) => status == code,
+            StatusMatch::Class(class) => status / 100 == class,
+        }
+    }
+}
+
+impl FromStr for StatusMatch {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let wrong = || {
+            format!("expected a status from 100 to 599 or a class from 1xx to 5xx, got `{text}`")
+        };
+        let lower = text.trim().to_ascii_lowercase();
+        if let Some(digit) = lower.strip_suffix("xx") {
+            return match digit.parse::<u16>() {
+                Ok(class @ 1..=5) if digit.len() == 1 => Ok(StatusMatch::Class(class)),
+                _ => Err(wrong()),
+            };
+        }
+        match lower.parse::<u16>() {
+            Ok(code @ 100..=599) => Ok(StatusMatch::Exact(code)),
+            _ => Err(wrong()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StatusMatch {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = StatusMatch;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a status like 401 or a class like 5xx")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                v.parse().map_err(E::custom)
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                v.to_string().parse().map_err(E::custom)
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                v.to_string().parse().map_err(E::custom)
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}

@@ -259,6 +259,38 @@ mod tests {
     }
 
     #[test]
+    fn a_delay_limit_is_denied_only_until_it_would_hold_the_request() {
+        let cache = DenyCache::new();
+        let sent = Instant::now();
+        let mut delayed = check("a", 5, 60);
+        delayed.max_delay = Duration::from_secs(2);
+        let checks = [delayed];
+        cache.remember(&checks, &rejected(vec![full(5)]), sent);
+        let answer = cache.answer(&checks, sent).expect("remembered");
+        assert_eq!(answer.retry_after, Duration::from_secs(3));
+        assert!(cache
+            .answer(&checks, sent + Duration::from_secs(3))
+            .is_none());
+        // A wait within max_delay is no denial at all.
+        let cache = DenyCache::new();
+        cache.remember(&checks, &rejected(vec![full(2)]), sent);
+        assert!(cache.answer(&checks, sent).is_none());
+    }
+
+    #[test]
+    fn a_returnable_limit_is_never_remembered_and_forget_drops_a_denial() {
+        let cache = DenyCache::new();
+        let mut counted = check("a", 1, 60);
+        counted.returnable = true;
+        let checks = [counted, check("b", 1, 60)];
+        cache.remember(&checks, &rejected(vec![full(60), full(30)]), Instant::now());
+        assert!(cache.answer(&checks[..1], Instant::now()).is_none());
+        assert!(cache.answer(&checks[1..], Instant::now()).is_some());
+        cache.forget_checks(&checks[1..]);
+        assert!(cache.answer(&checks[1..], Instant::now()).is_none());
+    }
+
+    #[test]
     fn the_cache_is_bounded() {
         let cache = DenyCache::new();
         let sent = Instant::now();

@@ -22,8 +22,9 @@ use http::{Method, StatusCode};
 pub use self::condition::{Condition, HeaderTest};
 pub use self::matcher::Matcher;
 use crate::config::{
-    Config, ConfigError, ForwardedHeader, IpNet, KeyPart, LimitConfig, Name, OnStoreError,
-    Position, ResponseHeaders, RouteConfig,
+    Config, ConfigError, ForwardedHeader, IpNet, KeyPart, LimitConfig, Name, OnExceed,
+    OnStoreError, Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_MAX_DELAYED,
+    MAX_MAX_DELAY_MS,
 };
 use crate::limiter::{Algorithm, Check};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
@@ -107,6 +108,8 @@ pub struct Route {
     pub on_store_error: OnStoreError,
     /// Which rate-limit fields responses carry.
     pub response_headers: ResponseHeaders,
+    /// Most requests held at once by `on_exceed: delay` limits (past it, 429).
+    pub max_delayed: u32,
     /// The `RateLimit-Policy` field describing every limit of the route; `None` without limits
     /// or when some limit has conditions (the field then lists what applied to a request).
     pub rate_limit_policy: Option<HeaderValue>,
@@ -136,6 +139,11 @@ pub struct Limit {
     pub cost: u32,
     /// Counted, never rejects.
     pub shadow: bool,
+    /// `on_exceed: delay`: the longest a request is held instead of rejected; zero: reject.
+    pub max_delay: Duration,
+    /// `count: { status: [...] }`: the statuses this limit counts; a request answered with
+    /// another is given back. `None`: every request counts.
+    pub count: Option<Box<[StatusMatch]>>,
     /// `prefix:route:limit:` (with the algorithm after the limit for all but the sliding log,
     /// so a reload that changes the algorithm starts afresh instead of reading another
     /// algorithm's state); the identity completes the store key.
@@ -146,6 +154,13 @@ pub struct Limit {
 }
 
 impl Limit {
+    /// Whether this limit keeps a request answered with `status` (always, without `count`).
+    pub fn counts(&self, status: u16) -> bool {
+        self.count
+            .as_ref()
+            .is_none_or(|statuses| statuses.iter().any(|s| s.matches(status)))
+    }
+
     /// Whether this limit applies to the request.
     pub fn applies(&self, method: &Method, uri: &http::Uri, headers: &http::HeaderMap) -> bool {
         self.when
@@ -233,6 +248,10 @@ impl Policy {
                     max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
                     on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
                     response_headers: route.response_headers.unwrap_or(config.response_headers),
+                    max_delayed: route
+                        .max_delayed
+                        .as_ref()
+                        .map_or(DEFAULT_MAX_DELAYED, |m| m.value.0),
                     rate_limit_policy: if limits.iter().any(|l| !l.when.is_empty()) {
                         None
                     } else {
@@ -376,6 +395,7 @@ fn check_limits(
         }
         check_cost(limit, file, &field)?;
         check_params(route, limit, file, &field)?;
+        check_shaping(limit, file, &field)?;
         let when = limit
             .when
             .iter()
@@ -386,7 +406,110 @@ fn check_limits(
             .collect::<Result<Vec<_>, _>>()?;
         conditions.push(when);
     }
+    if let Some(max_delayed) = &route.max_delayed {
+        if !route.limits.iter().any(delays) {
+            return Err(ConfigError::invalid(
+                file,
+                Position::from(max_delayed),
+                format!("{field}.max_delayed"),
+                "`max_delayed` needs a limit with `on_exceed: delay` in this route",
+            ));
+        }
+    }
     Ok(conditions)
+}
+
+fn delays(limit: &LimitConfig) -> bool {
+    limit
+        .on_exceed
+        .as_ref()
+        .is_some_and(|o| o.value == OnExceed::Delay)
+}
+
+/// `on_exceed`, `max_delay` and `count`: what each needs and what it cannot go with.
+fn check_shaping(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
+    let refuse = |position: Position, name: &str, message: String| {
+        Err(ConfigError::invalid(
+            file,
+            position,
+            format!("{field}.{name}"),
+            message,
+        ))
+    };
+    if let Some(on_exceed) = limit
+        .on_exceed
+        .as_ref()
+        .filter(|o| o.value == OnExceed::Delay)
+    {
+        let at = Position::from(on_exceed);
+        if !matches!(limit.algorithm, Algorithm::SlidingLog | Algorithm::Gcra) {
+            return refuse(
+                at,
+                "on_exceed",
+                format!(
+                    "`on_exceed: delay` needs an exact algorithm (sliding_log or gcra), not `{}`: \
+                     its wait must say exactly when the request fits",
+                    limit.algorithm.label()
+                ),
+            );
+        }
+        if limit.shadow {
+            return refuse(
+                at,
+                "on_exceed",
+                "a shadow limit never rejects, so it has nothing to delay".to_owned(),
+            );
+        }
+        if let Some(when) = limit.when.first() {
+            return refuse(
+                Position::from(when),
+                "when",
+                "a limit with `on_exceed: delay` applies to every request of its route: \
+                 remove `when:` (put the conditions on another route)"
+                    .to_owned(),
+            );
+        }
+        if let Some(count) = &limit.count {
+            return refuse(
+                Position::from(count),
+                "count",
+                "`count:` and `on_exceed: delay` cannot go on the same limit".to_owned(),
+            );
+        }
+        let Some(max_delay) = &limit.max_delay else {
+            return refuse(
+                at,
+                "on_exceed",
+                "`on_exceed: delay` needs `max_delay` (the longest a request is held)".to_owned(),
+            );
+        };
+        if max_delay.value.0.as_millis() > u128::from(MAX_MAX_DELAY_MS) {
+            return refuse(
+                Position::from(max_delay),
+                "max_delay",
+                format!(
+                    "at most {} s: a held request keeps its connection open",
+                    MAX_MAX_DELAY_MS / 1000
+                ),
+            );
+        }
+    } else if let Some(max_delay) = &limit.max_delay {
+        return refuse(
+            Position::from(max_delay),
+            "max_delay",
+            "`max_delay` applies with `on_exceed: delay` only".to_owned(),
+        );
+    }
+    if let Some(count) = &limit.count {
+        if count.value.status.is_empty() {
+            return refuse(
+                Position::from(count),
+                "count.status",
+                "list at least one status or class (e.g. [401, 403] or [5xx])".to_owned(),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// A `param:NAME` key part must name a `{NAME}` segment of the route's path prefix.
@@ -464,7 +587,8 @@ impl Limit {
             burst: self.burst,
             cost: self.cost,
             shadow: self.shadow,
-            ..Check::default()
+            max_delay: self.max_delay,
+            returnable: self.count.is_some(),
         }
     }
 }
@@ -492,6 +616,14 @@ fn build_limits(
                 .map_or(limit.requests.value.0, |b| b.value.0),
             cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
             shadow: limit.shadow,
+            max_delay: match (delays(limit), &limit.max_delay) {
+                (true, Some(max_delay)) => max_delay.value.0,
+                _ => Duration::ZERO,
+            },
+            count: limit
+                .count
+                .as_ref()
+                .map(|count| count.value.status.clone().into_boxed_slice()),
             key_prefix: match limit.algorithm {
                 Algorithm::SlidingLog => format!(
                     "{}:{}:{}:",

@@ -14,6 +14,7 @@ mod grpc;
 mod harden;
 mod headers;
 mod request_id;
+mod shaping;
 mod tunnel;
 mod upstreams;
 
@@ -33,6 +34,7 @@ pub use self::body::ProxyBody;
 use self::forward::ForwardError;
 pub use self::harden::HeadLimits;
 use self::request_id::{RequestIds, X_REQUEST_ID};
+use self::shaping::Admitted;
 pub use self::tunnel::ConnectionHold;
 use self::upstreams::{Clients, Upstreams};
 use crate::config::OnStoreError;
@@ -64,7 +66,8 @@ impl std::ops::Deref for PolicySnapshot {
 pub struct Gateway {
     active: ArcSwap<Active>,
     upstreams: Upstreams,
-    store: Store,
+    /// Shared with the tasks that give back a held request's places when its client leaves.
+    store: Arc<Store>,
     head_limits: HeadLimits,
     /// `sluice_requests_total{route="",outcome="no_route"}`: requests no route matches.
     unrouted: IntCounter,
@@ -89,7 +92,7 @@ impl Gateway {
         Gateway {
             active: ArcSwap::from_pointee(Active { policy, clients }),
             upstreams,
-            store,
+            store: Arc::new(store),
             head_limits,
             unrouted: unrouted(Outcome::NoRoute),
             refused_unrouted: unrouted(Outcome::Refused),
@@ -212,10 +215,18 @@ impl Gateway {
         let decided = self
             .decide(&active.policy, route, &request, peer, trace)
             .await;
-        let decision = match decided {
-            Ok(decision) => decision,
+        let admitted = match decided {
+            Ok(admitted) => admitted,
             Err(rejection) => return rejection,
         };
+        // `on_exceed: delay`: held until the time the store recorded the request at.
+        if let Some(admitted) = &admitted {
+            if let Err(full) =
+                shaping::hold(&self.store, route, admitted, request.uri().path()).await
+            {
+                return (Outcome::Limited, full);
+            }
+        }
         let (outcome, mut response) = match &route.action {
             Action::Respond(direct) => (Outcome::Responded, direct_response(direct)),
             Action::Forward(upstream) => {
@@ -261,8 +272,15 @@ impl Gateway {
                 }
             }
         };
-        if let Some((limits, decision)) = &decision {
-            response::add_rate_limit_fields(&mut response, route, limits, decision);
+        if let Some(admitted) = &admitted {
+            // `count:`: the places of an outcome a limit does not count are given back.
+            shaping::give_back_uncounted(&self.store, route, admitted, response.status()).await;
+            response::add_rate_limit_fields(
+                &mut response,
+                route,
+                &admitted.limits,
+                &admitted.decision,
+            );
         }
         (outcome, response)
     }
@@ -279,7 +297,7 @@ impl Gateway {
         request: &Request<Incoming>,
         peer: SocketAddr,
         trace: &mut Trace,
-    ) -> Result<Option<(Vec<&'r Limit>, Decision)>, (Outcome, Response<ProxyBody>)> {
+    ) -> Result<Option<Admitted<'r>>, (Outcome, Response<ProxyBody>)> {
         if route.limits.is_empty() {
             return Ok(None);
         }
@@ -322,6 +340,8 @@ impl Gateway {
                     trace.shadow_rejected.push(',');
                 }
                 trace.shadow_rejected.push_str(limit.name.as_str());
+            } else if decision.admitted && rejecting {
+                limit.metrics.delayed.inc();
             } else if decision.admitted {
                 limit.metrics.admitted.inc();
             } else if rejecting {
@@ -329,7 +349,11 @@ impl Gateway {
             }
         }
         if decision.admitted {
-            Ok(Some((limits, decision)))
+            Ok(Some(Admitted {
+                limits,
+                checks,
+                decision,
+            }))
         } else {
             log_rejection(route, &limits, &checks, &decision, trace);
             let path = request.uri().path();

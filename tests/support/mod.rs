@@ -593,6 +593,7 @@ pub enum UploadSeen {
 /// - `/upload`: consumes the body chunk by chunk, answers the byte count as
 ///   text, and `x-pattern-ok: true|false` (whether the bytes followed the pattern)
 /// - `/slow/<ms>`: sleeps, then 200 "slow"
+/// - `/login?password=right`: 200 "welcome"; `/login` with any other query: 401
 /// - `/hop-response`: like the echo, but also sends hop-by-hop response headers
 ///   (`connection: x-hop`, `x-hop: 1`, `keep-alive: timeout=5`,
 ///   `proxy-connection: keep-alive`) and an ordinary `x-normal-resp: yes`
@@ -751,6 +752,17 @@ async fn handle(req: Request<Incoming>, st: Arc<UpState>) -> Result<Response<UpB
             .header("x-pattern-ok", if ok { "true" } else { "false" })
             .body(full(count.to_string()))
             .unwrap());
+    }
+
+    if path == "/login" {
+        // A login form: 200 for the right password, 401 for any other.
+        let right = req.uri().query() == Some("password=right");
+        let (status, body) = if right {
+            (StatusCode::OK, "welcome")
+        } else {
+            (StatusCode::UNAUTHORIZED, "wrong password")
+        };
+        return Ok(Response::builder().status(status).body(full(body)).unwrap());
     }
 
     if let Some(ms) = path.strip_prefix("/slow/") {
