@@ -345,3 +345,44 @@ async fn a_slot_moved_under_load_keeps_its_log() {
         .count();
     assert_eq!(hits_a, 40);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncounted_outcomes_are_given_back_in_every_slot() {
+    let cluster = RedisCluster::start().await;
+    let upstream = Upstream::start().await;
+    // Failed logins only, per user and for everyone: `{<user>}` and `{*}` are two slots.
+    let limits = "      - { name: per_user, key: [\"header:x-user\"], requests: 3, window: 1m, count: { status: [401] } }\n      - { name: global, key: [], requests: 10, window: 1m, count: { status: [401] } }\n";
+    let sluice = Sluice::start(&config(&cluster, &upstream, limits)).await;
+    let login = |password: &'static str| {
+        let url = format!("{}/login?password={password}", sluice.url());
+        async move {
+            client()
+                .post(url)
+                .header("x-user", "alice")
+                .send()
+                .await
+                .expect("an answer")
+                .status()
+                .as_u16()
+        }
+    };
+    for n in 0..20 {
+        assert_eq!(login("right").await, 200, "success {n}");
+    }
+    let keys: Vec<String> = all_keys(&cluster).await.into_iter().map(|(_, k)| k).collect();
+    for key in &keys {
+        assert_eq!(log_len(&cluster, key).await, 0, "{key} kept a success");
+    }
+    for n in 0..3 {
+        assert_eq!(login("wrong").await, 401, "failure {n}");
+    }
+    assert_eq!(login("wrong").await, 429);
+    assert_eq!(login("right").await, 429, "alice's failures are spent");
+    let keys: Vec<String> = all_keys(&cluster).await.into_iter().map(|(_, k)| k).collect();
+    let global = keys.iter().find(|k| k.contains(":global:")).expect("the global key");
+    let alice = keys.iter().find(|k| k.contains(":per_user:")).expect("alice's key");
+    assert_ne!(cluster.slot_of(global).await, cluster.slot_of(alice).await);
+    assert_eq!(log_len(&cluster, global).await, 3);
+    assert_eq!(log_len(&cluster, alice).await, 3);
+    assert_eq!(upstream.hits(), 23);
+}
