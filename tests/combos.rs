@@ -1,7 +1,8 @@
 //! The features that came in separately, tested together through the real sluice binary:
 //! - a gRPC-style streaming call to an `https://` upstream marked `http2: true` (an HTTP/2
 //!   server behind TLS that offers only ALPN `h2`, trusted through `ca_file`);
-//! - a gRPC-style call from a client over TLS (HTTP/2 chosen through ALPN) to an h2c upstream;
+//! - a gRPC-style call from a client over TLS (HTTP/2 chosen through ALPN) to an h2c upstream,
+//!   and over TLS on both sides;
 //! - WebSocket over the TLS listener (`wss://`), with the upgrade counted by the limit;
 //! - WebSocket to an `https://` upstream (a `wss://` echo server).
 //!
@@ -248,6 +249,47 @@ async fn a_grpc_call_over_the_tls_listener_reaches_an_h2c_upstream_with_its_trai
     assert!(seen.iter().all(|call| call.version == Version::HTTP_2));
     assert_eq!(seen[0].messages, messages.len());
     assert_eq!(seen[0].te.as_deref(), Some("trailers"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_call_over_tls_on_both_sides_streams_with_its_trailers() {
+    let (ca, files) = (Ca::new("combos CA"), Files::new());
+    let ca_file = files.write("ca.pem", &ca.pem());
+    let upstream = GrpcUpstream::start_tls(ca.server("grpc upstream").acceptor(&[b"h2"])).await;
+    let url = format!(
+        "    url: \"https://localhost:{}\"\n    ca_file: \"{}\"\n",
+        upstream.addr.port(),
+        ca_file.display()
+    );
+    let sluice = Sluice::start(&grpc_config(&listener_tls(&ca, &files), &url)).await;
+
+    let (stream, alpn) = tls_to(&ca, sluice.addr(), &[b"h2"]).await;
+    assert_eq!(alpn, b"h2");
+    let (mut client, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .expect("HTTP/2 over TLS with sluice");
+    tokio::spawn(connection);
+    let port = sluice.addr().port();
+    let messages = messages();
+    let trailers = streaming_call(
+        &mut client,
+        |body| {
+            Request::post(format!("https://localhost:{port}/echo.Echo/Chat"))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(body)
+                .unwrap()
+        },
+        &messages,
+    )
+    .await;
+    assert_ok_trailers(&trailers);
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(seen[0].tls_alpn.as_deref(), Some(&b"h2"[..]));
+    assert_eq!(seen[0].version, Version::HTTP_2);
+    assert_eq!(seen[0].messages, messages.len());
 }
 
 type WssClient = WebSocketStream<TlsStream<TcpStream>>;
