@@ -1,6 +1,8 @@
 //! The features that came in separately, tested together through the real sluice binary:
 //! - a gRPC-style streaming call to an `https://` upstream marked `http2: true` (an HTTP/2
 //!   server behind TLS that offers only ALPN `h2`, trusted through `ca_file`);
+//! - an `https://` `http2: true` upstream that accepts only `http/1.1` is a 502 (`connect`):
+//!   sluice offers it `h2` alone;
 //! - a gRPC-style call from a client over TLS (HTTP/2 chosen through ALPN) to an h2c upstream,
 //!   and over TLS on both sides;
 //! - WebSocket over the TLS listener (`wss://`), with the upgrade counted by the limit;
@@ -211,6 +213,37 @@ async fn a_grpc_call_to_an_https_http2_upstream_streams_both_ways_with_its_trail
     assert_eq!(seen[0].messages, messages.len());
     let request_trailers = seen[0].trailers.as_ref().expect("request trailers arrived");
     assert_eq!(request_trailers["x-client-trailer"], "done");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_http2_upstream_that_refuses_h2_is_a_bad_gateway() {
+    let (ca, files) = (Ca::new("combos CA"), Files::new());
+    let ca_file = files.write("ca.pem", &ca.pem());
+    // Offers only http/1.1: sluice offers only h2 to an http2 upstream, so no protocol fits.
+    let upstream =
+        GrpcUpstream::start_tls(ca.server("grpc upstream").acceptor(&[b"http/1.1"])).await;
+    let url = format!(
+        "    url: \"https://localhost:{}\"\n    ca_file: \"{}\"\n",
+        upstream.addr.port(),
+        ca_file.display()
+    );
+    let sluice = Sluice::start(&grpc_config("", &url)).await;
+    let response = support::client()
+        .post(format!("{}/echo.Echo/Chat", sluice.url()))
+        .header("content-type", "application/grpc")
+        .body(encode(b"ping"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+    assert!(upstream.seen().is_empty());
+    let metrics = support::parse_metrics(&sluice.metrics().await);
+    let connect_errors = support::metric_sum(
+        &metrics,
+        "sluice_upstream_errors_total",
+        &[("upstream", "grpc"), ("kind", "connect")],
+    );
+    assert_eq!(connect_errors, 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
