@@ -23,84 +23,17 @@ use http::{Response, StatusCode};
 use http_body_util::Full;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, KeyUsagePurpose,
-};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 
+use support::certs::{Ca, Leaf};
 use support::{metric_sum, parse_metrics, sluice_check, wait_for, Sluice, Upstream};
 
 // ---------------------------------------------------------------------------
 // Certificates
 // ---------------------------------------------------------------------------
-
-/// A test certificate authority.
-struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
-
-/// A certificate and its key, as PEM text.
-struct Leaf {
-    cert: String,
-    key: String,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
-        Ca { issuer }
-    }
-
-    fn pem(&self) -> String {
-        self.issuer.pem()
-    }
-
-    /// A server certificate for `localhost` and 127.0.0.1 with `common_name` as its subject.
-    fn server(&self, common_name: &str) -> Leaf {
-        self.server_with_key(common_name, KeyPair::generate().unwrap())
-    }
-
-    fn server_with_key(&self, common_name: &str, key: KeyPair) -> Leaf {
-        let mut params =
-            CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, common_name);
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        Leaf {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-        }
-    }
-
-    /// A client certificate (for mTLS) with `common_name` as its subject.
-    fn client(&self, common_name: &str) -> Leaf {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, common_name);
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        Leaf {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-        }
-    }
-}
 
 /// The DER of the first certificate in `pem`: what a client sees as the peer certificate.
 fn der_of(pem: &str) -> Vec<u8> {
@@ -540,7 +473,7 @@ async fn keys_in_pkcs1_rsa_and_sec1_ec_pem_serve() {
     for (label, pkcs8, legacy) in cases {
         let legacy = String::from_utf8(legacy).unwrap();
         assert!(legacy.contains(&format!("BEGIN {label}")), "{legacy}");
-        let leaf = ca.server_with_key(label, KeyPair::from_pem(&pkcs8).unwrap());
+        let leaf = ca.server_with_key(label, rcgen::KeyPair::from_pem(&pkcs8).unwrap());
         let files = Files::new();
         files.write("cert.pem", &leaf.cert);
         files.write("key.pem", &legacy);

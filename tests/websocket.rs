@@ -8,161 +8,17 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
-use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
+use support::websocket::{Client, EchoServer, Ended};
 use support::{metric_sum, parse_metrics, Sluice};
-
-type Client = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 /// Generous bound on each step.
 const STEP: Duration = Duration::from_secs(10);
-
-/// How a connection to the echo server ended.
-#[derive(Debug, Clone, PartialEq)]
-enum Ended {
-    /// The client sent a Close frame.
-    CloseFrame,
-    /// The connection broke off or ended without a Close frame.
-    Disconnected,
-    /// The server closed it (after `close-me`).
-    ClosedByServer,
-}
-
-#[derive(Debug, Default)]
-struct EchoState {
-    /// The handshake requests the server accepted: (path, upgrade, connection).
-    upgrades: Vec<(String, String, String)>,
-    ended: Vec<Ended>,
-}
-
-/// A WebSocket echo server: echoes text and binary messages, closes on `close-me`, and
-/// refuses the handshake with 403 on paths under `/ws/refused`.
-struct EchoServer {
-    addr: SocketAddr,
-    state: Arc<Mutex<EchoState>>,
-    task: JoinHandle<()>,
-}
-
-impl EchoServer {
-    async fn start() -> EchoServer {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let state = Arc::new(Mutex::new(EchoState::default()));
-        let task = tokio::spawn({
-            let state = Arc::clone(&state);
-            async move {
-                loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        continue;
-                    };
-                    tokio::spawn(echo(stream, Arc::clone(&state)));
-                }
-            }
-        });
-        EchoServer { addr, state, task }
-    }
-
-    fn upgrades(&self) -> Vec<(String, String, String)> {
-        self.state.lock().unwrap().upgrades.clone()
-    }
-
-    fn ended(&self) -> Vec<Ended> {
-        self.state.lock().unwrap().ended.clone()
-    }
-
-    /// Waits until `count` connections have ended.
-    async fn wait_ended(&self, count: usize) -> Vec<Ended> {
-        let deadline = Instant::now() + STEP;
-        loop {
-            let ended = self.ended();
-            if ended.len() >= count {
-                return ended;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the upstream saw {} of {count} connections end: {ended:?}",
-                ended.len()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for EchoServer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-// tungstenite's callback type fixes the error type.
-#[allow(clippy::result_large_err)]
-async fn echo(stream: TcpStream, state: Arc<Mutex<EchoState>>) {
-    let callback = {
-        let state = Arc::clone(&state);
-        move |request: &Request, response: Response| -> Result<Response, ErrorResponse> {
-            let path = request.uri().path().to_owned();
-            if path.starts_with("/ws/refused") {
-                let mut refusal = ErrorResponse::new(Some("no upgrade here".to_owned()));
-                *refusal.status_mut() = http::StatusCode::FORBIDDEN;
-                return Err(refusal);
-            }
-            let field = |name: &str| {
-                request
-                    .headers()
-                    .get(name)
-                    .map(|v| v.to_str().unwrap().to_owned())
-                    .unwrap_or_default()
-            };
-            state
-                .lock()
-                .unwrap()
-                .upgrades
-                .push((path, field("upgrade"), field("connection")));
-            Ok(response)
-        }
-    };
-    let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, callback).await else {
-        return;
-    };
-    let ended = loop {
-        match ws.next().await {
-            Some(Ok(Message::Text(text))) if text.as_str() == "close-me" => {
-                let _ = ws
-                    .close(Some(CloseFrame {
-                        code: CloseCode::Away,
-                        reason: "asked to".into(),
-                    }))
-                    .await;
-                // Wait for the client's answering Close, then the end.
-                while let Some(Ok(_)) = ws.next().await {}
-                break Ended::ClosedByServer;
-            }
-            Some(Ok(message @ (Message::Text(_) | Message::Binary(_)))) => {
-                if ws.send(message).await.is_err() {
-                    break Ended::Disconnected;
-                }
-            }
-            Some(Ok(Message::Close(_))) => {
-                // tungstenite answers the Close itself; drain to the end.
-                while let Some(Ok(_)) = ws.next().await {}
-                break Ended::CloseFrame;
-            }
-            Some(Ok(_)) => {}
-            Some(Err(_)) | None => break Ended::Disconnected,
-        }
-    };
-    state.lock().unwrap().ended.push(ended);
-}
 
 fn config(upstream: SocketAddr, requests: u32, idle_timeout: &str) -> String {
     config_with(upstream, requests, idle_timeout, 10_000)

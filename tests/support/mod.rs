@@ -8,6 +8,9 @@
 //! parts it needs, hence the `dead_code` allowance.
 #![allow(dead_code)]
 
+pub mod certs;
+pub mod grpc;
+pub mod websocket;
 pub mod wire;
 
 use std::collections::BTreeMap;
