@@ -150,8 +150,9 @@ pub async fn serve<H, F>(
         let first_request = Arc::new(AtomicBool::new(false));
         let over_tls = settings.tls.is_some();
         open.inc();
-        // Every request carries a clone: a WebSocket tunnel keeps the connection counted
-        // after hyper has handed it over.
+        // A request that asks for an upgrade carries a clone: a WebSocket tunnel keeps the
+        // connection counted after hyper has handed it over. Other requests go without, which
+        // spares each an extensions map (an allocation on the hot path).
         let hold = ConnectionHold {
             idle_timeout: settings.idle_timeout,
             hold: Arc::new(Counted {
@@ -166,7 +167,9 @@ pub async fn serve<H, F>(
                 if over_tls {
                     request.extensions_mut().insert(crate::tls::ClientTls);
                 }
-                request.extensions_mut().insert(hold.clone());
+                if request.headers().contains_key(http::header::UPGRADE) {
+                    request.extensions_mut().insert(hold.clone());
+                }
                 let response = handler(request, peer);
                 async move { Ok::<_, Infallible>(response.await) }
             })
