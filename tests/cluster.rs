@@ -369,7 +369,11 @@ async fn uncounted_outcomes_are_given_back_in_every_slot() {
     for n in 0..20 {
         assert_eq!(login("right").await, 200, "success {n}");
     }
-    let keys: Vec<String> = all_keys(&cluster).await.into_iter().map(|(_, k)| k).collect();
+    let keys: Vec<String> = all_keys(&cluster)
+        .await
+        .into_iter()
+        .map(|(_, k)| k)
+        .collect();
     for key in &keys {
         assert_eq!(log_len(&cluster, key).await, 0, "{key} kept a success");
     }
@@ -378,9 +382,19 @@ async fn uncounted_outcomes_are_given_back_in_every_slot() {
     }
     assert_eq!(login("wrong").await, 429);
     assert_eq!(login("right").await, 429, "alice's failures are spent");
-    let keys: Vec<String> = all_keys(&cluster).await.into_iter().map(|(_, k)| k).collect();
-    let global = keys.iter().find(|k| k.contains(":global:")).expect("the global key");
-    let alice = keys.iter().find(|k| k.contains(":per_user:")).expect("alice's key");
+    let keys: Vec<String> = all_keys(&cluster)
+        .await
+        .into_iter()
+        .map(|(_, k)| k)
+        .collect();
+    let global = keys
+        .iter()
+        .find(|k| k.contains(":global:"))
+        .expect("the global key");
+    let alice = keys
+        .iter()
+        .find(|k| k.contains(":per_user:"))
+        .expect("alice's key");
     assert_ne!(cluster.slot_of(global).await, cluster.slot_of(alice).await);
     assert_eq!(log_len(&cluster, global).await, 3);
     assert_eq!(log_len(&cluster, alice).await, 3);

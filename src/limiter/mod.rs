@@ -5,8 +5,11 @@
 //! sliding-window log by default, the sliding-window counter, the fixed window, GCRA): a
 //! request is admitted only if every limit has room for its cost; if admitted, it is recorded
 //! in every limit, and if rejected, in none. `Store` runs that decision either in
-//! Redis (shared by every sluice instance, with an exact cache of its rejections in front) or
-//! in process memory (one instance).
+//! Redis (shared by every sluice instance, with an exact cache of its rejections in front; one
+//! node, a master found through Sentinel, or a Cluster) or in process memory (one instance).
+//! An admitted request's places can be given back (`Store::release`): for a held client that
+//! leaves, an outcome a `count:` limit does not count, and a request rejected in another
+//! cluster slot.
 
 mod breaker;
 mod cluster;

@@ -7,9 +7,10 @@
 //! crate's `ConnectionManager`; no command is spent checking a connection before use.
 //!
 //! The script is loaded at start-up and run with EVALSHA only; when Redis has lost it (restart,
-//! failover, `SCRIPT FLUSH`) the `redis` crate's `Script` loads it again and retries once, so
-//! callers never see NOSCRIPT. Each call, including a wait for a reconnection, is bounded by
-//! the configured timeout.
+//! failover, `SCRIPT FLUSH`) `run` loads it again and retries once, so callers never see
+//! NOSCRIPT. Each call, including a wait for a reconnection, is bounded by the configured
+//! timeout. On a Redis Cluster (`cluster`) every call goes to the master owning its keys' slot,
+//! and the limits of a request in several slots are decided per slot.
 //!
 //! With Redis Sentinel the master is not a fixed address. A background task (`follow`) asks
 //! the sentinels for it at start, every `SENTINEL_POLL`, and at once when a decision fails in
@@ -63,10 +64,6 @@ const PEEK: &str = concat!(
     include_str!("scripts/peek.lua"),
 );
 
-/// Built once: `Script` hashes its source. Loaded into Redis on first use (EVALSHA, then
-/// SCRIPT LOAD on NOSCRIPT), so the admin API costs the request path nothing.
-static PEEK_SCRIPT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| Script::new(PEEK));
-
 /// Gives back what an admitted request recorded (`Store::release`): a script of its own.
 const RELEASE: &str = include_str!("scripts/release.lua");
 
@@ -104,6 +101,9 @@ struct Shared {
     fence: Mutex<Option<(MasterAddr, Instant)>>,
     script: Script,
     release: Script,
+    /// The admin API's: loaded into Redis on first use (NOSCRIPT, then SCRIPT LOAD), so it
+    /// costs the request path nothing.
+    peek: Script,
     timeout: Duration,
 }
 
@@ -214,6 +214,7 @@ impl RedisStore {
                 fence: Mutex::new(None),
                 script: Script::new(DECIDE),
                 release: Script::new(RELEASE),
+                peek: Script::new(PEEK),
                 timeout,
             }),
             follower: None,
@@ -751,14 +752,14 @@ impl RedisStore {
     pub async fn peek(&self, check: &Check) -> Result<Peek, StoreError> {
         let params = check.params();
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(PEEK_SCRIPT.get_hash())
+        cmd.arg(self.shared.peek.get_hash())
             .arg(1)
             .arg(&check.key)
             .arg(params.algorithm.label())
             .arg(params.requests)
             .arg(params.window_us)
             .arg(params.burst);
-        let reply: Vec<i64> = self.run(&cmd, Some(&PEEK_SCRIPT)).await?;
+        let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.peek)).await?;
         let [count, remaining, reset] = reply[..] else {
             return Err(StoreError::Script(format!(
                 "unexpected peek reply {reply:?}"
