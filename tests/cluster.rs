@@ -400,3 +400,112 @@ async fn uncounted_outcomes_are_given_back_in_every_slot() {
     assert_eq!(log_len(&cluster, alice).await, 3);
     assert_eq!(upstream.hits(), 23);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_promoted_under_load_keeps_the_log() {
+    let cluster = RedisCluster::start_with_replicas(1).await;
+    let upstream = Upstream::start().await;
+    // As in the slot move: `/a` is spent after the failover, `/b` has room throughout.
+    let yaml = format!(
+        "{store}upstreams:\n  app: {{ url: \"{url}\" }}\nroutes:\n  - name: a\n    match: {{ path_prefix: /a }}\n    upstream: app\n    on_store_error: deny\n    limits:\n      - {{ name: l, key: [\"header:x-user\"], requests: 40, window: 1m }}\n  - name: b\n    match: {{ path_prefix: /b }}\n    upstream: app\n    on_store_error: deny\n    limits:\n      - {{ name: l, key: [\"header:x-user\"], requests: 100000, window: 1m }}\n",
+        store = cluster.store_yaml(),
+        url = upstream.url(),
+    );
+    let (a, b) = (Sluice::start(&yaml).await, Sluice::start(&yaml).await);
+    let c = client();
+    for _ in 0..20 {
+        assert_eq!(get_at(&c, &a.url(), "/a", "mallory").await, 200);
+    }
+    assert_eq!(get_at(&c, &a.url(), "/b", "mallory").await, 200);
+    let keys: Vec<String> = all_keys(&cluster)
+        .await
+        .into_iter()
+        .map(|(_, k)| k)
+        .collect();
+    let key_a = keys
+        .iter()
+        .find(|k| k.contains(":a:l:"))
+        .expect("/a's key")
+        .clone();
+    let key_b = keys
+        .iter()
+        .find(|k| k.contains(":b:l:"))
+        .expect("/b's key")
+        .clone();
+    let slot = cluster.slot_of(&key_a).await;
+    let master = cluster.owner_of(slot).await;
+    let replica = cluster.replica_of(master).await;
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (ok_b, failed_b) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let mut load = Vec::new();
+    for worker in 0..4 {
+        let url = if worker % 2 == 0 { a.url() } else { b.url() };
+        let (stop, ok_b, failed_b) = (stop.clone(), ok_b.clone(), failed_b.clone());
+        load.push(tokio::spawn(async move {
+            let c = client();
+            let started = Instant::now();
+            for _ in 0..5_000 {
+                if stop.load(Ordering::Relaxed) || started.elapsed() > Duration::from_secs(30) {
+                    break;
+                }
+                match get_at(&c, &url, "/b", "mallory").await {
+                    200 => ok_b.fetch_add(1, Ordering::Relaxed),
+                    _ => failed_b.fetch_add(1, Ordering::Relaxed),
+                };
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+        }));
+    }
+
+    // A coordinated failover: the replica catches up with its master, then takes its slots.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    command_at(cluster.nodes[replica].port(), &["CLUSTER", "FAILOVER"])
+        .await
+        .expect("CLUSTER FAILOVER");
+    let promoted = Instant::now();
+    while cluster.owner_of(slot).await != replica {
+        assert!(
+            promoted.elapsed() < Duration::from_secs(15),
+            "the replica did not take the slot"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // After the failover: 40 concurrent attempts on `/a`, which has 20 left.
+    let attempts: Vec<_> = (0..40)
+        .map(|i| {
+            let url = if i % 2 == 0 { a.url() } else { b.url() };
+            tokio::spawn(async move { get_at(&client(), &url, "/a", "mallory").await })
+        })
+        .collect();
+    let mut after = Vec::new();
+    for attempt in attempts {
+        after.push(attempt.await.expect("an attempt"));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in load {
+        task.await.expect("load task");
+    }
+
+    let evalsha_new = cluster.nodes[replica].commandstat("evalsha").await;
+    assert!(evalsha_new > 0, "no decision reached the promoted replica");
+    assert_eq!(after.iter().filter(|s| **s == 200).count(), 20, "{after:?}");
+    assert_eq!(after.iter().filter(|s| **s == 429).count(), 20, "{after:?}");
+    assert_eq!(log_len(&cluster, &key_a).await, 40);
+    let (ok_b, failed_b) = (
+        ok_b.load(Ordering::Relaxed),
+        failed_b.load(Ordering::Relaxed),
+    );
+    eprintln!("/b across the failover: {ok_b} admitted, {failed_b} failed");
+    assert!(ok_b > 100, "too little load on /b: {ok_b}");
+    // Decisions refused while the master paused its clients for the handover answer 503
+    // (on_store_error: deny); none may be admitted without being recorded.
+    assert_eq!(log_len(&cluster, &key_b).await, ok_b as i64 + 1);
+    assert!(
+        failed_b * 20 <= ok_b,
+        "{failed_b} of {} decisions failed",
+        ok_b + failed_b
+    );
+}

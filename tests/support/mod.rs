@@ -1450,8 +1450,13 @@ impl RedisCluster {
     /// Starts three cluster-enabled redis-servers, joins them and waits (up to 20 s) until
     /// every node reports `cluster_state:ok`.
     pub async fn start() -> RedisCluster {
+        RedisCluster::start_with_replicas(0).await
+    }
+
+    /// Three masters with `replicas` replicas each (`--cluster-replicas`).
+    pub async fn start_with_replicas(replicas: usize) -> RedisCluster {
         let mut nodes = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..3 * (1 + replicas) {
             nodes.push(
                 Redis::start_with(&[
                     "--cluster-enabled",
@@ -1471,7 +1476,7 @@ impl RedisCluster {
         let output = Command::new(redis_cli_path())
             .args(["--cluster", "create"])
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .output()
             .expect("run redis-cli --cluster create");
@@ -1559,6 +1564,52 @@ impl RedisCluster {
             }
         }
         panic!("no node owns slot {slot}");
+    }
+
+    /// The index of a replica of the master at `master` (`CLUSTER REPLICAS`) whose link to
+    /// it is up, waiting up to 15 s for one: a new cluster's replicas take a moment to be
+    /// known and to sync.
+    pub async fn replica_of(&self, master: usize) -> usize {
+        let id = self.node_id(master).await;
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(index) = self.synced_replica(&id).await {
+                return index;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "master {master} has no synced replica"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn synced_replica(&self, master_id: &str) -> Option<usize> {
+        for (index, node) in self.nodes.iter().enumerate() {
+            let info = match command_at(node.port(), &["INFO", "replication"]).await {
+                Ok(redis::Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+                Ok(redis::Value::VerbatimString { text, .. }) => text,
+                _ => continue,
+            };
+            if !info.contains("role:slave") || !info.contains("master_link_status:up") {
+                continue;
+            }
+            let nodes = match command_at(node.port(), &["CLUSTER", "MYID"]).await {
+                Ok(redis::Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+                _ => continue,
+            };
+            let line = match command_at(node.port(), &["CLUSTER", "NODES"]).await {
+                Ok(redis::Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+                Ok(redis::Value::VerbatimString { text, .. }) => text,
+                _ => continue,
+            };
+            // This node's own line: `<id> <addr> myself,slave <master id> ...`
+            let mine = line.lines().find(|l| l.starts_with(nodes.as_str()));
+            if mine.and_then(|l| l.split_whitespace().nth(3)) == Some(master_id) {
+                return Some(index);
+            }
+        }
+        None
     }
 
     /// Number of keys node `index` holds in `slot`.
