@@ -179,70 +179,141 @@ async fn get_at(c: &reqwest::Client, url: &str, path: &str, user: &str) -> u16 {
         .unwrap_or(0)
 }
 
+/// Two sluice instances with two routes limiting one identity, so their keys share a slot.
+/// `/a` (40 a minute, 20 spent at start) is spent while the cluster changes; `/b`
+/// (`b_limits`, with room throughout) keeps its decisions reaching Redis (a spent limit's
+/// rejections are answered from the deny cache), and every one must be recorded exactly once.
+struct TwoRoutes {
+    a: Sluice,
+    b: Sluice,
+    key_a: String,
+    key_b: String,
+}
+
+impl TwoRoutes {
+    async fn start(cluster: &RedisCluster, upstream: &Upstream, b_limits: &str) -> TwoRoutes {
+        let yaml = format!(
+            "{store}upstreams:\n  app: {{ url: \"{url}\" }}\nroutes:\n  - name: a\n    match: {{ path_prefix: /a }}\n    upstream: app\n    on_store_error: deny\n    limits:\n      - {{ name: l, key: [\"header:x-user\"], requests: 40, window: 1m }}\n  - name: b\n    match: {{ path_prefix: /b }}\n    upstream: app\n    on_store_error: deny\n    limits:\n{b_limits}",
+            store = cluster.store_yaml(),
+            url = upstream.url(),
+        );
+        let (a, b) = (Sluice::start(&yaml).await, Sluice::start(&yaml).await);
+        let c = client();
+        // Spend 20 of `/a`'s 40 first, so the log has something to carry.
+        for _ in 0..20 {
+            assert_eq!(get_at(&c, &a.url(), "/a", "mallory").await, 200);
+        }
+        assert_eq!(get_at(&c, &a.url(), "/b", "mallory").await, 200);
+        let keys: Vec<String> = all_keys(cluster)
+            .await
+            .into_iter()
+            .map(|(_, k)| k)
+            .collect();
+        let find = |part: &str| keys.iter().find(|k| k.contains(part)).cloned();
+        let key_a = find(":a:l:").expect("/a's key");
+        let key_b = find(":b:l:").expect("/b's key");
+        assert_eq!(cluster.slot_of(&key_a).await, cluster.slot_of(&key_b).await);
+        TwoRoutes { a, b, key_a, key_b }
+    }
+
+    /// Load on `/b`: four clients on the two instances, bounded in count and time.
+    fn load(&self) -> Load {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let tasks = (0..4)
+            .map(|worker| {
+                let url = if worker % 2 == 0 {
+                    self.a.url()
+                } else {
+                    self.b.url()
+                };
+                let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+                tokio::spawn(async move {
+                    let c = client();
+                    let started = Instant::now();
+                    for _ in 0..3_000 {
+                        if stop.load(Ordering::Relaxed)
+                            || started.elapsed() > Duration::from_secs(20)
+                        {
+                            break;
+                        }
+                        match get_at(&c, &url, "/b", "mallory").await {
+                            200 => ok.fetch_add(1, Ordering::Relaxed),
+                            _ => failed.fetch_add(1, Ordering::Relaxed),
+                        };
+                        tokio::time::sleep(Duration::from_millis(3)).await;
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            ok,
+            failed,
+            tasks,
+        }
+    }
+
+    /// 40 concurrent attempts on `/a`, half through each instance: their statuses.
+    async fn attempts_on_a(&self) -> Vec<u16> {
+        let attempts: Vec<_> = (0..40)
+            .map(|i| {
+                let url = if i % 2 == 0 {
+                    self.a.url()
+                } else {
+                    self.b.url()
+                };
+                tokio::spawn(async move { get_at(&client(), &url, "/a", "mallory").await })
+            })
+            .collect();
+        let mut statuses = Vec::new();
+        for attempt in attempts {
+            statuses.push(attempt.await.expect("an attempt"));
+        }
+        statuses
+    }
+}
+
+/// The background load of `TwoRoutes::load`.
+struct Load {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    ok: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    /// Stops the load: how many requests were admitted, and how many failed.
+    async fn finish(self) -> (usize, usize) {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks {
+            task.await.expect("load task");
+        }
+        (
+            self.ok.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_moved_under_load_keeps_its_log() {
     let cluster = RedisCluster::start().await;
     let upstream = Upstream::start().await;
-    // Two routes limit the same identity, so their keys share a slot. `/a` is spent while the
-    // slot moves; `/b` has room throughout, so its decisions keep reaching Redis (a spent
-    // limit's rejections are answered from the deny cache) and every one must be recorded
-    // exactly once across the move.
-    let yaml = format!(
-        "{store}upstreams:\n  app: {{ url: \"{url}\" }}\nroutes:\n  - name: a\n    match: {{ path_prefix: /a }}\n    upstream: app\n    on_store_error: deny\n    limits:\n      - {{ name: l, key: [\"header:x-user\"], requests: 40, window: 1m }}\n  - name: b\n    match: {{ path_prefix: /b }}\n    upstream: app\n    on_store_error: deny\n    limits:\n      - {{ name: l, key: [\"header:x-user\"], requests: 100000, window: 1m }}\n      - {{ name: m, key: [\"header:x-user\"], requests: 100000, window: 1m }}\n",
-        store = cluster.store_yaml(),
-        url = upstream.url(),
-    );
-    let (a, b) = (Sluice::start(&yaml).await, Sluice::start(&yaml).await);
-    let c = client();
-    // Spend 20 of `/a`'s 40 before the move, so the log has something to carry.
-    for _ in 0..20 {
-        assert_eq!(get_at(&c, &a.url(), "/a", "mallory").await, 200);
-    }
-    assert_eq!(get_at(&c, &a.url(), "/b", "mallory").await, 200);
-    let keys: Vec<String> = all_keys(&cluster)
-        .await
-        .into_iter()
-        .map(|(_, k)| k)
-        .collect();
-    let key_a = keys
-        .iter()
-        .find(|k| k.contains(":a:l:"))
-        .expect("/a's key")
-        .clone();
-    let key_b = keys
-        .iter()
-        .find(|k| k.contains(":b:l:"))
-        .expect("/b's key")
-        .clone();
-    let slot = cluster.slot_of(&key_a).await;
-    assert_eq!(slot, cluster.slot_of(&key_b).await);
+    // Two limits on `/b`: each decision is a two-key script call, which the cluster answers
+    // with TRYAGAIN, ASK or MOVED while the slot moves.
+    let routes = TwoRoutes::start(
+        &cluster,
+        &upstream,
+        "      - { name: l, key: [\"header:x-user\"], requests: 100000, window: 1m }\n      - { name: m, key: [\"header:x-user\"], requests: 100000, window: 1m }\n",
+    )
+    .await;
+    let slot = cluster.slot_of(&routes.key_a).await;
     let source = cluster.owner_of(slot).await;
     let target = (source + 1) % 3;
     let (source_id, target_id) = (cluster.node_id(source).await, cluster.node_id(target).await);
     let asking_before = cluster.nodes[target].commandstat("asking").await;
-
-    // Load on `/b`: four clients on two instances, bounded in count and time.
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (ok_b, failed_b) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let mut load = Vec::new();
-    for worker in 0..4 {
-        let url = if worker % 2 == 0 { a.url() } else { b.url() };
-        let (stop, ok_b, failed_b) = (stop.clone(), ok_b.clone(), failed_b.clone());
-        load.push(tokio::spawn(async move {
-            let c = client();
-            let started = Instant::now();
-            for _ in 0..3_000 {
-                if stop.load(Ordering::Relaxed) || started.elapsed() > Duration::from_secs(20) {
-                    break;
-                }
-                match get_at(&c, &url, "/b", "mallory").await {
-                    200 => ok_b.fetch_add(1, Ordering::Relaxed),
-                    _ => failed_b.fetch_add(1, Ordering::Relaxed),
-                };
-                tokio::time::sleep(Duration::from_millis(3)).await;
-            }
-        }));
-    }
+    let load = routes.load();
 
     // Move the slot by hand, pausing in each state so the load meets it: importing and
     // migrating with the keys still on the source; keys moved, so the source answers ASK;
@@ -283,16 +354,7 @@ async fn a_slot_moved_under_load_keeps_its_log() {
     command_at(sp, &migrate).await.expect("MIGRATE");
 
     // While the source answers ASK: 40 concurrent attempts on `/a` from both instances.
-    let attempts: Vec<_> = (0..40)
-        .map(|i| {
-            let url = if i % 2 == 0 { a.url() } else { b.url() };
-            tokio::spawn(async move { get_at(&client(), &url, "/a", "mallory").await })
-        })
-        .collect();
-    let mut during = Vec::new();
-    for attempt in attempts {
-        during.push(attempt.await.expect("an attempt"));
-    }
+    let during = routes.attempts_on_a().await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     for node in &cluster.nodes {
         command_at(
@@ -303,10 +365,7 @@ async fn a_slot_moved_under_load_keeps_its_log() {
         .expect("SETSLOT NODE");
     }
     tokio::time::sleep(Duration::from_millis(600)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in load {
-        task.await.expect("load task");
-    }
+    let (ok_b, failed_b) = load.finish().await;
 
     assert_eq!(cluster.owner_of(slot).await, target);
     assert_eq!(cluster.keys_in_slot(target, slot).await, 3);
@@ -326,18 +385,15 @@ async fn a_slot_moved_under_load_keeps_its_log() {
         20,
         "{during:?}"
     );
-    assert_eq!(log_len(&cluster, &key_a).await, 40);
-    assert_eq!(get_at(&c, &a.url(), "/a", "mallory").await, 429);
-    assert_eq!(get_at(&c, &b.url(), "/a", "mallory").await, 429);
+    assert_eq!(log_len(&cluster, &routes.key_a).await, 40);
+    let c = client();
+    assert_eq!(get_at(&c, &routes.a.url(), "/a", "mallory").await, 429);
+    assert_eq!(get_at(&c, &routes.b.url(), "/a", "mallory").await, 429);
     // `/b`: every admission recorded once, none lost or doubled by a retried call.
-    let (ok_b, failed_b) = (
-        ok_b.load(Ordering::Relaxed),
-        failed_b.load(Ordering::Relaxed),
-    );
     eprintln!("/b during the move: {ok_b} admitted, {failed_b} failed");
     assert!(ok_b > 100, "too little load on /b: {ok_b}");
     assert_eq!(failed_b, 0, "decisions failed while the slot moved");
-    assert_eq!(log_len(&cluster, &key_b).await, ok_b as i64 + 1);
+    assert_eq!(log_len(&cluster, &routes.key_b).await, ok_b as i64 + 1);
     let hits_a = upstream
         .paths()
         .iter()
@@ -406,57 +462,16 @@ async fn a_replica_promoted_under_load_keeps_the_log() {
     let cluster = RedisCluster::start_with_replicas(1).await;
     let upstream = Upstream::start().await;
     // As in the slot move: `/a` is spent after the failover, `/b` has room throughout.
-    let yaml = format!(
-        "{store}upstreams:\n  app: {{ url: \"{url}\" }}\nroutes:\n  - name: a\n    match: {{ path_prefix: /a }}\n    upstream: app\n    on_store_error: deny\n    limits:\n      - {{ name: l, key: [\"header:x-user\"], requests: 40, window: 1m }}\n  - name: b\n    match: {{ path_prefix: /b }}\n    upstream: app\n    on_store_error: deny\n    limits:\n      - {{ name: l, key: [\"header:x-user\"], requests: 100000, window: 1m }}\n",
-        store = cluster.store_yaml(),
-        url = upstream.url(),
-    );
-    let (a, b) = (Sluice::start(&yaml).await, Sluice::start(&yaml).await);
-    let c = client();
-    for _ in 0..20 {
-        assert_eq!(get_at(&c, &a.url(), "/a", "mallory").await, 200);
-    }
-    assert_eq!(get_at(&c, &a.url(), "/b", "mallory").await, 200);
-    let keys: Vec<String> = all_keys(&cluster)
-        .await
-        .into_iter()
-        .map(|(_, k)| k)
-        .collect();
-    let key_a = keys
-        .iter()
-        .find(|k| k.contains(":a:l:"))
-        .expect("/a's key")
-        .clone();
-    let key_b = keys
-        .iter()
-        .find(|k| k.contains(":b:l:"))
-        .expect("/b's key")
-        .clone();
-    let slot = cluster.slot_of(&key_a).await;
+    let routes = TwoRoutes::start(
+        &cluster,
+        &upstream,
+        "      - { name: l, key: [\"header:x-user\"], requests: 100000, window: 1m }\n",
+    )
+    .await;
+    let slot = cluster.slot_of(&routes.key_a).await;
     let master = cluster.owner_of(slot).await;
     let replica = cluster.replica_of(master).await;
-
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (ok_b, failed_b) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let mut load = Vec::new();
-    for worker in 0..4 {
-        let url = if worker % 2 == 0 { a.url() } else { b.url() };
-        let (stop, ok_b, failed_b) = (stop.clone(), ok_b.clone(), failed_b.clone());
-        load.push(tokio::spawn(async move {
-            let c = client();
-            let started = Instant::now();
-            for _ in 0..5_000 {
-                if stop.load(Ordering::Relaxed) || started.elapsed() > Duration::from_secs(30) {
-                    break;
-                }
-                match get_at(&c, &url, "/b", "mallory").await {
-                    200 => ok_b.fetch_add(1, Ordering::Relaxed),
-                    _ => failed_b.fetch_add(1, Ordering::Relaxed),
-                };
-                tokio::time::sleep(Duration::from_millis(3)).await;
-            }
-        }));
-    }
+    let load = routes.load();
 
     // A coordinated failover: the replica catches up with its master, then takes its slots.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -473,36 +488,20 @@ async fn a_replica_promoted_under_load_keeps_the_log() {
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     // After the failover: 40 concurrent attempts on `/a`, which has 20 left.
-    let attempts: Vec<_> = (0..40)
-        .map(|i| {
-            let url = if i % 2 == 0 { a.url() } else { b.url() };
-            tokio::spawn(async move { get_at(&client(), &url, "/a", "mallory").await })
-        })
-        .collect();
-    let mut after = Vec::new();
-    for attempt in attempts {
-        after.push(attempt.await.expect("an attempt"));
-    }
+    let after = routes.attempts_on_a().await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in load {
-        task.await.expect("load task");
-    }
+    let (ok_b, failed_b) = load.finish().await;
 
     let evalsha_new = cluster.nodes[replica].commandstat("evalsha").await;
     assert!(evalsha_new > 0, "no decision reached the promoted replica");
     assert_eq!(after.iter().filter(|s| **s == 200).count(), 20, "{after:?}");
     assert_eq!(after.iter().filter(|s| **s == 429).count(), 20, "{after:?}");
-    assert_eq!(log_len(&cluster, &key_a).await, 40);
-    let (ok_b, failed_b) = (
-        ok_b.load(Ordering::Relaxed),
-        failed_b.load(Ordering::Relaxed),
-    );
+    assert_eq!(log_len(&cluster, &routes.key_a).await, 40);
     eprintln!("/b across the failover: {ok_b} admitted, {failed_b} failed");
     assert!(ok_b > 100, "too little load on /b: {ok_b}");
     // Decisions refused while the master paused its clients for the handover answer 503
     // (on_store_error: deny); none may be admitted without being recorded.
-    assert_eq!(log_len(&cluster, &key_b).await, ok_b as i64 + 1);
+    assert_eq!(log_len(&cluster, &routes.key_b).await, ok_b as i64 + 1);
     assert!(
         failed_b * 20 <= ok_b,
         "{failed_b} of {} decisions failed",
