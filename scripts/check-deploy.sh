@@ -16,12 +16,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v promtool >/dev/null 2>&1; then
-  echo "promtool not found; installing Debian's prometheus package" >&2
-  sudo=""
+apt_install() {
+  local sudo=""
   if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
   $sudo apt-get update -qq
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+if ! command -v promtool >/dev/null 2>&1; then
+  echo "promtool not found; installing Debian's prometheus package" >&2
+  apt_install prometheus
+fi
+# Debian's python3 makes virtual environments only with python3-venv (ensurepip).
+if ! python3 -c 'import ensurepip' >/dev/null 2>&1; then
+  echo "python3 cannot make a virtual environment; installing Debian's python3-venv" >&2
+  apt_install python3-venv
 fi
 
 tools=target/ci-tools
