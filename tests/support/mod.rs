@@ -235,16 +235,32 @@ impl Redis {
     /// Calls of one command since start or the last `CONFIG RESETSTAT`, from
     /// `INFO commandstats` (e.g. `commandstat("evalsha")`).
     pub async fn commandstat(&self, command: &str) -> u64 {
-        let info = match self.cmd(&["INFO", "commandstats"]).await {
+        self.try_commandstat(command)
+            .await
+            .unwrap_or_else(|e| panic!("INFO commandstats failed: {e}"))
+    }
+
+    /// [`Redis::commandstat`], or the error, for polling a node that may drop its clients
+    /// (a replica being promoted: Sentinel disconnects its clients).
+    pub async fn try_commandstat(&self, command: &str) -> Result<u64, String> {
+        let value = command_with_password(
+            self.port,
+            self.password.as_deref(),
+            &["INFO", "commandstats"],
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let info = match value {
             redis::Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
             redis::Value::VerbatimString { text, .. } => text,
-            other => panic!("INFO answered {other:?}"),
+            other => return Err(format!("INFO answered {other:?}")),
         };
         let prefix = format!("cmdstat_{command}:calls=");
-        info.lines()
+        Ok(info
+            .lines()
             .find_map(|line| line.strip_prefix(&prefix))
             .and_then(|rest| rest.split(',').next())
-            .map_or(0, |calls| calls.parse().expect("a call count"))
+            .map_or(0, |calls| calls.parse().expect("a call count")))
     }
 
     /// All keys in db 0 (KEYS *).
