@@ -72,6 +72,8 @@ async fn health_readiness_and_metrics() {
         support::closed_port(),
     ))
     .await;
+    // Redis is stopped at the end to see /readyz fail.
+    sluice.expect_store_faults();
     let c = support::client();
     let admin = sluice.admin_url();
 

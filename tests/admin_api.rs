@@ -512,6 +512,7 @@ fn sluice_refuses_to_start_without_a_token_it_needs() {
 async fn while_redis_is_down_the_local_fallback_answers_and_is_reset() {
     let mut store = Store::start(StoreKind::Redis).await;
     let sluice = start(&store).await;
+    sluice.expect_store_faults();
     let c = support::client();
     store.redis.as_mut().expect("redis").stop();
     // Failures open the breaker; from then on the in-process fallback decides (local is the

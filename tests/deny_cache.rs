@@ -13,9 +13,10 @@ const LIMIT: usize = 5;
 const WINDOW: Duration = Duration::from_secs(1);
 const RUN_FOR: Duration = Duration::from_secs(4);
 const CLIENTS: usize = 32;
-/// Clock and scheduling slack between the test's clock and Redis's decisions: an admitted
-/// request can reach the upstream late on a loaded machine (30 ms was seen exceeded while
-/// other builds ran). A cache 150 ms stale still fails the test.
+/// Slack for the over-denial check: a rejection counts as justified when `LIMIT` admissions
+/// may have been in the window up to this much before it (the cache's deadline and the test's
+/// clock are read at slightly different moments on a loaded machine). A cache 150 ms stale
+/// still fails the test.
 const MARGIN: Duration = Duration::from_millis(80);
 
 /// One response: when the request left, when its answer came back, and whether it passed.
@@ -97,15 +98,14 @@ routes:
     );
 
     // No over-admission: the upstream never saw more than the limit in any window.
-    let arrivals = up.arrivals();
-    assert_eq!(arrivals.len(), admitted.len());
-    for (i, first) in arrivals.iter().enumerate() {
-        let within = arrivals[i..]
-            .iter()
-            .take_while(|t| **t < *first + WINDOW - MARGIN)
-            .count();
-        assert!(within <= LIMIT, "{within} arrivals within one window");
-    }
+    assert_eq!(up.hits(), admitted.len());
+    let spans: Vec<(Instant, Instant)> = admitted.iter().map(|e| (e.sent, e.answered)).collect();
+    let tightest = support::tightest_admissions(&spans, LIMIT + 1);
+    assert!(
+        tightest.is_none_or(|span| span >= WINDOW),
+        "{} admissions were decided within {tightest:?}",
+        LIMIT + 1
+    );
 
     // No over-denial: every rejected request was decided while at least LIMIT admissions
     // were in the window before it. An admission happened between its `sent` and
@@ -133,10 +133,20 @@ routes:
         admitted.len()
     );
 
-    let per_rejection = evalsha as f64 / rejected as f64;
+    // A key's denial is remembered until its oldest entry leaves the window; then every
+    // client in flight may miss the cache once before the next call remembers a new denial.
+    // So the calls are bounded by the admissions (the windows that opened), not by the flood:
+    // without the cache every one of the requests would be a call.
+    let bound = (admitted.len() + 2) * CLIENTS;
     assert!(
-        per_rejection < 0.05,
-        "{per_rejection:.3} Redis calls per rejected request"
+        bound < exchanges.len(),
+        "the flood was too thin to tell: {} requests against a bound of {bound} calls",
+        exchanges.len()
+    );
+    assert!(
+        evalsha as usize <= bound,
+        "{evalsha} Redis calls for {} admissions and {rejected} rejections (bound {bound})",
+        admitted.len()
     );
     let answered_from_cache: f64 = [&a, &b]
         .iter()
@@ -148,9 +158,12 @@ routes:
         .await
         .iter()
         .sum();
-    assert!(
-        answered_from_cache >= rejected as f64 * 0.95,
-        "{answered_from_cache}"
+    // Every rejection was answered either by a Redis call that did not admit, or from memory.
+    assert_eq!(
+        answered_from_cache as usize,
+        rejected - (evalsha as usize - admitted.len()),
+        "rejections answered from memory: {rejected} rejected, {evalsha} calls, {} admitted",
+        admitted.len()
     );
 }
 
@@ -180,13 +193,13 @@ async fn a_cached_rejection_carries_the_exact_wait_and_fields() {
     assert_eq!(send().await.unwrap().status(), 200);
     let from_redis = send().await.unwrap();
     assert_eq!(from_redis.status(), 429);
-    redis.cmd(&["CONFIG", "RESETSTAT"]).await;
+    let monitor = redis.monitor().await;
     let cached = send().await.unwrap();
     assert_eq!(cached.status(), 429);
     assert_eq!(
-        redis.commandstat("evalsha").await,
-        0,
-        "answered from memory"
+        monitor.commands().await,
+        Vec::<String>::new(),
+        "answered from memory: no command of any kind reached Redis"
     );
 
     let retry =

@@ -124,6 +124,7 @@ async fn redis_killed_under_load_local_and_allow_keep_serving_then_redis_decides
     let mut redis = Redis::start().await;
     let upstream = Upstream::start().await;
     let sluice = Sluice::start(&three_routes(&redis, &upstream)).await;
+    sluice.expect_store_faults();
     let stop = Arc::new(AtomicBool::new(false));
     let (tasks, seen) = steady_load(&sluice, &["local", "allow", "deny"], Arc::clone(&stop));
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -217,6 +218,7 @@ async fn a_hung_redis_costs_a_few_requests_the_timeout_then_none() {
     let redis = Redis::start().await;
     let upstream = Upstream::start().await;
     let sluice = Sluice::start(&three_routes(&redis, &upstream)).await;
+    sluice.expect_store_faults();
     assert_eq!(statuses(&sluice, "local", "warm", 1).await, [200]);
     redis.cmd(&["CLIENT", "PAUSE", "5000", "ALL"]).await;
 

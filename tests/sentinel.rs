@@ -177,6 +177,7 @@ async fn follows(failover: Failover) {
     let mut cluster = SentinelCluster::start().await;
     let up = Upstream::start().await;
     let sluice = Sluice::start(&config(&cluster.nodes(), &up.url())).await;
+    sluice.expect_store_faults();
     let url = sluice.url();
     let new_port = cluster.first_replica.port();
 
@@ -428,6 +429,7 @@ async fn passwords_for_the_nodes_and_the_sentinels() {
     // Without the sentinels' password no master is found, and limited requests get 503.
     let without = with_passwords.replace("      sentinel_password: sentinel-secret\n", "");
     let refused = Sluice::start(&without).await;
+    refused.expect_store_faults();
     assert_eq!(statuses(&refused.url(), "/x", "k", 2).await, vec![503; 2]);
     assert_eq!(cluster.first_master.commandstat("evalsha").await, 3);
 }

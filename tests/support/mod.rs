@@ -263,6 +263,71 @@ impl Redis {
             .map_or(0, |calls| calls.parse().expect("a call count")))
     }
 
+    /// Starts watching every command clients send to this server (`MONITOR`), until
+    /// [`Monitor::commands`]. Unlike per-command statistics, it sees commands no test thought
+    /// to name, and unlike `total_commands_processed`, it tells a client's command from the
+    /// ones a script ran inside (`[0 lua]`).
+    pub async fn monitor(&self) -> Monitor {
+        let mut stream = self
+            .raw_connection()
+            .await
+            .unwrap_or_else(|e| panic!("connect to redis for MONITOR: {e}"));
+        stream
+            .write_all(b"*1\r\n$7\r\nMONITOR\r\n")
+            .await
+            .expect("send MONITOR");
+        let mut lines = tokio::io::BufReader::new(stream);
+        let mut line = String::new();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !line.starts_with("+OK") {
+                line.clear();
+                let n = tokio::io::AsyncBufReadExt::read_line(&mut lines, &mut line)
+                    .await
+                    .expect("read MONITOR's answer");
+                assert!(n > 0, "redis closed the MONITOR connection");
+            }
+        })
+        .await
+        .expect("MONITOR answered within 5 s");
+        let marker = format!("sluice-test-monitor-end-{}", free_port());
+        let end = format!("\"ECHO\" \"{marker}\"");
+        let task = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let mut line = String::new();
+            loop {
+                line.clear();
+                let n = tokio::io::AsyncBufReadExt::read_line(&mut lines, &mut line)
+                    .await
+                    .expect("read from MONITOR");
+                assert!(n > 0, "redis closed the MONITOR connection");
+                if line.contains(&end) {
+                    return seen;
+                }
+                // `+1700000000.123456 [0 127.0.0.1:54321] "EVALSHA" "…"`; `[0 lua]` for a
+                // command a script ran.
+                let Some((source, command)) = line.split_once("] ") else {
+                    continue;
+                };
+                if !source.ends_with(" lua") {
+                    let name = command.split('"').nth(1).unwrap_or_default();
+                    seen.push(name.to_ascii_uppercase());
+                }
+            }
+        });
+        Monitor {
+            redis_port: self.port,
+            password: self.password.clone(),
+            marker,
+            task,
+        }
+    }
+
+    /// A plain socket to this server, authenticated when it has a password: no client
+    /// library, whose connection would send commands of its own (`CLIENT SETINFO`).
+    async fn raw_connection(&self) -> std::io::Result<tokio::net::TcpStream> {
+        raw_redis_connection(self.port, self.password.as_deref()).await
+    }
+
     /// All keys in db 0 (KEYS *).
     pub async fn keys(&self) -> Vec<String> {
         let client = redis::Client::open(self.url()).expect("redis client");
@@ -290,6 +355,53 @@ impl Drop for Redis {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// A running `MONITOR` on one Redis (see [`Redis::monitor`]).
+pub struct Monitor {
+    redis_port: u16,
+    password: Option<String>,
+    marker: String,
+    task: JoinHandle<Vec<String>>,
+}
+
+impl Monitor {
+    /// Ends the watch: the names of the commands clients sent since it started, in order
+    /// (upper case), without those scripts ran inside. A marker command sent last tells the
+    /// end, so nothing sent before this call is missed.
+    pub async fn commands(self) -> Vec<String> {
+        let mut stream = raw_redis_connection(self.redis_port, self.password.as_deref())
+            .await
+            .expect("connect to redis to end MONITOR");
+        let echo = format!(
+            "*2\r\n$4\r\nECHO\r\n${}\r\n{}\r\n",
+            self.marker.len(),
+            self.marker
+        );
+        stream.write_all(echo.as_bytes()).await.expect("send ECHO");
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("MONITOR saw its end marker within 10 s")
+            .expect("MONITOR reader")
+    }
+}
+
+/// A plain socket to the Redis on `port`, with `AUTH` first when there is a password.
+async fn raw_redis_connection(
+    port: u16,
+    password: Option<&str>,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    if let Some(password) = password {
+        let auth = format!("*2\r\n$4\r\nAUTH\r\n${}\r\n{password}\r\n", password.len());
+        stream.write_all(auth.as_bytes()).await?;
+        let mut answer = [0u8; 5];
+        stream.read_exact(&mut answer).await?;
+        if &answer != b"+OK\r\n" {
+            return Err(std::io::Error::other("AUTH refused"));
+        }
+    }
+    Ok(stream)
 }
 
 // ---------------------------------------------------------------------------
@@ -820,6 +932,11 @@ pub struct Sluice {
     dir: tempfile::TempDir,
     config_path: PathBuf,
     log_path: PathBuf,
+    /// The config names a Redis store (standalone, Sentinel or Cluster): when the test ends,
+    /// the guard in `Drop` checks that Redis decided every request (see `check_store_decided`).
+    redis_store: bool,
+    /// Set by `expect_store_faults`: the test makes the store fail on purpose.
+    store_faults_expected: std::sync::atomic::AtomicBool,
 }
 
 impl Sluice {
@@ -876,6 +993,8 @@ impl Sluice {
             dir,
             config_path,
             log_path,
+            redis_store: names_redis_store(yaml_rest),
+            store_faults_expected: std::sync::atomic::AtomicBool::new(false),
         };
         let c = client();
         let deadline = Instant::now() + Duration::from_secs(15);
@@ -981,6 +1100,9 @@ impl Sluice {
 
 impl Drop for Sluice {
     fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.check_store_decided();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
         if std::thread::panicking() {
@@ -992,6 +1114,123 @@ impl Drop for Sluice {
             );
         }
     }
+}
+
+impl Sluice {
+    /// Declares that this test makes the store fail on purpose (a stopped Redis, a failover,
+    /// a flushed script cache), so the end-of-test guard accepts store errors and decisions
+    /// made without the store.
+    pub fn expect_store_faults(&self) {
+        self.store_faults_expected
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The harness's guard for every test with a Redis store: with `on_store_error: local`
+    /// (the default) a failing Redis call is decided in process with the same arithmetic, so
+    /// statuses and headers alone cannot show that Redis decided. When the test ends, sluice's
+    /// own counters must say that no store call failed and nothing was decided without the
+    /// store, unless the test declared `expect_store_faults`.
+    fn check_store_decided(&mut self) {
+        if !self.redis_store
+            || self
+                .store_faults_expected
+                .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
+        // A test that stopped sluice itself (SIGTERM) has no metrics left to read.
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
+        }
+        let text = blocking_get(self.admin_port, "/metrics").unwrap_or_else(|e| {
+            panic!(
+                "store guard: GET /metrics failed: {e}\nlog:\n{}",
+                self.log()
+            )
+        });
+        let all = parse_metrics(&text);
+        for (name, labels) in [
+            ("sluice_store_errors_total", &[][..]),
+            ("sluice_store_fallback_decisions_total", &[][..]),
+            (
+                "sluice_store_breaker_transitions_total",
+                &[("to", "open")][..],
+            ),
+        ] {
+            let value = metric_sum(&all, name, labels);
+            assert!(
+                value == 0.0,
+                "store guard: {name}{labels:?} = {value}: a request was not decided by Redis. \
+                 A test that makes the store fail on purpose calls `sluice.expect_store_faults()`.\n\
+                 metrics:\n{}\nlog:\n{}",
+                samples(&all, name, &[])
+                    .iter()
+                    .map(|s| format!("{s:?}"))
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+                self.log()
+            );
+        }
+    }
+}
+
+/// Whether a config's `store:` section names Redis (`redis:` standalone, Sentinel or Cluster).
+fn names_redis_store(yaml: &str) -> bool {
+    let mut in_store = false;
+    for line in yaml.lines() {
+        if !line.starts_with(' ') && !line.trim().is_empty() {
+            in_store = line.starts_with("store:");
+        }
+        if in_store && line.trim_start().starts_with("redis:") {
+            return true;
+        }
+    }
+    false
+}
+
+/// A blocking `GET path` on 127.0.0.1:`port` over HTTP/1.1 (for `Drop`, which cannot await):
+/// the body of a 200 answer.
+fn blocking_get(port: u16, path: &str) -> Result<String, String> {
+    let mut stream =
+        std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|e| e.to_string())?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("no end of head in {text:?}"))?;
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(format!("answered {head}"));
+    }
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return Ok(dechunk(body));
+    }
+    Ok(body.to_owned())
+}
+
+/// The payload of a chunked body.
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    out
 }
 
 fn proc_status_kb(pid: u32, field: &str) -> u64 {
@@ -1638,4 +1877,28 @@ impl RedisCluster {
             other => panic!("CLUSTER COUNTKEYSINSLOT answered {other:?}"),
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Exactness from the client's side
+// ---------------------------------------------------------------------------
+
+/// The shortest time that surely holds the decisions of `n` admissions, each known only to
+/// have been decided between its request's sending and its answer: over every choice of `n`,
+/// the latest answer less the earliest sending. `None` with fewer than `n`.
+pub fn tightest_admissions(admissions: &[(Instant, Instant)], n: usize) -> Option<Duration> {
+    admissions
+        .iter()
+        .filter_map(|&(first_sent, _)| {
+            // With the earliest sending fixed, the best choice is the `n` earliest answers
+            // among the requests sent no earlier.
+            let mut answers: Vec<Instant> = admissions
+                .iter()
+                .filter(|&&(sent, _)| sent >= first_sent)
+                .map(|&(_, answered)| answered)
+                .collect();
+            answers.sort();
+            answers.get(n - 1).map(|&last| last - first_sent)
+        })
+        .min()
 }
