@@ -327,7 +327,7 @@ async fn a_reload_on_request_applies_a_good_file_and_refuses_a_bad_one() {
     let head: String = original.lines().take(2).map(|l| format!("{l}\n")).collect();
     let one = "routes:\n  - name: api\n    match: { path_prefix: /api }\n    respond: { status: 200 }\n    limits:\n      - { name: per-key, key: [\"header:x-api-key\"], requests: 1, window: 1d }\n";
     let text = format!("{head}{}{one}", admin_section());
-    std::fs::write(sluice.config_path(), &text).expect("rewrite");
+    support::replace_file(sluice.config_path(), &text);
     let (status, body) = admin(&c, &sluice, reqwest::Method::POST, "/admin/v1/reload").await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["applied"], true);
@@ -343,11 +343,10 @@ async fn a_reload_on_request_applies_a_good_file_and_refuses_a_bad_one() {
     assert!(reloads(&sluice, "ok").await >= 1.0);
 
     let bad = one.replace("requests: 1,", "requests: many,");
-    std::fs::write(
+    support::replace_file(
         sluice.config_path(),
-        format!("{head}{}{bad}", admin_section()),
-    )
-    .expect("rewrite");
+        &format!("{head}{}{bad}", admin_section()),
+    );
     let (status, body) = admin(&c, &sluice, reqwest::Method::POST, "/admin/v1/reload").await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(body["applied"], false);

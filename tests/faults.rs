@@ -130,7 +130,16 @@ async fn redis_killed_under_load_local_and_allow_keep_serving_then_redis_decides
     tokio::time::sleep(Duration::from_millis(700)).await;
 
     redis.stop();
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // The breaker opens after the failures the load meets.
+    support::wait_for(
+        Duration::from_secs(10),
+        "the store's breaker to open",
+        || async {
+            let metrics = parse_metrics(&sluice.metrics().await);
+            metric_sum(&metrics, "sluice_store_fallback_active", &[]) == 1.0
+        },
+    )
+    .await;
     // During the outage: `local` still limits, on this instance's own count; `allow` admits.
     let local = statuses(&sluice, "local", "outage-key", 8).await;
     assert_eq!(

@@ -228,7 +228,7 @@ async fn a_reload_that_turns_http2_on_replaces_the_upstream_client() {
     assert_eq!(plain().await, 502);
     let path = sluice.config_path();
     let text = std::fs::read_to_string(path).unwrap();
-    std::fs::write(path, text.replace("http2: false", "http2: true")).unwrap();
+    support::replace_file(path, &text.replace("http2: false", "http2: true"));
     // The pooled HTTP/1.1 client must not be kept for the same address.
     support::wait_for(
         STEP,

@@ -452,7 +452,7 @@ async fn prometheus_scrapes_sluice_and_the_dashboard_and_alerts_query_real_serie
         .await;
 
     // A refused reload, through the counter to the alert.
-    std::fs::write(sluice.config_path(), "listen: [not, an, address]\n").expect("rewrite");
+    support::replace_file(sluice.config_path(), "listen: [not, an, address]\n");
     prometheus
         .wait_value(r#"sluice_config_reloads_total{result="error"}"#, 1.0)
         .await;

@@ -46,8 +46,15 @@ fn head(sluice: &Sluice) -> String {
     text.lines().take(2).map(|l| format!("{l}\n")).collect()
 }
 
-/// Rewrites the config file in place (same inode), as `echo >` does.
+/// Replaces the config file through a rename: the reload poll never reads half of it.
 fn rewrite(sluice: &Sluice, rest: &str) -> String {
+    let text = format!("{}{rest}", head(sluice));
+    support::replace_file(sluice.config_path(), &text);
+    text
+}
+
+/// Rewrites the config file in place (same inode), as `echo >` does.
+fn rewrite_in_place(sluice: &Sluice, rest: &str) -> String {
     let text = format!("{}{rest}", head(sluice));
     std::fs::write(sluice.config_path(), &text).expect("write the config");
     text
@@ -203,7 +210,7 @@ async fn a_valid_change_takes_effect_within_a_second() {
     let c = client();
     assert_eq!(policy_q(&c, &sluice).await, 3);
 
-    rewrite(&sluice, &limited(6, "1m"));
+    rewrite_in_place(&sluice, &limited(6, "1m"));
     let written = Instant::now();
     while policy_q(&c, &sluice).await != 6 {
         assert!(
@@ -304,7 +311,10 @@ async fn changing_listen_is_refused_whole() {
         1,
     );
     assert_ne!(moved, head, "test bug: listen line not found");
-    std::fs::write(sluice.config_path(), format!("{moved}{}", limited(6, "1m"))).unwrap();
+    support::replace_file(
+        sluice.config_path(),
+        &format!("{moved}{}", limited(6, "1m")),
+    );
     wait_reloads(&sluice, "error", 1.0).await;
 
     error_line(
@@ -326,7 +336,7 @@ async fn changing_listen_is_refused_whole() {
     );
 
     let server = format!("{head}server:\n  idle_timeout: 5s\n{}", limited(6, "1m"));
-    std::fs::write(sluice.config_path(), server).unwrap();
+    support::replace_file(sluice.config_path(), &server);
     wait_reloads(&sluice, "error", 2.0).await;
     error_line(
         &sluice,

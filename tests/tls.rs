@@ -43,13 +43,6 @@ fn der_of(pem: &str) -> Vec<u8> {
         .to_vec()
 }
 
-/// Writes `contents` to `path` through a rename, as deploy tools replace files.
-fn replace_file(path: &Path, contents: &str) {
-    let staging = path.with_extension("new");
-    std::fs::write(&staging, contents).unwrap();
-    std::fs::rename(&staging, path).unwrap();
-}
-
 /// A directory holding the files of one test.
 struct Files {
     dir: tempfile::TempDir,
@@ -349,8 +342,8 @@ async fn a_rotated_certificate_serves_new_connections_and_open_ones_keep_working
     assert_eq!(peer_cert(&response), der_of(&first.cert));
 
     let second = ca.server("sluice second");
-    replace_file(&key, &second.key);
-    replace_file(&cert, &second.cert);
+    support::replace_file(&key, &second.key);
+    support::replace_file(&cert, &second.cert);
     wait_for(Duration::from_secs(10), "the new certificate", || async {
         let fresh = https_client(&ca.pem(), sluice.addr()).build().unwrap();
         match fresh.get(&url).send().await {
@@ -401,8 +394,8 @@ async fn a_bad_new_certificate_is_refused_and_the_old_one_keeps_serving() {
         (other.cert.clone(), good.key.clone()),
     ];
     for (round, (bad_cert, bad_key)) in bad_pairs.iter().enumerate() {
-        replace_file(&key, bad_key);
-        replace_file(&cert, bad_cert);
+        support::replace_file(&key, bad_key);
+        support::replace_file(&cert, bad_cert);
         let want = (round + 1) as f64;
         wait_for(
             Duration::from_secs(10),
@@ -418,7 +411,7 @@ async fn a_bad_new_certificate_is_refused_and_the_old_one_keeps_serving() {
     assert!(sluice.log().contains("new TLS certificate refused"));
 
     // A good pair after the bad ones is taken.
-    replace_file(&key, &other.key);
+    support::replace_file(&key, &other.key);
     wait_for(Duration::from_secs(10), "the good pair", || async {
         let fresh = https_client(&ca.pem(), sluice.addr()).build().unwrap();
         match fresh.get(&url).send().await {

@@ -1358,6 +1358,16 @@ pub fn sluice_check(path: &Path) -> (ExitStatus, String, String) {
     (out.status, out.stdout, out.stderr)
 }
 
+/// Writes `contents` to `path` through a rename, as deploy tools replace files: a reader
+/// (sluice's reload poll) sees the old file or the new one, never half of one.
+pub fn replace_file(path: &Path, contents: &str) {
+    let staging = path.with_extension("staged");
+    std::fs::write(&staging, contents)
+        .unwrap_or_else(|e| panic!("write {}: {e}", staging.display()));
+    std::fs::rename(&staging, path)
+        .unwrap_or_else(|e| panic!("rename {} to {}: {e}", staging.display(), path.display()));
+}
+
 /// Write `contents` to a fresh `.yaml` temp file and return it (keep it alive).
 pub fn write_config(contents: &str) -> tempfile::NamedTempFile {
     let mut f = tempfile::Builder::new()
