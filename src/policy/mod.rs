@@ -104,6 +104,8 @@ pub struct Route {
     pub limits: Vec<Limit>,
     /// Largest request body forwarded, in bytes; `None`: unlimited.
     pub max_body: Option<u64>,
+    /// How fast the request body must arrive.
+    pub body_pace: BodyPace,
     /// What to do when the store cannot decide.
     pub on_store_error: OnStoreError,
     /// Which rate-limit fields responses carry.
@@ -114,6 +116,38 @@ pub struct Route {
     /// or when some limit has conditions (the field then lists what applied to a request).
     pub rate_limit_policy: Option<HeaderValue>,
     pub metrics: RouteMetrics,
+}
+
+/// How fast a request body must arrive, so that a client trickling bytes cannot hold an
+/// upstream connection for as long as it likes (an idle timeout never fires while a byte
+/// arrives now and then). Both bounds count from when the body is first read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodyPace {
+    /// The whole body must have arrived within this.
+    pub timeout: Duration,
+    /// After `grace`, at least this many bytes a second on average; 0: no minimum. Like
+    /// Apache's `mod_reqtimeout` `MinRate`: each `min_rate` bytes received earn one more
+    /// second beyond the grace.
+    pub min_rate: u64,
+    pub grace: Duration,
+}
+
+impl BodyPace {
+    /// When a body first read at `started`, of which `received` bytes have arrived, is too
+    /// slow if it has not ended yet.
+    pub fn due(&self, started: std::time::Instant, received: u64) -> std::time::Instant {
+        let whole = started + self.timeout;
+        if self.min_rate == 0 {
+            return whole;
+        }
+        let earned_micros = u128::from(received) * 1_000_000 / u128::from(self.min_rate);
+        let earned = Duration::from_micros(u64::try_from(earned_micros).unwrap_or(u64::MAX));
+        whole.min(
+            started
+                .checked_add(self.grace.saturating_add(earned))
+                .unwrap_or(whole),
+        )
+    }
 }
 
 pub enum Action {
@@ -246,6 +280,11 @@ impl Policy {
                     matcher: Matcher::new(&route.matcher),
                     action,
                     max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
+                    body_pace: BodyPace {
+                        timeout: route.body_timeout.unwrap_or(config.server.body_timeout).0,
+                        min_rate: route.body_min_rate.unwrap_or(config.server.body_min_rate).0,
+                        grace: config.server.body_rate_grace.0,
+                    },
                     on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
                     response_headers: route.response_headers.unwrap_or(config.response_headers),
                     max_delayed: route
