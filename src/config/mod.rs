@@ -57,6 +57,11 @@ pub const DEFAULT_MAX_HEADERS: u32 = 100;
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 10_000;
 /// Default time a client has to send its request headers.
 pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// Default prefix length IPv6 client addresses are grouped by in a limit's key: one /64 is
+/// what a single subscriber is usually given (RFC 6177), so one client, one bucket.
+pub const DEFAULT_IPV6_PREFIX: u32 = 64;
+/// Default prefix length IPv4 client addresses are grouped by: each address apart.
+pub const DEFAULT_IPV4_PREFIX: u32 = 32;
 /// Default time a connection may go without sending or receiving a byte.
 pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 60_000;
 /// Default time the whole of a request body gets to arrive, from when sluice starts reading it.
@@ -504,6 +509,15 @@ pub struct LimitConfig {
     /// Count only the requests whose response status matches; the others are given back.
     #[schemars(with = "Option<CountConfig>")]
     pub count: Option<Spanned<CountConfig>>,
+    /// The client address counts by its network of this many bits when it is IPv6 (1 to
+    /// 128; 64 by default), in a `client_ip` key part and the client-IP fallback alike.
+    #[serde(default)]
+    #[schemars(schema_with = "schema::prefix_within::<1, 128>")]
+    pub ipv6_prefix: Option<Spanned<u32>>,
+    /// The same for IPv4 addresses, IPv4-mapped IPv6 ones included (1 to 32; 32 by default).
+    #[serde(default)]
+    #[schemars(schema_with = "schema::prefix_within::<1, 32>")]
+    pub ipv4_prefix: Option<Spanned<u32>>,
 }
 
 /// A limit's `count:`: which outcomes it counts.
