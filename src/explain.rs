@@ -202,6 +202,17 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
                 describe(missing)
             );
         }
+        let counts_client =
+            keys::missing_part(limit, &request).is_some() || limit.key.contains(&KeyPart::ClientIp);
+        if counts_client {
+            let (network, bits) = keys::client_network(client_ip, limit.client_prefix);
+            let _ = writeln!(
+                out,
+                "    client address counted as {network}/{bits} (IPv6 grouped by /{}, IPv4 by /{}: \
+                 ipv6_prefix, ipv4_prefix)",
+                limit.client_prefix.ipv6, limit.client_prefix.ipv4
+            );
+        }
         let _ = writeln!(out, "    store key: {}", check.key);
         if cluster {
             let _ = writeln!(

@@ -8,7 +8,11 @@
 //!
 //! The client IP is the TCP peer, unless the peer is a trusted proxy: then it is the
 //! rightmost address in the forwarded-for header that is not itself a trusted proxy (clients
-//! write the left part of that header freely, so it is never believed).
+//! write the left part of that header freely, so it is never believed). A key counts it by
+//! its network, the limit's `ipv6_prefix` (a /64 by default: one subscriber's usual share,
+//! which would otherwise be 2^64 buckets) or `ipv4_prefix` (/32); an IPv4-mapped IPv6
+//! address is the IPv4 client. Written `ip=2001:db8:1:2::/64`, or bare when the prefix is the
+//! whole address (`ip=192.0.2.7`).
 //!
 //! A value taken from the request is written as it came (with the key's separators escaped)
 //! only when it is short and printable; anything longer than [`MAX_RAW_VALUE`] bytes, or with
@@ -25,7 +29,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::{ForwardedHeader, IpNet, KeyPart};
 use crate::limiter::Check;
-use crate::policy::{Limit, Matcher, Route};
+use crate::policy::{ClientPrefix, Limit, Matcher, Route};
 
 /// What the parts of a key are read from: the request (its path already canonical) and the
 /// client's address.
@@ -87,6 +91,33 @@ pub fn client_ip(
     client
 }
 
+/// The network `ip` counts as under `prefix`, and its prefix length: an IPv4 address (an
+/// IPv4-mapped IPv6 one included) by `prefix.ipv4` bits, an IPv6 one by `prefix.ipv6`.
+pub fn client_network(ip: IpAddr, prefix: ClientPrefix) -> (IpAddr, u8) {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => {
+            let bits = prefix.ipv4.min(32);
+            let mask = u32::MAX.checked_shl(32 - u32::from(bits)).unwrap_or(0);
+            (IpAddr::V4((u32::from(v4) & mask).into()), bits)
+        }
+        IpAddr::V6(v6) => {
+            let bits = prefix.ipv6.min(128);
+            let mask = u128::MAX.checked_shl(128 - u32::from(bits)).unwrap_or(0);
+            (IpAddr::V6((u128::from(v6) & mask).into()), bits)
+        }
+    }
+}
+
+/// Writes the client's network as a key part's value: `2001:db8:1:2::/64`, or the bare
+/// address when the prefix is all of it.
+fn push_client(key: &mut String, ip: IpAddr, prefix: ClientPrefix) {
+    let (network, bits) = client_network(ip, prefix);
+    let _ = write!(key, "{network}");
+    if bits < if network.is_ipv4() { 32 } else { 128 } {
+        let _ = write!(key, "/{bits}");
+    }
+}
+
 /// Every hop of the forwarded-for chain, in order, `None` where a hop is not an address.
 fn forwarded_hops(headers: &HeaderMap, header: ForwardedHeader) -> Vec<Option<IpAddr>> {
     let values = headers
@@ -141,10 +172,16 @@ fn key(limit: &Limit, matcher: &Matcher, request: &RequestParts<'_>) -> String {
             if index > 0 {
                 key.push('|');
             }
-            push_part(&mut key, part, matcher, request);
+            push_part(&mut key, part, limit.client_prefix, matcher, request);
         }
     } else {
-        push_part(&mut key, &KeyPart::ClientIp, matcher, request);
+        push_part(
+            &mut key,
+            &KeyPart::ClientIp,
+            limit.client_prefix,
+            matcher,
+            request,
+        );
     }
     key.push('}');
     key
@@ -209,10 +246,17 @@ fn present(part: &KeyPart, request: &RequestParts<'_>) -> bool {
     }
 }
 
-fn push_part(key: &mut String, part: &KeyPart, matcher: &Matcher, request: &RequestParts<'_>) {
+fn push_part(
+    key: &mut String,
+    part: &KeyPart,
+    prefix: ClientPrefix,
+    matcher: &Matcher,
+    request: &RequestParts<'_>,
+) {
     match part {
         KeyPart::ClientIp => {
-            let _ = write!(key, "ip={}", request.client_ip);
+            key.push_str("ip=");
+            push_client(key, request.client_ip, prefix);
         }
         KeyPart::Header(name) => {
             let _ = write!(key, "h:{name}=");
@@ -406,6 +450,7 @@ mod tests {
             count: None,
             key_prefix: "sluice:r:l:".to_owned(),
             when: Vec::new(),
+            client_prefix: ClientPrefix::default(),
             metrics: metrics.for_limit("r", "l"),
         }
     }
@@ -651,5 +696,105 @@ mod tests {
             key_of(&limit, "/?x=1&%6Bey=a%20b/c", &HeaderMap::new())
         );
         assert_ne!(plain, key_of(&limit, "/?key=a+b%2Fd", &HeaderMap::new()));
+    }
+
+    fn ip_key(ip: &str, prefix: ClientPrefix) -> String {
+        let mut one = limit(vec![KeyPart::ClientIp]);
+        one.client_prefix = prefix;
+        let uri: Uri = "/".parse().unwrap();
+        let headers = HeaderMap::new();
+        let request = RequestParts {
+            method: &Method::GET,
+            uri: &uri,
+            headers: &headers,
+            client_ip: ip.parse().unwrap(),
+        };
+        let matcher = Matcher::new(&crate::config::MatchConfig {
+            path_prefix: crate::config::PathPrefix("/".to_owned()),
+            methods: Vec::new(),
+            case_sensitive: false,
+        });
+        key(&one, &matcher, &request)
+    }
+
+    #[test]
+    fn client_addresses_count_by_their_network() {
+        let default = ClientPrefix::default();
+        assert_eq!(
+            ip_key("2001:db8:1:2:aaaa::1", default),
+            "sluice:r:l:{ip=2001:db8:1:2::/64}"
+        );
+        assert_eq!(
+            ip_key("2001:db8:1:2:ffff:ffff:ffff:ffff", default),
+            ip_key("2001:db8:1:2::", default)
+        );
+        assert_ne!(
+            ip_key("2001:db8:1:3::1", default),
+            ip_key("2001:db8:1:2::1", default)
+        );
+        assert_eq!(ip_key("192.0.2.7", default), "sluice:r:l:{ip=192.0.2.7}");
+        assert_eq!(
+            ip_key("::ffff:192.0.2.7", default),
+            ip_key("192.0.2.7", default),
+            "the IPv4-mapped form is the IPv4 client"
+        );
+        let wide = ClientPrefix { ipv4: 24, ipv6: 48 };
+        assert_eq!(
+            ip_key("2001:db8:1:3::1", wide),
+            "sluice:r:l:{ip=2001:db8:1::/48}"
+        );
+        assert_eq!(ip_key("192.0.2.7", wide), "sluice:r:l:{ip=192.0.2.0/24}");
+        let whole = ClientPrefix {
+            ipv4: 32,
+            ipv6: 128,
+        };
+        assert_eq!(ip_key("2001:db8::7", whole), "sluice:r:l:{ip=2001:db8::7}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1024))]
+
+        /// The network an address counts as holds it, has no host bits, is its own network,
+        /// and two addresses share one exactly when their first `bits` bits agree; an
+        /// IPv4-mapped address counts as its IPv4 address.
+        #[test]
+        fn masking_keeps_exactly_the_prefix(
+            a in proptest::prelude::any::<u128>(),
+            b in proptest::prelude::any::<u128>(),
+            flip in 0u32..128,
+            v6 in 1u8..=128,
+            v4 in 1u8..=32,
+        ) {
+            let prefix = ClientPrefix { ipv4: v4, ipv6: v6 };
+            // Half the time `b` shares a long prefix with `a`, so both outcomes occur.
+            let b = if b % 2 == 0 { a ^ (1u128 << flip) } else { b };
+            let ip = |x: u128| IpAddr::V6(std::net::Ipv6Addr::from(x));
+            let (net, bits) = client_network(ip(a), prefix);
+            let IpAddr::V6(net6) = net else {
+                // A mapped address: its IPv4 part, by the IPv4 prefix.
+                let mapped = std::net::Ipv6Addr::from(a).to_ipv4_mapped().unwrap();
+                let (v4net, v4bits) = client_network(IpAddr::V4(mapped), prefix);
+                proptest::prop_assert_eq!((net, bits), (v4net, v4bits));
+                proptest::prop_assert_eq!(bits, v4);
+                return Ok(());
+            };
+            proptest::prop_assert_eq!(bits, v6);
+            let mask = u128::MAX.checked_shl(128 - u32::from(bits)).unwrap_or(0);
+            proptest::prop_assert_eq!(u128::from(net6), a & mask);
+            proptest::prop_assert_eq!(client_network(net, prefix), (net, bits));
+            if std::net::Ipv6Addr::from(b).to_ipv4_mapped().is_none() {
+                let same = client_network(ip(b), prefix).0 == net;
+                proptest::prop_assert_eq!(same, (a ^ b) & mask == 0);
+            }
+            let four = std::net::Ipv4Addr::from(a as u32);
+            let mapped = IpAddr::V6(four.to_ipv6_mapped());
+            proptest::prop_assert_eq!(
+                client_network(mapped, prefix),
+                client_network(IpAddr::V4(four), prefix)
+            );
+            let (net4, bits4) = client_network(IpAddr::V4(four), prefix);
+            let mask4 = u32::MAX.checked_shl(32 - u32::from(bits4)).unwrap_or(0);
+            proptest::prop_assert_eq!(net4, IpAddr::V4((a as u32 & mask4).into()));
+        }
     }
 }

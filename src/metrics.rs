@@ -71,16 +71,20 @@ pub enum Refusal {
     BodyMalformed,
     /// The body is larger than the route's `max_body` (413).
     BodyTooLarge,
+    /// The body did not arrive within the route's `body_timeout`, or fell below its
+    /// `body_min_rate` (408, or the upstream request aborted if it had answered already).
+    BodySlow,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 6] = [
+    pub const ALL: [Refusal; 7] = [
         Refusal::RequestLine,
         Refusal::HeaderCount,
         Refusal::HeaderBytes,
         Refusal::Path,
         Refusal::BodyMalformed,
         Refusal::BodyTooLarge,
+        Refusal::BodySlow,
     ];
 
     pub fn label(self) -> &'static str {
@@ -91,6 +95,7 @@ impl Refusal {
             Refusal::Path => "path",
             Refusal::BodyMalformed => "body_malformed",
             Refusal::BodyTooLarge => "body_too_large",
+            Refusal::BodySlow => "body_slow",
         }
     }
 }
@@ -252,7 +257,7 @@ impl Metrics {
         let refused = IntCounterVec::new(
             Opts::new(
                 "sluice_refused_requests_total",
-                "Requests sluice refused itself, by reason (request_line, header_count, header_bytes, path, body_malformed, body_too_large).",
+                "Requests sluice refused itself, by reason (request_line, header_count, header_bytes, path, body_malformed, body_too_large, body_slow).",
             ),
             &["reason"],
         )?;

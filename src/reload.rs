@@ -110,6 +110,12 @@ impl Fixed {
                 old.header_read_timeout == now.header_read_timeout,
             ),
             ("idle_timeout", old.idle_timeout == now.idle_timeout),
+            ("body_timeout", old.body_timeout == now.body_timeout),
+            ("body_min_rate", old.body_min_rate == now.body_min_rate),
+            (
+                "body_rate_grace",
+                old.body_rate_grace == now.body_rate_grace,
+            ),
             ("shutdown_delay", old.shutdown_delay == now.shutdown_delay),
             ("shutdown_grace", old.shutdown_grace == now.shutdown_grace),
         ];

@@ -57,8 +57,19 @@ pub const DEFAULT_MAX_HEADERS: u32 = 100;
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 10_000;
 /// Default time a client has to send its request headers.
 pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// Default prefix length IPv6 client addresses are grouped by in a limit's key: one /64 is
+/// what a single subscriber is usually given (RFC 6177), so one client, one bucket.
+pub const DEFAULT_IPV6_PREFIX: u32 = 64;
+/// Default prefix length IPv4 client addresses are grouped by: each address apart.
+pub const DEFAULT_IPV4_PREFIX: u32 = 32;
 /// Default time a connection may go without sending or receiving a byte.
 pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 60_000;
+/// Default time the whole of a request body gets to arrive, from when sluice starts reading it.
+pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 60_000;
+/// Default least average rate of a request body after the grace, in bytes a second.
+pub const DEFAULT_BODY_MIN_RATE: u64 = 1024;
+/// Default time a request body may arrive at any rate before `body_min_rate` applies.
+pub const DEFAULT_BODY_RATE_GRACE_MS: u64 = 10_000;
 /// Default time requests in flight get to finish once the listeners have closed.
 pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 10_000;
 /// Default most keys the in-process store tracks; past it, the least recently used goes.
@@ -127,6 +138,17 @@ pub struct ServerConfig {
     pub header_read_timeout: ConfigDuration,
     #[serde(default = "default_idle_timeout")]
     pub idle_timeout: ConfigDuration,
+    /// The whole request body must arrive within this, counted from when sluice starts
+    /// reading it; routes may set their own.
+    #[serde(default = "default_body_timeout")]
+    pub body_timeout: ConfigDuration,
+    /// After `body_rate_grace`, a request body must keep up an average of at least this many
+    /// bytes a second (`0`: no minimum); routes may set their own.
+    #[serde(default = "default_body_min_rate")]
+    pub body_min_rate: ByteSize,
+    /// How long a request body may arrive at any rate before `body_min_rate` applies.
+    #[serde(default = "default_body_rate_grace")]
+    pub body_rate_grace: ConfigDuration,
     /// After SIGTERM, how long `/readyz` answers 503 while the listeners still accept, so
     /// load balancers stop sending first; absent: close at once.
     pub shutdown_delay: Option<ConfigDuration>,
@@ -144,6 +166,9 @@ impl Default for ServerConfig {
             max_connections: default_max_connections(),
             header_read_timeout: default_header_read_timeout(),
             idle_timeout: default_idle_timeout(),
+            body_timeout: default_body_timeout(),
+            body_min_rate: default_body_min_rate(),
+            body_rate_grace: default_body_rate_grace(),
             shutdown_delay: None,
             shutdown_grace: default_shutdown_grace(),
         }
@@ -411,6 +436,10 @@ pub struct RouteConfig {
     pub respond: Option<Spanned<RespondConfig>>,
     /// Largest request body forwarded; overrides `server.max_body`.
     pub max_body: Option<ByteSize>,
+    /// Overrides `server.body_timeout` for this route.
+    pub body_timeout: Option<ConfigDuration>,
+    /// Overrides `server.body_min_rate` for this route (`0`: no minimum).
+    pub body_min_rate: Option<ByteSize>,
     /// Overrides `store.on_store_error` for this route.
     pub on_store_error: Option<OnStoreError>,
     /// Overrides the top-level `response_headers` for this route.
@@ -480,6 +509,15 @@ pub struct LimitConfig {
     /// Count only the requests whose response status matches; the others are given back.
     #[schemars(with = "Option<CountConfig>")]
     pub count: Option<Spanned<CountConfig>>,
+    /// The client address counts by its network of this many bits when it is IPv6 (1 to
+    /// 128; 64 by default), in a `client_ip` key part and the client-IP fallback alike.
+    #[serde(default)]
+    #[schemars(schema_with = "schema::prefix_within::<1, 128>")]
+    pub ipv6_prefix: Option<Spanned<u32>>,
+    /// The same for IPv4 addresses, IPv4-mapped IPv6 ones included (1 to 32; 32 by default).
+    #[serde(default)]
+    #[schemars(schema_with = "schema::prefix_within::<1, 32>")]
+    pub ipv4_prefix: Option<Spanned<u32>>,
 }
 
 /// A limit's `count:`: which outcomes it counts.
@@ -521,6 +559,15 @@ fn default_header_read_timeout() -> ConfigDuration {
 }
 fn default_idle_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_IDLE_TIMEOUT_MS))
+}
+fn default_body_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_BODY_TIMEOUT_MS))
+}
+fn default_body_min_rate() -> ByteSize {
+    ByteSize(DEFAULT_BODY_MIN_RATE)
+}
+fn default_body_rate_grace() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_BODY_RATE_GRACE_MS))
 }
 fn default_shutdown_grace() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_SHUTDOWN_GRACE_MS))

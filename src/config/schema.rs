@@ -188,6 +188,15 @@ pub(super) fn count_within<const MIN: u32, const MAX: u32>(_: &mut SchemaGenerat
     })
 }
 
+/// An optional prefix length bounded to `MIN..=MAX` bits.
+pub(super) fn prefix_within<const MIN: u32, const MAX: u32>(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({
+        "type": ["integer", "null"],
+        "minimum": MIN,
+        "maximum": MAX,
+    })
+}
+
 impl JsonSchema for Positive {
     fn schema_name() -> Cow<'static, str> {
         "Positive".into()

@@ -23,8 +23,8 @@ pub use self::condition::{Condition, HeaderTest};
 pub use self::matcher::Matcher;
 use crate::config::{
     Config, ConfigError, ForwardedHeader, IpNet, KeyPart, LimitConfig, Name, OnExceed,
-    OnStoreError, Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_MAX_DELAYED,
-    MAX_MAX_DELAY_MS,
+    OnStoreError, Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_IPV4_PREFIX,
+    DEFAULT_IPV6_PREFIX, DEFAULT_MAX_DELAYED, MAX_MAX_DELAY_MS,
 };
 use crate::limiter::{Algorithm, Check};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
@@ -104,6 +104,8 @@ pub struct Route {
     pub limits: Vec<Limit>,
     /// Largest request body forwarded, in bytes; `None`: unlimited.
     pub max_body: Option<u64>,
+    /// How fast the request body must arrive.
+    pub body_pace: BodyPace,
     /// What to do when the store cannot decide.
     pub on_store_error: OnStoreError,
     /// Which rate-limit fields responses carry.
@@ -114,6 +116,38 @@ pub struct Route {
     /// or when some limit has conditions (the field then lists what applied to a request).
     pub rate_limit_policy: Option<HeaderValue>,
     pub metrics: RouteMetrics,
+}
+
+/// How fast a request body must arrive, so that a client trickling bytes cannot hold an
+/// upstream connection for as long as it likes (an idle timeout never fires while a byte
+/// arrives now and then). Both bounds count from when the body is first read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodyPace {
+    /// The whole body must have arrived within this.
+    pub timeout: Duration,
+    /// After `grace`, at least this many bytes a second on average; 0: no minimum. Like
+    /// Apache's `mod_reqtimeout` `MinRate`: each `min_rate` bytes received earn one more
+    /// second beyond the grace.
+    pub min_rate: u64,
+    pub grace: Duration,
+}
+
+impl BodyPace {
+    /// When a body first read at `started`, of which `received` bytes have arrived, is too
+    /// slow if it has not ended yet.
+    pub fn due(&self, started: std::time::Instant, received: u64) -> std::time::Instant {
+        let whole = started + self.timeout;
+        if self.min_rate == 0 {
+            return whole;
+        }
+        let earned_micros = u128::from(received) * 1_000_000 / u128::from(self.min_rate);
+        let earned = Duration::from_micros(u64::try_from(earned_micros).unwrap_or(u64::MAX));
+        whole.min(
+            started
+                .checked_add(self.grace.saturating_add(earned))
+                .unwrap_or(whole),
+        )
+    }
 }
 
 pub enum Action {
@@ -150,7 +184,26 @@ pub struct Limit {
     pub key_prefix: String,
     /// All must hold for the limit to apply to a request; empty: it always applies.
     pub when: Vec<Condition>,
+    /// How client addresses are grouped in this limit's keys.
+    pub client_prefix: ClientPrefix,
     pub metrics: LimitMetrics,
+}
+
+/// The prefix lengths client addresses count by: every address of one network is one
+/// client, so a holder of an IPv6 /64 does not get 2^64 buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientPrefix {
+    pub ipv4: u8,
+    pub ipv6: u8,
+}
+
+impl Default for ClientPrefix {
+    fn default() -> Self {
+        ClientPrefix {
+            ipv4: DEFAULT_IPV4_PREFIX as u8,
+            ipv6: DEFAULT_IPV6_PREFIX as u8,
+        }
+    }
 }
 
 impl Limit {
@@ -246,6 +299,11 @@ impl Policy {
                     matcher: Matcher::new(&route.matcher),
                     action,
                     max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
+                    body_pace: BodyPace {
+                        timeout: route.body_timeout.unwrap_or(config.server.body_timeout).0,
+                        min_rate: route.body_min_rate.unwrap_or(config.server.body_min_rate).0,
+                        grace: config.server.body_rate_grace.0,
+                    },
                     on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
                     response_headers: route.response_headers.unwrap_or(config.response_headers),
                     max_delayed: route
@@ -396,6 +454,7 @@ fn check_limits(
         check_cost(limit, file, &field)?;
         check_params(route, limit, file, &field)?;
         check_shaping(limit, file, &field)?;
+        check_prefixes(limit, file, &field)?;
         let when = limit
             .when
             .iter()
@@ -507,6 +566,31 @@ fn check_shaping(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Co
                 "count.status",
                 "list at least one status or class (e.g. [401, 403] or [5xx])".to_owned(),
             );
+        }
+    }
+    Ok(())
+}
+
+/// `ipv6_prefix` and `ipv4_prefix` must fit their address. A prefix of 0 would make every
+/// client one bucket, which `key: []` says plainly.
+fn check_prefixes(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
+    for (name, prefix, bits) in [
+        ("ipv6_prefix", &limit.ipv6_prefix, 128),
+        ("ipv4_prefix", &limit.ipv4_prefix, 32),
+    ] {
+        if let Some(prefix) = prefix {
+            if !(1..=bits).contains(&prefix.value) {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(prefix),
+                    format!("{field}.{name}"),
+                    format!(
+                        "a prefix length from 1 to {bits} bits, got {} (for one bucket for \
+                         every client, use `key: []`)",
+                        prefix.value
+                    ),
+                ));
+            }
         }
     }
     Ok(())
@@ -638,9 +722,18 @@ fn build_limits(
                 ),
             },
             when,
+            client_prefix: ClientPrefix {
+                ipv4: prefix_bits(&limit.ipv4_prefix, DEFAULT_IPV4_PREFIX),
+                ipv6: prefix_bits(&limit.ipv6_prefix, DEFAULT_IPV6_PREFIX),
+            },
             metrics: metrics.for_limit(route.name.value.as_str(), limit.name.value.as_str()),
         })
         .collect()
+}
+
+/// A prefix length `check_prefixes` accepted, or the default.
+fn prefix_bits(prefix: &Option<crate::config::Spanned<u32>>, default: u32) -> u8 {
+    u8::try_from(prefix.as_ref().map_or(default, |p| p.value)).unwrap_or(u8::MAX)
 }
 
 #[cfg(test)]

@@ -1,14 +1,27 @@
 //! Bodies streamed through sluice frame by frame, never collected whole: the body of every
 //! response it sends (its own, or the upstream's), and the client's request body on its way
-//! to the upstream, held to the route's size limit.
+//! to the upstream, held to the route's size limit and pace.
+//!
+//! A request body fails where it breaks a bound, whoever is reading it: while the gateway
+//! still waits for the upstream's answer (the client then gets 400, 413 or 408), or after the
+//! upstream has answered, when the client's hyper connection is still sending it. Failing it
+//! there aborts the upstream request, which frees the upstream connection, and drops the
+//! client's body, so the client's connection closes once its response is written (an HTTP/2
+//! stream is reset instead). So every fault is counted here, once, when it happens.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
+use prometheus::{IntCounter, IntCounterVec};
+
+use crate::metrics::Refusal;
+use crate::policy::BodyPace;
 
 pub enum ProxyBody {
     Full(Option<Bytes>),
@@ -60,34 +73,99 @@ pub enum BodyFault {
     Malformed,
     #[error("the request body is larger than this route accepts")]
     TooLarge,
+    #[error("the request body arrived too slowly")]
+    TooSlow,
+}
+
+/// `sluice_refused_requests_total` of each body fault, looked up once.
+pub struct BodyRefusals {
+    malformed: IntCounter,
+    too_large: IntCounter,
+    too_slow: IntCounter,
+}
+
+impl BodyRefusals {
+    /// `refused`: `sluice_refused_requests_total`.
+    pub fn new(refused: &IntCounterVec) -> BodyRefusals {
+        let counter = |reason: Refusal| refused.with_label_values(&[reason.label()]);
+        BodyRefusals {
+            malformed: counter(Refusal::BodyMalformed),
+            too_large: counter(Refusal::BodyTooLarge),
+            too_slow: counter(Refusal::BodySlow),
+        }
+    }
+
+    fn count(&self, fault: BodyFault) {
+        match fault {
+            BodyFault::Malformed => &self.malformed,
+            BodyFault::TooLarge => &self.too_large,
+            BodyFault::TooSlow => &self.too_slow,
+        }
+        .inc();
+    }
 }
 
 /// A client's request body on its way to the upstream, counted as it streams so that it can
-/// be cut at the route's `max_body`, and remembering a fault for the gateway to answer.
+/// be cut at the route's `max_body` or when it falls behind the route's pace, and remembering
+/// a fault for the gateway to answer.
 pub struct RequestBody {
     inner: Incoming,
     limit: u64,
     received: u64,
+    pace: BodyPace,
+    /// When the body was first asked for: with `Expect: 100-continue` a client sends nothing
+    /// before, and a request held by shaping has not been read yet.
+    started: Option<Instant>,
+    /// Wakes the reader when the body falls due; made the first time the body has to wait.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
     fault: Arc<OnceLock<BodyFault>>,
+    refusals: Arc<BodyRefusals>,
 }
 
 impl RequestBody {
     /// `limit`: the most bytes forwarded (`u64::MAX` for no limit). The returned cell is set
     /// if the body fails, and tells the gateway why the forward failed.
-    pub fn new(inner: Incoming, limit: u64) -> (RequestBody, Arc<OnceLock<BodyFault>>) {
+    pub fn new(
+        inner: Incoming,
+        limit: u64,
+        pace: BodyPace,
+        refusals: Arc<BodyRefusals>,
+    ) -> (RequestBody, Arc<OnceLock<BodyFault>>) {
         let fault = Arc::new(OnceLock::new());
         let body = RequestBody {
             inner,
             limit,
             received: 0,
+            pace,
+            started: None,
+            timer: None,
             fault: Arc::clone(&fault),
+            refusals,
         };
         (body, fault)
     }
 
     fn fail(&self, fault: BodyFault) -> Poll<Option<Result<Frame<Bytes>, BodyFault>>> {
-        let _ = self.fault.set(fault);
+        if self.fault.set(fault).is_ok() {
+            self.refusals.count(fault);
+        }
         Poll::Ready(Some(Err(fault)))
+    }
+
+    /// The body has nothing new: whether it is now too late, else a wake-up at its due time.
+    fn overdue(&mut self, started: Instant, cx: &mut Context<'_>) -> bool {
+        let due = self.pace.due(started, self.received);
+        if Instant::now() >= due {
+            return true;
+        }
+        let due = tokio::time::Instant::from_std(due);
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
+        if timer.deadline() != due {
+            timer.as_mut().reset(due);
+        }
+        timer.as_mut().poll(cx).is_ready()
     }
 }
 
@@ -100,6 +178,7 @@ impl Body for RequestBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyFault>>> {
         let this = self.get_mut();
+        let started = *this.started.get_or_insert_with(Instant::now);
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
@@ -111,7 +190,9 @@ impl Body for RequestBody {
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(_))) => this.fail(BodyFault::Malformed),
-            other => other.map_err(|_| BodyFault::Malformed),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending if this.overdue(started, cx) => this.fail(BodyFault::TooSlow),
+            Poll::Pending => Poll::Pending,
         }
     }
 

@@ -1,7 +1,8 @@
 //! Sending an admitted request to its upstream and bringing the response back, bodies
 //! streamed both ways. An upstream that cannot be reached is a 502, one that does not answer
-//! its response headers in time is a 504; a client body that breaks off or outgrows the
-//! route's `max_body` before the upstream answers is the client's 400 or 413.
+//! its response headers in time is a 504; a client body that breaks off, outgrows the
+//! route's `max_body` or falls behind its pace before the upstream answers is the client's
+//! 400, 413 or 408.
 //!
 //! An upstream is spoken to over HTTP/1.1, or over HTTP/2 with prior knowledge when it is
 //! marked `http2` (gRPC): then `TE: trailers` is passed on, and trailers flow both ways as
@@ -9,6 +10,7 @@
 //! `Connection`/`Upgrade` fields, and a `101` answer turns both connections into a tunnel.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{HeaderValue, HOST, TE};
@@ -21,11 +23,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use prometheus::{IntCounter, IntCounterVec};
 
-use super::body::{BodyFault, RequestBody};
+use super::body::{BodyFault, BodyRefusals, RequestBody};
 use super::headers;
 use super::tunnel;
 use crate::metrics::UpstreamErrorKind;
-use crate::policy::Upstream;
+use crate::policy::{Route, Upstream};
 use crate::tls::UpstreamTls;
 
 /// How long an idle pooled upstream connection is kept.
@@ -99,16 +101,17 @@ impl UpstreamErrors {
     }
 }
 
-/// Forwards `request` (from `peer`) to `upstream` through its `client`, its body cut past
-/// `max_body` bytes, and returns the response with hop-by-hop fields removed. A WebSocket
-/// upgrade the upstream accepts becomes a tunnel (see `tunnel`) named after `route`.
+/// Forwards `request` (from `peer`) to `upstream` through its `client`, its body held to
+/// `route`'s `max_body` and pace (faults counted in `refusals`), and returns the response
+/// with hop-by-hop fields removed. A WebSocket upgrade the upstream accepts becomes a tunnel
+/// (see `tunnel`) named after `route`.
 pub async fn forward(
     upstream: &Upstream,
     client: &UpstreamClient,
     mut request: Request<Incoming>,
     peer: SocketAddr,
-    max_body: Option<u64>,
-    route: &str,
+    route: &Route,
+    refusals: &Arc<BodyRefusals>,
 ) -> Result<Response<Incoming>, ForwardError> {
     // Extended CONNECT (RFC 8441) is not supported, so an HTTP/2 upstream gets no upgrade.
     let upgrade = (!upstream.http2 && tunnel::is_websocket_upgrade(&request))
@@ -127,7 +130,12 @@ pub async fn forward(
             .flat_map(|value| value.split(','))
             .any(|item| item.trim().eq_ignore_ascii_case("trailers"));
     let (parts, body) = request.into_parts();
-    let (body, fault) = RequestBody::new(body, max_body.unwrap_or(u64::MAX));
+    let (body, fault) = RequestBody::new(
+        body,
+        route.max_body.unwrap_or(u64::MAX),
+        route.body_pace,
+        Arc::clone(refusals),
+    );
     let tls_client = parts.extensions.get::<crate::tls::ClientTls>().is_some();
     let mut request = Request::from_parts(parts, body);
     let host = request.headers().get(HOST).cloned().or_else(|| {
@@ -179,7 +187,7 @@ pub async fn forward(
                 let protocol = protocol.unwrap_or_else(|| client_side.protocol.clone());
                 tunnel::set_upgrade_fields(response.headers_mut(), protocol);
                 let upstream_side = hyper::upgrade::on(&mut response);
-                tunnel::spawn(client_side, upstream_side, route.to_owned());
+                tunnel::spawn(client_side, upstream_side, route.name.as_str().to_owned());
             }
             Ok(response)
         }

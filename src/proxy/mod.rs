@@ -29,8 +29,8 @@ use http_body::Body as _;
 use hyper::body::Incoming;
 use prometheus::{IntCounter, IntCounterVec};
 
-use self::body::BodyFault;
 pub use self::body::ProxyBody;
+use self::body::{BodyFault, BodyRefusals};
 use self::forward::ForwardError;
 pub use self::harden::HeadLimits;
 use self::request_id::{RequestIds, X_REQUEST_ID};
@@ -75,6 +75,8 @@ pub struct Gateway {
     refused_unrouted: IntCounter,
     /// `sluice_refused_requests_total`, by reason.
     refusals: IntCounterVec,
+    /// The same, for the faults of a request body, counted where the body fails.
+    body_refusals: Arc<BodyRefusals>,
     request_ids: RequestIds,
 }
 
@@ -97,6 +99,7 @@ impl Gateway {
             unrouted: unrouted(Outcome::NoRoute),
             refused_unrouted: unrouted(Outcome::Refused),
             refusals: metrics.refused.clone(),
+            body_refusals: Arc::new(BodyRefusals::new(&metrics.refused)),
             request_ids: RequestIds::new(),
         }
     }
@@ -208,7 +211,7 @@ impl Gateway {
                 let path = request.uri().path();
                 return (
                     Outcome::ClientError,
-                    body_problem(BodyFault::TooLarge, max_body, path),
+                    body_problem(BodyFault::TooLarge, route, path),
                 );
             }
         }
@@ -239,8 +242,8 @@ impl Gateway {
                             client,
                             request,
                             peer,
-                            route.max_body,
-                            route.name.as_str(),
+                            route,
+                            &self.body_refusals,
                         )
                         .await
                     }
@@ -251,16 +254,9 @@ impl Gateway {
                 };
                 match result {
                     Ok(response) => (Outcome::Forwarded, response.map(ProxyBody::Stream)),
+                    // Counted by the body when it failed.
                     Err(ForwardError::Body(fault)) => {
-                        self.count_refusal(match fault {
-                            BodyFault::Malformed => Refusal::BodyMalformed,
-                            BodyFault::TooLarge => Refusal::BodyTooLarge,
-                        });
-                        let max_body = route.max_body.unwrap_or(u64::MAX);
-                        (
-                            Outcome::ClientError,
-                            body_problem(fault, max_body, uri.path()),
-                        )
+                        (Outcome::ClientError, body_problem(fault, route, uri.path()))
                     }
                     Err(err) => {
                         tracing::warn!(route = %route.name, upstream = %upstream.name, error = %err, request_id = trace.id(), "upstream failed");
@@ -423,17 +419,41 @@ fn upstream_problem(err: &ForwardError, upstream: &str, path: &str) -> Response<
     response::problem(status, &err.to_string(), path, &[("upstream", upstream)])
 }
 
-/// The client's body failed: 413 past the route's limit, 400 when it was malformed.
-fn body_problem(fault: BodyFault, max_body: u64, path: &str) -> Response<ProxyBody> {
+/// The client's body failed: 413 past the route's limit, 408 behind its pace, 400 when it
+/// was malformed.
+fn body_problem(fault: BodyFault, route: &Route, path: &str) -> Response<ProxyBody> {
     match fault {
         BodyFault::TooLarge => response::problem(
             StatusCode::PAYLOAD_TOO_LARGE,
             &format!(
-                "the request body is larger than {max_body} bytes, the most this route accepts"
+                "the request body is larger than {} bytes, the most this route accepts",
+                route.max_body.unwrap_or(u64::MAX)
             ),
             path,
             &[],
         ),
+        BodyFault::TooSlow => {
+            let pace = &route.body_pace;
+            let rate = if pace.min_rate == 0 {
+                String::new()
+            } else {
+                format!(
+                    " and, after the first {} ms, at {} bytes a second or more",
+                    pace.grace.as_millis(),
+                    pace.min_rate
+                )
+            };
+            response::problem(
+                StatusCode::REQUEST_TIMEOUT,
+                &format!(
+                    "the request body came too slowly: it must arrive whole within {} ms{rate}; \
+                     it was not forwarded whole",
+                    pace.timeout.as_millis()
+                ),
+                path,
+                &[],
+            )
+        }
         BodyFault::Malformed => response::problem(
             StatusCode::BAD_REQUEST,
             "the request body is malformed or broke off; it was not forwarded whole",
