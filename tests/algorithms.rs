@@ -485,3 +485,73 @@ async fn a_large_cost_on_the_log_is_recorded_whole() {
         }
     }
 }
+
+/// When each algorithm's Redis key expires (`PTTL`), as the README states it: so idle keys
+/// vanish. A limit of 5 per 10 s, two admissions 300 ms apart:
+/// - sliding_log: one window after its last admission;
+/// - sliding_window: two windows after its last admission (the next window weighs this one's
+///   count);
+/// - fixed_window: one window after its first admission (the window's start);
+/// - gcra: when its TAT passes: T = 2 s per admission from the first, so 2 T after the first.
+///
+/// Each admission is recorded between its request's send and its answer, and `PTTL` is read
+/// between two instants; the expected interval follows from those, plus 2 ms for rounding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_expires_when_the_readme_says() {
+    use std::time::{Duration, Instant};
+    let store = Store::start(StoreKind::Redis).await;
+    let redis = store.redis.as_ref().expect("a Redis store");
+    let algorithms = ["sliding_log", "sliding_window", "fixed_window", "gcra"];
+    let mut yaml = format!("{}routes:\n", store.yaml);
+    for algorithm in algorithms {
+        yaml.push_str(&format!(
+            "  - name: {algorithm}\n    match: {{ path_prefix: /{algorithm} }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 5, window: 10s, algorithm: {algorithm} }}\n"
+        ));
+    }
+    let sluice = Sluice::start(&yaml).await;
+    let client = support::client();
+    let window = 10_000.0;
+    let ms = |later: Instant, earlier: Instant| {
+        if later >= earlier {
+            (later - earlier).as_secs_f64() * 1000.0
+        } else {
+            -((earlier - later).as_secs_f64() * 1000.0)
+        }
+    };
+    for algorithm in algorithms {
+        let url = format!("{}/{algorithm}", sluice.url());
+        let s1 = Instant::now();
+        assert_eq!(client.get(&url).send().await.unwrap().status(), 200);
+        let r1 = Instant::now();
+        // The gap keeps "after the first admission" and "after the last" apart.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let s2 = Instant::now();
+        assert_eq!(client.get(&url).send().await.unwrap().status(), 200);
+        let r2 = Instant::now();
+        let suffix = if algorithm == "sliding_log" {
+            String::new()
+        } else {
+            format!("{algorithm}:")
+        };
+        let key = format!("sluice-test:{algorithm}:a:{suffix}{{ip=127.0.0.1}}");
+        let p0 = Instant::now();
+        let redis::Value::Int(pttl) = redis.cmd(&["PTTL", &key]).await else {
+            panic!("PTTL {key}");
+        };
+        let p1 = Instant::now();
+        let pttl = pttl as f64;
+        // (earliest recording, latest recording, how long after it the key expires)
+        let (from_lo, from_hi, lasts) = match algorithm {
+            "sliding_log" => (s2, r2, window),
+            "sliding_window" => (s2, r2, 2.0 * window),
+            "fixed_window" => (s1, r1, window),
+            _ => (s1, r1, 2.0 * 2_000.0),
+        };
+        let lo = lasts - ms(p1, from_lo) - 2.0;
+        let hi = lasts - ms(p0, from_hi) + 2.0;
+        assert!(
+            (lo..=hi).contains(&pttl),
+            "{algorithm}: PTTL {pttl} ms, expected within [{lo:.0}, {hi:.0}]"
+        );
+    }
+}
