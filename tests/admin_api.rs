@@ -83,9 +83,59 @@ async fn peek(c: &reqwest::Client, sluice: &Sluice, route: &str, query: &str) ->
     body
 }
 
+/// Seconds in a day: the limits' window.
+const DAY: f64 = 86_400.0;
+
+/// The `reset` a limit of `LIMIT` per day reports after `USED` (3) back-to-back admissions,
+/// as an interval of the seconds it may read: `first_hit` was taken before the first of them
+/// was sent, `peeked` before the read was sent, and each store's own clock is bounded the same
+/// way (Redis `TIME` read just before and just after the read; the in-process store's clock
+/// starts while sluice starts, between `before_start` and `after_start`).
+/// - sliding_log: the oldest entry leaves one window after it was recorded;
+/// - fixed_window: the counter's expiry, one window after the first hit;
+/// - gcra: T = window / requests; the TAT is 3 T ahead of the first hit and one more request
+///   fits when it is 2 T ahead: T after the first hit;
+/// - sliding_window: the current fixed window (epoch-aligned: Redis time, or the in-process
+///   store's clock) holds 3; one more fits once the weighted count falls to 2, a third of a
+///   window into the next one: (window − elapsed) + window / 3.
+fn expected_reset(
+    algorithm: &str,
+    since_first_hit: (f64, f64),
+    window_elapsed: (f64, f64),
+) -> (f64, f64) {
+    let (first_lo, first_hi) = since_first_hit;
+    match algorithm {
+        "sliding_log" | "fixed_window" => (DAY - first_hi, DAY - first_lo),
+        "gcra" => {
+            let t = DAY / LIMIT as f64;
+            (t - first_hi, t - first_lo)
+        }
+        "sliding_window" => {
+            let (elapsed_lo, elapsed_hi) = window_elapsed;
+            let full = DAY + DAY / 3.0;
+            (full - elapsed_hi, full - elapsed_lo)
+        }
+        other => panic!("no expected reset for {other}"),
+    }
+}
+
+/// Seconds into the current epoch-aligned day on Redis's clock (`TIME`).
+async fn redis_day_elapsed(redis: &Redis) -> f64 {
+    let redis::Value::Array(time) = redis.cmd(&["TIME"]).await else {
+        panic!("TIME did not answer an array");
+    };
+    let part = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).parse::<f64>().expect("a number"),
+        other => panic!("TIME answered {other:?}"),
+    };
+    (part(&time[0]) % DAY) + part(&time[1]) / 1e6
+}
+
 async fn read_only_and_reset(kind: StoreKind) {
     let store = Store::start(kind).await;
+    let before_start = Instant::now();
     let sluice = start(&store).await;
+    let after_start = Instant::now();
     let c = support::client();
     let expected_store = match kind {
         StoreKind::Redis => "redis",
@@ -93,14 +143,30 @@ async fn read_only_and_reset(kind: StoreKind) {
     };
     const USED: u64 = 3;
     for algorithm in ALGORITHMS {
+        // An identity with nothing recorded: all of the quota, nothing to wait for.
+        let empty = peek(&c, &sluice, algorithm, "header.x-api-key=never-sent").await;
+        assert_eq!(empty["count"], 0, "{algorithm}: {empty}");
+        assert_eq!(empty["remaining"], LIMIT, "{algorithm}: {empty}");
+        assert_eq!(empty["reset"], 0.0, "{algorithm}: {empty}");
         let key = format!("k-{algorithm}");
+        let first_hit = Instant::now();
         for _ in 0..USED {
             assert_eq!(hit(&c, &sluice, algorithm, &key).await, 200, "{algorithm}");
         }
         let query = format!("header.x-api-key={key}");
         // Read twice: a read must not count.
         for _ in 0..2 {
+            let elapsed_before = match &store.redis {
+                Some(redis) => redis_day_elapsed(redis).await,
+                None => after_start.elapsed().as_secs_f64(),
+            };
+            let since_first_lo = first_hit.elapsed().as_secs_f64();
             let body = peek(&c, &sluice, algorithm, &query).await;
+            let since_first_hi = first_hit.elapsed().as_secs_f64();
+            let elapsed_after = match &store.redis {
+                Some(redis) => redis_day_elapsed(redis).await,
+                None => before_start.elapsed().as_secs_f64(),
+            };
             assert_eq!(body["count"], USED, "{algorithm}: {body}");
             assert_eq!(body["remaining"], LIMIT - USED, "{algorithm}: {body}");
             assert_eq!(body["algorithm"], algorithm, "{body}");
@@ -108,10 +174,15 @@ async fn read_only_and_reset(kind: StoreKind) {
             assert_eq!(body["requests"], LIMIT, "{body}");
             assert_eq!(body["window"], 86_400.0, "{body}");
             let reset = body["reset"].as_f64().expect("reset is a number");
-            // The sliding-window counter's weighted count falls to zero over two windows.
+            let (lo, hi) = expected_reset(
+                algorithm,
+                (since_first_lo, since_first_hi),
+                (elapsed_before, elapsed_after),
+            );
+            // 10 ms for the stores' rounding (PTTL is in milliseconds).
             assert!(
-                reset > 0.0 && reset <= 2.0 * 86_400.0,
-                "{algorithm}: {body}"
+                reset >= lo - 0.01 && reset <= hi + 0.01,
+                "{algorithm}: reset {reset}, expected within [{lo:.3}, {hi:.3}]: {body}"
             );
             assert_eq!(body["identity"], format!("h:x-api-key={key}"), "{body}");
         }
@@ -193,8 +264,10 @@ async fn a_reset_clears_a_denial_the_deny_cache_remembers() {
     }
     assert_eq!(rejected, 20);
     let metrics = parse_metrics(&sluice.metrics().await);
-    assert!(
-        metric_sum(&metrics, "sluice_deny_cache_answers_total", &[]) > 0.0,
+    // Redis refused the first; the deny cache answered the other 19.
+    assert_eq!(
+        metric_sum(&metrics, "sluice_deny_cache_answers_total", &[]),
+        19.0,
         "the flood was answered from the deny cache"
     );
     let query = format!("header.x-api-key={key}");
@@ -236,19 +309,32 @@ async fn unknown_names_and_bad_identities_are_refused() {
         (404, Some("nope")),
         "{body}"
     );
-    for bad in [
-        "/admin/v1/limits/gcra/per-key",
-        "/admin/v1/limits/gcra/per-key?key=",
-        "/admin/v1/limits/gcra/per-key?key=q:other=1",
-        "/admin/v1/limits/gcra/per-key?key=h:x-api-key=a%7D%7Bb",
-        "/admin/v1/limits/gcra/per-key?header.x-other=1",
-        "/admin/v1/limits/gcra/per-key?client_ip=not-an-ip",
-        "/admin/v1/limits/gcra/per-key?bogus=1",
-        "/admin/v1/limits/gcra/per-key?key=ip=1.2.3.4&client_ip=1.2.3.4",
+    // A missing or malformed identity: 400 whose detail states the limit's key shape, as the
+    // README promises; a query that is wrong in itself: 400 naming what is wrong.
+    const SHAPE: &str = "the limit's key is [header:x-api-key]";
+    for (bad, names) in [
+        ("/admin/v1/limits/gcra/per-key", SHAPE),
+        ("/admin/v1/limits/gcra/per-key?key=", SHAPE),
+        ("/admin/v1/limits/gcra/per-key?key=q:other=1", SHAPE),
+        (
+            "/admin/v1/limits/gcra/per-key?key=h:x-api-key=a%7D%7Bb",
+            SHAPE,
+        ),
+        ("/admin/v1/limits/gcra/per-key?header.x-other=1", SHAPE),
+        (
+            "/admin/v1/limits/gcra/per-key?client_ip=not-an-ip",
+            "not-an-ip",
+        ),
+        ("/admin/v1/limits/gcra/per-key?bogus=1", "bogus"),
+        (
+            "/admin/v1/limits/gcra/per-key?key=ip=1.2.3.4&client_ip=1.2.3.4",
+            "either key= or per-part values",
+        ),
     ] {
         let (status, body) = get(bad).await;
         assert_eq!(status, 400, "{bad}: {body}");
-        assert!(body["detail"].as_str().is_some(), "{body}");
+        let detail = body["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains(names), "{bad}: `{names}` not in {body}");
     }
     // A request without the header counts its client IP: `client_ip=` names that bucket.
     let body = peek(&c, &sluice, "gcra", "client_ip=203.0.113.9").await;
@@ -308,6 +394,11 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Lines of sluice's log that contain `text`.
+fn log_count(sluice: &Sluice, text: &str) -> usize {
+    sluice.log().lines().filter(|l| l.contains(text)).count()
+}
+
 /// `sluice_config_reloads_total{result}`.
 async fn reloads(sluice: &Sluice, result: &str) -> f64 {
     let metrics = parse_metrics(&sluice.metrics().await);
@@ -340,7 +431,16 @@ async fn a_reload_on_request_applies_a_good_file_and_refuses_a_bad_one() {
         429,
         "the new limit of 1"
     );
-    assert!(reloads(&sluice, "ok").await >= 1.0);
+    // The file poll (every 250 ms) may have applied the new file too, between the write and
+    // the request: the metric counts exactly the reloads sluice logged, one of them this one.
+    assert_eq!(
+        log_count(&sluice, "admin API: reloading the config file"),
+        1
+    );
+    let applied = log_count(&sluice, "config reloaded");
+    assert!(applied == 1 || applied == 2, "{}", sluice.log());
+    assert_eq!(reloads(&sluice, "ok").await, applied as f64);
+    assert_eq!(reloads(&sluice, "error").await, 0.0);
 
     let bad = one.replace("requests: 1,", "requests: many,");
     support::replace_file(
@@ -355,7 +455,14 @@ async fn a_reload_on_request_applies_a_good_file_and_refuses_a_bad_one() {
     assert_eq!(error["line"], 10, "{body}");
     assert!(error["column"].as_u64().is_some_and(|c| c > 0), "{body}");
     assert_eq!(error["file"], sluice.config_path().display().to_string());
-    assert!(reloads(&sluice, "error").await >= 1.0);
+    assert_eq!(
+        log_count(&sluice, "admin API: reloading the config file"),
+        2
+    );
+    let refused = log_count(&sluice, "config reload refused");
+    assert!(refused == 1 || refused == 2, "{}", sluice.log());
+    assert_eq!(reloads(&sluice, "error").await, refused as f64);
+    assert_eq!(reloads(&sluice, "ok").await, applied as f64);
     // The old policy keeps serving.
     assert_eq!(hit(&c, &sluice, "api", "other").await, 200);
     assert_eq!(hit(&c, &sluice, "api", "other").await, 429);
@@ -401,7 +508,7 @@ async fn the_admin_api_needs_the_token_and_the_probes_do_not() {
     for r in denied {
         assert_eq!(r.status(), 401, "{}", r.url());
         let challenge = r.headers().get("www-authenticate").expect("a challenge");
-        assert!(challenge.to_str().unwrap().starts_with("Bearer"));
+        assert_eq!(challenge, "Bearer realm=\"sluice-admin\"", "{}", r.url());
     }
     let r = c.get(&url).bearer_auth(TOKEN).send().await.expect("token");
     assert_eq!(r.status(), 200);
@@ -592,6 +699,7 @@ async fn the_store_key_sluice_explain_prints_names_the_identity() {
     for query in [
         format!("key={}", encode(&store_key)),
         format!("key={}", encode(identity)),
+        format!("key={}", encode(&format!("{{{identity}}}"))),
         format!("client_ip=127.0.0.1&header.x-api-key={}", encode("a|b c")),
     ] {
         let url = format!(
@@ -609,5 +717,152 @@ async fn the_store_key_sluice_explain_prints_names_the_identity() {
         assert_eq!(body["key"], store_key.as_str(), "{query}: {body}");
         assert_eq!(body["count"], 2, "{query}: {body}");
         assert_eq!(body["remaining"], 8, "{query}: {body}");
+    }
+}
+
+/// README: other methods on the API's paths get `405` with `Allow`; other paths under
+/// `/admin/v1/` get `404`; both as problem+json.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_methods_get_405_with_allow_and_unknown_paths_404() {
+    let store = Store::start(StoreKind::Memory).await;
+    let sluice = start(&store).await;
+    let c = support::client();
+    use reqwest::Method;
+    for (method, path, allow) in [
+        (Method::POST, "/admin/v1/config", "GET"),
+        (Method::DELETE, "/admin/v1/config", "GET"),
+        (Method::GET, "/admin/v1/reload", "POST"),
+        (Method::PUT, "/admin/v1/reload", "POST"),
+        (
+            Method::POST,
+            "/admin/v1/limits/gcra/per-key?key=ip=1.2.3.4",
+            "GET, DELETE",
+        ),
+        (
+            Method::PUT,
+            "/admin/v1/limits/gcra/per-key?key=ip=1.2.3.4",
+            "GET, DELETE",
+        ),
+    ] {
+        let r = c
+            .request(method.clone(), format!("{}{path}", sluice.admin_url()))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("admin API call");
+        assert_eq!(r.status(), 405, "{method} {path}");
+        assert_eq!(
+            r.headers().get("allow").map(|v| v.to_str().unwrap()),
+            Some(allow),
+            "{method} {path}"
+        );
+        assert_eq!(
+            support::header(&r, "content-type"),
+            "application/problem+json",
+            "{method} {path}"
+        );
+        let body: Value = r.json().await.expect("a problem body");
+        assert_eq!(body["status"], 405, "{body}");
+    }
+    for path in [
+        "/admin/v1/",
+        "/admin/v1/nope",
+        "/admin/v1/limits",
+        "/admin/v1/limits/gcra",
+        "/admin/v1/limits/gcra/per-key/extra",
+        "/admin/v1/config/extra",
+    ] {
+        let (status, body) = admin(&c, &sluice, reqwest::Method::GET, path).await;
+        assert_eq!(status, 404, "{path}: {body}");
+        assert_eq!(body["status"], 404, "{path}: {body}");
+        assert_eq!(body["instance"], path, "{body}");
+    }
+}
+
+/// README (Admin API, config): every secret-looking field the README lists is redacted in
+/// `GET /admin/v1/config`, through the real binary: the Sentinel `password` and
+/// `sentinel_password`, a Cluster's `password`, a Redis URL's userinfo password (and
+/// userinfo without `:`, and `password`/`secret`/`token` query parameters), and the values a
+/// `when:` condition compares to a credential-like header (`authorization`, `cookie`, names
+/// containing `key`, `token`, `secret`, `session`, `password`). `token_env` and ordinary
+/// values stay. (Member names containing `credential` or `api_key` have no config field
+/// today: the unit tests of `src/admin/config_view.rs` cover them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_secret_the_readme_lists_is_redacted() {
+    let nowhere = support::closed_port();
+    let conditions = [
+        ("authorization", "equals", "\"Bearer s3cr-auth\""),
+        ("cookie", "equals", "\"sid=s3cr-cookie\""),
+        ("x-api-key", "one_of", "[s3cr-key1, s3cr-key2]"),
+        ("x-auth-token", "equals", "s3cr-token"),
+        ("x-client-secret", "equals", "s3cr-secret"),
+        ("x-session-id", "equals", "s3cr-session"),
+        ("x-password", "equals", "s3cr-password"),
+        ("x-plan", "equals", "gold-plan"),
+    ];
+    let when: Vec<String> = conditions
+        .iter()
+        .map(|(header, op, value)| format!("{{ header: {header}, {op}: {value} }}"))
+        .collect();
+    let routes = format!(
+        "routes:\n  - name: api\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n      - {{ name: l, key: [client_ip], requests: 5, window: 1m, when: [{}] }}\n",
+        when.join(", ")
+    );
+    let stores = [
+        format!(
+            "store:\n  redis:\n    sentinel:\n      master_name: mymaster\n      nodes: [\"127.0.0.1:{nowhere}\"]\n      password: s3cr-master\n      sentinel_password: s3cr-sentinel\n"
+        ),
+        format!(
+            "store:\n  redis:\n    cluster:\n      nodes: [\"127.0.0.1:{nowhere}\"]\n      username: app\n      password: s3cr-cluster\n"
+        ),
+        format!("store:\n  redis:\n    url: \"redis://app:s3cr-userinfo@127.0.0.1:{nowhere}/0?password=s3cr-qp&secret=s3cr-qs&token=s3cr-qt&protocol=resp2\"\n"),
+        format!("store:\n  redis:\n    url: \"redis://s3cr-bare@127.0.0.1:{nowhere}/0\"\n"),
+    ];
+    let c = support::client();
+    for store in stores {
+        let yaml = format!("{}{store}{routes}", admin_section());
+        let sluice = Sluice::start_with_env(&yaml, &[(TOKEN_ENV, TOKEN)]).await;
+        let (status, body) = admin(&c, &sluice, reqwest::Method::GET, "/admin/v1/config").await;
+        assert_eq!(status, 200, "{body}");
+        let text = body.to_string();
+        assert!(!text.contains("s3cr"), "a secret leaked:\n{store}\n{text}");
+        assert!(text.contains("[redacted]"), "{text}");
+        assert!(
+            text.contains("gold-plan"),
+            "a plan name is no secret: {text}"
+        );
+        assert_eq!(body["config"]["admin"]["token_env"], TOKEN_ENV, "{text}");
+        let when = &body["config"]["routes"][0]["limits"][0]["when"];
+        for (i, (header, op, _)) in conditions.iter().enumerate() {
+            assert_eq!(when[i]["header"], *header, "{when}");
+            if *header != "x-plan" {
+                let hidden = &when[i][*op];
+                let all_hidden = match hidden {
+                    Value::Array(items) => items.iter().all(|v| v == "[redacted]"),
+                    v => v == "[redacted]",
+                };
+                assert!(all_hidden, "{header}: {hidden}");
+            }
+        }
+        let redis = &body["config"]["store"]["redis"];
+        if let Some(url) = redis["url"].as_str() {
+            assert!(
+                url == format!("redis://app:[redacted]@127.0.0.1:{nowhere}/0?password=[redacted]&secret=[redacted]&token=[redacted]&protocol=resp2")
+                    || url == format!("redis://[redacted]@127.0.0.1:{nowhere}/0"),
+                "{url}"
+            );
+        }
+        if redis["cluster"].is_object() {
+            assert_eq!(redis["cluster"]["username"], "app", "{redis}");
+            assert_eq!(redis["cluster"]["password"], "[redacted]", "{redis}");
+        }
+        if redis["sentinel"].is_object() {
+            assert_eq!(redis["sentinel"]["password"], "[redacted]", "{redis}");
+            assert_eq!(
+                redis["sentinel"]["sentinel_password"], "[redacted]",
+                "{redis}"
+            );
+            assert_eq!(redis["sentinel"]["master_name"], "mymaster", "{redis}");
+        }
     }
 }

@@ -405,9 +405,14 @@ async fn the_deny_cache_serves_every_algorithm_but_never_a_shadow_limit() {
 }
 
 /// A GCRA flood through the cache: one request per 100 ms is let through, never more (the
-/// cached denial never outlasts Redis's, nor ends before it).
+/// cached denial never outlasts Redis's, nor ends before it). Each request's decision falls
+/// between its send and its answer, so for consecutive admissions k, k+1 (decided T apart at
+/// least) the later one's answer comes T or more after the earlier one's send; and a refused
+/// request was sent less than T after the answer of the last admission before it (else its
+/// decision came T after that admission, and it would have been admitted).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cached_gcra_denial_lasts_exactly_one_interval() {
+    use std::time::{Duration, Instant};
     let store = Store::start(StoreKind::Redis).await;
     let yaml = format!(
         "{}routes:\n  - name: api\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 10, window: 1s, algorithm: gcra, burst: 1 }}\n",
@@ -416,15 +421,43 @@ async fn a_cached_gcra_denial_lasts_exactly_one_interval() {
     let sluice = Sluice::start(&yaml).await;
     let client = support::client();
     let url = format!("{}/", sluice.url());
-    let started = std::time::Instant::now();
-    let mut admitted = 0;
-    while started.elapsed() < std::time::Duration::from_millis(1050) {
-        if client.get(&url).send().await.unwrap().status() == 200 {
-            admitted += 1;
+    const T: Duration = Duration::from_millis(100);
+    // Redis's clock and this process's may drift apart a little over a second.
+    const CLOCKS: Duration = Duration::from_millis(2);
+    let started = Instant::now();
+    // (sent, answered, admitted) of each request, bounded in count and time.
+    let mut requests = Vec::new();
+    while started.elapsed() < Duration::from_millis(1050) && requests.len() < 20_000 {
+        let sent = Instant::now();
+        let status = client.get(&url).send().await.unwrap().status();
+        requests.push((sent, Instant::now(), status == 200));
+    }
+    let admissions: Vec<(Instant, Instant)> = requests
+        .iter()
+        .filter(|r| r.2)
+        .map(|&(sent, answered, _)| (sent, answered))
+        .collect();
+    assert!(admissions.len() >= 2, "{} admitted", admissions.len());
+    for pair in admissions.windows(2) {
+        let (earlier_sent, later_answered) = (pair[0].0, pair[1].1);
+        assert!(
+            later_answered + CLOCKS >= earlier_sent + T,
+            "two admissions within {:?}",
+            later_answered - earlier_sent
+        );
+    }
+    let mut last_admission: Option<Instant> = None;
+    for &(sent, answered, admitted) in &requests {
+        if admitted {
+            last_admission = Some(answered);
+        } else if let Some(answered_before) = last_admission {
+            assert!(
+                sent < answered_before + T + CLOCKS,
+                "refused {:?} after the last admission was answered: the denial outlasted T",
+                sent - answered_before
+            );
         }
     }
-    // One at once, then one per 100 ms: 11 in 1.05 s at most; scheduling may lose a few.
-    assert!((8..=11).contains(&admitted), "{admitted} admitted");
 }
 
 /// A large cost on the sliding log (one entry per unit) is recorded in both stores alike.
@@ -452,5 +485,75 @@ async fn a_large_cost_on_the_log_is_recorded_whole() {
             let key = "sluice-test:api:a:{ip=127.0.0.1}";
             assert_eq!(redis.cmd(&["ZCARD", key]).await, redis::Value::Int(200_000));
         }
+    }
+}
+
+/// When each algorithm's Redis key expires (`PTTL`), as the README states it: so idle keys
+/// vanish. A limit of 5 per 10 s, two admissions 300 ms apart:
+/// - sliding_log: one window after its last admission;
+/// - sliding_window: two windows after its last admission (the next window weighs this one's
+///   count);
+/// - fixed_window: one window after its first admission (the window's start);
+/// - gcra: when its TAT passes: T = 2 s per admission from the first, so 2 T after the first.
+///
+/// Each admission is recorded between its request's send and its answer, and `PTTL` is read
+/// between two instants; the expected interval follows from those, plus 2 ms for rounding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_expires_when_the_readme_says() {
+    use std::time::{Duration, Instant};
+    let store = Store::start(StoreKind::Redis).await;
+    let redis = store.redis.as_ref().expect("a Redis store");
+    let algorithms = ["sliding_log", "sliding_window", "fixed_window", "gcra"];
+    let mut yaml = format!("{}routes:\n", store.yaml);
+    for algorithm in algorithms {
+        yaml.push_str(&format!(
+            "  - name: {algorithm}\n    match: {{ path_prefix: /{algorithm} }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 5, window: 10s, algorithm: {algorithm} }}\n"
+        ));
+    }
+    let sluice = Sluice::start(&yaml).await;
+    let client = support::client();
+    let window = 10_000.0;
+    let ms = |later: Instant, earlier: Instant| {
+        if later >= earlier {
+            (later - earlier).as_secs_f64() * 1000.0
+        } else {
+            -((earlier - later).as_secs_f64() * 1000.0)
+        }
+    };
+    for algorithm in algorithms {
+        let url = format!("{}/{algorithm}", sluice.url());
+        let s1 = Instant::now();
+        assert_eq!(client.get(&url).send().await.unwrap().status(), 200);
+        let r1 = Instant::now();
+        // The gap keeps "after the first admission" and "after the last" apart.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let s2 = Instant::now();
+        assert_eq!(client.get(&url).send().await.unwrap().status(), 200);
+        let r2 = Instant::now();
+        let suffix = if algorithm == "sliding_log" {
+            String::new()
+        } else {
+            format!("{algorithm}:")
+        };
+        let key = format!("sluice-test:{algorithm}:a:{suffix}{{ip=127.0.0.1}}");
+        let p0 = Instant::now();
+        let redis::Value::Int(pttl) = redis.cmd(&["PTTL", &key]).await else {
+            panic!("PTTL {key}");
+        };
+        let p1 = Instant::now();
+        let pttl = pttl as f64;
+        // (earliest recording, latest recording, how long after it the key expires)
+        let (from_lo, from_hi, lasts) = match algorithm {
+            "sliding_log" => (s2, r2, window),
+            "sliding_window" => (s2, r2, 2.0 * window),
+            "fixed_window" => (s1, r1, window),
+            _ => (s1, r1, 2.0 * 2_000.0),
+        };
+        let lo = lasts - ms(p1, from_lo) - 2.0;
+        let hi = lasts - ms(p0, from_hi) + 2.0;
+        assert!(
+            (lo..=hi).contains(&pttl),
+            "{algorithm}: PTTL {pttl} ms, expected within [{lo:.0}, {hi:.0}]"
+        );
     }
 }

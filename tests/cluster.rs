@@ -499,11 +499,14 @@ async fn a_replica_promoted_under_load_keeps_the_log() {
     assert_eq!(log_len(&cluster, &routes.key_a).await, 40);
     eprintln!("/b across the failover: {ok_b} admitted, {failed_b} failed");
     assert!(ok_b > 100, "too little load on /b: {ok_b}");
-    // Decisions refused while the master paused its clients for the handover answer 503
-    // (on_store_error: deny); none may be admitted without being recorded.
+    // None may be admitted without being recorded, and none fails (a refused decision would
+    // answer 503, on_store_error: deny): a coordinated failover of a synced replica only
+    // pauses the master's clients for the handover, well within the 1 s timeout. The README
+    // states this (no decision failed in any run); an earlier bound allowed 5 %.
     assert_eq!(log_len(&cluster, &routes.key_b).await, ok_b as i64 + 1);
-    assert!(
-        failed_b * 20 <= ok_b,
+    assert_eq!(
+        failed_b,
+        0,
         "{failed_b} of {} decisions failed",
         ok_b + failed_b
     );

@@ -145,3 +145,75 @@ async fn a_client_that_leaves_mid_flight_keeps_its_reservation() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(login(&c, &sluice, "right").await, 429);
 }
+
+/// sluice's own 504 (the upstream slower than its `timeout`) is a status the client gets:
+/// counted under `5xx`, given back under `[401]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sluice_own_504_counts_under_5xx() {
+    let upstream = Upstream::start().await;
+    let yaml = |count: &str| {
+        format!(
+            "upstreams:\n  api: {{ url: \"{}\", timeout: 300ms }}\nroutes:\n  - name: slow\n    match: {{ path_prefix: / }}\n    upstream: api\n    limits:\n      - {{ name: failures, key: [client_ip], requests: 2, window: 1m, count: {{ status: {count} }} }}\n",
+            upstream.url()
+        )
+    };
+    let c = client();
+    let slow = |sluice: &Sluice| format!("{}/slow/2000", sluice.url());
+    let counted = Sluice::start(&yaml("[5xx]")).await;
+    for n in 0..2 {
+        let status = c.get(slow(&counted)).send().await.unwrap().status();
+        assert_eq!(status, 504, "timeout {n}");
+    }
+    let status = c.get(slow(&counted)).send().await.unwrap().status();
+    assert_eq!(status, 429, "two 504s fill a limit of 2 counting 5xx");
+    let ignored = Sluice::start(&yaml("[401]")).await;
+    for n in 0..4 {
+        let status = c.get(slow(&ignored)).send().await.unwrap().status();
+        assert_eq!(status, 504, "timeout {n}: a 504 is given back under [401]");
+    }
+}
+
+/// The place is given back before the response goes to the client: with a limit of one
+/// counted failure, a success followed at once by a failure finds its place free (were the
+/// give-back made after the answer, the failure would race it and could get 429). Repeated
+/// for 20 identities; each then has its one failure counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_place_is_given_back_before_the_answer() {
+    for kind in [StoreKind::Redis, StoreKind::Memory] {
+        let upstream = Upstream::start().await;
+        let store = Store::start(kind).await;
+        let yaml = format!(
+            "{}upstreams:\n  api: {{ url: \"{}\", timeout: 5s }}\nroutes:\n  - name: login\n    match: {{ path_prefix: / }}\n    upstream: api\n    limits:\n      - {{ name: failures, key: [\"header:x-user\"], requests: 1, window: 1m, count: {{ status: [401] }} }}\n",
+            store.yaml,
+            upstream.url()
+        );
+        let sluice = Sluice::start(&yaml).await;
+        let c = client();
+        let login = |user: String, password: &'static str| {
+            let (c, url) = (
+                c.clone(),
+                format!("{}/login?password={password}", sluice.url()),
+            );
+            async move {
+                c.post(url)
+                    .header("x-user", user)
+                    .send()
+                    .await
+                    .expect("an answer")
+                    .status()
+                    .as_u16()
+            }
+        };
+        for n in 0..20 {
+            let user = format!("user-{n}");
+            assert_eq!(login(user.clone(), "right").await, 200, "{kind:?} {user}");
+            assert_eq!(
+                login(user.clone(), "wrong").await,
+                401,
+                "{kind:?} {user}: the success's place was free"
+            );
+            assert_eq!(login(user.clone(), "right").await, 429, "{kind:?} {user}");
+        }
+        assert_eq!(upstream.hits(), 40, "{kind:?}");
+    }
+}

@@ -225,6 +225,56 @@ async fn a_malformed_chunked_body_is_the_clients_400() {
     }
 }
 
+/// README (Security, Framing): a connection cut mid-body is the client's fault: `400` if
+/// nothing was answered yet, counted as `body_malformed` and under `client_error`, never as
+/// an upstream error. The client sends 10 of the 100 bytes it announced, waits until the
+/// upstream is reading the body, then closes its sending side (it can still read the answer).
+#[tokio::test]
+async fn a_connection_cut_mid_body_is_the_clients_400() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (up, sluice) = setup("").await;
+    let mut stream = tokio::net::TcpStream::connect(sluice.addr())
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n0123456789")
+        .await
+        .expect("send the head and 10 bytes");
+    support::wait_for(WITHIN, "the upstream to get the request", || async {
+        up.paths() == ["/upload"]
+    })
+    .await;
+    stream.shutdown().await.expect("close the sending side");
+    let mut received = Vec::new();
+    tokio::time::timeout(WITHIN, stream.read_to_end(&mut received))
+        .await
+        .expect("sluice answers and closes within the bound")
+        .expect("read the answer");
+    let responses = parse_responses(&received);
+    assert_eq!(responses.len(), 1, "{responses:?}");
+    assert_problem(&responses[0], 400);
+
+    let all = parse_metrics(&sluice.metrics().await);
+    let refused = |reason| metric_sum(&all, "sluice_refused_requests_total", &[("reason", reason)]);
+    assert_eq!(refused("body_malformed"), 1.0);
+    let upstream_errors = metric_sum(&all, "sluice_upstream_errors_total", &[("upstream", "api")]);
+    assert_eq!(upstream_errors, 0.0, "the upstream is not blamed");
+    let outcome = |outcome| {
+        metric_sum(
+            &all,
+            "sluice_requests_total",
+            &[("route", "default"), ("outcome", outcome)],
+        )
+    };
+    assert_eq!(outcome("client_error"), 1.0);
+    assert_eq!(outcome("upstream_error"), 0.0);
+    support::wait_for(WITHIN, "the upstream to see the body end", || async {
+        !up.uploads().is_empty()
+    })
+    .await;
+    assert_eq!(up.uploads(), [UploadSeen::Broken(10)], "never a whole body");
+}
+
 /// Default limits: 8 KiB request line (414), 32 KiB of header fields and 100 fields (431 with
 /// a problem body); a head past twice the limits is cut by the parser with a bare 431.
 #[tokio::test]

@@ -1,7 +1,8 @@
 //! sluice finds its Redis master through Redis Sentinel and follows a failover without a
 //! restart: a real master, replica and three sentinels; steady load through sluice while the
 //! master is failed over (by `SENTINEL FAILOVER`, or by killing it); decisions move to the new
-//! master, 503s stop within 10 s, no request hangs, and limits filled before the failover
+//! master within a second of the sentinels naming it, 503s stop within 3 s (forced) or 6 s
+//! (killed) of the failover's start, no request hangs, and limits filled before the failover
 //! still hold after it.
 
 mod support;
@@ -19,8 +20,10 @@ use support::{
 const STORE_TIMEOUT_MS: u64 = 200;
 /// Bound on any one request: the store timeout plus a generous margin for a busy machine.
 const REQUEST_BOUND: Duration = Duration::from_millis(1_500);
-/// 503s must stop this long after the failover starts.
-const RECOVERY_BOUND: Duration = Duration::from_secs(10);
+/// sluice's own part of a failover: from the sentinels naming the new master to the first
+/// decision on it (it asks them every 500 ms, and listens to their announcements). Measured
+/// 0.1–0.2 s; the README states this bound.
+const SWITCH_BOUND: Duration = Duration::from_secs(1);
 
 fn config(nodes: &[String], upstream: &str) -> String {
     let nodes = nodes
@@ -173,7 +176,20 @@ enum Failover {
     Kill,
 }
 
+impl Failover {
+    /// 503s must stop this long after the failover starts, as the README states: measured
+    /// 1.1 s (forced: the sentinels' promotion) and 2.2–2.6 s (killed: 1 s until the master
+    /// is deemed down, then an election), with room for a loaded 2-core machine.
+    fn recovery_bound(self) -> Duration {
+        match self {
+            Failover::Forced => Duration::from_secs(3),
+            Failover::Kill => Duration::from_secs(6),
+        }
+    }
+}
+
 async fn follows(failover: Failover) {
+    let recovery_bound = failover.recovery_bound();
     let mut cluster = SentinelCluster::start().await;
     let up = Upstream::start().await;
     let sluice = Sluice::start(&config(&cluster.nodes(), &up.url())).await;
@@ -230,7 +246,19 @@ async fn follows(failover: Failover) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let until = failed_at + RECOVERY_BOUND + Duration::from_secs(2);
+    // Named by the sentinels: if sluice heard the announcement before they answered it, poll on.
+    while promoted.is_none() {
+        if cluster.master_port().await == Some(new_port) {
+            promoted = Some(start.elapsed() - failed_at);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the sentinels never named the new master\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let until = failed_at + recovery_bound + Duration::from_secs(2);
     tokio::time::sleep(until.saturating_sub(start.elapsed())).await;
     stop.store(true, Ordering::Relaxed);
     let outcomes = load.await.expect("the load task");
@@ -251,7 +279,7 @@ async fn follows(failover: Failover) {
     let slowest = outcomes.iter().map(|o| o.took).max().unwrap_or_default();
     let admitted_after = outcomes
         .iter()
-        .filter(|o| o.status == 200 && o.sent > failed_at + RECOVERY_BOUND)
+        .filter(|o| o.status == 200 && o.sent > failed_at + recovery_bound)
         .count();
     eprintln!(
         "{failover:?}: {} requests, {} answered 503, last 503 sent {last_503:?} after the \
@@ -284,7 +312,7 @@ async fn follows(failover: Failover) {
     }
     if let Some(last) = last_503 {
         assert!(
-            last < RECOVERY_BOUND,
+            last < recovery_bound,
             "503s went on {last:?} after the failover"
         );
     }
@@ -293,7 +321,13 @@ async fn follows(failover: Failover) {
         "steady load admitted after recovery: {admitted_after}"
     );
     let moved = moved.unwrap_or_default();
-    assert!(moved < RECOVERY_BOUND, "decisions moved after {moved:?}");
+    assert!(moved < recovery_bound, "decisions moved after {moved:?}");
+    let promoted = promoted.unwrap_or_default();
+    assert!(
+        moved <= promoted + SWITCH_BOUND,
+        "decisions moved {:?} after the sentinels named the new master",
+        moved.saturating_sub(promoted)
+    );
 
     // Admissions the new master does not know were written to the old master after the
     // replica stopped following it (Redis replication is asynchronous). They may only come

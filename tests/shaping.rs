@@ -20,6 +20,32 @@ use support::{client, metric_sum, parse_metrics, Redis, Sluice, Store, StoreKind
 
 const SLACK: Duration = Duration::from_millis(80);
 
+/// How much longer than `max_delay` a held request may take from send to answer: its
+/// decision (one store call), the forwarding and the answer, on a loaded 2-core machine.
+const HOLD_SLACK: Duration = Duration::from_millis(500);
+
+/// The value of the one series `name{labels}`; a missing series fails the test rather than
+/// reading 0.
+fn series(metrics: &[support::Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
+    let found = support::samples(metrics, name, labels);
+    assert_eq!(found.len(), 1, "one series {name}{labels:?}: {found:?}");
+    found[0].value
+}
+
+/// `sluice_limit_decisions_total{route="api", decision}` summed over every instance.
+async fn decisions(sluices: &[Sluice], decision: &str) -> f64 {
+    let mut total = 0.0;
+    for sluice in sluices {
+        let metrics = parse_metrics(&sluice.metrics().await);
+        total += metric_sum(
+            &metrics,
+            "sluice_limit_decisions_total",
+            &[("route", "api"), ("decision", decision)],
+        );
+    }
+    total
+}
+
 fn policy(store_yaml: &str, upstream: &Upstream, limit: &str, route_extra: &str) -> String {
     format!(
         "{store_yaml}upstreams:\n  api: {{ url: \"{}\" }}\nroutes:\n  - name: api\n    match: {{ path_prefix: / }}\n    upstream: api\n{route_extra}    limits:\n      - {limit}\n",
@@ -120,18 +146,29 @@ async fn a_shaped_flood_never_crowds_a_window(kind: StoreKind) {
         .unwrap();
     assert!(longest > Duration::from_millis(900), "held: {longest:?}");
     assert!(
-        longest < Duration::from_millis(1500) + Duration::from_secs(1),
+        longest < Duration::from_millis(1500) + HOLD_SLACK,
         "{longest:?}"
     );
-    let metrics = parse_metrics(&sluices[0].metrics().await);
-    assert!(metric_sum(&metrics, "sluice_delay_seconds_count", &[("route", "api")]) >= 1.0);
-    assert!(
-        metric_sum(
-            &metrics,
-            "sluice_limit_decisions_total",
-            &[("route", "api"), ("decision", "delayed")]
-        ) >= 1.0
+    // Over every instance: each forwarded request was admitted now or delayed, each refused
+    // one rejected, and every delay applied is in the histogram.
+    let (admitted, delayed) = (
+        decisions(&sluices, "admitted").await,
+        decisions(&sluices, "delayed").await,
     );
+    assert_eq!(admitted + delayed, forwarded as f64, "{answers:?}");
+    assert_eq!(
+        decisions(&sluices, "rejected").await,
+        refused as f64,
+        "{answers:?}"
+    );
+    // Five fit in the first second; every other forwarded request was held.
+    assert_eq!(admitted, 5.0, "{answers:?}");
+    let mut observed = 0.0;
+    for sluice in &sluices {
+        let metrics = parse_metrics(&sluice.metrics().await);
+        observed += series(&metrics, "sluice_delay_seconds_count", &[("route", "api")]);
+    }
+    assert_eq!(observed, delayed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -214,14 +251,29 @@ async fn max_delayed_bounds_the_requests_held(kind: StoreKind) {
             })
         })
         .collect();
+    // While they are held (the first for about a second), the gauge shows both.
+    support::wait_for(
+        Duration::from_secs(5),
+        "sluice_held_requests{route=\"api\"} = 2",
+        || async {
+            let metrics = parse_metrics(&sluice.metrics().await);
+            series(&metrics, "sluice_held_requests", &[("route", "api")]) == 2.0
+        },
+    )
+    .await;
     let mut answers = Vec::new();
     for task in tasks {
         answers.push(task.await.unwrap());
     }
     let held = answers.iter().filter(|(s, _)| *s == 200).count();
     assert_eq!(held, 2, "{answers:?}");
-    for (status, body) in answers.iter().filter(|(s, _)| *s == 429) {
-        assert_eq!(*status, 429);
+    let refused: Vec<&String> = answers
+        .iter()
+        .filter(|(s, _)| *s == 429)
+        .map(|(_, body)| body)
+        .collect();
+    assert_eq!(refused.len(), 3, "{answers:?}");
+    for body in refused {
         assert!(body.contains("max_delayed"), "{body}");
     }
     // The three refused gave their places back: the store holds the first three only (at
@@ -243,7 +295,7 @@ async fn max_delayed_bounds_the_requests_held(kind: StoreKind) {
     );
     let metrics = parse_metrics(&sluice.metrics().await);
     assert_eq!(
-        metric_sum(&metrics, "sluice_held_requests", &[("route", "api")]),
+        series(&metrics, "sluice_held_requests", &[("route", "api")]),
         0.0
     );
 }
@@ -346,4 +398,99 @@ async fn a_delayed_response_carries_the_fields_as_at_admission() {
     // At admission the limit was full, and had room again in two windows' time (the entry
     // recorded a second ahead leaves a second after that).
     assert_eq!(support::header(&r, "ratelimit"), "\"shaped\";r=0;t=2");
+}
+
+/// README: with several limits, the request is recorded at the longest wait among its delay
+/// limits, every other limit must admit it now, and all record it at that same time. Two
+/// delay limits (1 per second, 1 per 2 s) and a rejecting one (2 per minute): the second
+/// request waits the longer 2 s and is recorded at exactly that instant in both logs; the
+/// third, which the delay limits could hold, is refused at once because the rejecting limit
+/// is full.
+async fn several_limits_record_at_the_longest_wait(kind: StoreKind) {
+    let upstream = Upstream::start().await;
+    let limits = "{ name: fast, key: [method], requests: 1, window: 1s, on_exceed: delay, max_delay: 5s }\n      - { name: slow, key: [method], requests: 1, window: 2s, on_exceed: delay, max_delay: 5s }\n      - { name: cap, key: [method], requests: 2, window: 1m }";
+    let store = Store::start(kind).await;
+    let sluice = Sluice::start(&policy(&store.yaml, &upstream, limits, "")).await;
+    let c = client();
+    let get = |path: &'static str| {
+        let (c, url) = (c.clone(), format!("{}{path}", sluice.url()));
+        async move {
+            let sent = Instant::now();
+            let r = c.get(url).send().await.expect("an answer");
+            (
+                r.status().as_u16(),
+                sent.elapsed(),
+                r.text().await.expect("a body"),
+            )
+        }
+    };
+    let first_sent = Instant::now();
+    let (status, _, _) = get("/first").await;
+    assert_eq!(status, 200);
+    // The second is recorded 2 s after the first was (which was after `first_sent`), so it
+    // is held at least 2 s less the time between the two sends.
+    let since_first = first_sent.elapsed();
+    let (status, took, body) = get("/second").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        took + since_first + SLACK >= Duration::from_secs(2)
+            && took < Duration::from_secs(2) + HOLD_SLACK,
+        "held for the longer wait, 2 s: {took:?} ({since_first:?} after the first)"
+    );
+    // Read before the next decision drops `fast`'s first entry, older than its window.
+    if let Some(redis) = &store.redis {
+        let keys = redis.keys().await;
+        let scores = |limit: &'static str| {
+            let key = keys
+                .iter()
+                .find(|k| k.contains(&format!(":{limit}:")))
+                .unwrap_or_else(|| panic!("{limit}'s key in {keys:?}"))
+                .clone();
+            async move {
+                let redis::Value::Array(items) =
+                    redis.cmd(&["ZRANGE", &key, "0", "-1", "WITHSCORES"]).await
+                else {
+                    panic!("ZRANGE {key}");
+                };
+                items
+                    .iter()
+                    .skip(1)
+                    .step_by(2)
+                    .map(|v| match v {
+                        redis::Value::BulkString(b) => {
+                            String::from_utf8_lossy(b).parse::<f64>().expect("a score") as u64
+                        }
+                        redis::Value::Double(d) => *d as u64,
+                        other => panic!("score {other:?}"),
+                    })
+                    .collect::<Vec<u64>>()
+            }
+        };
+        let (fast, slow) = (scores("fast").await, scores("slow").await);
+        assert_eq!(fast.len(), 2, "{fast:?}");
+        assert_eq!(fast, slow, "both limits record the same instants");
+        assert_eq!(
+            fast[1] - fast[0],
+            2_000_000,
+            "the second is recorded when `slow` (2 s) has room, not `fast` (1 s)"
+        );
+    }
+    let (status, took, body) = get("/third").await;
+    assert_eq!(status, 429, "{body}");
+    assert!(body.contains("`cap`"), "the full limit refuses it: {body}");
+    assert!(
+        took < Duration::from_millis(900),
+        "refused now, not held: {took:?}"
+    );
+    assert_eq!(upstream.paths(), ["/first", "/second"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_limits_record_at_the_longest_wait_redis() {
+    several_limits_record_at_the_longest_wait(StoreKind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_limits_record_at_the_longest_wait_memory() {
+    several_limits_record_at_the_longest_wait(StoreKind::Memory).await;
 }

@@ -232,4 +232,39 @@ mod tests {
         assert!(text.contains("gold"), "a plan name is no secret");
         assert_eq!(members(&value["admin"])["token_env"], "SLUICE_ADMIN_TOKEN");
     }
+
+    /// Every member name the README lists as secret-looking, including ones no config field
+    /// has today (`credential`, `api_key`): redaction is by shape, for fields added later.
+    #[test]
+    fn every_secret_looking_member_name_is_hidden() {
+        let names = [
+            "password",
+            "db_password",
+            "client_secret",
+            "secret",
+            "token",
+            "refresh_token",
+            "credential",
+            "aws_credentials",
+            "api_key",
+            "upstream_api_key",
+            "Password",
+        ];
+        let mut value = Value::Object(
+            names
+                .iter()
+                .map(|name| (name.to_string(), json!(format!("s3cr-{name}"))))
+                .chain([
+                    ("token_env".to_owned(), json!("SLUICE_ADMIN_TOKEN")),
+                    ("keyless".to_owned(), json!("plain")),
+                ])
+                .collect(),
+        );
+        redact(&mut value);
+        for name in names {
+            assert_eq!(value[name], REDACTED, "{name}: {value}");
+        }
+        assert_eq!(value["token_env"], "SLUICE_ADMIN_TOKEN");
+        assert_eq!(value["keyless"], "plain");
+    }
 }

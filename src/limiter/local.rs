@@ -403,6 +403,7 @@ async fn sweep(shards: Weak<Shards>, epoch: Instant) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     impl LocalStore {
         /// How many admissions the log of `key` holds, if it exists.
@@ -575,18 +576,41 @@ mod tests {
         );
     }
 
-    /// Resident memory of this process, in KiB: (now, peak).
+    /// Resident memory of this process, in KiB: (now, peak). Panics where `/proc` cannot
+    /// tell: a bound measured as 0 would pass without measuring anything.
     fn rss_kib() -> (u64, u64) {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let field = |name: &str| {
+        rss_kib_from(Path::new("/proc/self/status"))
+    }
+
+    fn rss_kib_from(path: &Path) -> (u64, u64) {
+        let status = std::fs::read_to_string(path).unwrap_or_else(|err| {
+            panic!(
+                "cannot measure memory: reading {} failed: {err}",
+                path.display()
+            )
+        });
+        let field = |name: &str| -> u64 {
             status
                 .lines()
                 .find_map(|line| line.strip_prefix(name))
                 .and_then(|rest| rest.split_whitespace().next())
                 .and_then(|kib| kib.parse().ok())
-                .unwrap_or(0)
+                .unwrap_or_else(|| panic!("cannot measure memory: no {name} in {}", path.display()))
         };
-        (field("VmRSS:"), field("VmHWM:"))
+        let (now, peak) = (field("VmRSS:"), field("VmHWM:"));
+        assert!(
+            now > 0 && peak > 0,
+            "cannot measure memory: {path:?} reads 0"
+        );
+        (now, peak)
+    }
+
+    /// Without `/proc` (another OS, a sandbox), the memory test fails instead of passing
+    /// with a growth of 0.
+    #[test]
+    #[should_panic(expected = "cannot measure memory")]
+    fn memory_cannot_be_measured_without_proc() {
+        rss_kib_from(Path::new("/nonexistent/proc/self/status"));
     }
 
     const MEMORY_CHILD: &str = "SLUICE_LOCAL_STORE_MEMORY_CHILD";
