@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::{ForwardedHeader, IpNet, KeyPart};
 use crate::limiter::Check;
-use crate::policy::{Limit, Matcher, Route};
+use crate::policy::{Field, Limit, Matcher, Route};
 
 /// What the parts of a key are read from: the request (its path already canonical) and the
 /// client's address.
@@ -196,6 +196,21 @@ pub fn identity_fits(limit: &Limit, identity: &str) -> bool {
 /// client IP instead.
 pub fn missing_part<'a>(limit: &'a Limit, request: &RequestParts<'_>) -> Option<&'a KeyPart> {
     limit.key.iter().find(|part| !present(part, request))
+}
+
+/// The first of `fields` that the request carries more than once: two header field lines,
+/// two query parameters of one (decoded) name, or one cookie name twice in the `Cookie`
+/// field(s). A list-based header nobody reads for a limit is not looked at.
+pub fn repeated_field<'f>(
+    fields: &'f [Field],
+    uri: &Uri,
+    headers: &HeaderMap,
+) -> Option<&'f Field> {
+    fields.iter().find(|field| match field {
+        Field::Header(name) => headers.get_all(name).iter().nth(1).is_some(),
+        Field::Query(name) => query_values(uri, name).nth(1).is_some(),
+        Field::Cookie(name) => cookie_values(headers, name).nth(1).is_some(),
+    })
 }
 
 fn present(part: &KeyPart, request: &RequestParts<'_>) -> bool {

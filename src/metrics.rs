@@ -23,11 +23,13 @@ pub enum Outcome {
     UpstreamError,
     /// The store could not decide; answered 503.
     StoreError,
-    /// Admitted, but the client's body was malformed or too large; answered 400 or 413.
+    /// The client's fault, on a route: a field its limits read repeated (400, before the
+    /// decision), or a body malformed or too large (400 or 413).
     ClientError,
     /// No route matched; answered 404.
     NoRoute,
-    /// Refused before routing (a head over its limits, a path with no single meaning).
+    /// Refused before routing (a head over its limits, a path with no single meaning, a
+    /// method spelled in another case, `Connection` naming a field the policy reads).
     Refused,
 }
 
@@ -71,16 +73,26 @@ pub enum Refusal {
     BodyMalformed,
     /// The body is larger than the route's `max_body` (413).
     BodyTooLarge,
+    /// A field the route's limits read (key part or `when:`) appears more than once (400).
+    RepeatedField,
+    /// `Connection` names a field the policy reads, which would be removed before forwarding
+    /// after the limiter read it (400).
+    ConnectionField,
+    /// A standard method spelled in another case, `post` for `POST` (400).
+    MethodSpelling,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 6] = [
+    pub const ALL: [Refusal; 9] = [
         Refusal::RequestLine,
         Refusal::HeaderCount,
         Refusal::HeaderBytes,
         Refusal::Path,
         Refusal::BodyMalformed,
         Refusal::BodyTooLarge,
+        Refusal::RepeatedField,
+        Refusal::ConnectionField,
+        Refusal::MethodSpelling,
     ];
 
     pub fn label(self) -> &'static str {
@@ -91,6 +103,9 @@ impl Refusal {
             Refusal::Path => "path",
             Refusal::BodyMalformed => "body_malformed",
             Refusal::BodyTooLarge => "body_too_large",
+            Refusal::RepeatedField => "repeated_field",
+            Refusal::ConnectionField => "connection_field",
+            Refusal::MethodSpelling => "method_spelling",
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The gateway's request path, as a fixed sequence of phases:
-//! check the head and canonicalize the path → route → refuse a body over the route's limit →
-//! decide all limits in one store call → answer 429, or act (forward to the upstream, or the
+//! check the head and canonicalize the path → one reading of the request (`one_request`) →
+//! route → refuse a repeated field the route's limits read → refuse a body over the route's
+//! limit → decide all limits in one store call → answer 429, or act (forward to the upstream, or the
 //! route's direct response) → add the RateLimit fields.
 //! Every request is counted once, by route and outcome.
 //!
@@ -41,6 +42,7 @@ use crate::config::OnStoreError;
 use crate::keys;
 use crate::limiter::{Decision, Store};
 use crate::metrics::{Metrics, Outcome, Refusal};
+use crate::one_request;
 use crate::policy::{Action, DirectResponse, Limit, Policy, Route};
 use crate::response;
 
@@ -157,9 +159,17 @@ impl Gateway {
             self.count_refusal(refused.reason);
             return response::problem(refused.status, &refused.detail, request.uri().path(), &[]);
         }
+        let active = self.active.load_full();
+        // Before anything reads the request: the router, the limiter and the upstream read
+        // the same one.
+        if let Err(refused) = one_request::prepare(&mut request, &active.policy) {
+            self.refused_unrouted.inc();
+            self.count_refusal(refused.reason);
+            let path = request.uri().path();
+            return response::problem(StatusCode::BAD_REQUEST, &refused.detail, path, &[]);
+        }
         // The upstream gets the id too.
         request.headers_mut().insert(X_REQUEST_ID, request_id);
-        let active = self.active.load_full();
         let Some(route) = active.policy.route(request.method(), request.uri().path()) else {
             self.unrouted.inc();
             return response::problem(
@@ -201,6 +211,16 @@ impl Gateway {
         peer: SocketAddr,
         trace: &mut Trace,
     ) -> (Outcome, Response<ProxyBody>) {
+        if let Err(refused) =
+            one_request::check_fields(&route.fields, request.uri(), request.headers())
+        {
+            self.count_refusal(refused.reason);
+            let path = request.uri().path();
+            return (
+                Outcome::ClientError,
+                response::problem(StatusCode::BAD_REQUEST, &refused.detail, path, &[]),
+            );
+        }
         // A declared length over the limit is refused before it costs a decision.
         if let Some(max_body) = route.max_body {
             if request.body().size_hint().lower() > max_body {
