@@ -139,10 +139,17 @@ impl Gateway {
             request_id: request_id.clone(),
             shadow_rejected: String::new(),
         };
+        let head = request.method() == http::Method::HEAD;
         let mut response = self
             .answer(request, peer, request_id.clone(), &mut trace)
             .await;
         response.headers_mut().insert(X_REQUEST_ID, request_id);
+        // An answer to HEAD has no body (RFC 9110 §9.3.2). hyper drops sluice's own bodies
+        // (429, problems) on HTTP/1.1 but sends them on HTTP/2, where the client then resets
+        // the stream as malformed.
+        if let (true, ProxyBody::Full(body)) = (head, response.body_mut()) {
+            *body = None;
+        }
         response
     }
 
