@@ -556,6 +556,75 @@ async fn cookie_crumbs_memory() {
     cookie_crumbs(StoreKind::Memory).await;
 }
 
+// ---------------------------------------------------------------------------
+// `sluice explain` tells the same
+// ---------------------------------------------------------------------------
+
+/// `sluice explain` refuses what the gateway refuses, with the same detail, and routes HEAD
+/// where GET goes.
+#[test]
+fn explain_refuses_the_same_requests() {
+    let yaml = format!(
+        "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{}",
+        config("", "http://127.0.0.1:3000")
+    );
+    let file = support::write_config(&yaml);
+    let path = file.path().to_str().unwrap();
+    let explain = |args: &[&str]| {
+        let mut all = vec!["explain", "--config", path];
+        all.extend_from_slice(args);
+        let out = support::run_sluice(&all, Duration::from_secs(10));
+        assert!(out.status.success(), "{args:?}: {}", out.stderr);
+        out.stdout
+    };
+    for (args, refusal) in [
+        (
+            &["post", "/auth"][..],
+            "refused:    400 Bad Request: the method `post` is `POST`",
+        ),
+        (
+            &["GET", "/h", "-H", "x-api-key: a", "-H", "x-api-key: b"][..],
+            "refused:    400 Bad Request: the header x-api-key appears more than once",
+        ),
+        (
+            &["GET", "/q?api_key=a&api_key=b"][..],
+            "refused:    400 Bad Request: the query parameter api_key appears more than once",
+        ),
+        (
+            &[
+                "GET",
+                "/c",
+                "-H",
+                "cookie: session=a",
+                "-H",
+                "cookie: session=b",
+            ][..],
+            "refused:    400 Bad Request: the cookie session appears more than once",
+        ),
+        (
+            &[
+                "GET",
+                "/h",
+                "-H",
+                "connection: x-api-key",
+                "-H",
+                "x-api-key: a",
+            ][..],
+            "refused:    400 Bad Request: the Connection header names x-api-key",
+        ),
+    ] {
+        let out = explain(args);
+        assert!(out.contains(refusal), "{args:?}:\n{out}");
+        assert!(!out.contains("store key:"), "{args:?}:\n{out}");
+    }
+    let out = explain(&["HEAD", "/items", "-H", "x-user: u"]);
+    assert!(out.contains("route:      items"), "{out}");
+    assert!(
+        out.contains("store key: sluice:items:two:{h:x-user=u}"),
+        "{out}"
+    );
+}
+
 /// A bare HTTP/2 client that writes its own frames, for the requests a well-behaved client
 /// library refuses to send (a `connection` field). Header fields are sent as HPACK literals
 /// without indexing or Huffman coding (RFC 7541 §6.2.2), so the encoding is exact.
