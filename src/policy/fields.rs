@@ -88,3 +88,79 @@ pub fn connection_guarded(
     }
     guarded
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::policy::Policy;
+
+    fn compile(head: &str, limits: &str) -> Policy {
+        let yaml = format!(
+            "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{head}routes:\n  - name: r\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n{limits}  - name: open\n    match: {{ path_prefix: /open }}\n    respond: {{ status: 200 }}\n"
+        );
+        let config = crate::config::parse(&yaml, Path::new("t.yaml")).expect("valid");
+        let metrics = Metrics::new().expect("metrics");
+        Policy::compile(&config, Path::new("t.yaml"), &metrics).expect("valid")
+    }
+
+    #[test]
+    fn keys_and_conditions_name_the_fields_once() {
+        let policy = compile(
+            "",
+            r#"      - { name: a, key: ["header:x-api-key", "query:k", host], requests: 1, window: 1s }
+      - name: b
+        key: ["cookie:s", "header:x-api-key", client_ip]
+        requests: 1
+        window: 1s
+        when: [{ header: x-plan, equals: free }, { host: [api.example] }, { method: [GET] }]
+"#,
+        );
+        let api_key = HeaderName::from_static("x-api-key");
+        assert_eq!(
+            policy.routes[0].fields,
+            [
+                Field::Header(api_key.clone()),
+                Field::Query("k".to_owned()),
+                Field::Header(HOST),
+                Field::Cookie("s".to_owned()),
+                Field::Header(HeaderName::from_static("x-plan")),
+            ]
+        );
+        assert!(policy.routes[1].fields.is_empty());
+        let get = Condition::Method(vec![http::Method::GET, http::Method::HEAD]);
+        assert!(
+            policy.routes[0].limits[1].when.contains(&get),
+            "GET brings HEAD"
+        );
+        assert_eq!(
+            policy.connection_guarded,
+            [HOST, api_key, COOKIE, HeaderName::from_static("x-plan")]
+        );
+        assert_eq!(
+            Field::Query("k".to_owned()).to_string(),
+            "the query parameter k"
+        );
+    }
+
+    #[test]
+    fn the_forwarded_header_is_guarded_only_when_proxies_are_trusted() {
+        let limits = "      - { name: a, key: [client_ip], requests: 1, window: 1s }\n";
+        assert_eq!(compile("", limits).connection_guarded, [HOST]);
+        let trusted = compile("trusted_proxies: [10.0.0.0/8]\n", limits);
+        assert_eq!(
+            trusted.connection_guarded,
+            [HOST, HeaderName::from_static("x-forwarded-for")]
+        );
+        let forwarded = compile(
+            "trusted_proxies: [10.0.0.0/8]\nforwarded_header: forwarded\n",
+            limits,
+        );
+        assert_eq!(
+            forwarded.connection_guarded,
+            [HOST, HeaderName::from_static("forwarded")]
+        );
+    }
+}
