@@ -47,7 +47,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     let policy = Policy::compile(&source.config, file, &metrics)?;
     let method = Method::from_bytes(question.method.as_bytes())
         .map_err(|_| ExplainError::Method(question.method.to_owned()))?;
-    let headers = parse_headers(question.headers)?;
+    let mut headers = parse_headers(question.headers)?;
     let sent: Uri = question
         .target
         .parse()
@@ -82,6 +82,13 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     } else {
         let _ = writeln!(out, "path:       {canonical}");
     }
+    if let Err(refused) = crate::one_request::check_method(&method).and_then(|()| {
+        crate::one_request::join_cookie_crumbs(&mut headers);
+        crate::one_request::remove_connection_options(&mut headers, &policy.connection_guarded)
+    }) {
+        let _ = writeln!(out, "refused:    400 Bad Request: {}", refused.detail);
+        return Ok(out);
+    }
     let Some(route) = policy.route(&method, &canonical) else {
         let _ = writeln!(out, "route:      none matches: 404 Not Found");
         return Ok(out);
@@ -91,6 +98,10 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         "route:      {} (the first route in the file that matches)",
         route.name
     );
+    if let Err(refused) = crate::one_request::check_fields(&route.fields, &uri, &headers) {
+        let _ = writeln!(out, "refused:    400 Bad Request: {}", refused.detail);
+        return Ok(out);
+    }
     match &route.action {
         Action::Forward(upstream) => {
             let _ = writeln!(

@@ -29,7 +29,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::{ForwardedHeader, IpNet, KeyPart};
 use crate::limiter::Check;
-use crate::policy::{ClientPrefix, Limit, Matcher, Route};
+use crate::policy::{ClientPrefix, Field, Limit, Matcher, Route};
 
 /// What the parts of a key are read from: the request (its path already canonical) and the
 /// client's address.
@@ -233,6 +233,21 @@ pub fn identity_fits(limit: &Limit, identity: &str) -> bool {
 /// client IP instead.
 pub fn missing_part<'a>(limit: &'a Limit, request: &RequestParts<'_>) -> Option<&'a KeyPart> {
     limit.key.iter().find(|part| !present(part, request))
+}
+
+/// The first of `fields` that the request carries more than once: two header field lines,
+/// two query parameters of one (decoded) name, or one cookie name twice in the `Cookie`
+/// field(s). A list-based header nobody reads for a limit is not looked at.
+pub fn repeated_field<'f>(
+    fields: &'f [Field],
+    uri: &Uri,
+    headers: &HeaderMap,
+) -> Option<&'f Field> {
+    fields.iter().find(|field| match field {
+        Field::Header(name) => headers.get_all(name).iter().nth(1).is_some(),
+        Field::Query(name) => query_values(uri, name).nth(1).is_some(),
+        Field::Cookie(name) => cookie_values(headers, name).nth(1).is_some(),
+    })
 }
 
 fn present(part: &KeyPart, request: &RequestParts<'_>) -> bool {
@@ -624,6 +639,74 @@ mod tests {
                 let named = xff.contains(&found.to_string()) || forwarded.contains(&found.to_string());
                 proptest::prop_assert!(found == peer || named, "{found}");
             }
+        }
+
+        /// A query string carrying the identity parameter `k` twice or more, in any spelling
+        /// of its name and among any others, is a repeated field; once or never is not.
+        #[test]
+        fn a_repeated_query_identity_is_always_found(
+            pairs in proptest::collection::vec(
+                (
+                    proptest::sample::select(vec!["k", "%6B", "%6b", "x", "kk", "k%20", "%4B"]),
+                    "[a-z0-9%+]{0,6}",
+                    proptest::prelude::any::<bool>(),
+                ),
+                0..6,
+            ),
+        ) {
+            let query = pairs
+                .iter()
+                .map(|(name, value, bare)| {
+                    if *bare { (*name).to_owned() } else { format!("{name}={value}") }
+                })
+                .collect::<Vec<_>>()
+                .join("&");
+            let named_k = pairs
+                .iter()
+                .filter(|(name, _, _)| matches!(*name, "k" | "%6B" | "%6b"))
+                .count();
+            let uri: Uri = format!("/?{query}").parse().unwrap();
+            let fields = [Field::Query("k".to_owned())];
+            let found = repeated_field(&fields, &uri, &HeaderMap::new());
+            proptest::prop_assert_eq!(found.is_some(), named_k >= 2, "{}", query);
+        }
+
+        /// The same cookies split into crumbs anywhere, once joined, give the key of the
+        /// single field, and a name in two crumbs is a repeated field.
+        #[test]
+        fn cookie_crumbs_in_any_split_give_one_key(
+            values in proptest::collection::vec("[a-zA-Z0-9._-]{1,8}", 1..6),
+            cuts in proptest::collection::vec(proptest::prelude::any::<bool>(), 6),
+            at in 0usize..6,
+        ) {
+            // Distinct names, `c` (the one keyed on) among them.
+            let at = at % values.len();
+            let pairs: Vec<String> = values
+                .iter()
+                .enumerate()
+                .map(|(i, v)| if i == at { format!("c={v}") } else { format!("n{i}={v}") })
+                .collect();
+            let mut single = HeaderMap::new();
+            single.insert("cookie", HeaderValue::from_str(&pairs.join("; ")).unwrap());
+            let mut crumbs = HeaderMap::new();
+            let mut crumb = Vec::new();
+            for (i, pair) in pairs.iter().enumerate() {
+                crumb.push(pair.as_str());
+                if cuts[i] || i + 1 == pairs.len() {
+                    crumbs.append("cookie", HeaderValue::from_str(&crumb.join("; ")).unwrap());
+                    crumb.clear();
+                }
+            }
+            crate::one_request::join_cookie_crumbs(&mut crumbs);
+            proptest::prop_assert_eq!(crumbs.get_all("cookie").iter().count(), 1);
+            let limit = limit(vec![KeyPart::Cookie("c".to_owned())]);
+            proptest::prop_assert_eq!(key_of(&limit, "/", &crumbs), key_of(&limit, "/", &single));
+            let fields = [Field::Cookie("c".to_owned())];
+            let uri: Uri = "/".parse().unwrap();
+            proptest::prop_assert!(repeated_field(&fields, &uri, &crumbs).is_none());
+            crumbs.append("cookie", HeaderValue::from_static("c=junk"));
+            crate::one_request::join_cookie_crumbs(&mut crumbs);
+            proptest::prop_assert!(repeated_field(&fields, &uri, &crumbs).is_some());
         }
 
         /// Any query string and cookie field gives a key of one shape, and the identity is

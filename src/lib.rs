@@ -2,7 +2,8 @@
 //!
 //! `server` (accept, TLS from `tls`, HTTP/1.1 and HTTP/2, connection limits, `activity` for
 //! idle timeouts) → `proxy` (the request phases:
-//! `path` canonicalization and head limits, routing on the `policy`, `keys` for each limit,
+//! `path` canonicalization and head limits, `one_request` (one reading of the request for
+//! the router, the limiter and the upstream), routing on the `policy`, `keys` for each limit,
 //! the `limiter` decision, then a `response` of 429 or a forward to the upstream) — with
 //! `metrics` observing each step and `admin` serving them, with the admin API (one identity's
 //! quota, the policy in force, reload on request). `config` reads the policy file;
@@ -18,6 +19,7 @@ pub mod explain;
 pub mod keys;
 pub mod limiter;
 pub mod metrics;
+pub mod one_request;
 pub mod path;
 pub mod policy;
 pub mod proxy;

@@ -23,11 +23,13 @@ pub enum Outcome {
     UpstreamError,
     /// The store could not decide; answered 503.
     StoreError,
-    /// Admitted, but the client's body was malformed or too large; answered 400 or 413.
+    /// The client's fault, on a route: a field its limits read repeated (400, before the
+    /// decision), or a body malformed or too large (400 or 413).
     ClientError,
     /// No route matched; answered 404.
     NoRoute,
-    /// Refused before routing (a head over its limits, a path with no single meaning).
+    /// Refused before routing (a head over its limits, a path with no single meaning, a
+    /// method spelled in another case, `Connection` naming a field the policy reads).
     Refused,
 }
 
@@ -74,10 +76,17 @@ pub enum Refusal {
     /// The body did not arrive within the route's `body_timeout`, or fell below its
     /// `body_min_rate` (408, or the upstream request aborted if it had answered already).
     BodySlow,
+    /// A field the route's limits read (key part or `when:`) appears more than once (400).
+    RepeatedField,
+    /// `Connection` names a field the policy reads, which would be removed before forwarding
+    /// after the limiter read it (400).
+    ConnectionField,
+    /// A standard method spelled in another case, `post` for `POST` (400).
+    MethodSpelling,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 7] = [
+    pub const ALL: [Refusal; 10] = [
         Refusal::RequestLine,
         Refusal::HeaderCount,
         Refusal::HeaderBytes,
@@ -85,6 +94,9 @@ impl Refusal {
         Refusal::BodyMalformed,
         Refusal::BodyTooLarge,
         Refusal::BodySlow,
+        Refusal::RepeatedField,
+        Refusal::ConnectionField,
+        Refusal::MethodSpelling,
     ];
 
     pub fn label(self) -> &'static str {
@@ -96,6 +108,9 @@ impl Refusal {
             Refusal::BodyMalformed => "body_malformed",
             Refusal::BodyTooLarge => "body_too_large",
             Refusal::BodySlow => "body_slow",
+            Refusal::RepeatedField => "repeated_field",
+            Refusal::ConnectionField => "connection_field",
+            Refusal::MethodSpelling => "method_spelling",
         }
     }
 }
@@ -257,7 +272,7 @@ impl Metrics {
         let refused = IntCounterVec::new(
             Opts::new(
                 "sluice_refused_requests_total",
-                "Requests sluice refused itself, by reason (request_line, header_count, header_bytes, path, body_malformed, body_too_large, body_slow).",
+                "Requests sluice refused itself, by reason (request_line, header_count, header_bytes, path, body_malformed, body_too_large, body_slow, repeated_field, connection_field, method_spelling).",
             ),
             &["reason"],
         )?;

@@ -455,6 +455,8 @@ pub struct RouteConfig {
 #[serde(deny_unknown_fields)]
 pub struct MatchConfig {
     pub path_prefix: PathPrefix,
+    /// The methods this route takes; every method when empty. A list naming `GET` also takes
+    /// `HEAD`, for which upstreams run the GET handler.
     #[serde(default)]
     pub methods: Vec<MethodName>,
     /// Match the path prefix case-sensitively. Off by default: many upstreams route
@@ -536,6 +538,7 @@ pub struct ConditionConfig {
     pub equals: Option<String>,
     pub one_of: Option<Vec<String>>,
     pub present: Option<bool>,
+    /// The request method is one of these; a list naming `GET` also takes `HEAD`.
     pub method: Option<Vec<MethodName>>,
     pub host: Option<Vec<String>>,
 }

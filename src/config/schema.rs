@@ -98,7 +98,7 @@ string_schema!(
     MethodName,
     "Method",
     r"^[!#$%&'*+.^_`|~0-9A-Z-]+$",
-    "An HTTP method, case-sensitive (`POST`, not `post`).",
+    "An HTTP method, case-sensitive (`POST`, not `post`). In a list, `GET` also means `HEAD`.",
     ["GET", "POST"]
 );
 string_schema!(

@@ -15,7 +15,8 @@ pub enum Condition {
         name: HeaderName,
         test: HeaderTest,
     },
-    /// The request method is one of these.
+    /// The request method is one of these (`HEAD` is added to a list naming `GET`, see
+    /// `matcher::with_head`).
     Method(Vec<Method>),
     /// The host (without its port, lower-cased) is one of these.
     Host(Vec<String>),
@@ -95,9 +96,9 @@ impl Condition {
             return Err(invalid("`equals`, `one_of` and `present` go with `header`"));
         }
         if let Some(methods) = &config.method {
-            return Ok(Condition::Method(
-                methods.iter().map(|m| m.0.clone()).collect(),
-            ));
+            return Ok(Condition::Method(super::matcher::with_head(
+                methods.iter().map(|m| m.0.clone()),
+            )));
         }
         let hosts = config.host.clone().unwrap_or_default();
         if hosts.is_empty() {

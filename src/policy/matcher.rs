@@ -9,6 +9,19 @@ use http::Method;
 
 use crate::config::MatchConfig;
 
+/// `methods`, with `HEAD` added when `GET` is among them. HEAD is GET without the body
+/// (RFC 9110 §9.3.2), and Flask, Express, Rails, Go's mux and Spring all run the GET handler
+/// for it: a route or limit on GET that let HEAD through would let the same handler run
+/// uncounted. There is no way to list GET without HEAD; a route for `methods: [HEAD]` placed
+/// before it takes HEAD elsewhere (the first matching route wins).
+pub fn with_head(methods: impl Iterator<Item = Method>) -> Vec<Method> {
+    let mut methods: Vec<Method> = methods.collect();
+    if methods.contains(&Method::GET) && !methods.contains(&Method::HEAD) {
+        methods.push(Method::HEAD);
+    }
+    methods
+}
+
 #[derive(Debug, Clone)]
 pub struct Matcher {
     path_prefix: String,
@@ -41,7 +54,7 @@ impl Matcher {
             path_prefix: prefix.clone(),
             pattern: if has_params { segments } else { Vec::new() },
             case_sensitive: config.case_sensitive,
-            methods: config.methods.iter().map(|m| m.0.clone()).collect(),
+            methods: with_head(config.methods.iter().map(|m| m.0.clone())),
         }
     }
 
@@ -141,6 +154,20 @@ mod tests {
             methods: methods.iter().cloned().map(MethodName).collect(),
             case_sensitive: false,
         })
+    }
+
+    #[test]
+    fn a_route_on_get_takes_head_and_only_get_brings_it() {
+        let read = matcher("/items", &[Method::GET]);
+        assert!(read.matches(&Method::HEAD, "/items"));
+        assert!(!read.matches(&Method::POST, "/items"));
+        let write = matcher("/items", &[Method::POST]);
+        assert!(!write.matches(&Method::HEAD, "/items"));
+        let head = matcher("/items", &[Method::HEAD]);
+        assert!(
+            !head.matches(&Method::GET, "/items"),
+            "HEAD does not bring GET"
+        );
     }
 
     #[test]

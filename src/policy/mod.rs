@@ -7,6 +7,7 @@
 //! needs the proxy.
 
 mod condition;
+mod fields;
 mod matcher;
 
 use std::collections::HashMap;
@@ -15,11 +16,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::HeaderValue;
+use http::header::{HeaderName, HeaderValue};
 use http::uri::Authority;
 use http::{Method, StatusCode};
 
 pub use self::condition::{Condition, HeaderTest};
+pub use self::fields::Field;
 pub use self::matcher::Matcher;
 use crate::config::{
     Config, ConfigError, ForwardedHeader, IpNet, KeyPart, LimitConfig, Name, OnExceed,
@@ -36,6 +38,8 @@ pub struct Policy {
     /// Peers whose forwarded-for header is believed, and which header that is.
     pub trusted_proxies: Vec<IpNet>,
     pub forwarded_header: ForwardedHeader,
+    /// The header fields a `Connection` option may not name (see `fields::connection_guarded`).
+    pub connection_guarded: Vec<HeaderName>,
     index: RouteIndex,
 }
 
@@ -102,6 +106,8 @@ pub struct Route {
     pub matcher: Matcher,
     pub action: Action,
     pub limits: Vec<Limit>,
+    /// The fields its limits read (keys and `when:`): each may appear only once in a request.
+    pub fields: Vec<Field>,
     /// Largest request body forwarded, in bytes; `None`: unlimited.
     pub max_body: Option<u64>,
     /// How fast the request body must arrive.
@@ -315,16 +321,23 @@ impl Policy {
                     } else {
                         rate_limit_policy(limits.iter())
                     },
+                    fields: fields::read_by(&limits),
                     limits,
                     metrics: metrics.for_route(route.name.value.as_str()),
                 }
             })
             .collect();
         let index = RouteIndex::new(&routes);
+        let connection_guarded = fields::connection_guarded(
+            &routes,
+            !config.trusted_proxies.is_empty(),
+            config.forwarded_header,
+        );
         Ok(Policy {
             routes,
             trusted_proxies: config.trusted_proxies.clone(),
             forwarded_header: config.forwarded_header,
+            connection_guarded,
             index,
         })
     }

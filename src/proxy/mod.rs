@@ -1,6 +1,7 @@
 //! The gateway's request path, as a fixed sequence of phases:
-//! check the head and canonicalize the path → route → refuse a body over the route's limit →
-//! decide all limits in one store call → answer 429, or act (forward to the upstream, or the
+//! check the head and canonicalize the path → one reading of the request (`one_request`) →
+//! route → refuse a repeated field the route's limits read → refuse a body over the route's
+//! limit → decide all limits in one store call → answer 429, or act (forward to the upstream, or the
 //! route's direct response) → add the RateLimit fields.
 //! Every request is counted once, by route and outcome.
 //!
@@ -41,6 +42,7 @@ use crate::config::OnStoreError;
 use crate::keys;
 use crate::limiter::{Decision, Store};
 use crate::metrics::{Metrics, Outcome, Refusal};
+use crate::one_request;
 use crate::policy::{Action, DirectResponse, Limit, Policy, Route};
 use crate::response;
 
@@ -140,10 +142,17 @@ impl Gateway {
             request_id: request_id.clone(),
             shadow_rejected: String::new(),
         };
+        let head = request.method() == http::Method::HEAD;
         let mut response = self
             .answer(request, peer, request_id.clone(), &mut trace)
             .await;
         response.headers_mut().insert(X_REQUEST_ID, request_id);
+        // An answer to HEAD has no body (RFC 9110 §9.3.2). hyper drops sluice's own bodies
+        // (429, problems) on HTTP/1.1 but sends them on HTTP/2, where the client then resets
+        // the stream as malformed.
+        if let (true, ProxyBody::Full(body)) = (head, response.body_mut()) {
+            *body = None;
+        }
         response
     }
 
@@ -160,9 +169,17 @@ impl Gateway {
             self.count_refusal(refused.reason);
             return response::problem(refused.status, &refused.detail, request.uri().path(), &[]);
         }
+        let active = self.active.load_full();
+        // Before anything reads the request: the router, the limiter and the upstream read
+        // the same one.
+        if let Err(refused) = one_request::prepare(&mut request, &active.policy) {
+            self.refused_unrouted.inc();
+            self.count_refusal(refused.reason);
+            let path = request.uri().path();
+            return response::problem(StatusCode::BAD_REQUEST, &refused.detail, path, &[]);
+        }
         // The upstream gets the id too.
         request.headers_mut().insert(X_REQUEST_ID, request_id);
-        let active = self.active.load_full();
         let Some(route) = active.policy.route(request.method(), request.uri().path()) else {
             self.unrouted.inc();
             return response::problem(
@@ -204,6 +221,16 @@ impl Gateway {
         peer: SocketAddr,
         trace: &mut Trace,
     ) -> (Outcome, Response<ProxyBody>) {
+        if let Err(refused) =
+            one_request::check_fields(&route.fields, request.uri(), request.headers())
+        {
+            self.count_refusal(refused.reason);
+            let path = request.uri().path();
+            return (
+                Outcome::ClientError,
+                response::problem(StatusCode::BAD_REQUEST, &refused.detail, path, &[]),
+            );
+        }
         // A declared length over the limit is refused before it costs a decision.
         if let Some(max_body) = route.max_body {
             if request.body().size_hint().lower() > max_body {
