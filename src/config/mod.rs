@@ -1012,7 +1012,9 @@ mod tests {
             .expect_err("a billion laughs must not parse")
             .to_string();
         assert!(err.contains("budget") || err.contains("alias"), "{err}");
-        assert!(started.elapsed() < std::time::Duration::from_secs(2));
+        // Refused in milliseconds; the bound is generous for a loaded CI machine, and a parser
+        // that expanded the 10^9 nodes would take far longer (or run out of memory) first.
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
     }
 
     /// A valid file that uses every field, the starting point of the mutations below.
