@@ -80,7 +80,8 @@ where
 /// the gateway's requests and a reporter thread that writes the summaries.
 pub struct RequestLog {
     pub rejections: Rejections,
-    /// `sluice::access` at debug: 100 lines a second, 100 at once.
+    /// `sluice::access` at debug: 1000 lines a second, 1000 at once (all of a small service's
+    /// traffic; about 200 kB/s at most under a flood).
     pub access: LineBudget,
     /// "upstream failed" at warn: 10 lines a second, 20 at once.
     pub upstream_failed: LineBudget,
@@ -94,7 +95,7 @@ impl RequestLog {
     pub fn start() -> Arc<RequestLog> {
         let log = Arc::new(RequestLog {
             rejections: Rejections::new(),
-            access: LineBudget::new(100, 100),
+            access: LineBudget::new(1000, 1000),
             upstream_failed: LineBudget::new(10, 20),
             store_failed: LineBudget::new(10, 20),
         });
