@@ -1029,9 +1029,13 @@ def log_cost(opts: Options, servers: Servers, state: Path, redis: Redis, up_port
         servers.stop(target.server)
     info = statistics.median(run.rps for run in runs["sluice-log-info"])
     warn = statistics.median(run.rps for run in runs["sluice-log-warn"])
+    # CPU per answer is steadier than answers/s on a shared machine.
+    cpu_us = {name: 1e6 * sum(r.cpu_s for r in rs) / sum(r.requests for r in rs)
+              for name, rs in runs.items()}
     return {
         "connections": opts.connections, "rounds": opts.rounds, "duration": opts.duration,
         "info_rps": info, "warn_rps": warn, "ratio": info / warn,
+        "info_cpu_us": cpu_us["sluice-log-info"], "warn_cpu_us": cpu_us["sluice-log-warn"],
         "rejected": sum(run.rejected for run in runs["sluice-log-info"]),
         "log_bytes": info_log.stat().st_size,
     }
@@ -1044,7 +1048,9 @@ def log_cost_text(cost: dict) -> str:
         f"in-process store, median of {cost['rounds']} run(s) of {cost['duration']} s in turns:",
         f"default log level (info) {cost['info_rps']:,.0f} answers/s, `RUST_LOG=warn` "
         f"{cost['warn_rps']:,.0f} answers/s: ratio {cost['ratio']:.3f} "
-        f"(target >= {LOG_COST_TARGET}: {met}). The info instance wrote {cost['log_bytes']:,} "
+        f"(target >= {LOG_COST_TARGET}: {met}); sluice's CPU per answer {cost['info_cpu_us']:.1f} "
+        f"µs at info, {cost['warn_cpu_us']:.1f} µs at warn. "
+        f"The info instance wrote {cost['log_bytes']:,} "
         f"bytes of log in all, start and shutdown included, for {cost['rejected']:,} rejections.",
     ])
 
