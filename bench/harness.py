@@ -330,15 +330,17 @@ def sluice_limit(extra: str = "", requests: int = LIMIT_REQUESTS, window: str = 
     return f"[{{ {fields} }}]"
 
 
-def start_sluice(servers, state, name, upstream_port, store: str, limits: str):
-    """Starts one sluice from bench/sluice/sluice.yaml.in; returns (server, port, admin port)."""
+def start_sluice(servers, state, name, upstream_port, store: str, limits: str,
+                 log_level: str = "warn"):
+    """Starts one sluice from bench/sluice/sluice.yaml.in, logging at `log_level` (RUST_LOG);
+    returns (server, port, admin port)."""
     port, admin = free_port(), free_port()
     conf = render(
         BENCH / "sluice" / "sluice.yaml.in", state / f"{name}.yaml",
         PORT=port, ADMIN_PORT=admin, UPSTREAM_PORT=upstream_port, STORE=store, LIMITS=limits,
     )
     argv = [str(SLUICE_BIN), "run", "--config", str(conf)]
-    env = {"RUST_LOG": "warn", "TOKIO_WORKER_THREADS": str(workers())}
+    env = {"RUST_LOG": log_level, "TOKIO_WORKER_THREADS": str(workers())}
     server = servers.start(name, argv, env)
     wait_until(name, lambda: http_get(admin, "/readyz")[0] == 200, server)
     return server, port, admin
@@ -998,6 +1000,61 @@ def features(opts: Options, servers: Servers, state: Path, redis: Redis, up_port
     return out
 
 
+LOG_COST_TARGET = 0.95  # flood throughput at the default log level, as a share of RUST_LOG=warn
+
+
+def log_cost(opts: Options, servers: Servers, state: Path, redis: Redis, up_port: int) -> dict:
+    """The flood against two in-process sluices, one at the default log level (info: a
+    rejection's first line, then a summary every 10 s) and one at RUST_LOG=warn (no rejection
+    lines), in turns; the throughput ratio and the bytes of log the info instance wrote."""
+    progress("log cost: flood, in-process store, RUST_LOG=info (the default) against warn")
+    targets = []
+    for level in ("info", "warn"):
+        name = f"sluice-log-{level}"
+        server, port, _ = start_sluice(servers, state, name, up_port, local_store(),
+                                       sluice_limit(), log_level=level)
+        targets.append(Target(name, f"sluice, RUST_LOG={level}", port, server, limited=True))
+    runs: dict[str, list[Run]] = {t.name: [] for t in targets}
+    for r in range(opts.rounds):
+        for target in in_turns(targets, r):
+            run = run_wrk(opts, target, redis, "flood", opts.duration)
+            check_sane(target, "flood", run)
+            runs[target.name].append(run)
+            progress(f"  round {r + 1}/{opts.rounds} flood  {target.name:<26} "
+                     f"{run.rps:>9,.0f} req/s  p99 {run.p99_ms:6.2f} ms  "
+                     f"rejected {100 * run.rejected / run.requests:5.1f} %")
+    info_log = targets[0].server.log
+    for target in targets:
+        # SIGTERM: sluice writes its last summaries before it exits, so they are counted.
+        servers.stop(target.server)
+    info = statistics.median(run.rps for run in runs["sluice-log-info"])
+    warn = statistics.median(run.rps for run in runs["sluice-log-warn"])
+    # CPU per answer is steadier than answers/s on a shared machine.
+    cpu_us = {name: 1e6 * sum(r.cpu_s for r in rs) / sum(r.requests for r in rs)
+              for name, rs in runs.items()}
+    return {
+        "connections": opts.connections, "rounds": opts.rounds, "duration": opts.duration,
+        "info_rps": info, "warn_rps": warn, "ratio": info / warn,
+        "info_cpu_us": cpu_us["sluice-log-info"], "warn_cpu_us": cpu_us["sluice-log-warn"],
+        "rejected": sum(run.rejected for run in runs["sluice-log-info"]),
+        "log_bytes": info_log.stat().st_size,
+    }
+
+
+def log_cost_text(cost: dict) -> str:
+    met = "met" if cost["ratio"] >= LOG_COST_TARGET else "missed"
+    return "\n".join([
+        f"**Log cost**: wrk's flood (one API key, closed loop, `-c{cost['connections']}`), "
+        f"in-process store, median of {cost['rounds']} run(s) of {cost['duration']} s in turns:",
+        f"default log level (info) {cost['info_rps']:,.0f} answers/s, `RUST_LOG=warn` "
+        f"{cost['warn_rps']:,.0f} answers/s: ratio {cost['ratio']:.3f} "
+        f"(target >= {LOG_COST_TARGET}: {met}); sluice's CPU per answer {cost['info_cpu_us']:.1f} "
+        f"µs at info, {cost['warn_cpu_us']:.1f} µs at warn. "
+        f"The info instance wrote {cost['log_bytes']:,} "
+        f"bytes of log in all, start and shutdown included, for {cost['rejected']:,} rejections.",
+    ])
+
+
 def features_text(feat: dict) -> str:
     shaped = feat["shaped"]
     run = shaped["run"]
@@ -1092,7 +1149,7 @@ def analysis() -> str:
 def write_results(path: Path, opts: Options, state: Path, started: dict, finished: dict,
                   servers_seen: list[tuple[str, list[str]]], rows: list[Row], results: dict,
                   lines: list[str], mem: dict | None, note: str, rates: dict,
-                  feat: dict | None = None) -> None:
+                  feat: dict | None = None, cost: dict | None = None) -> None:
     m = machine()
     n = workers()
     commands = "\n".join(
@@ -1192,6 +1249,10 @@ Load:
 
 {features_text(feat) if feat else 'Not measured in this run.'}
 
+## What logging costs under a flood
+
+{log_cost_text(cost) if cost else 'Not measured in this run.'}
+
 ## Caveats
 
 - Everything shares {m['nproc']} cores over loopback: wrk ({opts.wrk_threads} threads), the
@@ -1238,6 +1299,10 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
                    help="skip the shaped-flood and count-by-outcome step")
     p.add_argument("--features-only", action="store_true",
                    help="only the shaped-flood and count-by-outcome step")
+    p.add_argument("--no-log-cost", action="store_true",
+                   help="skip the log-cost step (flood at the default log level against warn)")
+    p.add_argument("--log-cost-only", action="store_true",
+                   help="only the log-cost step")
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md",
                    help="where a full run writes its report (default bench/RESULTS.md)")
     p.add_argument("--note", default="", help="a paragraph to put at the top of RESULTS.md")
@@ -1249,8 +1314,8 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
     if a.duration < 1 or a.rounds < 1:
         p.error("--duration and --rounds must be at least 1")
     only = re.compile(a.only) if a.only else None
-    if a.memory_only or a.features_only:
-        # No target; the memory and features steps start their own.
+    if a.memory_only or a.features_only or a.log_cost_only:
+        # No target; the memory, features and log-cost steps start their own.
         scenarios, only = [], re.compile("(?!)")
     opts = Options(
         smoke=a.smoke, duration=1 if a.smoke else a.duration, rounds=1 if a.smoke else a.rounds,
@@ -1293,11 +1358,15 @@ def main(argv: list[str]) -> int:
                 results.update(open_loop(opts, targets, redis, rates))
 
         mem = None
-        if a.memory_only or (not a.no_memory and not a.features_only and opts.only is None):
+        one_step = a.memory_only or a.features_only or a.log_cost_only
+        if a.memory_only or (not a.no_memory and not one_step and opts.only is None):
             mem = memory(opts, servers, state, redis, up_port)
         feat = None
-        if a.features_only or (not a.no_features and not a.memory_only and opts.only is None):
+        if a.features_only or (not a.no_features and not one_step and opts.only is None):
             feat = features(opts, servers, state, redis, up_port)
+        cost = None
+        if a.log_cost_only or (not a.no_log_cost and not one_step and opts.only is None):
+            cost = log_cost(opts, servers, state, redis, up_port)
     except HarnessError as err:
         print(f"\nbench: HARNESS FAILURE: {err}", file=sys.stderr)
         return 1
@@ -1321,13 +1390,16 @@ def main(argv: list[str]) -> int:
     if feat:
         print()
         print(features_text(feat))
+    if cost:
+        print()
+        print(log_cost_text(cost))
     finished = {"load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                 "seconds": time.monotonic() - clock0}
     progress(f"\nbench: {finished['seconds']:.0f} s after the build")
     full = not opts.smoke and opts.only is None and opts.scenarios == SCENARIOS and mem
     if full:
         write_results(a.results, opts, state, started, finished, servers_seen, rows, results,
-                      lines, mem, a.note, rates, feat)
+                      lines, mem, a.note, rates, feat, cost)
         progress(f"bench: wrote {a.results}")
     return 0
 

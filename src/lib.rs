@@ -5,7 +5,8 @@
 //! `path` canonicalization and head limits, `one_request` (one reading of the request for
 //! the router, the limiter and the upstream), routing on the `policy`, `keys` for each limit,
 //! the `limiter` decision, then a `response` of 429 or a forward to the upstream) — with
-//! `metrics` observing each step and `admin` serving them, with the admin API (one identity's
+//! `metrics` observing each step and `admin` serving them, `log` writing lines that never block a
+//! request, with the admin API (one identity's
 //! quota, the policy in force, reload on request). `config` reads the policy file;
 //! `reload` watches it and swaps in each valid new policy whole.
 //!
@@ -18,6 +19,7 @@ pub mod config;
 pub mod explain;
 pub mod keys;
 pub mod limiter;
+pub mod log;
 pub mod metrics;
 pub mod one_request;
 pub mod path;

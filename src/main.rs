@@ -61,25 +61,10 @@ enum Command {
     },
 }
 
-/// Log lines go to standard error, at the level `RUST_LOG` sets (default `info`).
-fn init_logging(format: config::LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        config::LogFormat::Text => builder
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .init(),
-        config::LogFormat::Json => builder.json().init(),
-    }
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if !matches!(cli.command, Command::Run { .. }) {
-        init_logging(config::LogFormat::Text);
+        sluice::log::init_direct(config::LogFormat::Text);
     }
     let result = match cli.command {
         Command::Check { config } => check(&config),
@@ -102,12 +87,16 @@ fn main() -> ExitCode {
         }
         // The file names the log format, so it is read before anything is logged.
         Command::Run { config } => load(&config).and_then(|loaded| {
-            init_logging(loaded.source.config.log_format);
-            tokio::runtime::Builder::new_multi_thread()
+            let flusher = sluice::log::init(loaded.source.config.log_format)
+                .context("cannot start the log writer")?;
+            let served = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
                 .context("cannot start the async runtime")
-                .and_then(|runtime| runtime.block_on(run(&config, loaded)))
+                .and_then(|runtime| runtime.block_on(run(&config, loaded)));
+            // Whatever standard error's reader does, the exit waits for it this long at most.
+            flusher.flush(sluice::log::FLUSH_TIMEOUT);
+            served
         }),
     };
     match result {
@@ -226,6 +215,7 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
     let open = |listener: &str| metrics.open_connections.with_label_values(&[listener]);
     let (gateway_open, admin_open) = (open("gateway"), open("admin"));
     let gateway = Arc::new(Gateway::new(policy, store, head_limits, &metrics));
+    let request_log = gateway.request_log();
     let draining = Arc::new(AtomicBool::new(false));
     let (stop, stopping) = watch::channel(false);
     let mut gateway_settings = settings.clone();
@@ -282,6 +272,8 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
         stopping,
     );
     tokio::join!(serve_gateway, serve_admin);
+    // The counts since the last report, so a rejection summary is never lost at exit.
+    request_log.report();
     Ok(())
 }
 

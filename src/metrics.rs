@@ -3,6 +3,10 @@
 //! Label values are route, limit and upstream names from the policy, outcomes and error kinds:
 //! never a client identity, so the number of series is bounded by the config.
 
+use std::sync::Mutex;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -350,6 +354,13 @@ impl Metrics {
             ),
             &["route"],
         )?;
+        let log_lines_dropped = LogLinesDropped {
+            counter: IntCounter::new(
+                "sluice_log_lines_dropped_total",
+                "Log lines dropped because standard error took them too slowly (the log queue was full) or refused them.",
+            )?,
+            one_scrape_at_a_time: Mutex::new(()),
+        };
         for result in ReloadResult::ALL {
             config_reloads.with_label_values(&[result.label()]);
             tls_cert_reloads.with_label_values(&[result.label()]);
@@ -377,6 +388,7 @@ impl Metrics {
         registry.register(Box::new(tls_handshake_errors.clone()))?;
         registry.register(Box::new(delay.clone()))?;
         registry.register(Box::new(held.clone()))?;
+        registry.register(Box::new(log_lines_dropped))?;
         Ok(Metrics {
             registry,
             requests,
@@ -443,6 +455,33 @@ impl Metrics {
         // Encoding into a Vec cannot fail for the text format.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         out
+    }
+}
+
+/// `sluice_log_lines_dropped_total`, read from the log queue's own count when scraped: logging
+/// starts before any registry exists, and the queue counts without knowing of one.
+struct LogLinesDropped {
+    counter: IntCounter,
+    one_scrape_at_a_time: Mutex<()>,
+}
+
+impl Collector for LogLinesDropped {
+    fn desc(&self) -> Vec<&Desc> {
+        self.counter.desc()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        // Two scrapes at once would both add the same difference.
+        let _guard = self
+            .one_scrape_at_a_time
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let shown = self.counter.get();
+        let dropped = crate::log::lines_dropped();
+        if dropped > shown {
+            self.counter.inc_by(dropped - shown);
+        }
+        self.counter.collect()
     }
 }
 

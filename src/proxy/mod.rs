@@ -41,6 +41,7 @@ use self::upstreams::{Clients, Upstreams};
 use crate::config::OnStoreError;
 use crate::keys;
 use crate::limiter::{Decision, Store};
+use crate::log::{RequestLog, Subject};
 use crate::metrics::{Metrics, Outcome, Refusal};
 use crate::one_request;
 use crate::policy::{Action, DirectResponse, Limit, Policy, Route};
@@ -80,6 +81,8 @@ pub struct Gateway {
     /// The same, for the faults of a request body, counted where the body fails.
     body_refusals: Arc<BodyRefusals>,
     request_ids: RequestIds,
+    /// Bounds the per-request log lines: rejections summarised, the others rate-limited.
+    log: Arc<RequestLog>,
 }
 
 impl Gateway {
@@ -103,7 +106,13 @@ impl Gateway {
             refusals: metrics.refused.clone(),
             body_refusals: Arc::new(BodyRefusals::new(&metrics.refused)),
             request_ids: RequestIds::new(),
+            log: RequestLog::start(),
         }
+    }
+
+    /// The gateway's per-request log, to write its last report at shutdown.
+    pub fn request_log(&self) -> Arc<RequestLog> {
+        Arc::clone(&self.log)
     }
 
     pub fn store(&self) -> &Store {
@@ -196,16 +205,20 @@ impl Gateway {
         route.metrics.count(outcome);
         route.metrics.duration.observe(elapsed.as_secs_f64());
         // An access log, off by default (RUST_LOG=sluice::access=debug turns it on); it holds
-        // no client identity, like the metrics.
-        tracing::debug!(
-            target: "sluice::access",
-            route = %route.name,
-            outcome = outcome.label(),
-            status = response.status().as_u16(),
-            micros = elapsed.as_micros() as u64,
-            shadow_rejected = %trace.shadow_rejected,
-            request_id = trace.id(),
-        );
+        // no client identity, like the metrics. Bounded by its budget, not by traffic.
+        if tracing::enabled!(target: "sluice::access", tracing::Level::DEBUG)
+            && self.log.access.allow()
+        {
+            tracing::debug!(
+                target: "sluice::access",
+                route = %route.name,
+                outcome = outcome.label(),
+                status = response.status().as_u16(),
+                micros = elapsed.as_micros() as u64,
+                shadow_rejected = %trace.shadow_rejected,
+                request_id = trace.id(),
+            );
+        }
         response
     }
 
@@ -286,7 +299,11 @@ impl Gateway {
                         (Outcome::ClientError, body_problem(fault, route, uri.path()))
                     }
                     Err(err) => {
-                        tracing::warn!(route = %route.name, upstream = %upstream.name, error = %err, request_id = trace.id(), "upstream failed");
+                        if tracing::enabled!(tracing::Level::WARN)
+                            && self.log.upstream_failed.allow()
+                        {
+                            tracing::warn!(route = %route.name, upstream = %upstream.name, error = %err, request_id = trace.id(), "upstream failed");
+                        }
                         (
                             Outcome::UpstreamError,
                             upstream_problem(&err, upstream.name.as_str(), uri.path()),
@@ -345,7 +362,9 @@ impl Gateway {
             Err(err) => {
                 // Per request at debug: during an outage the breaker's transitions (warn) and
                 // the fallback counters say it once, not once per request.
-                tracing::debug!(route = %route.name, store = self.store.name(), error = %err, action = route.on_store_error.label(), "store failed");
+                if tracing::enabled!(tracing::Level::DEBUG) && self.log.store_failed.allow() {
+                    tracing::debug!(route = %route.name, store = self.store.name(), error = %err, action = route.on_store_error.label(), "store failed");
+                }
                 route.metrics.count_fallback(route.on_store_error);
                 match route.on_store_error {
                     OnStoreError::Local => self.store.decide_locally(&checks),
@@ -378,7 +397,7 @@ impl Gateway {
                 decision,
             }))
         } else {
-            log_rejection(route, &limits, &checks, &decision, trace);
+            log_rejection(&self.log, route, &limits, &checks, &decision, trace);
             let path = request.uri().path();
             let mut response = response::too_many_requests(route, &limits, &decision, path);
             if grpc::is_grpc(request.headers()) {
@@ -398,23 +417,33 @@ pub struct Trace {
     pub shadow_rejected: String,
 }
 
-/// One line per rejected request: the route, each rejecting limit with a hash of the identity
-/// it counted (never the identity itself: API keys are secrets), and the Retry-After.
 impl Trace {
     fn id(&self) -> &str {
         self.request_id.to_str().unwrap_or("-")
     }
 }
 
+/// The first rejection of an identity by a limit is logged at once: the route, the limit, a
+/// hash of the identity (never the identity itself: API keys are secrets), the Retry-After and
+/// the request id. Its next rejections are counted and summarised (`crate::log::summary`).
 fn log_rejection(
+    log: &RequestLog,
     route: &Route,
     limits: &[&Limit],
     checks: &[crate::limiter::Check],
     decision: &Decision,
     trace: &Trace,
 ) {
+    if !tracing::enabled!(target: "sluice::rejected", tracing::Level::INFO) {
+        return;
+    }
     for ((limit, check), &rejecting) in limits.iter().zip(checks).zip(&decision.rejecting) {
-        if rejecting && !limit.shadow {
+        let subject = || Subject {
+            route: route.name.to_string(),
+            limit: limit.name.to_string(),
+            identity: keys::identity_hash(&check.key),
+        };
+        if rejecting && !limit.shadow && log.rejections.record(&check.key, subject) {
             tracing::info!(
                 target: "sluice::rejected",
                 route = %route.name,
