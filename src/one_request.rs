@@ -18,6 +18,7 @@
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONNECTION, COOKIE};
 use http::{Method, Request, Uri};
 
+use crate::config::HOP_BY_HOP;
 use crate::keys;
 use crate::metrics::Refusal;
 use crate::policy::{Field, Policy};
@@ -93,18 +94,13 @@ pub fn join_cookie_crumbs(headers: &mut HeaderMap) {
     }
 }
 
-/// The hop-by-hop fields the proxy removes itself when it forwards (see `proxy::headers`); a
-/// `Connection` option naming one (or `close`) is kept, for the proxy to act on.
-const FIXED_HOP_BY_HOP: [&str; 8] = [
-    "close",
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
+/// The `Connection` options the proxy acts on itself when it forwards (see `proxy::headers`):
+/// the hop-by-hop fields it removes anyway, and `close`. They are kept in `Connection`.
+fn kept_option(option: &[u8]) -> Option<&'static str> {
+    std::iter::once("close")
+        .chain(HOP_BY_HOP)
+        .find(|fixed| fixed.as_bytes().eq_ignore_ascii_case(option))
+}
 
 /// Removes every field a `Connection` option names (RFC 9110 §7.6.1) and leaves in
 /// `Connection` only the options the proxy acts on later, so forwarding removes nothing more
@@ -125,10 +121,7 @@ pub fn remove_connection_options(
         .map(<[u8]>::trim_ascii)
         .filter(|option| !option.is_empty());
     for option in options {
-        if let Some(fixed) = FIXED_HOP_BY_HOP
-            .iter()
-            .find(|fixed| fixed.as_bytes().eq_ignore_ascii_case(option))
-        {
+        if let Some(fixed) = kept_option(option) {
             if !kept.is_empty() {
                 kept.push_str(", ");
             }

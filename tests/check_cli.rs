@@ -681,6 +681,44 @@ fn delay_on_a_fixed_window_is_refused() {
 }
 
 #[test]
+fn a_key_or_condition_on_a_hop_by_hop_field_is_refused() {
+    // The proxy removes these before forwarding: a limit reading one would count a value the
+    // upstream never gets.
+    for field in [
+        "te",
+        "Upgrade",
+        "keep-alive",
+        "transfer-encoding",
+        "connection",
+    ] {
+        let yaml = variant(
+            "key: [\"header:x-api-key\"]",
+            &format!("key: [\"header:{field}\"]"),
+        );
+        assert_refused(
+            &yaml,
+            &format!("[\"header:{field}\"]"),
+            "\"header",
+            "routes[2].limits[0].key[0]",
+            &["hop-by-hop", field],
+        );
+        let yaml = variant(
+            "requests: 100",
+            &format!(
+                "requests: 100\n        when:\n          - {{ header: {field}, present: true }}"
+            ),
+        );
+        assert_refused(
+            &yaml,
+            &format!("header: {field}"),
+            field,
+            "routes[2].limits[0].when[0].header",
+            &["hop-by-hop"],
+        );
+    }
+}
+
+#[test]
 fn delay_without_max_delay_is_refused() {
     let yaml = variant("requests: 100", "requests: 100\n        on_exceed: delay");
     assert_refused(

@@ -34,7 +34,7 @@ pub use types::{
     ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat, MethodName, Name,
     OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
 };
-pub use types::{OnExceed, StatusMatch};
+pub use types::{OnExceed, StatusMatch, HOP_BY_HOP};
 
 /// Default most requests of one route held at once by `on_exceed: delay` limits.
 pub const DEFAULT_MAX_DELAYED: u32 = 1024;

@@ -43,10 +43,34 @@ impl FromStr for FieldName {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        HeaderName::from_bytes(text.as_bytes())
-            .map(FieldName)
-            .map_err(|_| format!("`{text}` is not a valid header name"))
+        end_to_end_header(text).map(FieldName)
     }
+}
+
+/// The hop-by-hop fields (RFC 9110 §7.6.1) a proxy removes before forwarding; sluice's proxy
+/// removes these (and whatever `Connection` names) in both directions.
+pub const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// A header a key part or condition may read: a valid name of a field the upstream receives
+/// too. A limit keyed on a hop-by-hop field would count a value the upstream never sees.
+fn end_to_end_header(text: &str) -> Result<HeaderName, String> {
+    let name = HeaderName::from_bytes(text.as_bytes())
+        .map_err(|_| format!("`{text}` is not a valid header name"))?;
+    if HOP_BY_HOP.contains(&name.as_str()) {
+        return Err(format!(
+            "`{text}` is a hop-by-hop field: sluice removes it before forwarding, so a limit \
+             reading it would count what the upstream never gets"
+        ));
+    }
+    Ok(name)
 }
 
 /// The name of a route, limit, upstream or key prefix. Names appear in Redis keys, metric
@@ -132,9 +156,7 @@ impl FromStr for KeyPart {
             _ => {}
         }
         if let Some(name) = text.strip_prefix("header:") {
-            return HeaderName::from_bytes(name.as_bytes())
-                .map(KeyPart::Header)
-                .map_err(|_| format!("`{name}` is not a valid header name"));
+            return end_to_end_header(name).map(KeyPart::Header);
         }
         if let Some(name) = text.strip_prefix("query:") {
             return named("query parameter", name).map(KeyPart::Query);
