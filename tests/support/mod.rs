@@ -1100,11 +1100,17 @@ impl Sluice {
 
 impl Drop for Sluice {
     fn drop(&mut self) {
-        if !std::thread::panicking() {
-            self.check_store_decided();
-        }
+        let guard = if std::thread::panicking() {
+            Ok(())
+        } else {
+            self.check_store_decided()
+        };
+        // Stopped before the guard's verdict panics, or the process would outlive the test.
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Err(why) = guard {
+            panic!("{why}");
+        }
         if std::thread::panicking() {
             eprintln!(
                 "---- sluice log (listen {}, admin {}) ----\n{}\n---- end of sluice log ----",
@@ -1130,24 +1136,24 @@ impl Sluice {
     /// statuses and headers alone cannot show that Redis decided. When the test ends, sluice's
     /// own counters must say that no store call failed and nothing was decided without the
     /// store, unless the test declared `expect_store_faults`.
-    fn check_store_decided(&mut self) {
+    fn check_store_decided(&mut self) -> Result<(), String> {
         if !self.redis_store
             || self
                 .store_faults_expected
                 .load(std::sync::atomic::Ordering::Relaxed)
         {
-            return;
+            return Ok(());
         }
         // A test that stopped sluice itself (SIGTERM) has no metrics left to read.
         if !matches!(self.child.try_wait(), Ok(None)) {
-            return;
+            return Ok(());
         }
-        let text = blocking_get(self.admin_port, "/metrics").unwrap_or_else(|e| {
-            panic!(
+        let text = blocking_get(self.admin_port, "/metrics").map_err(|e| {
+            format!(
                 "store guard: GET /metrics failed: {e}\nlog:\n{}",
                 self.log()
             )
-        });
+        })?;
         let all = parse_metrics(&text);
         for (name, labels) in [
             ("sluice_store_errors_total", &[][..]),
@@ -1158,8 +1164,10 @@ impl Sluice {
             ),
         ] {
             let value = metric_sum(&all, name, labels);
-            assert!(
-                value == 0.0,
+            if value == 0.0 {
+                continue;
+            }
+            return Err(format!(
                 "store guard: {name}{labels:?} = {value}: a request was not decided by Redis. \
                  A test that makes the store fail on purpose calls `sluice.expect_store_faults()`.\n\
                  metrics:\n{}\nlog:\n{}",
@@ -1169,8 +1177,9 @@ impl Sluice {
                     .collect::<Vec<_>>()
                     .join("\n"),
                 self.log()
-            );
+            ));
         }
+        Ok(())
     }
 }
 
