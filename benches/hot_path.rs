@@ -70,16 +70,13 @@ fn keys(c: &mut Criterion) {
     let mut headers = HeaderMap::new();
     headers.insert("x-api-key", HeaderValue::from_static("k-0123456789abcdef"));
     headers.insert("user-agent", HeaderValue::from_static("bench/1.0"));
-    let uri: http::Uri = "/svc50/api/x".parse().expect("a URI");
-    let request = sluice::keys::RequestParts {
-        method: &Method::GET,
-        uri: &uri,
-        headers: &headers,
-        client_ip: IpAddr::V4(Ipv4Addr::new(203, 0, 113, 9)),
-    };
-    c.bench_function("keys for two limits", |b| {
+    let mut request = http::Request::get("/svc50/api/x").body(()).expect("a request");
+    *request.headers_mut() = headers;
+    let (head, ()) = request.into_parts();
+    let peer = IpAddr::V4(Ipv4Addr::new(203, 0, 113, 9));
+    c.bench_function("plan of two limits", |b| {
         b.iter(|| {
-            sluice::keys::checks(black_box(route), black_box(&request))
+            sluice::plan::plan(&policy, black_box(route), black_box(&head), peer)
                 .checks
                 .len()
         })

@@ -1,6 +1,8 @@
 //! `sluice explain`: what sluice would do with one request, worked out from the policy file
 //! alone — the canonical path, the route, the client address, each limit and the exact store
-//! key it would touch — without sending anything to the store or the upstream.
+//! key it would touch — without sending anything to the store or the upstream. It runs the
+//! gateway's own phases up to the decision (`proxy::read_head`, `proxy::route`,
+//! `plan::plan`), so it cannot tell a different story.
 
 use std::fmt::Write as _;
 use std::net::IpAddr;
@@ -13,7 +15,9 @@ use http::{HeaderMap, Method, Uri};
 use crate::config::{self, ConfigError, KeyPart};
 use crate::keys::{self, RequestParts};
 use crate::metrics::Metrics;
+use crate::plan;
 use crate::policy::{Action, Policy};
+use crate::proxy::{self, HeadLimits, Stop};
 
 /// The request to explain, as given on the command line.
 pub struct Question<'a> {
@@ -47,13 +51,18 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     let policy = Policy::compile(&source.config, file, &metrics)?;
     let method = Method::from_bytes(question.method.as_bytes())
         .map_err(|_| ExplainError::Method(question.method.to_owned()))?;
-    let mut headers = parse_headers(question.headers)?;
+    let headers = parse_headers(question.headers)?;
     let sent: Uri = question
         .target
         .parse()
         .ok()
         .filter(|uri: &Uri| uri.path().starts_with('/'))
         .ok_or_else(|| ExplainError::Target(question.target.to_owned()))?;
+    let mut request = http::Request::new(());
+    *request.method_mut() = method.clone();
+    *request.uri_mut() = sent.clone();
+    *request.headers_mut() = headers;
+    let (mut head, ()) = request.into_parts();
 
     let mut out = String::new();
     let _ = writeln!(
@@ -61,19 +70,13 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         "request:    {method} {} from {}",
         question.target, question.from
     );
-    let canonical = match crate::path::normalize(sent.path()) {
-        Ok(path) => path.into_owned(),
-        Err(err) => {
-            let _ = writeln!(out, "refused:    400 Bad Request: {err}");
-            return Ok(out);
-        }
-    };
-    let uri: Uri = match sent.query() {
-        Some(query) => format!("{canonical}?{query}"),
-        None => canonical.clone(),
+    // The gateway's own phases, up to the decision: what is refused here is refused there.
+    let head_limits = HeadLimits::new(&source.config.server);
+    if let Err(stop) = proxy::read_head(&mut head, &head_limits, &policy) {
+        let _ = writeln!(out, "refused:    {}: {}", stop.status(), stop.detail(None));
+        return Ok(out);
     }
-    .parse()
-    .map_err(|_| ExplainError::Target(question.target.to_owned()))?;
+    let canonical = head.uri.path();
     if canonical != sent.path() {
         let _ = writeln!(
             out,
@@ -82,47 +85,44 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     } else {
         let _ = writeln!(out, "path:       {canonical}");
     }
-    if let Err(refused) = crate::one_request::check_method(&method).and_then(|()| {
-        crate::one_request::join_cookie_crumbs(&mut headers);
-        crate::one_request::remove_connection_options(&mut headers, &policy.connection_guarded)
-    }) {
-        let _ = writeln!(out, "refused:    400 Bad Request: {}", refused.detail);
-        return Ok(out);
-    }
-    let Some(route) = policy.route(&method, &canonical) else {
-        let _ = writeln!(out, "route:      none matches: 404 Not Found");
-        return Ok(out);
+    let route = match proxy::route(&policy, &head, 0) {
+        Ok(route) => route,
+        Err(Stop::NoRoute) => {
+            let _ = writeln!(out, "route:      none matches: 404 Not Found");
+            return Ok(out);
+        }
+        Err(stop) => {
+            let _ = writeln!(out, "refused:    {}: {}", stop.status(), stop.detail(None));
+            return Ok(out);
+        }
     };
     let _ = writeln!(
         out,
         "route:      {} (the first route in the file that matches)",
         route.name
     );
-    if let Err(refused) = crate::one_request::check_fields(&route.fields, &uri, &headers) {
-        let _ = writeln!(out, "refused:    400 Bad Request: {}", refused.detail);
-        return Ok(out);
-    }
     match &route.action {
         Action::Forward(upstream) => {
+            let scheme = if upstream.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            };
             let _ = writeln!(
                 out,
-                "action:     forward to upstream `{}` as http://{}{}{}",
+                "action:     forward to upstream `{}` as {scheme}://{}{}{}",
                 upstream.name,
                 upstream.authority,
                 upstream.base_path,
-                uri.path_and_query().map_or("/", |pq| pq.as_str())
+                head.uri.path_and_query().map_or("/", |pq| pq.as_str())
             );
         }
         Action::Respond(direct) => {
             let _ = writeln!(out, "action:     respond {} directly", direct.status);
         }
     }
-    let client_ip = keys::client_ip(
-        question.from,
-        &headers,
-        &policy.trusted_proxies,
-        policy.forwarded_header,
-    );
+    let plan = plan::plan(&policy, route, &head, question.from);
+    let client_ip = plan.client_ip;
     if client_ip != question.from.to_canonical() {
         let _ = writeln!(
             out,
@@ -136,19 +136,18 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         return Ok(out);
     }
     let request = RequestParts {
-        method: &method,
-        uri: &uri,
-        headers: &headers,
+        method: &head.method,
+        uri: &head.uri,
+        headers: &head.headers,
         client_ip,
     };
-    let applied = keys::checks(route, &request);
     let cluster = source
         .config
         .store
         .redis
         .as_ref()
         .is_some_and(|redis| redis.value.cluster.is_some());
-    if cluster && crate::limiter::spans_slots(&applied.checks) {
+    if cluster && crate::limiter::spans_slots(&plan.checks) {
         let _ = writeln!(
             out,
             "limits:     in different Redis Cluster slots: each slot decided by its own call, \
@@ -161,7 +160,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         );
     }
     for limit in &route.limits {
-        let Some(at) = applied.limits.iter().position(|l| std::ptr::eq(*l, limit)) else {
+        let Some(at) = plan.limits.iter().position(|l| std::ptr::eq(*l, limit)) else {
             let _ = writeln!(
                 out,
                 "  {}: does not apply (its `when` does not hold)",
@@ -169,7 +168,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             );
             continue;
         };
-        let check = &applied.checks[at];
+        let check = &plan.checks[at];
         let parts: Vec<String> = limit.key.iter().map(describe).collect();
         let mut extras = vec![limit.algorithm.label().to_owned()];
         if limit.cost > 1 {

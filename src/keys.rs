@@ -28,7 +28,6 @@ use http::{HeaderMap, Method, Uri};
 use sha2::{Digest, Sha256};
 
 use crate::config::{ForwardedHeader, IpNet, KeyPart};
-use crate::limiter::Check;
 use crate::policy::{ClientPrefix, Field, Limit, Matcher, Route};
 
 /// What the parts of a key are read from: the request (its path already canonical) and the
@@ -38,26 +37,6 @@ pub struct RequestParts<'a> {
     pub uri: &'a Uri,
     pub headers: &'a HeaderMap,
     pub client_ip: IpAddr,
-}
-
-/// The limits of a route that apply to a request (their `when` holds), in the route's order,
-/// and one check for each.
-pub struct Applied<'r> {
-    pub limits: Vec<&'r Limit>,
-    pub checks: Vec<Check>,
-}
-
-pub fn checks<'r>(route: &'r Route, request: &RequestParts<'_>) -> Applied<'r> {
-    let limits: Vec<&Limit> = route
-        .limits
-        .iter()
-        .filter(|limit| limit.applies(request.method, request.uri, request.headers))
-        .collect();
-    let checks = limits
-        .iter()
-        .map(|limit| limit.check(key(limit, &route.matcher, request)))
-        .collect();
-    Applied { limits, checks }
 }
 
 /// The client's address: `peer`, or when `peer` is a trusted proxy, the rightmost address of
@@ -187,9 +166,9 @@ fn key(limit: &Limit, matcher: &Matcher, request: &RequestParts<'_>) -> String {
     key
 }
 
-/// The store key of `limit`, a limit of `route`, for `request`: the key a live request with
-/// these parts gets. The admin API builds a request from an operator's per-part values and
-/// asks here, so it never spells a key differently from the gateway.
+/// The store key of `limit`, a limit of `route`, for `request`: what `plan` checks a live
+/// request under. The admin API builds a request from an operator's per-part values and asks
+/// here too, so it never spells a key differently from the gateway.
 pub fn store_key(limit: &Limit, route: &Route, request: &RequestParts<'_>) -> String {
     key(limit, &route.matcher, request)
 }

@@ -15,6 +15,7 @@
 
 pub mod activity;
 pub mod admin;
+pub mod body;
 pub mod config;
 pub mod explain;
 pub mod keys;
@@ -23,6 +24,7 @@ pub mod log;
 pub mod metrics;
 pub mod one_request;
 pub mod path;
+pub mod plan;
 pub mod policy;
 pub mod proxy;
 pub mod ratelimit_field;

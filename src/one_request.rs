@@ -16,7 +16,8 @@
 //!   or of their join is the request the upstream acts on.
 
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONNECTION, COOKIE};
-use http::{Method, Request, Uri};
+use http::request::Parts;
+use http::{Method, Uri};
 
 use crate::config::HOP_BY_HOP;
 use crate::keys;
@@ -33,11 +34,10 @@ pub struct Refused {
 
 /// Before routing: refuses a respelled standard method, joins cookie crumbs and removes the
 /// fields `Connection` names (refusing one `policy` reads).
-pub fn prepare<B>(request: &mut Request<B>, policy: &Policy) -> Result<(), Refused> {
-    check_method(request.method())?;
-    let headers = request.headers_mut();
-    join_cookie_crumbs(headers);
-    remove_connection_options(headers, &policy.connection_guarded)
+pub fn prepare(head: &mut Parts, policy: &Policy) -> Result<(), Refused> {
+    check_method(&head.method)?;
+    join_cookie_crumbs(&mut head.headers);
+    remove_connection_options(&mut head.headers, &policy.connection_guarded)
 }
 
 /// The methods of RFC 9110 §9 and PATCH (RFC 5789), as HTTP spells them.

@@ -23,8 +23,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use prometheus::{IntCounter, IntCounterVec};
 
-use super::body::{BodyFault, BodyRefusals, RequestBody};
 use super::headers;
+use super::request_body::{BodyFault, BodyRefusals, RequestBody};
 use super::tunnel;
 use crate::metrics::UpstreamErrorKind;
 use crate::policy::{Route, Upstream};

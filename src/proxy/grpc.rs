@@ -5,9 +5,6 @@
 //! it, so saying 14 makes every client see the same code.
 
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE};
-use http::Response;
-
-use super::ProxyBody;
 
 const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
@@ -29,8 +26,7 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
 }
 
 /// Adds the gRPC status of a rate-limit refusal to a `429`.
-pub fn mark_limited(response: &mut Response<ProxyBody>, retry_after_secs: u64) {
-    let headers = response.headers_mut();
+pub fn mark_limited(headers: &mut HeaderMap, retry_after_secs: u64) {
     headers.insert(GRPC_STATUS, HeaderValue::from_static(UNAVAILABLE));
     // Visible ASCII and spaces only: nothing to percent-encode.
     let message = format!("rate limited by sluice; retry in {retry_after_secs} s");

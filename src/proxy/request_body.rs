@@ -1,6 +1,5 @@
-//! Bodies streamed through sluice frame by frame, never collected whole: the body of every
-//! response it sends (its own, or the upstream's), and the client's request body on its way
-//! to the upstream, held to the route's size limit and pace.
+//! The client's request body on its way to the upstream, streamed frame by frame, never
+//! collected whole, and held to the route's size limit and pace.
 //!
 //! A request body fails where it breaks a bound, whoever is reading it: while the gateway
 //! still waits for the upstream's answer (the client then gets 400, 413 or 408), or after the
@@ -22,48 +21,6 @@ use prometheus::{IntCounter, IntCounterVec};
 
 use crate::metrics::Refusal;
 use crate::policy::BodyPace;
-
-pub enum ProxyBody {
-    Full(Option<Bytes>),
-    Stream(Incoming),
-}
-
-impl ProxyBody {
-    pub fn full(bytes: Bytes) -> ProxyBody {
-        ProxyBody::Full(Some(bytes).filter(|b| !b.is_empty()))
-    }
-}
-
-impl Body for ProxyBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        match self.get_mut() {
-            ProxyBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            ProxyBody::Stream(incoming) => Pin::new(incoming).poll_frame(cx),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            ProxyBody::Full(bytes) => bytes.is_none(),
-            ProxyBody::Stream(incoming) => incoming.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            ProxyBody::Full(bytes) => {
-                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
-            }
-            ProxyBody::Stream(incoming) => incoming.size_hint(),
-        }
-    }
-}
 
 /// What went wrong with a client's request body while it streamed to the upstream: the
 /// client's fault, answered 400 or 413, never counted against the upstream.

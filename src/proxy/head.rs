@@ -1,6 +1,7 @@
-//! The first phase of every request: refuse a head that is too large, and rewrite the path to
-//! its one canonical spelling (see `crate::path`) before anything routes on it, so matching,
-//! keys and forwarding all see the same path.
+//! The head phase, first for every request: refuse a head that is too large, rewrite the path
+//! to its one canonical spelling (see `crate::path`), then make the head the one reading the
+//! router, the limiter and the upstream share (`crate::one_request`), before anything routes
+//! on it.
 //!
 //! The HTTP parser enforces twice these limits on its own (a bare 431 and a closed
 //! connection, see `server`); within that, this phase answers with a precise status and a
@@ -11,12 +12,15 @@
 //! and reads the chunked body, then closes the connection, so what is forwarded is framed one
 //! way only.
 
+use http::request::Parts;
 use http::uri::{PathAndQuery, Uri};
-use http::{Request, StatusCode};
+use http::StatusCode;
 
+use super::stop::Stop;
 use crate::config::ServerConfig;
 use crate::metrics::Refusal;
-use crate::path;
+use crate::policy::Policy;
+use crate::{one_request, path};
 
 /// The request-head limits of `server:` in the config, in bytes and fields.
 #[derive(Debug, Clone, Copy)]
@@ -37,25 +41,27 @@ impl HeadLimits {
     }
 }
 
-/// Why a request was refused before routing: the status, what to tell the client, and the
-/// metric reason.
-pub struct Refused {
-    pub status: StatusCode,
-    pub detail: String,
-    pub reason: Refusal,
+/// Reads a request's head: its limits, its canonical path, its one reading under `policy`.
+pub fn read(head: &mut Parts, limits: &HeadLimits, policy: &Policy) -> Result<(), Stop> {
+    admit_head(head, limits)?;
+    one_request::prepare(head, policy).map_err(|refused| Stop::Refused {
+        status: StatusCode::BAD_REQUEST,
+        detail: refused.detail,
+        reason: refused.reason,
+    })
 }
 
 /// Checks the head against `limits`, then puts the canonical path in the request's URI.
-pub fn admit_head<B>(request: &mut Request<B>, limits: &HeadLimits) -> Result<(), Refused> {
+fn admit_head(request: &mut Parts, limits: &HeadLimits) -> Result<(), Stop> {
     // `GET /path?query HTTP/1.1`: the method, the target and the version with their spaces.
     let target = request
-        .uri()
+        .uri
         .path_and_query()
         .map_or(1, |pq| pq.as_str().len())
-        + request.uri().authority().map_or(0, |a| a.as_str().len());
-    let request_line = request.method().as_str().len() + 1 + target + 9;
+        + request.uri.authority().map_or(0, |a| a.as_str().len());
+    let request_line = request.method.as_str().len() + 1 + target + 9;
     if request_line > limits.max_request_line {
-        return Err(Refused {
+        return Err(Stop::Refused {
             status: StatusCode::URI_TOO_LONG,
             detail: format!(
                 "the request line is {request_line} bytes; at most {} are accepted",
@@ -64,9 +70,9 @@ pub fn admit_head<B>(request: &mut Request<B>, limits: &HeadLimits) -> Result<()
             reason: Refusal::RequestLine,
         });
     }
-    let headers = request.headers();
+    let headers = &request.headers;
     if headers.len() > limits.max_headers {
-        return Err(Refused {
+        return Err(Stop::Refused {
             status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             detail: format!(
                 "the request has {} header fields; at most {} are accepted",
@@ -82,7 +88,7 @@ pub fn admit_head<B>(request: &mut Request<B>, limits: &HeadLimits) -> Result<()
         .map(|(name, value)| name.as_str().len() + value.len() + 4)
         .sum();
     if header_bytes > limits.max_header_bytes {
-        return Err(Refused {
+        return Err(Stop::Refused {
             status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             detail: format!(
                 "the header fields take {header_bytes} bytes; at most {} are accepted",
@@ -91,7 +97,7 @@ pub fn admit_head<B>(request: &mut Request<B>, limits: &HeadLimits) -> Result<()
             reason: Refusal::HeaderBytes,
         });
     }
-    canonicalize(request).map_err(|detail| Refused {
+    canonicalize(request).map_err(|detail| Stop::Refused {
         status: StatusCode::BAD_REQUEST,
         detail,
         reason: Refusal::Path,
@@ -100,8 +106,8 @@ pub fn admit_head<B>(request: &mut Request<B>, limits: &HeadLimits) -> Result<()
 
 /// Replaces the request's path with its canonical form, keeping the query as sent. Most paths
 /// are canonical already and cost no allocation.
-fn canonicalize<B>(request: &mut Request<B>) -> Result<(), String> {
-    let uri = request.uri();
+fn canonicalize(request: &mut Parts) -> Result<(), String> {
+    let uri = &request.uri;
     let canonical = match path::normalize(uri.path()) {
         Ok(std::borrow::Cow::Borrowed(_)) => return Ok(()),
         Ok(std::borrow::Cow::Owned(canonical)) => canonical,
@@ -116,7 +122,7 @@ fn canonicalize<B>(request: &mut Request<B>) -> Result<(), String> {
         PathAndQuery::try_from(path_and_query)
             .map_err(|e| format!("the normalized path is not a valid URI path: {e}"))?,
     );
-    *request.uri_mut() =
+    request.uri =
         Uri::from_parts(parts).map_err(|e| format!("the normalized URI is not valid: {e}"))?;
     Ok(())
 }
@@ -131,38 +137,43 @@ mod tests {
         max_headers: 3,
     };
 
-    fn request(target: &str) -> Request<()> {
-        Request::get(target).body(()).unwrap()
+    fn request(target: &str) -> Parts {
+        http::Request::get(target).body(()).unwrap().into_parts().0
+    }
+
+    fn refusal(stop: Stop) -> (StatusCode, Refusal) {
+        match stop {
+            Stop::Refused { status, reason, .. } => (status, reason),
+            other => panic!("not a refusal: {other:?}"),
+        }
     }
 
     #[test]
     fn the_canonical_path_replaces_the_sent_one_and_the_query_is_kept() {
         let mut r = request("http://api.example//%6Cogin?next=%2F%2e%2e");
         assert!(admit_head(&mut r, &LIMITS).is_ok());
-        assert_eq!(r.uri(), "http://api.example/login?next=%2F%2e%2e");
+        assert_eq!(r.uri, "http://api.example/login?next=%2F%2e%2e");
     }
 
     #[test]
     fn limits_answer_their_own_status() {
         let long = format!("/{}", "a".repeat(60));
-        let refused = admit_head(&mut request(&long), &LIMITS).err().unwrap();
-        assert_eq!(refused.status, StatusCode::URI_TOO_LONG);
+        let refused = refusal(admit_head(&mut request(&long), &LIMITS).err().unwrap());
+        assert_eq!(refused.0, StatusCode::URI_TOO_LONG);
 
         let mut many = request("/");
         for name in ["a", "b", "c", "d"] {
-            many.headers_mut().insert(name, "1".parse().unwrap());
+            many.headers.insert(name, "1".parse().unwrap());
         }
-        let refused = admit_head(&mut many, &LIMITS).err().unwrap();
-        assert_eq!(refused.status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
-        assert!(matches!(refused.reason, Refusal::HeaderCount));
+        let refused = refusal(admit_head(&mut many, &LIMITS).err().unwrap());
+        assert_eq!(refused.0, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+        assert!(matches!(refused.1, Refusal::HeaderCount));
 
         let mut big = request("/");
-        big.headers_mut()
-            .insert("x", "v".repeat(96).parse().unwrap());
-        let refused = admit_head(&mut big, &LIMITS).err().unwrap();
-        assert!(matches!(refused.reason, Refusal::HeaderBytes));
-        big.headers_mut()
-            .insert("x", "v".repeat(95).parse().unwrap());
+        big.headers.insert("x", "v".repeat(96).parse().unwrap());
+        let refused = refusal(admit_head(&mut big, &LIMITS).err().unwrap());
+        assert!(matches!(refused.1, Refusal::HeaderBytes));
+        big.headers.insert("x", "v".repeat(95).parse().unwrap());
         assert!(
             admit_head(&mut big, &LIMITS).is_ok(),
             "exactly at the limit"
@@ -171,7 +182,7 @@ mod tests {
 
     #[test]
     fn an_ambiguous_path_is_a_400() {
-        let refused = admit_head(&mut request("/a%2Fb"), &LIMITS).err().unwrap();
-        assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+        let refused = refusal(admit_head(&mut request("/a%2Fb"), &LIMITS).err().unwrap());
+        assert_eq!(refused.0, StatusCode::BAD_REQUEST);
     }
 }

@@ -1,0 +1,62 @@
+//! The plan for one request on its route: the client's address and one check for each of
+//! the route's limits that applies. A pure function of the policy and the request's head,
+//! run by the gateway before it asks the store, and by `sluice explain`, so that what explain
+//! prints is what the gateway does.
+
+use std::net::IpAddr;
+
+use http::request::Parts;
+
+use crate::keys::{self, RequestParts};
+use crate::limiter::Check;
+use crate::policy::{Limit, Policy, Route};
+
+/// The limits of a route that apply to a request (their `when` holds), in the route's
+/// order, one check for each, and the client address the keys count.
+pub struct Plan<'r> {
+    pub client_ip: IpAddr,
+    pub limits: Vec<&'r Limit>,
+    pub checks: Vec<Check>,
+}
+
+impl Plan<'_> {
+    /// Whether no limit applies: the request is acted on without asking the store.
+    pub fn is_empty(&self) -> bool {
+        self.checks.is_empty()
+    }
+}
+
+/// Plans `head` (already read by `one_request`, its path canonical) on `route`; `peer` is the
+/// TCP peer's address.
+pub fn plan<'r>(policy: &Policy, route: &'r Route, head: &Parts, peer: IpAddr) -> Plan<'r> {
+    let client_ip = if route.limits.is_empty() {
+        peer.to_canonical()
+    } else {
+        keys::client_ip(
+            peer,
+            &head.headers,
+            &policy.trusted_proxies,
+            policy.forwarded_header,
+        )
+    };
+    let parts = RequestParts {
+        method: &head.method,
+        uri: &head.uri,
+        headers: &head.headers,
+        client_ip,
+    };
+    let limits: Vec<&Limit> = route
+        .limits
+        .iter()
+        .filter(|limit| limit.applies(&head.method, &head.uri, &head.headers))
+        .collect();
+    let checks = limits
+        .iter()
+        .map(|limit| limit.check(keys::store_key(limit, route, &parts)))
+        .collect();
+    Plan {
+        client_ip,
+        limits,
+        checks,
+    }
+}

@@ -1,0 +1,237 @@
+//! The finish phase, last for every request: the one place an answer is completed. A `Stop`
+//! becomes its problem body here; then every answer, sluice's own or the upstream's, gets
+//! the RateLimit fields of its decision, `Retry-After`, gRPC's status for a 429, the request
+//! id, no body for HEAD, its count in the metrics and its line in the access and rejection
+//! logs.
+
+use std::sync::Arc;
+
+use http::header::{HeaderValue, RETRY_AFTER};
+use http::{Response, StatusCode};
+use prometheus::{IntCounter, IntCounterVec};
+
+use super::decide::Decided;
+use super::request_id::X_REQUEST_ID;
+use super::stop::Stop;
+use super::{grpc, Exchange};
+use crate::body::ProxyBody;
+use crate::keys;
+use crate::log::{RequestLog, Subject};
+use crate::metrics::{Metrics, Outcome};
+use crate::policy::Route;
+use crate::response::{self, retry_after_seconds};
+
+/// What an answer from the upstream or a direct response is counted as.
+pub struct Answered {
+    pub outcome: Outcome,
+    pub response: Response<ProxyBody>,
+}
+
+/// The counters and logs every answer goes to.
+pub struct Finisher {
+    /// `sluice_requests_total{route="",outcome="no_route"}`: requests no route matches.
+    unrouted: IntCounter,
+    /// `sluice_requests_total{route="",outcome="refused"}`: requests refused before routing.
+    refused_unrouted: IntCounter,
+    /// `sluice_refused_requests_total`, by reason.
+    refusals: IntCounterVec,
+    /// Bounds the per-request log lines: rejections summarised, the others rate-limited.
+    pub log: Arc<RequestLog>,
+}
+
+impl Finisher {
+    pub fn new(metrics: &Metrics) -> Finisher {
+        let unrouted =
+            |outcome: Outcome| metrics.requests.with_label_values(&["", outcome.label()]);
+        Finisher {
+            unrouted: unrouted(Outcome::NoRoute),
+            refused_unrouted: unrouted(Outcome::Refused),
+            refusals: metrics.refused.clone(),
+            log: RequestLog::start(),
+        }
+    }
+
+    /// Completes the answer to the request `exchange` followed.
+    pub fn finish(
+        &self,
+        exchange: Exchange<'_>,
+        result: Result<Answered, Stop>,
+    ) -> Response<ProxyBody> {
+        let route = exchange.route;
+        let decided = exchange.decided.as_ref();
+        let (outcome, mut response) = match result {
+            Ok(answered) => (answered.outcome, answered.response),
+            Err(stop) => {
+                if let Some(reason) = stop.refusal() {
+                    self.refusals.with_label_values(&[reason.label()]).inc();
+                }
+                let outcome = stop.outcome(route.is_some());
+                (outcome, self.answer(&stop, &exchange))
+            }
+        };
+        if let (Some(route), Some(decided)) = (route, decided) {
+            response::add_rate_limit_fields(
+                response.headers_mut(),
+                route,
+                &decided.limits,
+                &decided.decision,
+            );
+        }
+        response
+            .headers_mut()
+            .insert(X_REQUEST_ID, exchange.request_id.clone());
+        // An answer to HEAD has no body (RFC 9110 §9.3.2). hyper drops sluice's own bodies
+        // (429, problems) on HTTP/1.1 but sends them on HTTP/2, where the client then resets
+        // the stream as malformed.
+        if let (true, ProxyBody::Full(body)) = (exchange.head_only, response.body_mut()) {
+            *body = None;
+        }
+        let elapsed = exchange.started.elapsed();
+        match route {
+            Some(route) => {
+                route.metrics.count(outcome);
+                route.metrics.duration.observe(elapsed.as_secs_f64());
+            }
+            None if outcome == Outcome::NoRoute => self.unrouted.inc(),
+            None => self.refused_unrouted.inc(),
+        }
+        // An access log, off by default (RUST_LOG=sluice::access=debug turns it on); it holds
+        // no client identity, like the metrics. Bounded by its budget, not by traffic.
+        if let Some(route) = route {
+            if tracing::enabled!(target: "sluice::access", tracing::Level::DEBUG)
+                && self.log.access.allow()
+            {
+                tracing::debug!(
+                    target: "sluice::access",
+                    route = %route.name,
+                    outcome = outcome.label(),
+                    status = response.status().as_u16(),
+                    micros = elapsed.as_micros() as u64,
+                    shadow_rejected = %exchange.shadow_rejected,
+                    request_id = exchange.id(),
+                );
+            }
+        }
+        response
+    }
+
+    /// The answer sluice makes for `stop`, with its own fields (`Retry-After`, gRPC's status);
+    /// the logs a stop deserves are written here too.
+    fn answer(&self, stop: &Stop, exchange: &Exchange<'_>) -> Response<ProxyBody> {
+        let route = exchange.route;
+        let instance = exchange.instance.path();
+        let status = stop.status();
+        let (mut response, retry_after) = match (stop, route, exchange.decided.as_ref()) {
+            (Stop::Limited, Some(route), Some(decided)) => {
+                let retry_after = retry_after_seconds(decided.decision.retry_after);
+                self.log_rejection(route, decided, exchange, retry_after);
+                (
+                    too_many_requests(route, decided, instance, retry_after),
+                    Some(retry_after),
+                )
+            }
+            (Stop::TooManyHeld { delay }, _, _) => {
+                let response = response::problem(status, &stop.detail(route), instance, &[]);
+                (response, Some(retry_after_seconds(*delay)))
+            }
+            (Stop::StoreUnavailable, _, _) => {
+                let response = response::problem(status, &stop.detail(route), instance, &[]);
+                (response, Some(1))
+            }
+            (Stop::Upstream { error, upstream }, _, _) => {
+                if let Some(route) = route {
+                    if tracing::enabled!(tracing::Level::WARN) && self.log.upstream_failed.allow() {
+                        tracing::warn!(route = %route.name, upstream = %upstream, error = %error, request_id = exchange.id(), "upstream failed");
+                    }
+                }
+                let extra = [("upstream", upstream.as_str())];
+                let response = response::problem(status, &stop.detail(route), instance, &extra);
+                (response, None)
+            }
+            _ => (
+                response::problem(status, &stop.detail(route), instance, &[]),
+                None,
+            ),
+        };
+        if let Some(seconds) = retry_after {
+            let headers = response.headers_mut();
+            headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
+            if exchange.grpc && status == StatusCode::TOO_MANY_REQUESTS {
+                grpc::mark_limited(headers, seconds);
+            }
+        }
+        response
+    }
+
+    /// The first rejection of an identity by a limit is logged at once: the route, the limit,
+    /// a hash of the identity (never the identity itself: API keys are secrets), the
+    /// Retry-After and the request id. Its next rejections are counted and summarised
+    /// (`crate::log::summary`).
+    fn log_rejection(
+        &self,
+        route: &Route,
+        decided: &Decided<'_>,
+        exchange: &Exchange<'_>,
+        retry_after: u64,
+    ) {
+        if !tracing::enabled!(target: "sluice::rejected", tracing::Level::INFO) {
+            return;
+        }
+        let rejecting = decided
+            .limits
+            .iter()
+            .zip(&decided.checks)
+            .zip(&decided.decision.rejecting);
+        for ((limit, check), &rejecting) in rejecting {
+            let subject = || Subject {
+                route: route.name.to_string(),
+                limit: limit.name.to_string(),
+                identity: keys::identity_hash(&check.key),
+            };
+            if rejecting && !limit.shadow && self.log.rejections.record(&check.key, subject) {
+                tracing::info!(
+                    target: "sluice::rejected",
+                    route = %route.name,
+                    limit = %limit.name,
+                    identity = %keys::identity_hash(&check.key),
+                    retry_after,
+                    request_id = exchange.id(),
+                    "rejected"
+                );
+            }
+        }
+    }
+}
+
+/// The 429 of a rejected request, naming the route and, of the limits that rejected it
+/// (never a shadow limit), the one that keeps it waiting longest.
+fn too_many_requests(
+    route: &Route,
+    decided: &Decided<'_>,
+    instance: &str,
+    retry_after: u64,
+) -> Response<ProxyBody> {
+    let limit = decided
+        .limits
+        .iter()
+        .zip(&decided.decision.limits)
+        .zip(&decided.decision.rejecting)
+        .filter(|((limit, _), &rejecting)| rejecting && !limit.shadow)
+        .filter_map(|((limit, state), _)| state.as_ref().map(|state| (limit, state)))
+        .max_by_key(|(_, state)| state.reset)
+        .map_or("", |(limit, _)| limit.name.as_str());
+    let detail = format!(
+        "route `{}`: limit `{limit}` is exhausted; retry in {retry_after} s",
+        route.name
+    );
+    response::problem_with(
+        StatusCode::TOO_MANY_REQUESTS,
+        &detail,
+        instance,
+        [
+            ("route", route.name.as_str().into()),
+            ("limit", limit.into()),
+            ("retry_after", retry_after.into()),
+        ],
+    )
+}

@@ -1,0 +1,83 @@
+//! The hold phase, for `on_exceed: delay`: an admitted request some limit delayed waits until
+//! the time the store recorded it at; its places are given back if its client leaves
+//! meanwhile, or at once when the route already holds `max_delayed` requests.
+//!
+//! A held request costs its connection, its parsed head and a sleeping task: no thread.
+
+use std::sync::Arc;
+
+use prometheus::IntGauge;
+
+use super::decide::Decided;
+use super::settle::give_back;
+use super::stop::Stop;
+use crate::limiter::{Admission, Check, Store};
+use crate::policy::Route;
+
+/// Holds a delayed request until its time. `Err`: the route already holds `max_delayed`
+/// requests; the request's places were given back.
+pub async fn hold(store: &Arc<Store>, route: &Route, decided: &Decided<'_>) -> Result<(), Stop> {
+    let delay = decided.decision.delay();
+    let Some(admission) = decided.decision.admission.as_ref() else {
+        return Ok(());
+    };
+    if delay.is_zero() {
+        return Ok(());
+    }
+    let _held = CountedAsHeld::start(&route.metrics.held);
+    let checks: Vec<Check> = decided.recorded(|_| true).map(|(_, c)| c.clone()).collect();
+    if route.metrics.held.get() > i64::from(route.max_delayed) {
+        give_back(store, &checks, admission, route).await;
+        return Err(Stop::TooManyHeld { delay });
+    }
+    route.metrics.delay.observe(delay.as_secs_f64());
+    // If the client leaves, the server drops this future: the guard gives the places back.
+    let mut guard = GiveBackIfLeft {
+        store: Arc::clone(store),
+        pending: Some((checks, admission.clone())),
+    };
+    tokio::time::sleep(delay).await;
+    guard.pending = None;
+    Ok(())
+}
+
+/// Counts the request among the route's held ones (`sluice_held_requests`, which
+/// `max_delayed` bounds) for as long as it lives.
+struct CountedAsHeld<'a>(&'a IntGauge);
+
+impl<'a> CountedAsHeld<'a> {
+    fn start(held: &'a IntGauge) -> CountedAsHeld<'a> {
+        held.inc();
+        CountedAsHeld(held)
+    }
+}
+
+impl Drop for CountedAsHeld<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// Gives an admission back if dropped while still pending: a held client that left. The
+/// give-back runs in a task of its own, since a drop cannot wait.
+struct GiveBackIfLeft {
+    store: Arc<Store>,
+    pending: Option<(Vec<Check>, Admission)>,
+}
+
+impl Drop for GiveBackIfLeft {
+    fn drop(&mut self) {
+        let Some((checks, admission)) = self.pending.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = Arc::clone(&self.store);
+        runtime.spawn(async move {
+            if let Err(err) = store.release(&checks, &admission).await {
+                tracing::debug!(store = store.name(), error = %err, "cannot give back a held request's places");
+            }
+        });
+    }
+}

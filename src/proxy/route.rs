@@ -1,0 +1,39 @@
+//! The route phase: the first route of the policy that matches the head, and what that route
+//! refuses before anything is decided: a field its limits read sent twice, a declared body
+//! over its size limit.
+
+use http::request::Parts;
+use http::StatusCode;
+
+use super::request_body::BodyFault;
+use super::stop::{body_detail, Stop};
+use crate::metrics::Refusal;
+use crate::one_request;
+use crate::policy::{Policy, Route};
+
+/// `declared_length`: the body's length as the request declares it (0 when it does not).
+pub fn route<'p>(
+    policy: &'p Policy,
+    head: &Parts,
+    declared_length: u64,
+) -> Result<&'p Route, Stop> {
+    let route = policy
+        .route(&head.method, head.uri.path())
+        .ok_or(Stop::NoRoute)?;
+    one_request::check_fields(&route.fields, &head.uri, &head.headers).map_err(|refused| {
+        Stop::Refused {
+            status: StatusCode::BAD_REQUEST,
+            detail: refused.detail,
+            reason: refused.reason,
+        }
+    })?;
+    // A declared length over the limit is refused before it costs a decision.
+    if route.max_body.is_some_and(|max| declared_length > max) {
+        return Err(Stop::Refused {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            detail: body_detail(BodyFault::TooLarge, Some(route)),
+            reason: Refusal::BodyTooLarge,
+        });
+    }
+    Ok(route)
+}

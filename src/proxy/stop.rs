@@ -1,0 +1,152 @@
+//! `Stop`: every answer sluice makes itself instead of the upstream's, as data. A phase that
+//! cannot go on returns one; `finish` turns it into the response, once. Each kind knows whose
+//! fault it is, its status, its problem body and the outcome it is counted under.
+
+use std::time::Duration;
+
+use http::StatusCode;
+
+use super::forward::ForwardError;
+use super::request_body::BodyFault;
+use crate::config::Name;
+use crate::metrics::{Outcome, Refusal};
+use crate::policy::Route;
+
+/// Whose fault an answer is: what an operator looks at first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The request cannot be served as sent (4xx but 429).
+    Client,
+    /// A limit has no room for it (429).
+    Limit,
+    /// The rate-limit store cannot decide and the route refuses without it (503).
+    Store,
+    /// The upstream cannot be reached or did not answer in time (502, 504).
+    Upstream,
+    /// sluice itself (500).
+    Sluice,
+}
+
+#[derive(Debug)]
+pub enum Stop {
+    /// Refused for its head or how it is written (400, 414, 431, ...): counted under `reason`.
+    Refused {
+        status: StatusCode,
+        detail: String,
+        reason: Refusal,
+    },
+    /// No route matches (404).
+    NoRoute,
+    /// The request body broke a bound of the route while it streamed; counted where it broke.
+    Body(BodyFault),
+    /// A limit has no room: the request's decision says which and for how long (429).
+    Limited,
+    /// Admitted for later, but the route already holds `max_delayed` requests (429).
+    TooManyHeld { delay: Duration },
+    /// The store cannot decide and the route's `on_store_error` is `deny` (503).
+    StoreUnavailable,
+    /// The upstream failed.
+    Upstream { error: ForwardError, upstream: Name },
+    /// sluice has no way to act on an admitted request.
+    Internal(&'static str),
+}
+
+impl Stop {
+    pub fn fault(&self) -> Fault {
+        match self {
+            Stop::Refused { .. } | Stop::NoRoute | Stop::Body(_) => Fault::Client,
+            Stop::Limited | Stop::TooManyHeld { .. } => Fault::Limit,
+            Stop::StoreUnavailable => Fault::Store,
+            Stop::Upstream { .. } => Fault::Upstream,
+            Stop::Internal(_) => Fault::Sluice,
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Stop::Refused { status, .. } => *status,
+            Stop::NoRoute => StatusCode::NOT_FOUND,
+            Stop::Body(BodyFault::TooLarge) => StatusCode::PAYLOAD_TOO_LARGE,
+            Stop::Body(BodyFault::TooSlow) => StatusCode::REQUEST_TIMEOUT,
+            Stop::Body(BodyFault::Malformed) => StatusCode::BAD_REQUEST,
+            Stop::Limited | Stop::TooManyHeld { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Stop::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Stop::Upstream { error, .. } => match error {
+                ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+                _ => StatusCode::BAD_GATEWAY,
+            },
+            Stop::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The outcome counted in `sluice_requests_total`; `routed`: whether a route matched.
+    pub fn outcome(&self, routed: bool) -> Outcome {
+        match self.fault() {
+            _ if matches!(self, Stop::NoRoute) => Outcome::NoRoute,
+            Fault::Client if routed => Outcome::ClientError,
+            Fault::Client => Outcome::Refused,
+            Fault::Limit => Outcome::Limited,
+            Fault::Store => Outcome::StoreError,
+            Fault::Upstream | Fault::Sluice => Outcome::UpstreamError,
+        }
+    }
+
+    /// The reason `finish` counts in `sluice_refused_requests_total`; `None` for the answers
+    /// that are not refusals, and for a body fault, counted by the body where it happened.
+    pub fn refusal(&self) -> Option<Refusal> {
+        match self {
+            Stop::Refused { reason, .. } => Some(*reason),
+            _ => None,
+        }
+    }
+
+    /// The problem body's `detail` and, for an upstream, its name. A limit's 429 is written by
+    /// `finish`, which holds the decision.
+    pub fn detail(&self, route: Option<&Route>) -> String {
+        match self {
+            Stop::Refused { detail, .. } => detail.clone(),
+            Stop::NoRoute => "no route matches this request".to_owned(),
+            Stop::Body(fault) => body_detail(*fault, route),
+            Stop::Limited => "a limit of this route is exhausted".to_owned(),
+            Stop::TooManyHeld { delay } => format!(
+                "route `{}` already holds {} delayed requests, its max_delayed; retry in {} s",
+                route.map_or("", |route| route.name.as_str()),
+                route.map_or(0, |route| route.max_delayed),
+                crate::response::retry_after_seconds(*delay)
+            ),
+            Stop::StoreUnavailable => {
+                "the rate-limit store is unavailable; the request was not forwarded".to_owned()
+            }
+            Stop::Upstream { error, .. } => error.to_string(),
+            Stop::Internal(what) => (*what).to_owned(),
+        }
+    }
+}
+
+/// 413 past the route's limit, 408 behind its pace, 400 when malformed.
+pub fn body_detail(fault: BodyFault, route: Option<&Route>) -> String {
+    match (fault, route) {
+        (BodyFault::TooLarge, Some(route)) => format!(
+            "the request body is larger than {} bytes, the most this route accepts",
+            route.max_body.unwrap_or(u64::MAX)
+        ),
+        (BodyFault::TooSlow, Some(route)) => {
+            let pace = &route.body_pace;
+            let rate = if pace.min_rate == 0 {
+                String::new()
+            } else {
+                format!(
+                    " and, after the first {} ms, at {} bytes a second or more",
+                    pace.grace.as_millis(),
+                    pace.min_rate
+                )
+            };
+            format!(
+                "the request body came too slowly: it must arrive whole within {} ms{rate}; \
+                 it was not forwarded whole",
+                pace.timeout.as_millis()
+            )
+        }
+        _ => "the request body is malformed or broke off; it was not forwarded whole".to_owned(),
+    }
+}
