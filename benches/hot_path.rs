@@ -70,7 +70,9 @@ fn keys(c: &mut Criterion) {
     let mut headers = HeaderMap::new();
     headers.insert("x-api-key", HeaderValue::from_static("k-0123456789abcdef"));
     headers.insert("user-agent", HeaderValue::from_static("bench/1.0"));
-    let mut request = http::Request::get("/svc50/api/x").body(()).expect("a request");
+    let mut request = http::Request::get("/svc50/api/x")
+        .body(())
+        .expect("a request");
     *request.headers_mut() = headers;
     let (head, ()) = request.into_parts();
     let peer = IpAddr::V4(Ipv4Addr::new(203, 0, 113, 9));

@@ -27,21 +27,21 @@ use crate::policy::{Limit, Route};
 /// operator may paste a long raw value to be hashed.
 const MAX_QUERY: usize = 16 * 1024;
 
-/// The values an operator gave, decoded.
+/// The identity an operator named in the query, decoded: a `key=` or per-part values.
 #[derive(Default)]
-struct Given {
+struct NamedIdentity {
     key: Option<String>,
     client_ip: Option<IpAddr>,
     /// Key parts with their values, in the order given.
     parts: Vec<(KeyPart, Vec<u8>)>,
 }
 
-impl Given {
-    fn parse(query: &str) -> Result<Given, String> {
+impl NamedIdentity {
+    fn parse(query: &str) -> Result<NamedIdentity, String> {
         if query.len() > MAX_QUERY {
             return Err(format!("the query is longer than {MAX_QUERY} bytes"));
         }
-        let mut given = Given::default();
+        let mut named = NamedIdentity::default();
         for pair in query.split('&').filter(|pair| !pair.is_empty()) {
             let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
             let name = String::from_utf8(percent_decode(name))
@@ -49,14 +49,14 @@ impl Given {
             let value = percent_decode(value);
             let text =
                 || String::from_utf8(value.clone()).map_err(|_| format!("`{name}` is not UTF-8"));
-            let named = |prefix: &str| {
+            let suffix_of = |prefix: &str| {
                 name.strip_prefix(prefix)
                     .map(|rest| rest.strip_prefix(['.', ':']).unwrap_or(rest))
                     .filter(|rest| !rest.is_empty())
                     .map(str::to_owned)
             };
             match name.as_str() {
-                "key" => given.key = Some(text()?),
+                "key" => named.key = Some(text()?),
                 "client_ip" => {
                     let ip: IpAddr = text()?.parse().map_err(|_| {
                         format!(
@@ -64,21 +64,21 @@ impl Given {
                             text().unwrap_or_default()
                         )
                     })?;
-                    given.client_ip = Some(ip.to_canonical());
+                    named.client_ip = Some(ip.to_canonical());
                 }
-                "method" => given.parts.push((KeyPart::Method, value)),
-                "host" => given.parts.push((KeyPart::Host, value)),
-                "path" => given.parts.push((KeyPart::Path, value)),
+                "method" => named.parts.push((KeyPart::Method, value)),
+                "host" => named.parts.push((KeyPart::Host, value)),
+                "path" => named.parts.push((KeyPart::Path, value)),
                 _ => {
-                    let part = if let Some(header) = named("header") {
+                    let part = if let Some(header) = suffix_of("header") {
                         let header = HeaderName::from_bytes(header.as_bytes())
                             .map_err(|_| format!("`{name}`: `{header}` is not a header name"))?;
                         KeyPart::Header(header)
-                    } else if let Some(query) = named("query") {
+                    } else if let Some(query) = suffix_of("query") {
                         KeyPart::Query(query)
-                    } else if let Some(cookie) = named("cookie") {
+                    } else if let Some(cookie) = suffix_of("cookie") {
                         KeyPart::Cookie(cookie)
-                    } else if named("param").is_some() {
+                    } else if suffix_of("param").is_some() {
                         return Err(format!(
                             "`{name}`: give the request's path instead (path=/...): path \
                              parameters are read from it as the route matches it"
@@ -89,27 +89,27 @@ impl Given {
                              query.NAME=, cookie.NAME=, method=, host=, path="
                         ));
                     };
-                    given.parts.push((part, value));
+                    named.parts.push((part, value));
                 }
             }
         }
-        Ok(given)
+        Ok(named)
     }
 }
 
 /// The store key the operator's query names for `limit` of `route`; `Err` is a message for a
 /// 400 answer.
 pub fn store_key(route: &Route, limit: &Limit, query: &str) -> Result<String, String> {
-    let given = Given::parse(query)?;
+    let named = NamedIdentity::parse(query)?;
     let parts: Vec<String> = limit.key.iter().map(describe).collect();
     let shape = format!("the limit's key is [{}]", parts.join(", "));
     match (
-        &given.key,
-        given.parts.is_empty() && given.client_ip.is_none(),
+        &named.key,
+        named.parts.is_empty() && named.client_ip.is_none(),
     ) {
         (Some(_), false) => Err("give either key= or per-part values, not both".to_owned()),
         (Some(key), true) => from_key(limit, key, &shape),
-        (None, false) => from_parts(route, limit, given, &shape),
+        (None, false) => from_parts(route, limit, named, &shape),
         (None, true) => Err(format!(
             "name the identity: key= (as `sluice explain` prints it in the store key, e.g. \
              key=ip=203.0.113.9), or one value per key part (client_ip=, header.NAME=, ...); \
@@ -133,11 +133,16 @@ fn from_key(limit: &Limit, key: &str, shape: &str) -> Result<String, String> {
     Ok(format!("{}{{{identity}}}", limit.key_prefix))
 }
 
-fn from_parts(route: &Route, limit: &Limit, given: Given, shape: &str) -> Result<String, String> {
+fn from_parts(
+    route: &Route,
+    limit: &Limit,
+    named: NamedIdentity,
+    shape: &str,
+) -> Result<String, String> {
     let mut headers = HeaderMap::new();
     let mut query = String::new();
     let (mut method, mut path) = (Method::GET, String::from("/"));
-    for (part, value) in &given.parts {
+    for (part, value) in &named.parts {
         if !limit.key.contains(part) {
             return Err(format!("{shape}: it has no {}", describe(part)));
         }
@@ -181,12 +186,12 @@ fn from_parts(route: &Route, limit: &Limit, given: Given, shape: &str) -> Result
             KeyPart::ClientIp | KeyPart::Param(_) => {}
         }
     }
-    let given_path = given.parts.iter().any(|(p, _)| *p == KeyPart::Path);
+    let given_path = named.parts.iter().any(|(p, _)| *p == KeyPart::Path);
     for part in &limit.key {
         let needed = match part {
-            KeyPart::ClientIp => given.client_ip.is_none().then_some("client_ip="),
-            KeyPart::Method => (!given.parts.iter().any(|(p, _)| p == part)).then_some("method="),
-            KeyPart::Host => (!given.parts.iter().any(|(p, _)| p == part)).then_some("host="),
+            KeyPart::ClientIp => named.client_ip.is_none().then_some("client_ip="),
+            KeyPart::Method => (!named.parts.iter().any(|(p, _)| p == part)).then_some("method="),
+            KeyPart::Host => (!named.parts.iter().any(|(p, _)| p == part)).then_some("host="),
             KeyPart::Path | KeyPart::Param(_) => (!given_path).then_some("path="),
             _ => None,
         };
@@ -215,9 +220,9 @@ fn from_parts(route: &Route, limit: &Limit, given: Given, shape: &str) -> Result
         method: &method,
         uri: &uri,
         headers: &headers,
-        client_ip: given.client_ip.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
+        client_ip: named.client_ip.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
     };
-    if given.client_ip.is_none() {
+    if named.client_ip.is_none() {
         if let Some(missing) = keys::missing_part(limit, &request) {
             return Err(format!(
                 "{shape}: no value for {0}; give it, or client_ip= for the bucket of requests \

@@ -21,7 +21,7 @@ use crate::config::ConfigError;
 use crate::metrics::Metrics;
 use crate::proxy::{Gateway, ProxyBody};
 use crate::reload::{ReloadError, ReloadHandle};
-use crate::response::problem;
+use crate::response::{problem, problem_with};
 
 pub struct Admin {
     pub gateway: Arc<Gateway>,
@@ -114,7 +114,8 @@ impl Admin {
             if !token.admits(request.headers().get(AUTHORIZATION)) {
                 let mut response = problem(
                     StatusCode::UNAUTHORIZED,
-                    "the admin API needs `Authorization: Bearer <token>` with the token in the                      environment variable admin.token_env names",
+                    "the admin API needs `Authorization: Bearer <token>` with the token in the \
+                     environment variable admin.token_env names",
                     path,
                     &[],
                 );
@@ -259,23 +260,12 @@ impl Admin {
                     "routes": applied.routes,
                 }),
             ),
-            Some(Err(err)) => {
-                let mut body = json!({
-                    "type": "about:blank",
-                    "title": "Unprocessable Content",
-                    "status": 422,
-                    "detail": format!("the config was not applied; the old policy keeps serving: {err}"),
-                    "instance": path,
-                    "applied": false,
-                });
-                merge(&mut body, json!({ "error": error_fields(&err) }));
-                let mut response = json_response(StatusCode::UNPROCESSABLE_ENTITY, &body);
-                response.headers_mut().insert(
-                    CONTENT_TYPE,
-                    HeaderValue::from_static("application/problem+json"),
-                );
-                response
-            }
+            Some(Err(err)) => problem_with(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                &format!("the config was not applied; the old policy keeps serving: {err}"),
+                path,
+                [("applied", false.into()), ("error", error_fields(&err))],
+            ),
             None => problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "shutting down: no reload",

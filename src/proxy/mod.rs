@@ -25,6 +25,7 @@ mod stop;
 mod tunnel;
 mod upstreams;
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -32,13 +33,12 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use http::header::{HeaderValue, CONTENT_TYPE};
 use http::{Method, Request, Response, Uri};
-use http_body::Body as _;
 use hyper::body::Incoming;
 
 use self::decide::Decided;
 pub use self::finish::Answered;
 use self::finish::Finisher;
-use self::forward::ForwardError;
+use self::forward::{ForwardError, UpstreamClient};
 pub use self::head::{read as read_head, HeadLimits};
 use self::request_body::BodyRefusals;
 use self::request_id::{RequestIds, X_REQUEST_ID};
@@ -52,7 +52,7 @@ use crate::limiter::Store;
 use crate::log::RequestLog;
 use crate::metrics::{Metrics, Outcome};
 use crate::plan;
-use crate::policy::{Action, DirectResponse, Policy, Route};
+use crate::policy::{Action, DirectResponse, Policy, Route, Upstream};
 
 /// The policy in force and the client of each upstream it forwards to: swapped together, in
 /// one step, on reload. A request holds an `Arc` of it from routing to its response, so it
@@ -138,9 +138,9 @@ impl Gateway {
 
     /// Answers one request: its phases in order, each returning data or a `Stop`, then
     /// `finish`, the one place that completes every answer.
-    pub async fn handle(
+    pub async fn handle<B: ForwardBody>(
         &self,
-        request: Request<Incoming>,
+        request: Request<B>,
         peer: SocketAddr,
     ) -> Response<ProxyBody> {
         let active = self.active.load_full();
@@ -149,11 +149,11 @@ impl Gateway {
         self.finisher.finish(exchange, result)
     }
 
-    async fn run<'r>(
+    async fn run<'r, B: ForwardBody>(
         &self,
         active: &'r Active,
         exchange: &mut Exchange<'r>,
-        request: Request<Incoming>,
+        request: Request<B>,
         peer: SocketAddr,
     ) -> Result<Answered, Stop> {
         let (mut head, body) = request.into_parts();
@@ -183,11 +183,11 @@ impl Gateway {
     }
 
     /// The route's action: forward to its upstream, or its direct response.
-    async fn act(
+    async fn act<B: ForwardBody>(
         &self,
         active: &Active,
         route: &Route,
-        request: Request<Incoming>,
+        request: Request<B>,
         peer: SocketAddr,
     ) -> Result<Answered, Stop> {
         let upstream = match &route.action {
@@ -204,7 +204,8 @@ impl Gateway {
             .clients
             .get(&upstream.name)
             .ok_or(Stop::Internal("no client for this upstream"))?;
-        match forward::forward(upstream, client, request, peer, route, &self.body_refusals).await {
+        let forwarded = B::forward(upstream, client, request, peer, route, &self.body_refusals);
+        match forwarded.await {
             Ok(response) => Ok(Answered {
                 outcome: Outcome::Forwarded,
                 response: response.map(ProxyBody::Stream),
@@ -216,6 +217,33 @@ impl Gateway {
                 upstream: upstream.name.clone(),
             }),
         }
+    }
+}
+
+/// A request body the act phase can send to an upstream: hyper's, read from a client's
+/// connection. The phases before it never read a body, so they run on any body type; the
+/// in-process tests of the phases use one that has no upstream to go to.
+pub trait ForwardBody: http_body::Body + Send + Sized + 'static {
+    fn forward<'a>(
+        upstream: &'a Upstream,
+        client: &'a UpstreamClient,
+        request: Request<Self>,
+        peer: SocketAddr,
+        route: &'a Route,
+        refusals: &'a Arc<BodyRefusals>,
+    ) -> impl Future<Output = Result<Response<Incoming>, ForwardError>> + Send + 'a;
+}
+
+impl ForwardBody for Incoming {
+    fn forward<'a>(
+        upstream: &'a Upstream,
+        client: &'a UpstreamClient,
+        request: Request<Incoming>,
+        peer: SocketAddr,
+        route: &'a Route,
+        refusals: &'a Arc<BodyRefusals>,
+    ) -> impl Future<Output = Result<Response<Incoming>, ForwardError>> + Send + 'a {
+        forward::forward(upstream, client, request, peer, route, refusals)
     }
 }
 
@@ -269,3 +297,6 @@ fn direct_response(direct: &DirectResponse) -> Response<ProxyBody> {
         .insert(CONTENT_TYPE, direct.content_type.clone());
     response
 }
+
+#[cfg(test)]
+mod tests;
