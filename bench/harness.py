@@ -1075,7 +1075,7 @@ def target_verdicts(rows: list[Row]) -> list[dict]:
         out.append({
             "scenario": scenario, "what": what, "measure": label, "target": name, "peer": peer,
             "value": value(a) if a else None, "peer_value": value(b) if b else None,
-            "ratio": ratio, "goal": f"{'≥' if measure == 'rps' else '≤'} {goal:g}×",
+            "ratio": ratio, "goal": f"{'≥' if measure == 'rps' else '≤'} {goal:.1f}×",
             "verdict": "n/a" if met is None else ("PASS" if met else "MISS"),
         })
     return out
@@ -1762,9 +1762,10 @@ cmds* are per decision, inside Redis:
 
 ## Caveats
 
-- Everything shares {m['nproc']} cores over loopback: wrk ({opts.wrk_threads} threads), the
-  upstream, the proxy and Redis. No proxy ever has {m['nproc']} cores to itself; each is
-  oversubscribed in the same way and none is pinned. Absolute figures say more about this
+- In the main table everything shares {m['nproc']} cores over loopback: wrk ({opts.wrk_threads}
+  threads), the upstream, the proxy and Redis. No proxy ever has {m['nproc']} cores to itself;
+  each is oversubscribed in the same way and none is pinned (the pinned table gives each proxy
+  one core of its own). Absolute figures say more about this
   machine than about the proxies; the ratios within one run, and CPU per request, are the
   point. The `upstream` row in *admit* is partly bound by wrk itself.
 - The limits are not the same algorithm: nginx's leaky bucket and Node's fixed window let
@@ -1876,6 +1877,9 @@ def main(argv: list[str]) -> int:
         progress(f"starting servers (state in {state})")
         redis = Redis(servers, state)
         up_port, upstream = start_upstream(servers, state)
+        progress(f"{binary_label(SLUICE_BIN)}: workers set with "
+                 + ("`server.workers` and TOKIO_WORKER_THREADS" if knows_workers(SLUICE_BIN, state)
+                    else "TOKIO_WORKER_THREADS (no `server.workers` in this binary)"))
         load_side = process_tree(upstream.popen.pid) + [redis.server.popen.pid]
         if a.ab:
             ab_result = ab(opts, servers, state, redis, up_port, upstream, a.ab, a.ab_after,
