@@ -817,20 +817,22 @@ def check_sane(target: Target, scenario: str, run: Run) -> None:
 def latency_rates(opts: Options, targets: list[Target], results: dict) -> dict[str, float]:
     """The open-loop rate of each target: LATENCY_SHARE of the lowest admit saturation among
     the proxies (so each runs at or under that share of its own), the same for all, so the
-    latency sluice adds is read against the upstream at the same rate. Node, far slower, runs at
-    the same share of its own saturation when that is lower."""
+    latency sluice adds is read against the upstream at the same rate. Node and Traefik, far
+    slower, run at the same share of their own saturation when that is lower."""
+    slow = lambda name: name == "node" or name.startswith("traefik")  # noqa: E731
+
     def saturation(name):
         runs = results.get(("admit", name))
         return statistics.median(r.rps for r in runs) if runs else None
 
-    proxies = [saturation(t.name) for t in targets if t.name not in ("upstream", "node")]
+    proxies = [saturation(t.name) for t in targets if t.name != "upstream" and not slow(t.name)]
     proxies = [s for s in proxies if s]
     common = opts.rate or (LATENCY_SHARE * min(proxies) if proxies else 1000.0)
     rates = {}
     for t in targets:
         rate = common
         own = saturation(t.name)
-        if t.name == "node" and own and not opts.rate:
+        if slow(t.name) and own and not opts.rate:
             rate = min(common, LATENCY_SHARE * own)
         rates[t.name] = max(50.0, round(rate, -1))
     return rates
@@ -1505,10 +1507,12 @@ def ab_text(result: dict, date: str) -> str:
         f"{result['before']}, after = {result['after']}; {result['rounds']} round(s) of "
         f"{result['duration']} s per binary, target and scenario, the two binaries of a target "
         f"back to back in alternating order; wrk `-c{result['connections']}` as in the main "
-        f"run, layouts: {', '.join(result['layouts'])} (pinned: wrk, the upstream and Redis on "
-        f"one core, sluice alone on the other with 1 worker). Workers set with {fields}. "
+        f"run; layouts: {', '.join(result['layouts'])}"
+        + (" (pinned: wrk, the upstream and Redis on one core, sluice alone on the other with "
+           "1 worker)" if "pinned" in result["layouts"] else "")
+        + f". Workers set with {fields}. "
         "CPU is utime + stime of sluice's process (`/proc/PID/stat`) per request.",
-        "",
+        "", "",
     ]
     return "\n".join(head) + markdown_table(
         ["layout", "scenario", "target", "before: CPU µs/req (rounds)", "after", "change",
@@ -1700,8 +1704,8 @@ Load:
   request's scheduled time to the end of its response, so time spent waiting for a busy server
   counts (no coordinated omission). The rate is {LATENCY_SHARE:.0%} of the lowest admit
   saturation among the proxies, the same for every target so that `+p50` (the target's median
-  minus the upstream's median at the same rate) is what the proxy adds; Node, far slower, gets
-  {LATENCY_SHARE:.0%} of its own. Rates (req/s): {rate_text}. The {generator_lag(results)}.
+  minus the upstream's median at the same rate) is what the proxy adds; Node and Traefik, far
+  slower, get {LATENCY_SHARE:.0%} of their own when that is lower. Rates (req/s): {rate_text}. The {generator_lag(results)}.
 - **CPU s/100k**, **µs/req**: utime + stime from `/proc/PID/stat` of the proxy's processes
   (master and workers summed; a process's figures include all its threads), read just before
   and just after each wrk run, and of Redis, per 100 000 requests (or per request). utime is
