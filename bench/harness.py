@@ -13,8 +13,14 @@ What it does, in order:
   3. runs the closed-loop scenarios (admit, flood, mixed) with wrk, then the open-loop
      *latency* scenario with bench/loadgen, each as several rounds in which the targets take
      turns, in alternating order, so slow drift on the machine is shared out evenly;
-  4. measures Redis's memory per sliding-log key and sluice's resident memory per tracked key;
-  5. prints one table and the PASS/FAIL lines, and (full runs only) writes bench/RESULTS.md.
+  4. the pinned layout: nginx, Traefik and sluice again with one worker each, alone on one
+     CPU, wrk + the upstream + Redis on the other (taskset), admit and flood;
+  5. measures Redis's memory per sliding-log key and sluice's resident memory per tracked key,
+     the shaped flood and count-by-outcome, and what logging costs under a flood;
+  6. prints the tables (CPU per request split into user and kernel, issue 20's targets with
+     PASS/MISS, the Redis path per algorithm; for each layout) and the PASS/FAIL lines, and
+     (full runs only) writes bench/RESULTS.md.
+With --ab BEFORE it does only the A/B of two sluice binaries (see ab()).
 
 Every server it starts runs in its own process group, recorded in STATE/pgids so run.sh's
 trap can stop them even if this process dies, and is stopped here on every exit path.
@@ -1795,17 +1801,19 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="bench/run.sh", description=__doc__.split("\n")[0])
     p.add_argument("--state", required=True, type=Path, help="temporary directory (run.sh)")
     p.add_argument("--smoke", action="store_true",
-                   help="every target and scenario for 1 s, one round, no warm-up, no RESULTS.md")
+                   help="every target, scenario and layout for 1 s, one round, no warm-up, no "
+                   "RESULTS.md, then a short A/B of this binary against itself")
     p.add_argument("--duration", type=int, default=5, help="seconds per run (default 5)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every scenario (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up seconds per target (default 2)")
     p.add_argument("--only", help="regex: only targets whose name matches (upstream, nginx-proxy, "
-                   "nginx-limit, haproxy, node, sluice-plain, sluice-local, "
-                   "sluice-redis-ALGORITHM); ratios and checks need the peers too")
+                   "nginx-limit, haproxy, node, traefik-proxy, traefik-limit, traefik-redis, "
+                   "sluice-plain, sluice-local, sluice-redis-ALGORITHM); ratios and checks need "
+                   "the peers too")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated subset of {','.join(SCENARIOS)}")
     p.add_argument("--rate", type=float, help="open-loop rate for every target (default: "
-                   f"{LATENCY_SHARE:.0%} of the admit saturation)")
+                   f"{LATENCY_SHARE:.0%} of the admit saturation)".replace("%", "%%"))
     p.add_argument("--threads", type=int, default=2, help="wrk threads (default 2: one per core)")
     p.add_argument("--connections", type=int, default=50, help="wrk connections (default 50)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory step")
