@@ -1,0 +1,222 @@
+//! The exact deny cache under a flood: two sluice instances on one Redis, one key far over
+//! its limit. Rejections are answered from memory (almost no Redis calls), yet nothing is
+//! admitted beyond the limit, and no request is rejected when the key had room.
+
+use crate::support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::{redis_store_yaml, Redis, Sluice, Upstream};
+
+const LIMIT: usize = 5;
+const WINDOW: Duration = Duration::from_secs(1);
+const RUN_FOR: Duration = Duration::from_secs(4);
+const CLIENTS: usize = 32;
+/// Slack for the over-denial check: a rejection counts as justified when `LIMIT` admissions
+/// may have been in the window up to this much before it (the cache's deadline and the test's
+/// clock are read at slightly different moments on a loaded machine). A cache 150 ms stale
+/// still fails the test.
+const MARGIN: Duration = Duration::from_millis(80);
+
+/// One response: when the request left, when its answer came back, and whether it passed.
+#[derive(Clone, Copy)]
+struct Exchange {
+    sent: Instant,
+    answered: Instant,
+    admitted: bool,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_is_answered_from_memory_without_over_admission_or_over_denial() {
+    let redis = Redis::start().await;
+    let up = Upstream::start().await;
+    let yaml = format!(
+        r#"{store}upstreams:
+  api: {{ url: "{up}" }}
+routes:
+  - name: api
+    match: {{ path_prefix: / }}
+    upstream: api
+    limits:
+      - {{ name: per-key, key: ["header:x-api-key"], requests: {LIMIT}, window: 1s }}
+"#,
+        store = redis_store_yaml(&redis.url()),
+        up = up.url(),
+    );
+    let a = Sluice::start(&yaml).await;
+    let b = Sluice::start(&yaml).await;
+    let urls = Arc::new([format!("{}/flood", a.url()), format!("{}/flood", b.url())]);
+    redis.cmd(&["CONFIG", "RESETSTAT"]).await;
+
+    let client = support::client();
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            let client = client.clone();
+            let urls = Arc::clone(&urls);
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut n = 0;
+                while start.elapsed() < RUN_FOR && n < 20_000 {
+                    let sent = Instant::now();
+                    let response = client
+                        .get(&urls[(i + n) % 2])
+                        .header("x-api-key", "flooder")
+                        .send()
+                        .await
+                        .expect("a response");
+                    let status = response.status().as_u16();
+                    assert!(status == 200 || status == 429, "status {status}");
+                    seen.push(Exchange {
+                        sent,
+                        answered: Instant::now(),
+                        admitted: status == 200,
+                    });
+                    n += 1;
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut exchanges = Vec::new();
+    for task in tasks {
+        exchanges.extend(task.await.expect("client task"));
+    }
+
+    let admitted: Vec<Exchange> = exchanges.iter().copied().filter(|e| e.admitted).collect();
+    let rejected = exchanges.len() - admitted.len();
+    let evalsha = redis.commandstat("evalsha").await;
+    println!(
+        "{} requests, {} admitted, {rejected} rejected, {evalsha} EVALSHA",
+        exchanges.len(),
+        admitted.len()
+    );
+    assert!(
+        rejected > 1_000,
+        "the flood was too thin to test: {rejected} rejections"
+    );
+
+    // No over-admission: the upstream never saw more than the limit in any window.
+    assert_eq!(up.hits(), admitted.len());
+    let spans: Vec<(Instant, Instant)> = admitted.iter().map(|e| (e.sent, e.answered)).collect();
+    let tightest = support::tightest_admissions(&spans, LIMIT + 1);
+    assert!(
+        tightest.is_none_or(|span| span >= WINDOW),
+        "{} admissions were decided within {tightest:?}",
+        LIMIT + 1
+    );
+
+    // No over-denial: every rejected request was decided while at least LIMIT admissions
+    // were in the window before it. An admission happened between its `sent` and
+    // `answered`; a rejection was decided between its own. So a rejection is justified if at
+    // least LIMIT admissions were sent before it was answered and answered after its sending
+    // minus the window (with the margin for clocks and scheduling).
+    let mut unjustified = 0;
+    for rejection in exchanges.iter().filter(|e| !e.admitted) {
+        let in_window = admitted
+            .iter()
+            .filter(|a| {
+                a.sent <= rejection.answered && a.answered + WINDOW + MARGIN > rejection.sent
+            })
+            .count();
+        if in_window < LIMIT {
+            unjustified += 1;
+        }
+    }
+    assert_eq!(unjustified, 0, "rejections while the key had room");
+    // The limit was used: admissions resumed as soon as entries left their window.
+    let windows = RUN_FOR.as_secs_f64() / WINDOW.as_secs_f64();
+    assert!(
+        admitted.len() as f64 >= LIMIT as f64 * (windows - 1.0),
+        "only {} admitted in {windows} windows",
+        admitted.len()
+    );
+
+    // A key's denial is remembered until its oldest entry leaves the window; then every
+    // client in flight may miss the cache once before the next call remembers a new denial.
+    // So the calls are bounded by the admissions (the windows that opened), not by the flood:
+    // without the cache every one of the requests would be a call.
+    let bound = (admitted.len() + 2) * CLIENTS;
+    assert!(
+        bound < exchanges.len(),
+        "the flood was too thin to tell: {} requests against a bound of {bound} calls",
+        exchanges.len()
+    );
+    assert!(
+        evalsha as usize <= bound,
+        "{evalsha} Redis calls for {} admissions and {rejected} rejections (bound {bound})",
+        admitted.len()
+    );
+    let answered_from_cache: f64 = [&a, &b]
+        .iter()
+        .map(|s| async move {
+            let metrics = support::parse_metrics(&s.metrics().await);
+            support::metric_sum(&metrics, "sluice_deny_cache_answers_total", &[])
+        })
+        .collect::<futures_util::future::JoinAll<_>>()
+        .await
+        .iter()
+        .sum();
+    // Every rejection was answered either by a Redis call that did not admit, or from memory.
+    assert_eq!(
+        answered_from_cache as usize,
+        rejected - (evalsha as usize - admitted.len()),
+        "rejections answered from memory: {rejected} rejected, {evalsha} calls, {} admitted",
+        admitted.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_rejection_carries_the_exact_wait_and_fields() {
+    let redis = Redis::start().await;
+    let yaml = format!(
+        r#"{store}routes:
+  - name: api
+    match: {{ path_prefix: / }}
+    respond: {{ status: 200, body: ok }}
+    limits:
+      - {{ name: per-key, key: ["header:x-api-key"], requests: 2, window: 30s }}
+      - {{ name: per-ip, key: [client_ip], requests: 1000, window: 1m }}
+"#,
+        store = redis_store_yaml(&redis.url()),
+    );
+    let sluice = Sluice::start(&yaml).await;
+    let client = support::client();
+    let send = || {
+        client
+            .get(format!("{}/", sluice.url()))
+            .header("x-api-key", "k")
+            .send()
+    };
+    assert_eq!(send().await.unwrap().status(), 200);
+    assert_eq!(send().await.unwrap().status(), 200);
+    let from_redis = send().await.unwrap();
+    assert_eq!(from_redis.status(), 429);
+    let monitor = redis.monitor().await;
+    let cached = send().await.unwrap();
+    assert_eq!(cached.status(), 429);
+    assert_eq!(
+        monitor.commands().await,
+        Vec::<String>::new(),
+        "answered from memory: no command of any kind reached Redis"
+    );
+
+    let retry =
+        |r: &reqwest::Response| -> i64 { support::header(r, "retry-after").parse().unwrap() };
+    assert_eq!(retry(&cached), retry(&from_redis));
+    assert!((29..=30).contains(&retry(&cached)));
+    assert_eq!(
+        support::header(&cached, "ratelimit-policy"),
+        support::header(&from_redis, "ratelimit-policy")
+    );
+    // The exhausted limit is reported exactly; the other was not asked about, so it is left
+    // out rather than guessed.
+    let fields = support::parse_limit_field(support::header(&cached, "ratelimit"));
+    assert_eq!(fields.len(), 1, "{fields:?}");
+    assert_eq!(fields[0].name, "per-key");
+    assert_eq!(fields[0].param("r"), 0);
+    assert_eq!(fields[0].param("t"), retry(&cached));
+    let body: serde_json::Value = cached.json().await.unwrap();
+    assert_eq!(body["limit"], "per-key");
+}

@@ -1,0 +1,51 @@
+//! sluice's integration tests, as one test crate: one module per area, all linked into a
+//! single test binary (`cargo test --test it`), because linking the whole crate once per test
+//! file was most of the suite's time on a 2-core machine.
+//!
+//! Every test runs against real processes (a `redis-server`, upstream servers on 127.0.0.1,
+//! the `sluice` binary itself): see `support`. One module's tests: `cargo test --test it
+//! limits::`; one test: `cargo test --test it limits::exact_count -- --exact` (a full name is
+//! `module::test_name`).
+//!
+//! All tests share this one process and cargo's test threads (one per core by default), so a
+//! test may not assume it is alone: ports are picked free at start and retried when taken,
+//! and nothing sets process-wide environment variables.
+
+mod support;
+
+mod admin;
+mod admin_api;
+mod algorithms;
+mod check_cli;
+mod cluster;
+mod combos;
+mod connections;
+mod count_outcome;
+mod deny_cache;
+mod distributed;
+mod explain;
+mod faults;
+mod framing;
+mod grpc;
+mod hostile_requests;
+mod identities;
+mod ipv6_prefixes;
+mod limits;
+mod local_store;
+mod logs;
+mod paths;
+mod policy_keys;
+mod prometheus;
+mod proxy_headers;
+mod redis_path;
+mod release;
+mod reload;
+mod schema;
+mod script_flush;
+mod sentinel;
+mod shaping;
+mod shutdown;
+mod slow_bodies;
+mod streaming;
+mod tls;
+mod websocket;

@@ -1,0 +1,145 @@
+//! The Redis path: one EVALSHA per decision and nothing else, concurrent decisions sharing
+//! a few connections, every decision bounded by the store timeout (also while Redis hangs),
+//! and a lost connection re-established by itself, with `/readyz` following.
+
+use crate::support;
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use support::{Redis, Sluice};
+
+const TIMEOUT_MS: u64 = 200;
+
+async fn start(redis: &Redis) -> Sluice {
+    let yaml = format!(
+        r#"store:
+  redis: {{ url: "{}", timeout: {TIMEOUT_MS}ms, pool_size: 2 }}
+  on_store_error: deny
+routes:
+  - name: api
+    match: {{ path_prefix: / }}
+    respond: {{ status: 200, body: ok }}
+    limits:
+      - {{ name: per-key, key: ["header:x-api-key"], requests: 1000000, window: 1m }}
+"#,
+        redis.url()
+    );
+    Sluice::start(&yaml).await
+}
+
+/// Sends `count` requests, 16 at a time, and returns their statuses.
+async fn burst(sluice: &Sluice, count: usize) -> Vec<u16> {
+    let client = support::client();
+    let url = format!("{}/", sluice.url());
+    futures_util::stream::iter(0..count)
+        .map(|n| {
+            let request = client.get(&url).header("x-api-key", format!("k{}", n % 50));
+            async move { request.send().await.map_or(0, |r| r.status().as_u16()) }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_evalsha_per_decision_and_no_ping() {
+    let redis = Redis::start().await;
+    let sluice = start(&redis).await;
+    // Warm up (the script is loaded at start; connections open on first use).
+    assert!(burst(&sluice, 20).await.iter().all(|&s| s == 200));
+    let monitor = redis.monitor().await;
+    let statuses = burst(&sluice, 500).await;
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+    // Every command sluice sent, whatever its name: one EVALSHA per decision and nothing
+    // else (no PING, no EVAL with the script's text, no SCRIPT LOAD, no MULTI).
+    let commands = monitor.commands().await;
+    assert_eq!(commands.len(), 500, "commands for 500 decisions");
+    assert!(commands.iter().all(|c| c == "EVALSHA"), "{commands:?}");
+    // Concurrent decisions share the configured two connections (and nothing is pooled
+    // beyond them): CLIENT LIST counts our connection for the query, plus sluice's.
+    let clients = match redis.cmd(&["CLIENT", "LIST"]).await {
+        redis::Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        redis::Value::VerbatimString { text, .. } => text,
+        other => panic!("CLIENT LIST answered {other:?}"),
+    };
+    let sluice_connections = clients
+        .lines()
+        .filter(|l| !l.contains("cmd=client"))
+        .count();
+    assert!(
+        sluice_connections <= 2,
+        "sluice holds {sluice_connections} connections:\n{clients}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_redis_costs_each_request_at_most_the_timeout() {
+    let redis = Redis::start().await;
+    let sluice = start(&redis).await;
+    sluice.expect_store_faults();
+    assert!(burst(&sluice, 10).await.iter().all(|&s| s == 200));
+    // Redis stops answering for 3 s.
+    redis.cmd(&["CLIENT", "PAUSE", "3000", "ALL"]).await;
+    let client = support::client();
+    let mut slowest = Duration::ZERO;
+    for n in 0..5 {
+        let started = Instant::now();
+        let response = client
+            .get(format!("{}/", sluice.url()))
+            .header("x-api-key", format!("hung-{n}"))
+            .send()
+            .await
+            .unwrap();
+        slowest = slowest.max(started.elapsed());
+        assert_eq!(response.status(), 503);
+    }
+    // The timeout plus a generous margin for a debug build on a busy machine.
+    assert!(
+        slowest < Duration::from_millis(TIMEOUT_MS + 400),
+        "a request waited {slowest:?} for a hung Redis"
+    );
+    // Once Redis answers again (the pause ends 3 s after it began), so does sluice.
+    support::wait_for(
+        Duration::from_secs(10),
+        "sluice to decide with Redis again",
+        || async { burst(&sluice, 10).await.iter().all(|&s| s == 200) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_redis_is_reconnected_and_readyz_follows() {
+    let mut redis = Redis::start().await;
+    let sluice = start(&redis).await;
+    sluice.expect_store_faults();
+    let client = support::client();
+    let readyz = format!("{}/readyz", sluice.admin_url());
+    assert!(burst(&sluice, 20).await.iter().all(|&s| s == 200));
+    assert_eq!(client.get(&readyz).send().await.unwrap().status(), 200);
+
+    redis.stop();
+    let down = burst(&sluice, 10).await;
+    assert!(down.iter().all(|&s| s == 503), "{down:?}");
+    assert_eq!(client.get(&readyz).send().await.unwrap().status(), 503);
+
+    // Back on the same port, empty: no script loaded, no connection open.
+    redis.restart().await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let statuses = burst(&sluice, 10).await;
+        if statuses.iter().all(|&s| s == 200) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still {statuses:?} 5 s after Redis came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(client.get(&readyz).send().await.unwrap().status(), 200);
+    assert!(
+        redis.commandstat("evalsha").await >= 10,
+        "the decisions were made in the new Redis"
+    );
+}

@@ -1,0 +1,530 @@
+//! Hot reload: sluice picks up a valid edit of its config file within a second (in place, by
+//! rename, or on SIGHUP), refuses an invalid one or one that changes what needs a restart
+//! while the old policy keeps serving, keeps upstream connection pools across reloads, and
+//! says which file version runs with `sluice_config_hash`.
+
+use crate::support;
+
+use std::convert::Infallible;
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use sha2::{Digest, Sha256};
+
+use support::{client, free_port, header, metric_sum, parse_limit_field, parse_metrics, Sluice};
+
+/// One route answered by sluice itself, limited per client IP.
+fn limited(requests: u32, window: &str) -> String {
+    format!(
+        r#"routes:
+  - name: api
+    match:
+      path_prefix: /api
+    respond:
+      status: 200
+      body: "ok\n"
+    limits:
+      - name: per-ip
+        key: [client_ip]
+        requests: {requests}
+        window: {window}
+"#
+    )
+}
+
+/// The `listen` and `admin_listen` lines `Sluice::start` wrote, kept when a test rewrites
+/// the rest of the file.
+fn head(sluice: &Sluice) -> String {
+    let text = std::fs::read_to_string(sluice.config_path()).expect("read the config");
+    text.lines().take(2).map(|l| format!("{l}\n")).collect()
+}
+
+/// Replaces the config file through a rename: the reload poll never reads half of it.
+fn rewrite(sluice: &Sluice, rest: &str) -> String {
+    let text = format!("{}{rest}", head(sluice));
+    support::replace_file(sluice.config_path(), &text);
+    text
+}
+
+/// Rewrites the config file in place (same inode), as `echo >` does.
+fn rewrite_in_place(sluice: &Sluice, rest: &str) -> String {
+    let text = format!("{}{rest}", head(sluice));
+    std::fs::write(sluice.config_path(), &text).expect("write the config");
+    text
+}
+
+/// The `q` of the `per-ip` item of the RateLimit-Policy of `GET /api`.
+async fn policy_q(c: &reqwest::Client, sluice: &Sluice) -> i64 {
+    let r = c
+        .get(format!("{}/api", sluice.url()))
+        .send()
+        .await
+        .expect("GET /api");
+    let items = parse_limit_field(header(&r, "ratelimit-policy"));
+    assert_eq!(items.len(), 1, "{items:?}");
+    items[0].param("q")
+}
+
+async fn metric(sluice: &Sluice, name: &str, labels: &[(&str, &str)]) -> f64 {
+    metric_sum(&parse_metrics(&sluice.metrics().await), name, labels)
+}
+
+async fn reloads(sluice: &Sluice, result: &str) -> f64 {
+    metric(sluice, "sluice_config_reloads_total", &[("result", result)]).await
+}
+
+/// Waits (up to 10 s) for `sluice_config_reloads_total{result}` to reach `value`.
+async fn wait_reloads(sluice: &Sluice, result: &str, value: f64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = reloads(sluice, result).await;
+        if now == value {
+            return;
+        }
+        assert!(
+            now < value,
+            "reloads{{result={result}}} = {now}, beyond {value}"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "reloads{{result={result}}} stayed {now}, expected {value}\nlog:\n{}",
+            sluice.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `sluice_config_hash` computed independently: the first 13 hex digits of the SHA-256.
+fn expected_hash(text: &str) -> f64 {
+    let hex: String = Sha256::digest(text.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    i64::from_str_radix(&hex[..13], 16).unwrap() as f64
+}
+
+async fn config_hash(sluice: &Sluice) -> f64 {
+    metric(sluice, "sluice_config_hash", &[]).await
+}
+
+/// 1-based (line, column) of `token` on the first line of `text` containing it.
+fn locate(text: &str, token: &str) -> (usize, usize) {
+    for (i, line) in text.lines().enumerate() {
+        if let Some(col) = line.find(token) {
+            return (i + 1, col + 1);
+        }
+    }
+    panic!("test bug: {token:?} not in the config")
+}
+
+/// The log line at error level containing `needle`.
+fn error_line(sluice: &Sluice, needle: &str) -> String {
+    let log = sluice.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("no log line contains {needle:?}\nlog:\n{log}"));
+    assert!(line.contains("ERROR"), "logged at error level: {line}");
+    line.to_owned()
+}
+
+/// (a) An invalid file written under steady load: no request fails, the old limit keeps
+/// answering, the refusal is counted once and logged with its line and column. Redis is the
+/// store, as in production.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_invalid_file_is_refused_under_load_and_the_old_policy_keeps_serving() {
+    let redis = support::Redis::start().await;
+    let store = support::redis_store_yaml(&redis.url());
+    let sluice = Sluice::start(&format!("{store}{}", limited(1_000_000, "1m"))).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut load = Vec::new();
+    for _ in 0..4 {
+        let (stop, url) = (Arc::clone(&stop), format!("{}/api", sluice.url()));
+        load.push(tokio::spawn(async move {
+            let c = client();
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            while !stop.load(Ordering::Relaxed) {
+                match c.get(&url).send().await {
+                    Ok(r) if r.status() == 200 => {
+                        let items = parse_limit_field(header(&r, "ratelimit-policy"));
+                        if items[0].param("q") == 1_000_000 {
+                            ok += 1;
+                        } else {
+                            failed.push(format!("policy {items:?}"));
+                        }
+                    }
+                    Ok(r) => failed.push(format!("status {}", r.status())),
+                    Err(e) => failed.push(format!("error {e}")),
+                }
+            }
+            (ok, failed)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // The limit changes too, so a half-applied file would show in the answers.
+    let bad = limited(5, "thirty");
+    let written = rewrite(&sluice, &format!("{store}{bad}"));
+    wait_reloads(&sluice, "error", 1.0).await;
+    // Keep the load on past a few more polls: the refused file is not retried.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+
+    let (mut ok, mut failed) = (0, Vec::new());
+    for task in load {
+        let (n, f) = task.await.unwrap();
+        ok += n;
+        failed.extend(f);
+    }
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    assert!(ok >= 100, "the load ran: {ok} requests");
+    assert_eq!(policy_q(&client(), &sluice).await, 1_000_000);
+    assert_eq!(reloads(&sluice, "error").await, 1.0, "reported once");
+    assert_eq!(reloads(&sluice, "ok").await, 0.0);
+
+    let (line, col) = locate(&written, "thirty");
+    let path = sluice.config_path().display();
+    error_line(
+        &sluice,
+        &format!("{path}:{line}:{col}: routes[0].limits[0].window"),
+    );
+}
+
+/// (b) A valid change takes effect within one second: the limit goes from 3 to 6.
+#[tokio::test]
+async fn a_valid_change_takes_effect_within_a_second() {
+    let sluice = Sluice::start(&limited(3, "1m")).await;
+    let c = client();
+    assert_eq!(policy_q(&c, &sluice).await, 3);
+
+    rewrite_in_place(&sluice, &limited(6, "1m"));
+    let written = Instant::now();
+    while policy_q(&c, &sluice).await != 6 {
+        assert!(
+            written.elapsed() < Duration::from_secs(1),
+            "still q=3 after 1 s\nlog:\n{}",
+            sluice.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(reloads(&sluice, "ok").await, 1.0);
+    assert_eq!(reloads(&sluice, "error").await, 0.0);
+    // And it is enforced at 6: a client not seen before gets six answers, then a 429.
+    let fresh = support::client_from("127.0.0.2");
+    for n in 1..=7 {
+        let r = fresh
+            .get(format!("{}/api", sluice.url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), if n <= 6 { 200 } else { 429 }, "request {n}");
+    }
+}
+
+/// (c) An editor's save: write a new file beside the old one and rename it over. A route
+/// added this way answers within a second.
+#[tokio::test]
+async fn a_save_by_rename_is_seen() {
+    let sluice = Sluice::start(&limited(3, "1m")).await;
+    let c = client();
+    let new = || async {
+        c.get(format!("{}/new", sluice.url()))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    };
+    assert_eq!(new().await, 404);
+
+    let added =
+        "  - name: new\n    match:\n      path_prefix: /new\n    respond:\n      status: 201\n";
+    let text = format!("{}{}{added}", head(&sluice), limited(3, "1m"));
+    let temporary = sluice.config_path().with_extension("yaml.new");
+    std::fs::write(&temporary, &text).unwrap();
+    let old_inode = inode(sluice.config_path());
+    std::fs::rename(&temporary, sluice.config_path()).unwrap();
+    assert_ne!(
+        inode(sluice.config_path()),
+        old_inode,
+        "a new file took the path"
+    );
+
+    let renamed = Instant::now();
+    while new().await != 201 {
+        assert!(
+            renamed.elapsed() < Duration::from_secs(1),
+            "no /new after 1 s\nlog:\n{}",
+            sluice.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(policy_q(&c, &sluice).await, 3);
+    assert_eq!(reloads(&sluice, "ok").await, 1.0);
+}
+
+fn inode(path: &Path) -> u64 {
+    std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(path).unwrap())
+}
+
+/// (d) SIGHUP reloads the file even when it did not change; the process keeps serving.
+#[tokio::test]
+async fn sighup_reloads() {
+    let sluice = Sluice::start(&limited(3, "1m")).await;
+    let hash = config_hash(&sluice).await;
+    for n in 1..=2 {
+        let status = Command::new("kill")
+            .args(["-HUP", &sluice.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        wait_reloads(&sluice, "ok", f64::from(n)).await;
+    }
+    assert_eq!(reloads(&sluice, "error").await, 0.0);
+    assert_eq!(config_hash(&sluice).await, hash, "the same file");
+    assert_eq!(policy_q(&client(), &sluice).await, 3);
+    assert!(sluice.log().contains("SIGHUP: reloading the config file"));
+}
+
+/// (e) A new `listen` address (or a `server:` setting) needs a restart: the file is refused
+/// whole, with a message naming the field, and the old listener and limit keep serving.
+#[tokio::test]
+async fn changing_listen_is_refused_whole() {
+    let sluice = Sluice::start(&limited(3, "1m")).await;
+    let head = head(&sluice);
+    let new_port = free_port();
+    let moved = head.replacen(
+        &format!("listen: 127.0.0.1:{}", sluice.addr().port()),
+        &format!("listen: 127.0.0.1:{new_port}"),
+        1,
+    );
+    assert_ne!(moved, head, "test bug: listen line not found");
+    support::replace_file(
+        sluice.config_path(),
+        &format!("{moved}{}", limited(6, "1m")),
+    );
+    wait_reloads(&sluice, "error", 1.0).await;
+
+    error_line(
+        &sluice,
+        &format!(
+            "{}: `listen` changed from {} to 127.0.0.1:{new_port}: a restart is needed to apply it; nothing of this file was applied",
+            sluice.config_path().display(),
+            sluice.addr()
+        ),
+    );
+    assert_eq!(
+        policy_q(&client(), &sluice).await,
+        3,
+        "the limit was not applied either"
+    );
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", new_port)).is_err(),
+        "nothing listens on the new address"
+    );
+
+    let server = format!("{head}server:\n  idle_timeout: 5s\n{}", limited(6, "1m"));
+    support::replace_file(sluice.config_path(), &server);
+    wait_reloads(&sluice, "error", 2.0).await;
+    error_line(
+        &sluice,
+        "`server.idle_timeout` changed: a restart is needed to apply it",
+    );
+    assert_eq!(policy_q(&client(), &sluice).await, 3);
+    assert_eq!(reloads(&sluice, "ok").await, 0.0);
+}
+
+/// A test upstream that counts the TCP connections it accepts and answers every request 200.
+struct CountingUpstream {
+    port: u16,
+    accepted: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CountingUpstream {
+    async fn start() -> CountingUpstream {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let svc = service_fn(|_req| async {
+                        Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(
+                            b"up\n",
+                        ))))
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        CountingUpstream {
+            port,
+            accepted,
+            task,
+        }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for CountingUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn forwarded(port: u16, connect_timeout: &str, requests: u32) -> String {
+    format!(
+        r#"upstreams:
+  api:
+    url: "http://127.0.0.1:{port}"
+    connect_timeout: {connect_timeout}
+    timeout: 10s
+routes:
+  - name: api
+    match:
+      path_prefix: /api
+    upstream: api
+    limits:
+      - name: per-ip
+        key: [client_ip]
+        requests: {requests}
+        window: 1m
+"#
+    )
+}
+
+/// Sends `n` requests one after another, each answered by the upstream.
+async fn sequential(c: &reqwest::Client, sluice: &Sluice, n: usize) {
+    for _ in 0..n {
+        let r = c.get(format!("{}/api", sluice.url())).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.text().await.unwrap(), "up\n");
+        // Lets sluice's client put the connection back in its pool before the next request.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// (f) The upstream's keep-alive connection survives a reload that leaves the upstream
+/// unchanged; a reload that changes it (its connect_timeout) starts a new pool, which shows
+/// that the count would see a rebuilt pool.
+#[tokio::test]
+async fn the_upstream_pool_survives_a_reload() {
+    let upstream = CountingUpstream::start().await;
+    let sluice = Sluice::start(&forwarded(upstream.port, "2s", 100)).await;
+    let c = client();
+    sequential(&c, &sluice, 5).await;
+    assert_eq!(
+        upstream.accepted(),
+        1,
+        "one pooled connection carries them all"
+    );
+
+    rewrite(&sluice, &forwarded(upstream.port, "2s", 200));
+    wait_reloads(&sluice, "ok", 1.0).await;
+    sequential(&c, &sluice, 5).await;
+    assert_eq!(
+        upstream.accepted(),
+        1,
+        "the same connection after the reload"
+    );
+    assert_eq!(policy_q(&c, &sluice).await, 200);
+
+    rewrite(&sluice, &forwarded(upstream.port, "3s", 200));
+    wait_reloads(&sluice, "ok", 2.0).await;
+    sequential(&c, &sluice, 5).await;
+    assert_eq!(upstream.accepted(), 2, "a changed upstream gets a new pool");
+}
+
+/// (g) `sluice_config_hash` is the file's: it changes with a good reload, not a refused one.
+#[tokio::test]
+async fn the_hash_gauge_follows_the_file_in_force() {
+    let sluice = Sluice::start(&limited(3, "1m")).await;
+    let first = std::fs::read_to_string(sluice.config_path()).unwrap();
+    assert_eq!(config_hash(&sluice).await, expected_hash(&first));
+
+    let second = rewrite(&sluice, &limited(6, "1m"));
+    wait_reloads(&sluice, "ok", 1.0).await;
+    assert_eq!(config_hash(&sluice).await, expected_hash(&second));
+    assert_ne!(expected_hash(&second), expected_hash(&first));
+
+    rewrite(&sluice, &limited(0, "1m"));
+    wait_reloads(&sluice, "error", 1.0).await;
+    assert_eq!(
+        config_hash(&sluice).await,
+        expected_hash(&second),
+        "unchanged when refused"
+    );
+    error_line(&sluice, "routes[0].limits[0].requests");
+
+    // Refused when the routes are checked against each other: the valid route before the bad
+    // one leaves no metric series behind, as it never served.
+    let ghost = "  - name: ghost\n    match:\n      path_prefix: /ghost\n    respond:\n      status: 200\n  - name: broken\n    match:\n      path_prefix: /broken\n    upstream: nowhere\n";
+    rewrite(&sluice, &format!("{}{ghost}", limited(6, "1m")));
+    wait_reloads(&sluice, "error", 2.0).await;
+    error_line(&sluice, "routes[2].upstream: unknown upstream `nowhere`");
+    assert_eq!(config_hash(&sluice).await, expected_hash(&second));
+    let metrics = sluice.metrics().await;
+    assert!(
+        !metrics.contains("ghost"),
+        "no series of a refused route:\n{metrics}"
+    );
+}
+
+/// A request in flight during a reload finishes under the policy it started with: a slow
+/// upstream answer started at q=3 still says q=3 after the file changed to q=6.
+#[tokio::test]
+async fn a_request_in_flight_keeps_its_policy() {
+    let upstream = support::Upstream::start().await;
+    let rest = |requests: u32| {
+        format!(
+            "upstreams:\n  api:\n    url: \"{}\"\n    timeout: 10s\nroutes:\n  - name: api\n    match:\n      path_prefix: /\n    upstream: api\n    limits:\n      - name: per-ip\n        key: [client_ip]\n        requests: {requests}\n        window: 1m\n",
+            upstream.url()
+        )
+    };
+    let sluice = Sluice::start(&rest(3)).await;
+    let c = client();
+    let slow = tokio::spawn({
+        let (c, url) = (c.clone(), format!("{}/slow/2000", sluice.url()));
+        async move { c.get(url).send().await.unwrap() }
+    });
+    // The slow request has reached the upstream, so it was routed under q=3.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while upstream.hits() == 0 {
+        assert!(Instant::now() < deadline, "the slow request never arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    rewrite(&sluice, &rest(6));
+    wait_reloads(&sluice, "ok", 1.0).await;
+    let fresh = c.get(format!("{}/x", sluice.url())).send().await.unwrap();
+    assert_eq!(
+        parse_limit_field(header(&fresh, "ratelimit-policy"))[0].param("q"),
+        6
+    );
+
+    let slow = slow.await.unwrap();
+    assert_eq!(slow.status(), 200);
+    assert_eq!(
+        parse_limit_field(header(&slow, "ratelimit-policy"))[0].param("q"),
+        3
+    );
+}
