@@ -424,12 +424,12 @@ fn push_escaped(key: &mut String, bytes: &[u8]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use http::header::{HeaderName, HeaderValue};
     use std::time::Duration;
 
-    fn limit(parts: Vec<KeyPart>) -> Limit {
+    pub(crate) fn limit(parts: Vec<KeyPart>) -> Limit {
         let metrics = crate::metrics::Metrics::new().unwrap();
         Limit {
             name: "l".parse().unwrap(),
@@ -453,7 +453,7 @@ mod tests {
     const API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 
     /// The key of `limit` for a GET of `target` with `headers`, from `IP`.
-    fn key_of(limit: &Limit, target: &str, headers: &HeaderMap) -> String {
+    pub(crate) fn key_of(limit: &Limit, target: &str, headers: &HeaderMap) -> String {
         let uri: Uri = target.parse().unwrap();
         let request = RequestParts {
             method: &Method::GET,
@@ -648,44 +648,6 @@ mod tests {
             let fields = [Field::Query("k".to_owned())];
             let found = repeated_field(&fields, &uri, &HeaderMap::new());
             proptest::prop_assert_eq!(found.is_some(), named_k >= 2, "{}", query);
-        }
-
-        /// The same cookies split into crumbs anywhere, once joined, give the key of the
-        /// single field, and a name in two crumbs is a repeated field.
-        #[test]
-        fn cookie_crumbs_in_any_split_give_one_key(
-            values in proptest::collection::vec("[a-zA-Z0-9._-]{1,8}", 1..6),
-            cuts in proptest::collection::vec(proptest::prelude::any::<bool>(), 6),
-            at in 0usize..6,
-        ) {
-            // Distinct names, `c` (the one keyed on) among them.
-            let at = at % values.len();
-            let pairs: Vec<String> = values
-                .iter()
-                .enumerate()
-                .map(|(i, v)| if i == at { format!("c={v}") } else { format!("n{i}={v}") })
-                .collect();
-            let mut single = HeaderMap::new();
-            single.insert("cookie", HeaderValue::from_str(&pairs.join("; ")).unwrap());
-            let mut crumbs = HeaderMap::new();
-            let mut crumb = Vec::new();
-            for (i, pair) in pairs.iter().enumerate() {
-                crumb.push(pair.as_str());
-                if cuts[i] || i + 1 == pairs.len() {
-                    crumbs.append("cookie", HeaderValue::from_str(&crumb.join("; ")).unwrap());
-                    crumb.clear();
-                }
-            }
-            crate::one_request::join_cookie_crumbs(&mut crumbs);
-            proptest::prop_assert_eq!(crumbs.get_all("cookie").iter().count(), 1);
-            let limit = limit(vec![KeyPart::Cookie("c".to_owned())]);
-            proptest::prop_assert_eq!(key_of(&limit, "/", &crumbs), key_of(&limit, "/", &single));
-            let fields = [Field::Cookie("c".to_owned())];
-            let uri: Uri = "/".parse().unwrap();
-            proptest::prop_assert!(repeated_field(&fields, &uri, &crumbs).is_none());
-            crumbs.append("cookie", HeaderValue::from_static("c=junk"));
-            crate::one_request::join_cookie_crumbs(&mut crumbs);
-            proptest::prop_assert!(repeated_field(&fields, &uri, &crumbs).is_some());
         }
 
         /// Any query string and cookie field gives a key of one shape, and the identity is

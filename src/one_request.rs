@@ -173,6 +173,8 @@ pub fn check_fields(fields: &[Field], uri: &Uri, headers: &HeaderMap) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::KeyPart;
+    use crate::keys::tests::{key_of, limit};
 
     #[test]
     fn respelled_standard_methods_are_refused_and_others_pass() {
@@ -236,5 +238,45 @@ mod tests {
         let mut only_other = headers(&[("connection", "x-other"), ("x-other", "1")]);
         remove_connection_options(&mut only_other, &guarded).unwrap();
         assert!(only_other.is_empty(), "{only_other:?}");
+    }
+
+    proptest::proptest! {
+        /// The same cookies split into crumbs anywhere, once joined, give the key of the
+        /// single field, and a name in two crumbs is a repeated field.
+        #[test]
+        fn cookie_crumbs_in_any_split_give_one_key(
+            values in proptest::collection::vec("[a-zA-Z0-9._-]{1,8}", 1..6),
+            cuts in proptest::collection::vec(proptest::prelude::any::<bool>(), 6),
+            at in 0usize..6,
+        ) {
+            // Distinct names, `c` (the one keyed on) among them.
+            let at = at % values.len();
+            let pairs: Vec<String> = values
+                .iter()
+                .enumerate()
+                .map(|(i, v)| if i == at { format!("c={v}") } else { format!("n{i}={v}") })
+                .collect();
+            let mut single = HeaderMap::new();
+            single.insert("cookie", HeaderValue::from_str(&pairs.join("; ")).unwrap());
+            let mut crumbs = HeaderMap::new();
+            let mut crumb = Vec::new();
+            for (i, pair) in pairs.iter().enumerate() {
+                crumb.push(pair.as_str());
+                if cuts[i] || i + 1 == pairs.len() {
+                    crumbs.append("cookie", HeaderValue::from_str(&crumb.join("; ")).unwrap());
+                    crumb.clear();
+                }
+            }
+            join_cookie_crumbs(&mut crumbs);
+            proptest::prop_assert_eq!(crumbs.get_all("cookie").iter().count(), 1);
+            let limit = limit(vec![KeyPart::Cookie("c".to_owned())]);
+            proptest::prop_assert_eq!(key_of(&limit, "/", &crumbs), key_of(&limit, "/", &single));
+            let fields = [Field::Cookie("c".to_owned())];
+            let uri: Uri = "/".parse().unwrap();
+            proptest::prop_assert!(keys::repeated_field(&fields, &uri, &crumbs).is_none());
+            crumbs.append("cookie", HeaderValue::from_static("c=junk"));
+            join_cookie_crumbs(&mut crumbs);
+            proptest::prop_assert!(keys::repeated_field(&fields, &uri, &crumbs).is_some());
+        }
     }
 }
