@@ -1,14 +1,14 @@
 //! sluice: a rate-limiting reverse proxy. One request's path through the modules:
 //!
 //! `server` (accept, TLS from `tls`, HTTP/1.1 and HTTP/2, connection limits, `activity` for
-//! idle timeouts) → `proxy` (the request phases:
-//! `path` canonicalization and head limits, `one_request` (one reading of the request for
-//! the router, the limiter and the upstream), routing on the `policy`, `keys` for each limit,
-//! the `limiter` decision, then a `response` of 429 or a forward to the upstream) — with
-//! `metrics` observing each step and `admin` serving them, `log` writing lines that never block a
-//! request, with the admin API (one identity's
-//! quota, the policy in force, reload on request). `config` reads the policy file;
-//! `reload` watches it and swaps in each valid new policy whole.
+//! idle timeouts) → `proxy`, the request's phases: `head` (head limits, the canonical `path`,
+//! `one_request`: one reading of the request for the router, the limiter and the upstream) →
+//! `route` (on the `policy`) → `plan` (the client address and the `keys` of each limit) →
+//! `decide` (the `limiter`, one store call) → `hold` → forward to the upstream or answer
+//! directly → `settle` → `finish`, the one place an answer is completed (`response` spells
+//! sluice's own answers, `body` carries them). `metrics` observe each step and `admin` serves
+//! them with the admin API; `log` writes lines that never block a request. `config` reads
+//! the policy file; `reload` watches it and swaps in each valid new policy whole.
 //!
 //! The binary (`main.rs`) is the command line around this library; the library exists so
 //! that benchmarks can measure its parts.
