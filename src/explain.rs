@@ -17,7 +17,7 @@ use crate::keys::{self, RequestParts};
 use crate::metrics::Metrics;
 use crate::plan;
 use crate::policy::{Action, Policy};
-use crate::proxy::{self, HeadLimits, Stop};
+use crate::proxy::{self, HeadLimits};
 
 /// The request to explain, as given on the command line.
 pub struct Question<'a> {
@@ -85,22 +85,24 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     } else {
         let _ = writeln!(out, "path:       {canonical}");
     }
-    let route = match proxy::route(&policy, &head, 0) {
-        Ok(route) => route,
-        Err(Stop::NoRoute) => {
-            let _ = writeln!(out, "route:      none matches: 404 Not Found");
-            return Ok(out);
-        }
-        Err(stop) => {
-            let _ = writeln!(out, "refused:    {}: {}", stop.status(), stop.detail(None));
-            return Ok(out);
-        }
+    let Ok(route) = proxy::route(&policy, &head) else {
+        let _ = writeln!(out, "route:      none matches: 404 Not Found");
+        return Ok(out);
     };
     let _ = writeln!(
         out,
         "route:      {} (the first route in the file that matches)",
         route.name
     );
+    if let Err(stop) = proxy::refuse(route, &head, 0) {
+        let _ = writeln!(
+            out,
+            "refused:    {}: {}",
+            stop.status(),
+            stop.detail(Some(route))
+        );
+        return Ok(out);
+    }
     match &route.action {
         Action::Forward(upstream) => {
             let scheme = if upstream.tls.is_some() {

@@ -55,7 +55,7 @@ pub async fn decide<'r>(
             // Per request at debug: during an outage the breaker's transitions (warn) and
             // the fallback counters say it once, not once per request.
             if tracing::enabled!(tracing::Level::DEBUG) && log.store_failed.allow() {
-                tracing::debug!(route = %route.name, store = store.name(), error = %err, action = route.on_store_error.label(), "store failed");
+                tracing::debug!(target: "sluice::proxy", route = %route.name, store = store.name(), error = %err, action = route.on_store_error.label(), "store failed");
             }
             route.metrics.count_fallback(route.on_store_error);
             match route.on_store_error {

@@ -141,7 +141,7 @@ impl Finisher {
             (Stop::Upstream { error, upstream }, _, _) => {
                 if let Some(route) = route {
                     if tracing::enabled!(tracing::Level::WARN) && self.log.upstream_failed.allow() {
-                        tracing::warn!(route = %route.name, upstream = %upstream, error = %error, request_id = exchange.id(), "upstream failed");
+                        tracing::warn!(target: "sluice::proxy", route = %route.name, upstream = %upstream, error = %error, request_id = exchange.id(), "upstream failed");
                     }
                 }
                 let extra = [("upstream", upstream.as_str())];

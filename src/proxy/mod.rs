@@ -42,7 +42,7 @@ use self::forward::{ForwardError, UpstreamClient};
 pub use self::head::{read as read_head, HeadLimits};
 use self::request_body::BodyRefusals;
 use self::request_id::{RequestIds, X_REQUEST_ID};
-pub use self::route::route;
+pub use self::route::{refuse, route};
 pub use self::stop::{Fault, Stop};
 pub use self::tunnel::ConnectionHold;
 use self::upstreams::{Clients, Upstreams};
@@ -162,8 +162,9 @@ impl Gateway {
         // The upstream gets the id too.
         head.headers
             .insert(X_REQUEST_ID, exchange.request_id.clone());
-        let route = route::route(&active.policy, &head, body.size_hint().lower())?;
+        let route = route::route(&active.policy, &head)?;
         exchange.route = Some(route);
+        route::refuse(route, &head, body.size_hint().lower())?;
         let plan = plan::plan(&active.policy, route, &head, peer.ip());
         decide::decide(&self.store, &self.finisher.log, route, plan, exchange).await?;
         if let Some(decided) = &exchange.decided {

@@ -11,15 +11,16 @@ use crate::metrics::Refusal;
 use crate::one_request;
 use crate::policy::{Policy, Route};
 
-/// `declared_length`: the body's length as the request declares it (0 when it does not).
-pub fn route<'p>(
-    policy: &'p Policy,
-    head: &Parts,
-    declared_length: u64,
-) -> Result<&'p Route, Stop> {
-    let route = policy
+/// The first route of `policy` that matches `head`.
+pub fn route<'p>(policy: &'p Policy, head: &Parts) -> Result<&'p Route, Stop> {
+    policy
         .route(&head.method, head.uri.path())
-        .ok_or(Stop::NoRoute)?;
+        .ok_or(Stop::NoRoute)
+}
+
+/// What `route` refuses before a decision. `declared_length`: the body's length as the
+/// request declares it (0 when it does not).
+pub fn refuse(route: &Route, head: &Parts, declared_length: u64) -> Result<(), Stop> {
     one_request::check_fields(&route.fields, &head.uri, &head.headers).map_err(|refused| {
         Stop::Refused {
             status: StatusCode::BAD_REQUEST,
@@ -35,5 +36,5 @@ pub fn route<'p>(
             reason: Refusal::BodyTooLarge,
         });
     }
-    Ok(route)
+    Ok(())
 }
