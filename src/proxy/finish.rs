@@ -11,6 +11,7 @@ use http::{Response, StatusCode};
 use prometheus::{IntCounter, IntCounterVec};
 
 use super::decide::Decided;
+use super::forward::ForwardError;
 use super::request_id::X_REQUEST_ID;
 use super::stop::Stop;
 use super::{grpc, Exchange};
@@ -130,28 +131,25 @@ impl Finisher {
                     Some(retry_after),
                 )
             }
-            (Stop::TooManyHeld { delay }, _, _) => {
-                let response = response::problem(status, &stop.detail(route), instance, &[]);
-                (response, Some(retry_after_seconds(*delay)))
-            }
-            (Stop::StoreUnavailable, _, _) => {
-                let response = response::problem(status, &stop.detail(route), instance, &[]);
-                (response, Some(1))
-            }
-            (Stop::Upstream { error, upstream }, _, _) => {
-                if let Some(route) = route {
-                    if tracing::enabled!(tracing::Level::WARN) && self.log.upstream_failed.allow() {
-                        tracing::warn!(target: "sluice::proxy", route = %route.name, upstream = %upstream, error = %error, request_id = exchange.id(), "upstream failed");
-                    }
+            _ => {
+                let retry_after = match stop {
+                    Stop::TooManyHeld { delay } => Some(retry_after_seconds(*delay)),
+                    Stop::StoreUnavailable => Some(1),
+                    _ => None,
+                };
+                let mut extra: &[(&str, &str)] = &[];
+                let named;
+                if let Stop::Upstream { error, upstream } = stop {
+                    self.log_upstream_failure(route, upstream.as_str(), error, exchange);
+                    named = [("upstream", upstream.as_str())];
+                    extra = &named;
                 }
-                let extra = [("upstream", upstream.as_str())];
-                let response = response::problem(status, &stop.detail(route), instance, &extra);
-                (response, None)
+                let detail = stop.detail(route);
+                (
+                    response::problem(status, &detail, instance, extra),
+                    retry_after,
+                )
             }
-            _ => (
-                response::problem(status, &stop.detail(route), instance, &[]),
-                None,
-            ),
         };
         if let Some(seconds) = retry_after {
             let headers = response.headers_mut();
@@ -161,6 +159,20 @@ impl Finisher {
             }
         }
         response
+    }
+
+    /// "upstream failed", by rate, not by traffic.
+    fn log_upstream_failure(
+        &self,
+        route: Option<&Route>,
+        upstream: &str,
+        error: &ForwardError,
+        exchange: &Exchange<'_>,
+    ) {
+        let Some(route) = route else { return };
+        if tracing::enabled!(tracing::Level::WARN) && self.log.upstream_failed.allow() {
+            tracing::warn!(target: "sluice::proxy", route = %route.name, upstream, error = %error, request_id = exchange.id(), "upstream failed");
+        }
     }
 
     /// The first rejection of an identity by a limit is logged at once: the route, the limit,

@@ -44,11 +44,7 @@ impl HeadLimits {
 /// Reads a request's head: its limits, its canonical path, its one reading under `policy`.
 pub fn read(head: &mut Parts, limits: &HeadLimits, policy: &Policy) -> Result<(), Stop> {
     admit_head(head, limits)?;
-    one_request::prepare(head, policy).map_err(|refused| Stop::Refused {
-        status: StatusCode::BAD_REQUEST,
-        detail: refused.detail,
-        reason: refused.reason,
-    })
+    Ok(one_request::prepare(head, policy)?)
 }
 
 /// Checks the head against `limits`, then puts the canonical path in the request's URI.

@@ -21,13 +21,7 @@ pub fn route<'p>(policy: &'p Policy, head: &Parts) -> Result<&'p Route, Stop> {
 /// What `route` refuses before a decision. `declared_length`: the body's length as the
 /// request declares it (0 when it does not).
 pub fn refuse(route: &Route, head: &Parts, declared_length: u64) -> Result<(), Stop> {
-    one_request::check_fields(&route.fields, &head.uri, &head.headers).map_err(|refused| {
-        Stop::Refused {
-            status: StatusCode::BAD_REQUEST,
-            detail: refused.detail,
-            reason: refused.reason,
-        }
-    })?;
+    one_request::check_fields(&route.fields, &head.uri, &head.headers)?;
     // A declared length over the limit is refused before it costs a decision.
     if route.max_body.is_some_and(|max| declared_length > max) {
         return Err(Stop::Refused {

@@ -10,6 +10,7 @@ use super::forward::ForwardError;
 use super::request_body::BodyFault;
 use crate::config::Name;
 use crate::metrics::{Outcome, Refusal};
+use crate::one_request;
 use crate::policy::Route;
 
 /// Whose fault an answer is: what an operator looks at first.
@@ -119,6 +120,17 @@ impl Stop {
             }
             Stop::Upstream { error, .. } => error.to_string(),
             Stop::Internal(what) => (*what).to_owned(),
+        }
+    }
+}
+
+/// A request with no single reading (`one_request`) is refused with 400.
+impl From<one_request::Refused> for Stop {
+    fn from(refused: one_request::Refused) -> Stop {
+        Stop::Refused {
+            status: StatusCode::BAD_REQUEST,
+            detail: refused.detail,
+            reason: refused.reason,
         }
     }
 }
