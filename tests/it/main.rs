@@ -9,7 +9,8 @@
 //!
 //! All tests share this one process and cargo's test threads (one per core by default), so a
 //! test may not assume it is alone: ports are picked free at start and retried when taken,
-//! and nothing sets process-wide environment variables.
+//! nothing sets process-wide environment variables, and the tests that load the machine or
+//! assert time bounds hold `support::heavy()`, so that no two of them run at once.
 
 mod support;
 

@@ -8,7 +8,7 @@
 //! - [`metrics`] and [`ratelimit_fields`]: parsing what sluice answers;
 //! - [`wire`], [`grpc`], [`websocket`], [`certs`]: raw HTTP/1.1, gRPC over h2c, WebSocket and
 //!   TLS certificates, for the tests of those protocols;
-//! - here: free ports, HTTP clients, polling.
+//! - here: free ports, HTTP clients, polling, and the lock the heavy tests hold.
 //!
 //! Everything is real: nothing here mocks Redis, an upstream or sluice. Each test uses only
 //! the parts it needs, hence the `dead_code` allowance.
@@ -106,4 +106,17 @@ pub fn header<'a>(resp: &'a reqwest::Response, name: &str) -> &'a str {
         })
         .to_str()
         .unwrap()
+}
+
+/// Held, for its whole run, by each test that loads the machine (a flood from many clients,
+/// hundreds of connections, a 50 MB transfer) or whose assertions are time bounds that a
+/// flood next to it could break: no two of them run at once. Each test file used to be its
+/// own binary, run one after another; now every test shares one process and cargo's test
+/// threads, and this keeps the heavy ones from meeting.
+///
+/// Take it first, so that it is released last (after the test's sluice, Redis and upstreams
+/// are stopped): `let _heavy = support::heavy().await;`. A test that panics releases it too.
+pub async fn heavy() -> tokio::sync::MutexGuard<'static, ()> {
+    static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    HEAVY.lock().await
 }
