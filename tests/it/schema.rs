@@ -2,7 +2,7 @@
 //! config types generate, and every example policy points editors at it.
 //!
 //! To regenerate the file after changing the config types:
-//! `SLUICE_UPDATE_SCHEMA=1 cargo test --test schema`.
+//! `SLUICE_UPDATE_SCHEMA=1 cargo test --test it schema::`.
 //! (CI also validates every example policy against it: `scripts/check-deploy.sh`.)
 
 use std::path::Path;
@@ -26,7 +26,7 @@ fn the_committed_schema_is_what_the_config_types_generate() {
     assert!(
         committed == generated,
         "{SCHEMA} is not what the config types generate: regenerate it with \
-         `SLUICE_UPDATE_SCHEMA=1 cargo test --test schema` and commit it"
+         `SLUICE_UPDATE_SCHEMA=1 cargo test --test it schema::` and commit it"
     );
 }
 
