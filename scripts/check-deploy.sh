@@ -8,7 +8,7 @@
 #     Operator's API types (scripts/check_monitors.py);
 #   - the compose file against the compose specification's schema (check-jsonschema);
 #   - the Grafana dashboard is JSON (its queries run against a real Prometheus in
-#     tests/prometheus.rs);
+#     tests/it/prometheus.rs);
 #   - every sluice policy in config/, deploy/ (including those inside ConfigMaps) and the
 #     README's complete examples with `sluice check` and against config/sluice.schema.json, and
 #     policies `sluice check` refuses must be refused by the schema too.
@@ -106,7 +106,7 @@ for path in paths:
 PY
 cargo build --locked --quiet
 for policy in "$policies"/*.yaml; do
-  # config/tls.yaml names certificate files that exist only when generated: tests/tls.rs
+  # config/tls.yaml names certificate files that exist only when generated: tests/it/tls.rs
   # runs `sluice check` on it next to a certificate made at test time.
   if [ "$(basename "$policy")" = tls.yaml ]; then continue; fi
   target/debug/sluice check --config "$policy" >/dev/null \

@@ -26,15 +26,15 @@ install_if_missing() {
 }
 
 install_if_missing redis-server redis-server
-# tests/sentinel.rs runs three sentinels next to a master and a replica.
+# tests/it/sentinel.rs runs three sentinels next to a master and a replica.
 install_if_missing redis-sentinel redis-sentinel
-# tests/cluster.rs creates a Redis Cluster with redis-cli (Debian's redis-tools).
+# tests/it/cluster.rs creates a Redis Cluster with redis-cli (Debian's redis-tools).
 install_if_missing redis-cli redis-tools
-# tests/tls.rs uses curl as a real TLS client (HTTP/2 through ALPN), and openssl to rewrite
+# tests/it/tls.rs uses curl as a real TLS client (HTTP/2 through ALPN), and openssl to rewrite
 # test keys in the PKCS#1 and SEC1 formats.
 install_if_missing curl curl curl
 install_if_missing openssl openssl openssl
-# tests/prometheus.rs scrapes sluice with a real Prometheus server.
+# tests/it/prometheus.rs scrapes sluice with a real Prometheus server.
 install_if_missing prometheus prometheus prometheus
 echo "using $(redis-server --version)" >&2
 

@@ -9,7 +9,7 @@
 //! Every type of the file also describes itself as JSON Schema (`schemars::JsonSchema`: derived
 //! on the structs, written by hand in `schema` for values parsed from text; a `Spanned<T>`
 //! field says `#[schemars(with = "T")]`). After changing a field, regenerate
-//! `config/sluice.schema.json` with `SLUICE_UPDATE_SCHEMA=1 cargo test --test schema`.
+//! `config/sluice.schema.json` with `SLUICE_UPDATE_SCHEMA=1 cargo test --test it schema::`.
 
 mod admin;
 mod duration;

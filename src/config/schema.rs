@@ -1,6 +1,6 @@
 //! The JSON Schema of the policy file, generated from the config types, so editors can complete
 //! and check a policy as it is typed (`config/sluice.schema.json`, kept in sync by
-//! `tests/schema.rs`).
+//! `tests/it/schema.rs`).
 //!
 //! The structs derive their schema; the values parsed from text (durations, names, key parts,
 //! URLs, sizes) describe here what their `FromStr` accepts. A pattern can only approximate some

@@ -298,6 +298,7 @@ impl Load {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_moved_under_load_keeps_its_log() {
+    let _heavy = support::heavy().await;
     let cluster = RedisCluster::start().await;
     let upstream = Upstream::start().await;
     // Two limits on `/b`: each decision is a two-key script call, which the cluster answers
@@ -459,6 +460,7 @@ async fn uncounted_outcomes_are_given_back_in_every_slot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_promoted_under_load_keeps_the_log() {
+    let _heavy = support::heavy().await;
     let cluster = RedisCluster::start_with_replicas(1).await;
     let upstream = Upstream::start().await;
     // As in the slot move: `/a` is spent after the failover, `/b` has room throughout.

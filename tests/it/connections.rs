@@ -165,6 +165,7 @@ async fn normal_client(
 /// are all served with low latency throughout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slowloris_heads_are_cut_while_normal_clients_are_served() {
+    let _heavy = support::heavy().await;
     const SLOW: usize = 1000;
     let limit = open_files_limit();
     assert!(

@@ -29,6 +29,7 @@ struct Exchange {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_flood_is_answered_from_memory_without_over_admission_or_over_denial() {
+    let _heavy = support::heavy().await;
     let redis = Redis::start().await;
     let up = Upstream::start().await;
     let yaml = format!(

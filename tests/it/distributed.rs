@@ -23,6 +23,7 @@ const PROBED: f64 = 0.97;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_instances_share_one_exact_limit() {
+    let _heavy = support::heavy().await;
     let redis = Redis::start().await;
     let up = Upstream::start().await;
     let yaml = format!(

@@ -121,6 +121,7 @@ async fn statuses(sluice: &Sluice, route: &str, key: &str, count: usize) -> Vec<
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_killed_under_load_local_and_allow_keep_serving_then_redis_decides_again() {
+    let _heavy = support::heavy().await;
     let mut redis = Redis::start().await;
     let upstream = Upstream::start().await;
     let sluice = Sluice::start(&three_routes(&redis, &upstream)).await;
@@ -224,6 +225,7 @@ async fn redis_killed_under_load_local_and_allow_keep_serving_then_redis_decides
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_redis_costs_a_few_requests_the_timeout_then_none() {
+    let _heavy = support::heavy().await;
     let redis = Redis::start().await;
     let upstream = Upstream::start().await;
     let sluice = Sluice::start(&three_routes(&redis, &upstream)).await;
@@ -284,6 +286,7 @@ async fn wait_for_port(port: u16) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_upstream_gives_fast_502s_and_is_used_again_when_it_returns() {
+    let _heavy = support::heavy().await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("index.html"), "up").unwrap();
     let port = support::free_port();
@@ -329,6 +332,7 @@ async fn a_killed_upstream_gives_fast_502s_and_is_used_again_when_it_returns() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_under_load_fails_nothing_in_flight_and_readyz_goes_first() {
+    let _heavy = support::heavy().await;
     let upstream = Upstream::start().await;
     let yaml = format!(
         "server: {{ shutdown_delay: 1s, shutdown_grace: 10s }}\nupstreams:\n  api: {{ url: \"{}\" }}\nroutes:\n  - name: all\n    match: {{ path_prefix: / }}\n    upstream: api\n",
@@ -416,6 +420,7 @@ async fn sigterm_under_load_fails_nothing_in_flight_and_readyz_goes_first() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn script_flush_under_load_costs_no_request_an_error() {
+    let _heavy = support::heavy().await;
     let redis = Redis::start().await;
     let upstream = Upstream::start().await;
     let sluice = Sluice::start(&three_routes(&redis, &upstream)).await;

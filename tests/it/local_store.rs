@@ -11,6 +11,7 @@ const IDENTITIES: usize = 4000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_identities_is_bounded_and_evictions_are_counted() {
+    let _heavy = support::heavy().await;
     let yaml = format!(
         r#"store:
   local: {{ max_keys: {MAX_KEYS} }}

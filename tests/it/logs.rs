@@ -260,6 +260,7 @@ impl Accounted {
 /// add up to exactly what the metrics counted, in well under 64 KiB of log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_one_key_writes_a_few_lines_with_the_exact_count() {
+    let _heavy = support::heavy().await;
     const FLOOD: usize = 100_000;
     let yaml = r#"routes:
   - name: api
@@ -311,6 +312,7 @@ async fn a_flood_of_one_key_writes_a_few_lines_with_the_exact_count() {
 /// identities and requests add up exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_identities_write_bounded_output() {
+    let _heavy = support::heavy().await;
     const IDENTITIES: usize = 10_000;
     let yaml = r#"routes:
   - name: api
@@ -374,6 +376,7 @@ async fn ten_thousand_identities_write_bounded_output() {
 /// and the rest is counted in one line per interval: lines + suppressed = the errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_failures_are_logged_by_rate_not_by_traffic() {
+    let _heavy = support::heavy().await;
     const REQUESTS: usize = 2_000;
     let yaml = format!(
         r#"upstreams:
@@ -512,6 +515,7 @@ routes:
 /// request on another route is still answered at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_stderr_never_slows_a_request() {
+    let _heavy = support::heavy().await;
     let sluice = StalledSluice::start(STALLED_YAML).await;
     let client = flood_client();
     let flood_url = format!("{}/flood", sluice.url());
@@ -546,6 +550,7 @@ async fn a_stalled_stderr_never_slows_a_request() {
 /// (d) SIGTERM stops a sluice whose standard error is stalled, within `shutdown_grace`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_a_sluice_whose_stderr_is_stalled() {
+    let _heavy = support::heavy().await;
     let mut sluice = StalledSluice::start(STALLED_YAML).await;
     let client = flood_client();
     let flood_url = format!("{}/flood", sluice.url());

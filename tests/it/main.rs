@@ -3,13 +3,14 @@
 //! file was most of the suite's time on a 2-core machine.
 //!
 //! Every test runs against real processes (a `redis-server`, upstream servers on 127.0.0.1,
-//! the `sluice` binary itself): see `support`. One module's tests: `cargo test --test it
-//! limits::`; one test: `cargo test --test it limits::exact_count -- --exact` (a full name is
-//! `module::test_name`).
+//! the `sluice` binary itself): see `support`. A test's full name is `module::test_name`. One
+//! module's tests: `cargo test --test it limits::`; one test:
+//! `cargo test --test it limits::retry_after_is_exact_redis -- --exact`.
 //!
 //! All tests share this one process and cargo's test threads (one per core by default), so a
 //! test may not assume it is alone: ports are picked free at start and retried when taken,
-//! and nothing sets process-wide environment variables.
+//! nothing sets process-wide environment variables, and the tests that load the machine or
+//! assert time bounds hold `support::heavy()`, so that no two of them run at once.
 
 mod support;
 

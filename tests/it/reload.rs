@@ -140,6 +140,7 @@ fn error_line(sluice: &Sluice, needle: &str) -> String {
 /// store, as in production.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_invalid_file_is_refused_under_load_and_the_old_policy_keeps_serving() {
+    let _heavy = support::heavy().await;
     let redis = support::Redis::start().await;
     let store = support::redis_store_yaml(&redis.url());
     let sluice = Sluice::start(&format!("{store}{}", limited(1_000_000, "1m"))).await;

@@ -378,16 +378,19 @@ async fn follows(failover: Failover) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn follows_a_forced_failover() {
+    let _heavy = support::heavy().await;
     follows(Failover::Forced).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn follows_when_the_master_dies() {
+    let _heavy = support::heavy().await;
     follows(Failover::Kill).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_first_sentinel_is_skipped() {
+    let _heavy = support::heavy().await;
     let cluster = SentinelCluster::start().await;
     let up = Upstream::start().await;
     let mut nodes = vec![format!("127.0.0.1:{}", closed_port())];

@@ -173,11 +173,13 @@ async fn a_shaped_flood_never_crowds_a_window(kind: StoreKind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shaped_flood_never_crowds_a_window_redis() {
+    let _heavy = support::heavy().await;
     a_shaped_flood_never_crowds_a_window(StoreKind::Redis).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shaped_flood_never_crowds_a_window_memory() {
+    let _heavy = support::heavy().await;
     a_shaped_flood_never_crowds_a_window(StoreKind::Memory).await;
 }
 
@@ -213,11 +215,13 @@ async fn a_shaped_flood_keeps_gcra_spacing(kind: StoreKind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shaped_flood_keeps_gcra_spacing_redis() {
+    let _heavy = support::heavy().await;
     a_shaped_flood_keeps_gcra_spacing(StoreKind::Redis).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shaped_flood_keeps_gcra_spacing_memory() {
+    let _heavy = support::heavy().await;
     a_shaped_flood_keeps_gcra_spacing(StoreKind::Memory).await;
 }
 
@@ -302,11 +306,13 @@ async fn max_delayed_bounds_the_requests_held(kind: StoreKind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_delayed_bounds_the_requests_held_redis() {
+    let _heavy = support::heavy().await;
     max_delayed_bounds_the_requests_held(StoreKind::Redis).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_delayed_bounds_the_requests_held_memory() {
+    let _heavy = support::heavy().await;
     max_delayed_bounds_the_requests_held(StoreKind::Memory).await;
 }
 
@@ -371,16 +377,19 @@ async fn a_held_client_that_leaves_gives_its_place_back(kind: StoreKind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_client_that_leaves_gives_its_place_back_redis() {
+    let _heavy = support::heavy().await;
     a_held_client_that_leaves_gives_its_place_back(StoreKind::Redis).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_client_that_leaves_gives_its_place_back_memory() {
+    let _heavy = support::heavy().await;
     a_held_client_that_leaves_gives_its_place_back(StoreKind::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delayed_response_carries_the_fields_as_at_admission() {
+    let _heavy = support::heavy().await;
     let upstream = Upstream::start().await;
     let limit =
         "{ name: shaped, key: [method], requests: 1, window: 1s, on_exceed: delay, max_delay: 2s }";
@@ -487,10 +496,12 @@ async fn several_limits_record_at_the_longest_wait(kind: StoreKind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_limits_record_at_the_longest_wait_redis() {
+    let _heavy = support::heavy().await;
     several_limits_record_at_the_longest_wait(StoreKind::Redis).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_limits_record_at_the_longest_wait_memory() {
+    let _heavy = support::heavy().await;
     several_limits_record_at_the_longest_wait(StoreKind::Memory).await;
 }

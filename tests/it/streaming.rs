@@ -31,6 +31,7 @@ routes:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upload_50mb_is_streamed() {
+    let _heavy = support::heavy().await;
     let up = Upstream::start().await;
     let sluice = Sluice::start(&config(&up.url())).await;
     let before = sluice.peak_rss_kb();
@@ -68,6 +69,7 @@ async fn upload_50mb_is_streamed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn download_50mb_is_streamed() {
+    let _heavy = support::heavy().await;
     let up = Upstream::start().await;
     let sluice = Sluice::start(&config(&up.url())).await;
     let before = sluice.peak_rss_kb();

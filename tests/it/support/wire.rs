@@ -1,5 +1,7 @@
-//! Raw HTTP/1.1 on one TCP connection, for tests that need the exact bytes on the wire:
-//! pipelined requests, framing conflicts, partial heads, and seeing when the server closes.
+//! Raw HTTP/1.1 over TCP, for tests that need the exact bytes on the wire: one request sent
+//! verbatim and its response read ([`raw_http`]), and one client connection kept open
+//! ([`Wire`]) for pipelined requests, framing conflicts, partial heads, and seeing when the
+//! server closes.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -7,7 +9,141 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::{find, RawResponse};
+/// A parsed HTTP/1.1 response read from a raw socket.
+#[derive(Debug)]
+pub struct RawResponse {
+    pub status: u16,
+    /// Header (lowercased name, value), in wire order.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl RawResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == &name.to_ascii_lowercase())
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn has_header(&self, name: &str) -> bool {
+        self.header(name).is_some()
+    }
+}
+
+/// Send `request` verbatim to `addr` and read one response (Content-Length,
+/// chunked, or until EOF). Times out after 10 s.
+pub async fn raw_http(addr: SocketAddr, request: &str) -> RawResponse {
+    tokio::time::timeout(Duration::from_secs(10), raw_http_inner(addr, request))
+        .await
+        .unwrap_or_else(|_| panic!("raw HTTP request to {addr} timed out:\n{request}"))
+}
+
+async fn raw_http_inner(addr: SocketAddr, request: &str) -> RawResponse {
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut tmp = [0u8; 8192];
+    // Read the head.
+    let head_end = loop {
+        if let Some(i) = find(&buf, b"\r\n\r\n") {
+            break i;
+        }
+        let n = s.read(&mut tmp).await.unwrap();
+        assert!(
+            n > 0,
+            "connection closed before response head: {:?}",
+            String::from_utf8_lossy(&buf)
+        );
+        buf.extend_from_slice(&tmp[..n]);
+    };
+    let (status, headers) = parse_head(&buf[..head_end]);
+    let mut rest = buf[head_end + 4..].to_vec();
+    let get = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+    let body = if let Some(len) = get("content-length") {
+        let len: usize = len.parse().unwrap();
+        while rest.len() < len {
+            let n = s.read(&mut tmp).await.unwrap();
+            assert!(n > 0, "connection closed mid-body");
+            rest.extend_from_slice(&tmp[..n]);
+        }
+        rest.truncate(len);
+        rest
+    } else if get("transfer-encoding")
+        .map(|v| v.to_ascii_lowercase().contains("chunked"))
+        .unwrap_or(false)
+    {
+        let mut body = Vec::new();
+        loop {
+            let line_end = loop {
+                if let Some(i) = find(&rest, b"\r\n") {
+                    break i;
+                }
+                let n = s.read(&mut tmp).await.unwrap();
+                assert!(n > 0, "connection closed in chunk size");
+                rest.extend_from_slice(&tmp[..n]);
+            };
+            let size_str = String::from_utf8_lossy(&rest[..line_end]).into_owned();
+            let size = usize::from_str_radix(size_str.split(';').next().unwrap().trim(), 16)
+                .unwrap_or_else(|_| panic!("bad chunk size {size_str:?}"));
+            rest.drain(..line_end + 2);
+            if size == 0 {
+                break;
+            }
+            while rest.len() < size + 2 {
+                let n = s.read(&mut tmp).await.unwrap();
+                assert!(n > 0, "connection closed mid-chunk");
+                rest.extend_from_slice(&tmp[..n]);
+            }
+            body.extend_from_slice(&rest[..size]);
+            rest.drain(..size + 2);
+        }
+        body
+    } else if status == 204 || status == 304 {
+        Vec::new()
+    } else {
+        loop {
+            let n = s.read(&mut tmp).await.unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            rest.extend_from_slice(&tmp[..n]);
+        }
+        rest
+    };
+    RawResponse {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// The status and the (lower-cased name, value) header fields of a response head, without
+/// its final blank line.
+fn parse_head(head: &[u8]) -> (u16, Vec<(String, String)>) {
+    let head = String::from_utf8_lossy(head);
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap_or_default();
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+    let headers = lines
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let (n, v) = l.split_once(':').expect("header line");
+            (n.trim().to_ascii_lowercase(), v.trim().to_string())
+        })
+        .collect();
+    (status, headers)
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
 
 /// One client connection, with what has been read but not yet parsed.
 pub struct Wire {
@@ -127,7 +263,7 @@ pub fn parse_responses(mut bytes: &[u8]) -> Vec<RawResponse> {
 /// bytes will come, so a body without framing ends here.
 fn parse_response(buf: &[u8], closed: bool) -> Option<(RawResponse, usize)> {
     let head_end = find(buf, b"\r\n\r\n")?;
-    let (status, headers) = super::parse_head(&buf[..head_end]);
+    let (status, headers) = parse_head(&buf[..head_end]);
     let get = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
     let body_start = head_end + 4;
     let rest = &buf[body_start..];
