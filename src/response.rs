@@ -75,7 +75,7 @@ pub fn add_rate_limit_fields(
             .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
             .min_by_key(|(_, state)| (state.remaining, std::cmp::Reverse(state.reset)));
         if let Some((limit, state)) = closest {
-            headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(limit.requests));
+            headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(limit.spec.requests));
             headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(state.remaining));
             headers.insert(
                 X_RATELIMIT_RESET,
@@ -98,7 +98,7 @@ pub fn too_many_requests(
         .iter()
         .zip(&decision.limits)
         .zip(&decision.rejecting)
-        .filter(|((limit, _), &rejecting)| rejecting && !limit.shadow)
+        .filter(|((limit, _), &rejecting)| rejecting && !limit.spec.shadow)
         .filter_map(|((limit, state), _)| state.as_ref().map(|state| (limit, state)))
         .max_by_key(|(_, state)| state.reset)
         .map_or("", |(limit, _)| limit.name.as_str());

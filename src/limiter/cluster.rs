@@ -300,17 +300,19 @@ pub(super) fn merge(checks: usize, groups: &[Vec<usize>], decisions: &[Decision]
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{Algorithm, LimitState};
+    use crate::limiter::{Algorithm, LimitState, Spec};
 
     fn check(key: &str) -> Check {
         Check {
             key: key.to_owned(),
-            algorithm: Algorithm::SlidingLog,
-            requests: 1,
-            window: Duration::from_secs(1),
-            burst: 1,
-            cost: 1,
-            ..Check::default()
+            spec: Spec {
+                algorithm: Algorithm::SlidingLog,
+                requests: 1,
+                window: Duration::from_secs(1),
+                burst: 1,
+                cost: 1,
+                ..Spec::default()
+            },
         }
     }
 

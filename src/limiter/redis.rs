@@ -276,14 +276,14 @@ impl RedisStore {
         }
         cmd.arg(&member);
         for check in checks {
-            let params = check.params();
-            cmd.arg(params.algorithm.label())
-                .arg(params.requests)
-                .arg(params.window_us)
-                .arg(params.burst)
-                .arg(params.cost)
-                .arg(u8::from(params.shadow))
-                .arg(if may_delay { params.max_delay_us } else { 0 });
+            let spec = check.spec;
+            cmd.arg(spec.algorithm.label())
+                .arg(spec.requests)
+                .arg(spec.window_us())
+                .arg(spec.burst)
+                .arg(spec.cost)
+                .arg(u8::from(spec.shadow))
+                .arg(if may_delay { spec.max_delay_us() } else { 0 });
         }
         let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.script)).await?;
         decision_from_reply(&reply, count, member)
@@ -405,11 +405,11 @@ impl RedisStore {
             .arg(admission.at_us)
             .arg(admission.decided_us);
         for check in checks {
-            let params = check.params();
-            cmd.arg(params.algorithm.label())
-                .arg(params.requests)
-                .arg(params.window_us)
-                .arg(params.cost);
+            let spec = check.spec;
+            cmd.arg(spec.algorithm.label())
+                .arg(spec.requests)
+                .arg(spec.window_us())
+                .arg(spec.cost);
         }
         let _released: i64 = self.run(&cmd, Some(&self.shared.release)).await?;
         Ok(())
@@ -750,15 +750,15 @@ fn decision_from_reply(
 impl RedisStore {
     /// Where `check.key` stands for one more request of cost 1, recording nothing.
     pub async fn peek(&self, check: &Check) -> Result<Peek, StoreError> {
-        let params = check.params();
+        let spec = check.spec;
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(self.shared.peek.get_hash())
             .arg(1)
             .arg(&check.key)
-            .arg(params.algorithm.label())
-            .arg(params.requests)
-            .arg(params.window_us)
-            .arg(params.burst);
+            .arg(spec.algorithm.label())
+            .arg(spec.requests)
+            .arg(spec.window_us())
+            .arg(spec.burst);
         let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.peek)).await?;
         let [count, remaining, reset] = reply[..] else {
             return Err(StoreError::Script(format!(

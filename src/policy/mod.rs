@@ -28,7 +28,7 @@ use crate::config::{
     OnStoreError, Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_IPV4_PREFIX,
     DEFAULT_IPV6_PREFIX, DEFAULT_MAX_DELAYED, MAX_MAX_DELAY_MS,
 };
-use crate::limiter::{Algorithm, Check};
+use crate::limiter::{Algorithm, Check, Spec};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::ratelimit_field::{ceil_seconds, limit_items};
 use crate::tls::UpstreamTls;
@@ -170,17 +170,9 @@ pub struct DirectResponse {
 pub struct Limit {
     pub name: Name,
     pub key: Vec<KeyPart>,
-    pub algorithm: Algorithm,
-    pub requests: u32,
-    pub window: Duration,
-    /// GCRA's burst (`requests` unless configured); the other algorithms ignore it.
-    pub burst: u32,
-    /// How many requests one request counts as.
-    pub cost: u32,
-    /// Counted, never rejects.
-    pub shadow: bool,
-    /// `on_exceed: delay`: the longest a request is held instead of rejected; zero: reject.
-    pub max_delay: Duration,
+    /// What the limiter decides with: algorithm, requests, window, burst (`requests` unless
+    /// configured), cost, shadow, max_delay, and whether a place can be given back (`count`).
+    pub spec: Spec,
     /// `count: { status: [...] }`: the statuses this limit counts; a request answered with
     /// another is given back. `None`: every request counts.
     pub count: Option<Box<[StatusMatch]>>,
@@ -376,8 +368,8 @@ pub fn rate_limit_policy<'a>(
     }
     limit_items(limits.map(|limit| {
         let params = [
-            ('q', u64::from(limit.requests)),
-            ('w', ceil_seconds(limit.window)),
+            ('q', u64::from(limit.spec.requests)),
+            ('w', ceil_seconds(limit.spec.window)),
         ];
         (&limit.name, params)
     }))
@@ -678,14 +670,7 @@ impl Limit {
     pub fn check(&self, key: String) -> Check {
         Check {
             key,
-            algorithm: self.algorithm,
-            requests: self.requests,
-            window: self.window,
-            burst: self.burst,
-            cost: self.cost,
-            shadow: self.shadow,
-            max_delay: self.max_delay,
-            returnable: self.count.is_some(),
+            spec: self.spec,
         }
     }
 }
@@ -704,18 +689,21 @@ fn build_limits(
         .map(|(limit, when)| Limit {
             name: limit.name.value.clone(),
             key: limit.key.value.clone(),
-            algorithm: limit.algorithm,
-            requests: limit.requests.value.0,
-            window: limit.window.0,
-            burst: limit
-                .burst
-                .as_ref()
-                .map_or(limit.requests.value.0, |b| b.value.0),
-            cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
-            shadow: limit.shadow,
-            max_delay: match (delays(limit), &limit.max_delay) {
-                (true, Some(max_delay)) => max_delay.value.0,
-                _ => Duration::ZERO,
+            spec: Spec {
+                algorithm: limit.algorithm,
+                requests: limit.requests.value.0,
+                window: limit.window.0,
+                burst: limit
+                    .burst
+                    .as_ref()
+                    .map_or(limit.requests.value.0, |b| b.value.0),
+                cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
+                shadow: limit.shadow,
+                max_delay: match (delays(limit), &limit.max_delay) {
+                    (true, Some(max_delay)) => max_delay.value.0,
+                    _ => Duration::ZERO,
+                },
+                returnable: limit.count.is_some(),
             },
             count: limit
                 .count

@@ -376,7 +376,7 @@ impl Gateway {
             }
         };
         for (limit, &rejecting) in limits.iter().zip(&decision.rejecting) {
-            if limit.shadow && rejecting {
+            if limit.spec.shadow && rejecting {
                 limit.metrics.shadow_rejected.inc();
                 if !trace.shadow_rejected.is_empty() {
                     trace.shadow_rejected.push(',');
@@ -443,7 +443,7 @@ fn log_rejection(
             limit: limit.name.to_string(),
             identity: keys::identity_hash(&check.key),
         };
-        if rejecting && !limit.shadow && log.rejections.record(&check.key, subject) {
+        if rejecting && !limit.spec.shadow && log.rejections.record(&check.key, subject) {
             tracing::info!(
                 target: "sluice::rejected",
                 route = %route.name,

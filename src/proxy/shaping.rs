@@ -39,7 +39,7 @@ impl Admitted<'_> {
             .iter()
             .zip(&self.checks)
             .zip(&self.decision.rejecting)
-            .filter(|&((limit, _), &rejecting)| !(rejecting && limit.shadow))
+            .filter(|&((limit, _), &rejecting)| !(rejecting && limit.spec.shadow))
             .map(|((limit, check), _)| (*limit, check))
             .filter(move |(limit, _)| keep(limit))
     }
