@@ -64,7 +64,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if !matches!(cli.command, Command::Run { .. }) {
-        sluice::log::init_direct(config::LogFormat::Text);
+        sluice::log::init_direct(sluice::log::Format::Text);
     }
     let result = match cli.command {
         Command::Check { config } => check(&config),
@@ -87,7 +87,7 @@ fn main() -> ExitCode {
         }
         // The file names the log format, so it is read before anything is logged.
         Command::Run { config } => load(&config).and_then(|loaded| {
-            let flusher = sluice::log::init(loaded.source.config.log_format)
+            let flusher = sluice::log::init(loaded.source.config.log_format.into())
                 .context("cannot start the log writer")?;
             let served = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

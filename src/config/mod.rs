@@ -24,15 +24,15 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 pub use serde_saphyr::Spanned;
 
-pub use crate::limiter::Algorithm;
 use sha2::{Digest, Sha256};
 
 pub use admin::{AdminConfig, EnvName};
 pub use duration::ConfigDuration;
 pub use schema::json_schema;
 pub use types::{
-    ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat, MethodName, Name,
-    OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
+    AlgorithmConfig, ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat,
+    MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status,
+    UpstreamUrl,
 };
 pub use types::{OnExceed, StatusMatch, HOP_BY_HOP};
 
@@ -487,7 +487,7 @@ pub struct LimitConfig {
     pub window: ConfigDuration,
     /// How the limit counts; `sliding_log` (exact) by default.
     #[serde(default)]
-    pub algorithm: Algorithm,
+    pub algorithm: AlgorithmConfig,
     /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
     /// key admits as many at once as under the other algorithms.
     #[schemars(with = "Option<Positive>")]
@@ -520,6 +520,13 @@ pub struct LimitConfig {
     #[serde(default)]
     #[schemars(schema_with = "schema::prefix_within::<1, 32>")]
     pub ipv4_prefix: Option<Spanned<u32>>,
+}
+
+impl LimitConfig {
+    /// The algorithm this limit counts with, as the limiter names it.
+    pub fn algorithm(&self) -> crate::limiter::Algorithm {
+        self.algorithm.into()
+    }
 }
 
 /// A limit's `count:`: which outcomes it counts.

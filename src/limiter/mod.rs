@@ -36,11 +36,9 @@ pub use self::sentinel::SentinelSettings;
 use crate::metrics::Metrics;
 
 /// How a limit counts. Every algorithm runs in both stores with the same results: one Lua file
-/// each under `scripts/`, one pure Rust module each for the in-process store.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Deserialize, schemars::JsonSchema,
-)]
-#[serde(rename_all = "snake_case")]
+/// each under `scripts/`, one pure Rust module each for the in-process store. (How the config
+/// file spells it is the config's business: `config::AlgorithmConfig`.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// Exact: every admission's time is kept for one window.
     #[default]
@@ -55,7 +53,7 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
-    /// The name used in the config, the Lua driver and store keys.
+    /// The name used in the Lua driver, store keys, metrics and logs.
     pub fn label(self) -> &'static str {
         match self {
             Algorithm::SlidingLog => "sliding_log",

@@ -506,14 +506,14 @@ fn check_shaping(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Co
         .filter(|o| o.value == OnExceed::Delay)
     {
         let at = Position::from(on_exceed);
-        if !matches!(limit.algorithm, Algorithm::SlidingLog | Algorithm::Gcra) {
+        if !matches!(limit.algorithm(), Algorithm::SlidingLog | Algorithm::Gcra) {
             return refuse(
                 at,
                 "on_exceed",
                 format!(
                     "`on_exceed: delay` needs an exact algorithm (sliding_log or gcra), not `{}`: \
                      its wait must say exactly when the request fits",
-                    limit.algorithm.label()
+                    limit.algorithm().label()
                 ),
             );
         }
@@ -632,14 +632,14 @@ fn check_params(
 /// A `burst` on another algorithm is refused too, since it would be silently ignored.
 fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
     if let Some(burst) = &limit.burst {
-        if limit.algorithm != Algorithm::Gcra {
+        if limit.algorithm() != Algorithm::Gcra {
             return Err(ConfigError::invalid(
                 file,
                 Position::from(burst),
                 format!("{field}.burst"),
                 format!(
                     "`burst` applies to `algorithm: gcra` only, not `{}`",
-                    limit.algorithm.label()
+                    limit.algorithm().label()
                 ),
             ));
         }
@@ -647,7 +647,7 @@ fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Confi
     let Some(cost) = &limit.cost else {
         return Ok(());
     };
-    let (most, what) = match (&limit.burst, limit.algorithm) {
+    let (most, what) = match (&limit.burst, limit.algorithm()) {
         (Some(burst), Algorithm::Gcra) => (burst.value.0, "burst"),
         _ => (limit.requests.value.0, "requests"),
     };
@@ -690,7 +690,7 @@ fn build_limits(
             name: limit.name.value.clone(),
             key: limit.key.value.clone(),
             spec: Spec {
-                algorithm: limit.algorithm,
+                algorithm: limit.algorithm(),
                 requests: limit.requests.value.0,
                 window: limit.window.0,
                 burst: limit
@@ -709,7 +709,7 @@ fn build_limits(
                 .count
                 .as_ref()
                 .map(|count| count.value.status.clone().into_boxed_slice()),
-            key_prefix: match limit.algorithm {
+            key_prefix: match limit.algorithm() {
                 Algorithm::SlidingLog => format!(
                     "{}:{}:{}:",
                     config.store.key_prefix, route.name.value, limit.name.value
@@ -740,6 +740,13 @@ fn prefix_bits(prefix: &Option<crate::config::Spanned<u32>>, default: u32) -> u8
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_on_store_error_has_its_fallback_counter() {
+        for action in [OnStoreError::Local, OnStoreError::Allow, OnStoreError::Deny] {
+            assert!(crate::metrics::FALLBACK_ACTIONS.contains(&action.label()));
+        }
+    }
     use proptest::prelude::*;
 
     fn segment() -> impl Strategy<Value = String> {

@@ -365,7 +365,7 @@ impl Gateway {
                 if tracing::enabled!(tracing::Level::DEBUG) && self.log.store_failed.allow() {
                     tracing::debug!(route = %route.name, store = self.store.name(), error = %err, action = route.on_store_error.label(), "store failed");
                 }
-                route.metrics.count_fallback(route.on_store_error);
+                route.metrics.count_fallback(route.on_store_error.label());
                 match route.on_store_error {
                     OnStoreError::Local => self.store.decide_locally(&checks),
                     OnStoreError::Allow => return Ok(None),
