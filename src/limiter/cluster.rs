@@ -57,7 +57,7 @@ const TRY_AGAIN_WAIT: Duration = Duration::from_millis(2);
 const MAX_TRY_AGAIN_WAIT: Duration = Duration::from_millis(50);
 
 /// Where the cluster is: nodes to learn the slot map from, and the credentials of every node.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClusterSettings {
     pub nodes: Vec<(String, u16)>,
     pub username: Option<String>,

@@ -31,7 +31,7 @@ use self::breaker::{Breaker, BreakerMetrics};
 pub use self::cluster::{slot_of, ClusterSettings};
 use self::deny_cache::DenyCache;
 use self::local::{LocalMetrics, LocalStore};
-pub use self::redis::RedisStore;
+pub use self::redis::{RedisStore, Topology};
 pub use self::sentinel::SentinelSettings;
 use crate::metrics::Metrics;
 
