@@ -172,17 +172,17 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         };
         let check = &plan.checks[at];
         let parts: Vec<String> = limit.key.iter().map(describe).collect();
-        let mut extras = vec![limit.algorithm.label().to_owned()];
-        if limit.cost > 1 {
-            extras.push(format!("cost {}", limit.cost));
+        let mut extras = vec![limit.spec.algorithm.label().to_owned()];
+        if limit.spec.cost > 1 {
+            extras.push(format!("cost {}", limit.spec.cost));
         }
-        if limit.shadow {
+        if limit.spec.shadow {
             extras.push("shadow: counted, never rejects".to_owned());
         }
-        if !limit.max_delay.is_zero() {
+        if !limit.spec.max_delay.is_zero() {
             extras.push(format!(
                 "over the limit: held up to {}, then 429",
-                human(limit.max_delay)
+                human(limit.spec.max_delay)
             ));
         }
         if let Some(statuses) = &limit.count {
@@ -202,8 +202,8 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             out,
             "  {}: {} per {} ({}), key [{}]",
             limit.name,
-            limit.requests,
-            human(limit.window),
+            limit.spec.requests,
+            human(limit.spec.window),
             extras.join(", "),
             parts.join(", ")
         );

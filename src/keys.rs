@@ -434,13 +434,14 @@ pub(crate) mod tests {
         Limit {
             name: "l".parse().unwrap(),
             key: parts,
-            algorithm: crate::limiter::Algorithm::SlidingLog,
-            requests: 1,
-            window: Duration::from_secs(1),
-            burst: 1,
-            cost: 1,
-            shadow: false,
-            max_delay: Duration::ZERO,
+            spec: crate::limiter::Spec {
+                algorithm: crate::limiter::Algorithm::SlidingLog,
+                requests: 1,
+                window: Duration::from_secs(1),
+                burst: 1,
+                cost: 1,
+                ..crate::limiter::Spec::default()
+            },
             count: None,
             key_prefix: "sluice:r:l:".to_owned(),
             when: Vec::new(),

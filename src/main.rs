@@ -12,8 +12,7 @@ use clap::{Parser, Subcommand};
 use tokio::sync::watch;
 
 use sluice::admin::{Admin, Api, Token};
-use sluice::config::RedisTarget;
-use sluice::limiter::{ClusterSettings, RedisStore, SentinelSettings, Store};
+use sluice::limiter::{RedisStore, Store};
 use sluice::metrics::Metrics;
 use sluice::policy::Policy;
 use sluice::proxy::{self, Gateway};
@@ -64,7 +63,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if !matches!(cli.command, Command::Run { .. }) {
-        sluice::log::init_direct(config::LogFormat::Text);
+        sluice::log::init_direct(sluice::log::Format::Text);
     }
     let result = match cli.command {
         Command::Check { config } => check(&config),
@@ -87,7 +86,7 @@ fn main() -> ExitCode {
         }
         // The file names the log format, so it is read before anything is logged.
         Command::Run { config } => load(&config).and_then(|loaded| {
-            let flusher = sluice::log::init(loaded.source.config.log_format)
+            let flusher = sluice::log::init(loaded.source.config.log_format.into())
                 .context("cannot start the log writer")?;
             let served = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
@@ -167,20 +166,12 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
         None
     };
     let admin_api = config.admin.api;
-    let store = match (&config.store.redis, config.store.redis_target(file)?) {
-        (Some(redis), Some(target)) => {
+    let store = match (&config.store.redis, &config.store.topology) {
+        (Some(redis), Some(topology)) => {
             let (pool_size, timeout) = (redis.value.pool_size.0 as usize, redis.value.timeout.0);
-            let store = match target {
-                RedisTarget::Url(url) => RedisStore::new(&url.0, pool_size, timeout),
-                RedisTarget::Sentinel(sentinel) => {
-                    RedisStore::with_sentinels(&sentinel_settings(sentinel), pool_size, timeout)
-                        .await
-                }
-                RedisTarget::Cluster(cluster) => {
-                    RedisStore::with_cluster(&cluster_settings(cluster), timeout).await
-                }
-            }
-            .context("invalid Redis settings")?;
+            let store = RedisStore::connect(topology, pool_size, timeout)
+                .await
+                .context("invalid Redis settings")?;
             if let Err(err) = store.load_script().await {
                 tracing::warn!(error = %err, "Redis is not answering yet; limited routes follow their on_store_error until it does");
             }
@@ -297,31 +288,4 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
-}
-
-fn cluster_settings(cluster: &config::ClusterConfig) -> ClusterSettings {
-    ClusterSettings {
-        nodes: cluster
-            .nodes
-            .value
-            .iter()
-            .map(|node| (node.host.clone(), node.port))
-            .collect(),
-        username: cluster.username.clone(),
-        password: cluster.password.clone(),
-    }
-}
-
-fn sentinel_settings(sentinel: &config::SentinelConfig) -> SentinelSettings {
-    SentinelSettings {
-        master_name: sentinel.master_name.to_string(),
-        nodes: sentinel
-            .nodes
-            .value
-            .iter()
-            .map(|node| (node.host.clone(), node.port))
-            .collect(),
-        password: sentinel.password.clone(),
-        sentinel_password: sentinel.sentinel_password.clone(),
-    }
 }

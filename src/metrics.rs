@@ -12,7 +12,9 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::config::OnStoreError;
+/// The `action` labels of `sluice_store_fallback_decisions_total`: what a route's
+/// `on_store_error` does when the store cannot decide.
+pub const FALLBACK_ACTIONS: [&str; 3] = ["local", "allow", "deny"];
 
 /// What happened to a request, as counted by `sluice_requests_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -419,13 +421,12 @@ impl Metrics {
     pub fn for_route(&self, route: &str) -> RouteMetrics {
         let outcomes =
             Outcome::ROUTED.map(|o| (o, self.requests.with_label_values(&[route, o.label()])));
-        let fallback =
-            [OnStoreError::Local, OnStoreError::Allow, OnStoreError::Deny].map(|action| {
-                let counter = self
-                    .store_fallback_decisions
-                    .with_label_values(&[route, action.label()]);
-                (action, counter)
-            });
+        let fallback = FALLBACK_ACTIONS.map(|action| {
+            let counter = self
+                .store_fallback_decisions
+                .with_label_values(&[route, action]);
+            (action, counter)
+        });
         RouteMetrics {
             outcomes,
             fallback,
@@ -489,7 +490,7 @@ impl Collector for LogLinesDropped {
 pub struct RouteMetrics {
     outcomes: [(Outcome, IntCounter); Outcome::ROUTED.len()],
     /// `sluice_store_fallback_decisions_total` of this route, by action.
-    fallback: [(OnStoreError, IntCounter); 3],
+    fallback: [(&'static str, IntCounter); FALLBACK_ACTIONS.len()],
     pub duration: Histogram,
     /// `sluice_delay_seconds` of this route.
     pub delay: Histogram,
@@ -506,8 +507,9 @@ impl RouteMetrics {
         }
     }
 
-    /// Counts a request decided without the store, by what the route did instead.
-    pub fn count_fallback(&self, action: OnStoreError) {
+    /// Counts a request decided without the store, by what the route did instead (one of
+    /// `FALLBACK_ACTIONS`: the labels of `on_store_error`).
+    pub fn count_fallback(&self, action: &str) {
         if let Some((_, counter)) = self.fallback.iter().find(|(a, _)| *a == action) {
             counter.inc();
         }

@@ -121,13 +121,7 @@ impl Fixed {
         ];
         let (old, now) = (&self.store, &new.store);
         let store = [
-            (
-                "redis",
-                match (&old.redis, &now.redis) {
-                    (Some(old), Some(now)) => old.value.same_as(&now.value),
-                    (old, now) => old.is_none() && now.is_none(),
-                },
-            ),
+            ("redis", old.same_redis(now)),
             ("local", old.local == now.local),
             ("key_prefix", old.key_prefix == now.key_prefix),
         ];

@@ -81,7 +81,7 @@ pub fn add_rate_limit_fields(
             .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
             .min_by_key(|(_, state)| (state.remaining, std::cmp::Reverse(state.reset)));
         if let Some((limit, state)) = closest {
-            headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(limit.requests));
+            headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(limit.spec.requests));
             headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(state.remaining));
             headers.insert(
                 X_RATELIMIT_RESET,

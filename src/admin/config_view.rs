@@ -38,12 +38,12 @@ pub fn view(serving: &Serving, policy: &Policy) -> Value {
                 .map(|limit| {
                     json!({
                         "name": limit.name.as_str(),
-                        "algorithm": limit.algorithm.label(),
-                        "requests": limit.requests,
-                        "window": limit.window.as_secs_f64(),
-                        "burst": limit.burst,
-                        "cost": limit.cost,
-                        "shadow": limit.shadow,
+                        "algorithm": limit.spec.algorithm.label(),
+                        "requests": limit.spec.requests,
+                        "window": limit.spec.window.as_secs_f64(),
+                        "burst": limit.spec.burst,
+                        "cost": limit.spec.cost,
+                        "shadow": limit.spec.shadow,
                         "conditional": !limit.when.is_empty(),
                         "key": limit.key.iter().map(describe).collect::<Vec<_>>(),
                         "key_prefix": limit.key_prefix,

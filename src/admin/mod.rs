@@ -237,13 +237,13 @@ impl Admin {
         let mut body = json!({
             "route": route,
             "limit": limit,
-            "algorithm": rule.algorithm.label(),
+            "algorithm": rule.spec.algorithm.label(),
             "key": check.key,
             "identity": identity,
-            "requests": rule.requests,
-            "window": rule.window.as_secs_f64(),
-            "burst": rule.burst,
-            "cost": rule.cost,
+            "requests": rule.spec.requests,
+            "window": rule.spec.window.as_secs_f64(),
+            "burst": rule.spec.burst,
+            "cost": rule.spec.cost,
         });
         merge(&mut body, outcome);
         json_response(StatusCode::OK, &body)

@@ -24,15 +24,17 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 pub use serde_saphyr::Spanned;
 
-pub use crate::limiter::Algorithm;
 use sha2::{Digest, Sha256};
+
+use crate::limiter::{ClusterSettings, SentinelSettings, Topology};
 
 pub use admin::{AdminConfig, EnvName};
 pub use duration::ConfigDuration;
 pub use schema::json_schema;
 pub use types::{
-    ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat, MethodName, Name,
-    OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status, UpstreamUrl,
+    AlgorithmConfig, ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat,
+    MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status,
+    UpstreamUrl,
 };
 pub use types::{OnExceed, StatusMatch, HOP_BY_HOP};
 
@@ -187,12 +189,18 @@ pub struct StoreConfig {
     pub on_store_error: OnStoreError,
     #[serde(default = "default_key_prefix")]
     pub key_prefix: Name,
+    /// Where Redis is, made from `redis` by `parse` (which refuses a `store.redis` without
+    /// exactly one of `url`, `sentinel` and `cluster`); `None`: the in-process store.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub topology: Option<Topology>,
 }
 
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             redis: None,
+            topology: None,
             local: LocalConfig::default(),
             on_store_error: default_on_store_error(),
             key_prefix: default_key_prefix(),
@@ -222,19 +230,21 @@ impl StoreConfig {
     /// Where Redis is (`None`: no Redis, the in-process store). Refuses a `store.redis` that
     /// gives more than one of `url`, `sentinel` and `cluster`, or none, at the position of the
     /// offending field.
-    pub fn redis_target(&self, file: &Path) -> Result<Option<RedisTarget<'_>>, ConfigError> {
+    fn read_topology(&self, file: &Path) -> Result<Option<Topology>, ConfigError> {
         let Some(redis) = &self.redis else {
             return Ok(None);
         };
         const ONE_OF: &str = "`url` (one Redis), `sentinel` (a master found through Redis \
                               Sentinel) or `cluster` (a Redis Cluster)";
         let config = &redis.value;
-        let mut targets = Vec::with_capacity(1);
+        let mut topologies = Vec::with_capacity(1);
         if let Some(url) = &config.url {
-            targets.push((
+            topologies.push((
                 Position::from(url),
                 "store.redis.url",
-                RedisTarget::Url(&url.value),
+                Topology::Single {
+                    url: url.value.0.clone(),
+                },
             ));
         }
         if let Some(sentinel) = &config.sentinel {
@@ -244,10 +254,10 @@ impl StoreConfig {
                 "store.redis.sentinel.nodes",
                 "sentinel",
             )?;
-            targets.push((
+            topologies.push((
                 Position::from(sentinel),
                 "store.redis.sentinel",
-                RedisTarget::Sentinel(&sentinel.value),
+                Topology::Sentinel(sentinel.value.settings()),
             ));
         }
         if let Some(cluster) = &config.cluster {
@@ -257,30 +267,41 @@ impl StoreConfig {
                 "store.redis.cluster.nodes",
                 "cluster node",
             )?;
-            targets.push((
+            topologies.push((
                 Position::from(cluster),
                 "store.redis.cluster",
-                RedisTarget::Cluster(&cluster.value),
+                Topology::Cluster(cluster.value.settings()),
             ));
         }
-        match targets.len() {
+        match topologies.len() {
             0 => Err(ConfigError::invalid(
                 file,
                 Position::from(redis),
                 "store.redis",
                 format!("needs {ONE_OF}"),
             )),
-            1 => Ok(targets.pop().map(|(_, _, target)| target)),
+            1 => Ok(topologies.pop().map(|(_, _, topology)| topology)),
             _ => {
-                let (position, field, _) = targets[1];
+                let (position, field, _) = &topologies[1];
                 Err(ConfigError::invalid(
                     file,
-                    position,
-                    field,
+                    *position,
+                    *field,
                     format!("give exactly one of {ONE_OF}"),
                 ))
             }
         }
+    }
+
+    /// Whether `other` reaches the same Redis the same way: the same topology, timeout and
+    /// pool, wherever they stand in the file (the derived `==` also compares positions).
+    pub fn same_redis(&self, other: &StoreConfig) -> bool {
+        let tuning = |c: &StoreConfig| {
+            c.redis
+                .as_ref()
+                .map(|r| (r.value.timeout, r.value.pool_size))
+        };
+        self.topology == other.topology && tuning(self) == tuning(other)
     }
 }
 
@@ -302,8 +323,8 @@ fn nodes_listed(
     Ok(())
 }
 
-/// `store.redis`: where Redis is (exactly one of `url` and `sentinel`, checked by
-/// `StoreConfig::redis_target`) and how each decision uses it.
+/// `store.redis` as the file spells it: where Redis is (exactly one of `url`, `sentinel` and
+/// `cluster`, made into a `Topology` by `parse`) and how each decision uses it.
 #[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
@@ -317,40 +338,6 @@ pub struct RedisConfig {
     pub timeout: ConfigDuration,
     #[serde(default = "default_pool_size")]
     pub pool_size: types::PoolSize,
-}
-
-impl RedisConfig {
-    /// Whether `other` connects the same way: the same values, wherever they stand in the
-    /// file (the derived `==` also compares positions, so moving a section would differ).
-    pub fn same_as(&self, other: &RedisConfig) -> bool {
-        let url = |c: &RedisConfig| c.url.as_ref().map(|url| url.value.clone());
-        let sentinel = |c: &RedisConfig| {
-            c.sentinel.as_ref().map(|s| {
-                let s = &s.value;
-                (
-                    s.master_name.clone(),
-                    s.nodes.value.clone(),
-                    s.password.clone(),
-                    s.sentinel_password.clone(),
-                )
-            })
-        };
-        let cluster = |c: &RedisConfig| {
-            c.cluster.as_ref().map(|c| {
-                let c = &c.value;
-                (
-                    c.nodes.value.clone(),
-                    c.username.clone(),
-                    c.password.clone(),
-                )
-            })
-        };
-        url(self) == url(other)
-            && sentinel(self) == sentinel(other)
-            && cluster(self) == cluster(other)
-            && self.timeout == other.timeout
-            && self.pool_size == other.pool_size
-    }
 }
 
 /// A Redis master found and followed through Redis Sentinel.
@@ -381,12 +368,32 @@ pub struct ClusterConfig {
     pub password: Option<String>,
 }
 
-/// Where the Redis store is.
-#[derive(Debug, Clone, Copy)]
-pub enum RedisTarget<'a> {
-    Url(&'a RedisUrl),
-    Sentinel(&'a SentinelConfig),
-    Cluster(&'a ClusterConfig),
+impl SentinelConfig {
+    fn settings(&self) -> SentinelSettings {
+        SentinelSettings {
+            master_name: self.master_name.to_string(),
+            nodes: host_ports(&self.nodes.value),
+            password: self.password.clone(),
+            sentinel_password: self.sentinel_password.clone(),
+        }
+    }
+}
+
+impl ClusterConfig {
+    fn settings(&self) -> ClusterSettings {
+        ClusterSettings {
+            nodes: host_ports(&self.nodes.value),
+            username: self.username.clone(),
+            password: self.password.clone(),
+        }
+    }
+}
+
+fn host_ports(nodes: &[HostPort]) -> Vec<(String, u16)> {
+    nodes
+        .iter()
+        .map(|node| (node.host.clone(), node.port))
+        .collect()
 }
 
 /// `tls:` of the gateway listener: a PEM certificate chain (leaf first) and its private key
@@ -487,7 +494,7 @@ pub struct LimitConfig {
     pub window: ConfigDuration,
     /// How the limit counts; `sliding_log` (exact) by default.
     #[serde(default)]
-    pub algorithm: Algorithm,
+    pub algorithm: AlgorithmConfig,
     /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
     /// key admits as many at once as under the other algorithms.
     #[schemars(with = "Option<Positive>")]
@@ -520,6 +527,13 @@ pub struct LimitConfig {
     #[serde(default)]
     #[schemars(schema_with = "schema::prefix_within::<1, 32>")]
     pub ipv4_prefix: Option<Spanned<u32>>,
+}
+
+impl LimitConfig {
+    /// The algorithm this limit counts with, as the limiter names it.
+    pub fn algorithm(&self) -> crate::limiter::Algorithm {
+        self.algorithm.into()
+    }
 }
 
 /// A limit's `count:`: which outcomes it counts.
@@ -766,7 +780,8 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
             plain_message(&err),
         )
     })?;
-    config.store.redis_target(file)?;
+    let mut config = config;
+    config.store.topology = config.store.read_topology(file)?;
     admin::check(&config.admin_listen, &config.admin, file)?;
     Ok(config)
 }
@@ -983,16 +998,52 @@ mod tests {
             "{HEAD}routes: []\nstore:\n  redis:\n    sentinel:\n      master_name: mymaster\n      nodes: [\"127.0.0.1:26379\", \"[::1]:26380\"]\n      password: secret\n    timeout: 80ms\n"
         );
         let config = parse(&yaml, Path::new("test.yaml")).expect("parses");
-        let Ok(Some(RedisTarget::Sentinel(sentinel))) =
-            config.store.redis_target(Path::new("test.yaml"))
-        else {
-            panic!("expected a sentinel target");
+        let Some(Topology::Sentinel(sentinel)) = &config.store.topology else {
+            panic!(
+                "expected a sentinel topology, got {:?}",
+                config.store.topology
+            );
         };
-        assert_eq!(sentinel.master_name.as_str(), "mymaster");
-        assert_eq!(sentinel.nodes.value.len(), 2);
-        assert_eq!(sentinel.nodes.value[1].port, 26380);
+        assert_eq!(sentinel.master_name, "mymaster");
+        assert_eq!(
+            sentinel.nodes,
+            [("127.0.0.1".to_owned(), 26379), ("::1".to_owned(), 26380)]
+        );
         assert_eq!(sentinel.password.as_deref(), Some("secret"));
         assert_eq!(sentinel.sentinel_password, None);
+    }
+
+    #[test]
+    fn each_redis_topology_is_made_when_the_file_is_parsed() {
+        let store = |redis: &str| {
+            let yaml = format!("{HEAD}routes: []\nstore:\n  redis:\n{redis}");
+            parse(&yaml, Path::new("test.yaml")).expect("parses").store
+        };
+        let single = store("    url: redis://127.0.0.1:6379\n");
+        assert_eq!(
+            single.topology,
+            Some(Topology::Single {
+                url: "redis://127.0.0.1:6379".to_owned()
+            })
+        );
+        let cluster = store("    cluster:\n      nodes: [\"127.0.0.1:7000\"]\n      username: u\n");
+        assert_eq!(
+            cluster.topology,
+            Some(Topology::Cluster(ClusterSettings {
+                nodes: vec![("127.0.0.1".to_owned(), 7000)],
+                username: Some("u".to_owned()),
+                password: None,
+            }))
+        );
+        assert!(!single.same_redis(&cluster));
+        let moved = store("    timeout: 50ms\n    url: redis://127.0.0.1:6379\n");
+        assert!(
+            single.same_redis(&moved),
+            "the same values elsewhere in the file"
+        );
+        assert!(!single.same_redis(&store("    url: redis://127.0.0.1:6380\n")));
+        let local = parse(&format!("{HEAD}routes: []\n"), Path::new("test.yaml")).expect("parses");
+        assert_eq!(local.store.topology, None);
     }
 
     #[test]

@@ -10,6 +10,8 @@ use http::uri::{Authority, Scheme};
 use http::{Method, StatusCode, Uri};
 use serde::de::{Deserialize, Deserializer, Error as _};
 
+use crate::limiter::Algorithm;
+
 /// Implements `Deserialize` for a type through its `FromStr`, so the parse error becomes the
 /// message reported at the value's position.
 macro_rules! deserialize_via_from_str {
@@ -246,6 +248,46 @@ pub enum LogFormat {
     Text,
     /// For log pipelines: one JSON object per line.
     Json,
+}
+
+impl From<LogFormat> for crate::log::Format {
+    fn from(format: LogFormat) -> crate::log::Format {
+        match format {
+            LogFormat::Text => crate::log::Format::Text,
+            LogFormat::Json => crate::log::Format::Json,
+        }
+    }
+}
+
+// The file's spelling of the limiter's `Algorithm`, which knows nothing of YAML; named
+// `Algorithm` in the schema, which users see.
+/// How a limit counts. Every algorithm runs in both stores with the same results: one Lua file
+/// each under `scripts/`, one pure Rust module each for the in-process store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+#[schemars(rename = "Algorithm")]
+pub enum AlgorithmConfig {
+    /// Exact: every admission's time is kept for one window.
+    #[default]
+    SlidingLog,
+    /// Two fixed-window counters, the previous one weighted: O(1), approximate.
+    SlidingWindow,
+    /// One counter per window that starts at the first hit: O(1), up to twice the limit
+    /// across a boundary.
+    FixedWindow,
+    /// A token bucket kept as one timestamp: O(1), exact, with bursts of `burst`.
+    Gcra,
+}
+
+impl From<AlgorithmConfig> for Algorithm {
+    fn from(spelled: AlgorithmConfig) -> Algorithm {
+        match spelled {
+            AlgorithmConfig::SlidingLog => Algorithm::SlidingLog,
+            AlgorithmConfig::SlidingWindow => Algorithm::SlidingWindow,
+            AlgorithmConfig::FixedWindow => Algorithm::FixedWindow,
+            AlgorithmConfig::Gcra => Algorithm::Gcra,
+        }
+    }
 }
 
 /// Which rate-limit fields responses carry.

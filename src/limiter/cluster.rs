@@ -57,7 +57,7 @@ const TRY_AGAIN_WAIT: Duration = Duration::from_millis(2);
 const MAX_TRY_AGAIN_WAIT: Duration = Duration::from_millis(50);
 
 /// Where the cluster is: nodes to learn the slot map from, and the credentials of every node.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClusterSettings {
     pub nodes: Vec<(String, u16)>,
     pub username: Option<String>,
@@ -300,17 +300,19 @@ pub(super) fn merge(checks: usize, groups: &[Vec<usize>], decisions: &[Decision]
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{Algorithm, LimitState};
+    use crate::limiter::{Algorithm, LimitState, Spec};
 
     fn check(key: &str) -> Check {
         Check {
             key: key.to_owned(),
-            algorithm: Algorithm::SlidingLog,
-            requests: 1,
-            window: Duration::from_secs(1),
-            burst: 1,
-            cost: 1,
-            ..Check::default()
+            spec: Spec {
+                algorithm: Algorithm::SlidingLog,
+                requests: 1,
+                window: Duration::from_secs(1),
+                burst: 1,
+                cost: 1,
+                ..Spec::default()
+            },
         }
     }
 

@@ -33,7 +33,7 @@ use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{Check, Decision, LimitState, Params};
+use super::{Check, Decision, LimitState, Spec};
 
 const SHARDS: usize = 16;
 
@@ -41,7 +41,7 @@ const SHARDS: usize = 16;
 pub const MAX_ENTRIES: usize = 65_536;
 
 struct Denial {
-    params: Params,
+    spec: Spec,
     until: Instant,
 }
 
@@ -97,7 +97,7 @@ impl DenyCache {
     fn denied_until(&self, check: &Check, now: Instant) -> Option<Instant> {
         let shard = self.shard(&check.key);
         let denial = shard.get(&check.key)?;
-        let same_limit = denial.params == check.params();
+        let same_limit = denial.spec == check.spec;
         (same_limit && denial.until > now).then_some(denial.until)
     }
 
@@ -118,7 +118,9 @@ impl DenyCache {
             .iter()
             .zip(&decision.limits)
             .zip(&decision.rejecting)
-            .filter(|&((check, _), &rejects)| rejects && !check.shadow && !check.returnable)
+            .filter(|&((check, _), &rejects)| {
+                rejects && !check.spec.shadow && !check.spec.returnable
+            })
             .filter_map(|((check, state), _)| Some((check, (*state)?)))
             .filter(|(_, state)| !state.reset.is_zero());
         let alone = rejecting.clone().count() == 1;
@@ -126,19 +128,19 @@ impl DenyCache {
             // With cost 1 a full limit's reset is exactly its wait. With a larger cost the wait
             // is longer: the request's retry-after when this limit alone rejects it, otherwise
             // the reset, which ends the denial early (a store call), never late.
-            let wait = if check.cost > 1 && alone {
+            let wait = if check.spec.cost > 1 && alone {
                 decision.retry_after
             } else {
                 state.reset
             };
             // A limit that delays (`on_exceed: delay`) admits again, held, as soon as its wait
             // is within `max_delay`.
-            let wait = wait.saturating_sub(check.max_delay);
+            let wait = wait.saturating_sub(check.spec.max_delay);
             if wait.is_zero() {
                 continue;
             }
             let denial = Denial {
-                params: check.params(),
+                spec: check.spec,
                 until: sent + wait,
             };
             let mut shard = self.shard(&check.key);
@@ -169,12 +171,14 @@ mod tests {
     fn check(key: &str, requests: u32, window_s: u64) -> Check {
         Check {
             key: key.to_owned(),
-            algorithm: crate::limiter::Algorithm::SlidingLog,
-            requests,
-            window: Duration::from_secs(window_s),
-            burst: requests,
-            cost: 1,
-            ..Check::default()
+            spec: Spec {
+                requests,
+                algorithm: crate::limiter::Algorithm::SlidingLog,
+                window: Duration::from_secs(window_s),
+                burst: requests,
+                cost: 1,
+                ..Spec::default()
+            },
         }
     }
 
@@ -251,7 +255,7 @@ mod tests {
     fn a_shadow_rejection_is_never_remembered() {
         let cache = DenyCache::new();
         let mut shadow = check("a", 1, 60);
-        shadow.shadow = true;
+        shadow.spec.shadow = true;
         let checks = [shadow, check("b", 1, 60)];
         cache.remember(&checks, &rejected(vec![full(60), full(30)]), Instant::now());
         assert!(cache.answer(&checks[..1], Instant::now()).is_none());
@@ -263,7 +267,7 @@ mod tests {
         let cache = DenyCache::new();
         let sent = Instant::now();
         let mut delayed = check("a", 5, 60);
-        delayed.max_delay = Duration::from_secs(2);
+        delayed.spec.max_delay = Duration::from_secs(2);
         let checks = [delayed];
         cache.remember(&checks, &rejected(vec![full(5)]), sent);
         let answer = cache.answer(&checks, sent).expect("remembered");
@@ -281,7 +285,7 @@ mod tests {
     fn a_returnable_limit_is_never_remembered_and_forget_drops_a_denial() {
         let cache = DenyCache::new();
         let mut counted = check("a", 1, 60);
-        counted.returnable = true;
+        counted.spec.returnable = true;
         let checks = [counted, check("b", 1, 60)];
         cache.remember(&checks, &rejected(vec![full(60), full(30)]), Instant::now());
         assert!(cache.answer(&checks[..1], Instant::now()).is_none());

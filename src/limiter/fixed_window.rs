@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use super::{LimitState, Params, Verdict};
+use super::{LimitState, Spec, Verdict};
 
 /// One window's count, and when it ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -28,9 +28,9 @@ impl Counter {
         }
     }
 
-    fn state(self, params: &Params, now: u64) -> LimitState {
+    fn state(self, spec: &Spec, now: u64) -> LimitState {
         LimitState {
-            remaining: remaining(params.requests, self.count),
+            remaining: remaining(spec.requests, self.count),
             reset: Duration::from_micros(self.expires.saturating_sub(now)),
         }
     }
@@ -42,8 +42,8 @@ fn remaining(requests: u32, count: u64) -> u32 {
 
 /// Whether the request fits in `counter` (already taken `at(now)`); a rejection waits for the
 /// window to end, since nothing leaves before.
-pub fn check(counter: Counter, params: &Params, now: u64) -> Verdict {
-    let admits = counter.count + u64::from(params.cost) <= u64::from(params.requests);
+pub fn check(counter: Counter, spec: &Spec, now: u64) -> Verdict {
+    let admits = counter.count + u64::from(spec.cost) <= u64::from(spec.requests);
     Verdict {
         admits,
         wait: if admits {
@@ -51,18 +51,18 @@ pub fn check(counter: Counter, params: &Params, now: u64) -> Verdict {
         } else {
             counter.expires.saturating_sub(now)
         },
-        state: counter.state(params, now),
+        state: counter.state(spec, now),
     }
 }
 
 /// Counts an admitted request; the first hit starts the window.
-pub fn record(counter: &mut Counter, params: &Params, now: u64) -> LimitState {
+pub fn record(counter: &mut Counter, spec: &Spec, now: u64) -> LimitState {
     if counter.count == 0 {
         // Redis keeps expiries in milliseconds: round the same way as the script.
-        counter.expires = now + params.window_us.div_ceil(1000) * 1000;
+        counter.expires = now + spec.window_us().div_ceil(1000) * 1000;
     }
-    counter.count += u64::from(params.cost);
-    counter.state(params, now)
+    counter.count += u64::from(spec.cost);
+    counter.state(spec, now)
 }
 
 /// Gives back a request: the count of the window in force drops by `cost`, never below zero
@@ -70,9 +70,9 @@ pub fn record(counter: &mut Counter, params: &Params, now: u64) -> LimitState {
 /// counted in ended in between, nothing of it is left to give back, and the give-back lands
 /// in the new window: at most `cost` more admissions there, within the algorithm's
 /// documented two windows' worth across a boundary.
-pub fn release(counter: Counter, params: &Params, now: u64) -> Counter {
+pub fn release(counter: Counter, spec: &Spec, now: u64) -> Counter {
     let mut counter = counter.at(now);
-    counter.count = counter.count.saturating_sub(u64::from(params.cost));
+    counter.count = counter.count.saturating_sub(u64::from(spec.cost));
     if counter.count == 0 {
         Counter::default()
     } else {
@@ -87,30 +87,29 @@ mod tests {
 
     const SECOND: u64 = 1_000_000;
 
-    fn params(requests: u32, cost: u32) -> Params {
-        Params {
+    fn spec(requests: u32, cost: u32) -> Spec {
+        Spec {
             algorithm: Algorithm::FixedWindow,
             requests,
-            window_us: 10 * SECOND,
+            window: Duration::from_micros(10 * SECOND),
             burst: requests,
             cost,
-            shadow: false,
-            max_delay_us: 0,
+            ..Spec::default()
         }
     }
 
     #[test]
     fn a_release_leaves_the_counter_as_if_never_admitted() {
-        let p = params(3, 2);
+        let p = spec(3, 2);
         let mut c = Counter::default();
         record(&mut c, &p, SECOND);
         let before = c;
-        let never = check(c, &params(3, 1), 2 * SECOND);
-        record(&mut c, &params(3, 1), 2 * SECOND);
+        let never = check(c, &spec(3, 1), 2 * SECOND);
+        record(&mut c, &spec(3, 1), 2 * SECOND);
         assert!(!check(c, &p, 2 * SECOND).admits);
-        let c = release(c, &params(3, 1), 2 * SECOND);
+        let c = release(c, &spec(3, 1), 2 * SECOND);
         assert_eq!(c, before);
-        assert_eq!(check(c.at(2 * SECOND), &params(3, 1), 2 * SECOND), never);
+        assert_eq!(check(c.at(2 * SECOND), &spec(3, 1), 2 * SECOND), never);
         assert_eq!(
             release(c, &p, 3 * SECOND),
             Counter::default(),
@@ -124,7 +123,7 @@ mod tests {
 
     #[test]
     fn admits_the_limit_then_waits_for_the_window_to_end() {
-        let p = params(3, 1);
+        let p = spec(3, 1);
         let mut c = Counter::default();
         for _ in 0..3 {
             assert!(check(c.at(SECOND), &p, SECOND).admits);
@@ -138,7 +137,7 @@ mod tests {
 
     #[test]
     fn a_cost_counts_as_that_many_requests() {
-        let p = params(5, 2);
+        let p = spec(5, 2);
         let mut c = Counter::default();
         record(&mut c, &p, 0);
         assert_eq!(record(&mut c, &p, 0).remaining, 1);
@@ -147,7 +146,7 @@ mod tests {
 
     #[test]
     fn twice_the_limit_passes_across_a_boundary() {
-        let p = params(3, 1);
+        let p = spec(3, 1);
         let mut c = Counter::default();
         let mut admitted = 0;
         for now in [

@@ -11,11 +11,11 @@
 
 use std::time::Duration;
 
-use super::{LimitState, Params, Verdict};
+use super::{LimitState, Spec, Verdict};
 
 /// The emission interval T.
-pub fn interval(params: &Params) -> u64 {
-    params.window_us.div_ceil(u64::from(params.requests.max(1)))
+pub fn interval(spec: &Spec) -> u64 {
+    spec.window_us().div_ceil(u64::from(spec.requests.max(1)))
 }
 
 /// `(remaining, reset)` for a TAT `ahead` microseconds past now.
@@ -37,15 +37,15 @@ fn state(ahead: u64, t: u64, burst: u32) -> LimitState {
 }
 
 /// Whether the request fits, given the stored TAT (`None` = nothing stored).
-pub fn check(tat: Option<u64>, params: &Params, now: u64) -> Verdict {
-    let t = interval(params);
+pub fn check(tat: Option<u64>, spec: &Spec, now: u64) -> Verdict {
+    let t = interval(spec);
     let tat = tat.unwrap_or(now).max(now);
-    let new = tat + u64::from(params.cost) * t;
-    let limit = now + u64::from(params.burst) * t;
+    let new = tat + u64::from(spec.cost) * t;
+    let limit = now + u64::from(spec.burst) * t;
     Verdict {
         admits: new <= limit,
         wait: new.saturating_sub(limit),
-        state: state(tat - now, t, params.burst),
+        state: state(tat - now, t, spec.burst),
     }
 }
 
@@ -54,10 +54,10 @@ pub fn check(tat: Option<u64>, params: &Params, now: u64) -> Verdict {
 /// `at = now + wait = TAT + cost·T − burst·T ≤ TAT`, so it moves the TAT as if admitted now;
 /// one delayed further (by another limit) moves it to `at + cost·T`, which conforms at
 /// `at` since the TAT had room for it at `now`.
-pub fn record(tat: Option<u64>, params: &Params, now: u64, at: u64) -> (u64, LimitState) {
-    let t = interval(params);
-    let new = tat.unwrap_or(now).max(at) + u64::from(params.cost) * t;
-    (new, state(new - now, t, params.burst))
+pub fn record(tat: Option<u64>, spec: &Spec, now: u64, at: u64) -> (u64, LimitState) {
+    let t = interval(spec);
+    let new = tat.unwrap_or(now).max(at) + u64::from(spec.cost) * t;
+    (new, state(new - now, t, spec.burst))
 }
 
 /// Gives back a request: the TAT moves back by `cost·T`, never below `now` (`None`: nothing
@@ -67,8 +67,8 @@ pub fn record(tat: Option<u64>, params: &Params, now: u64, at: u64) -> (u64, Lim
 /// `cost·T` (so at most `cost` more admissions, once); and a request recorded later than the
 /// TAT (delayed by another limit) left the TAT at its own time, which stays: less is
 /// given back than was taken.
-pub fn release(tat: Option<u64>, params: &Params, now: u64) -> Option<u64> {
-    let back = u64::from(params.cost) * interval(params);
+pub fn release(tat: Option<u64>, spec: &Spec, now: u64) -> Option<u64> {
+    let back = u64::from(spec.cost) * interval(spec);
     tat.map(|tat| tat.saturating_sub(back))
         .filter(|&tat| tat > now)
 }
@@ -80,21 +80,20 @@ mod tests {
 
     const SECOND: u64 = 1_000_000;
 
-    fn params(requests: u32, burst: u32, cost: u32) -> Params {
-        Params {
+    fn spec(requests: u32, burst: u32, cost: u32) -> Spec {
+        Spec {
             algorithm: Algorithm::Gcra,
             requests,
-            window_us: 10 * SECOND,
+            window: Duration::from_micros(10 * SECOND),
             burst,
             cost,
-            shadow: false,
-            max_delay_us: 0,
+            ..Spec::default()
         }
     }
 
     #[test]
     fn burst_one_admits_one_and_the_next_waits_exactly_t() {
-        let p = params(10, 1, 1);
+        let p = spec(10, 1, 1);
         assert!(check(None, &p, 0).admits);
         let (tat, st) = record(None, &p, 0, 0);
         assert_eq!(st.remaining, 0);
@@ -107,7 +106,7 @@ mod tests {
 
     #[test]
     fn a_burst_drains_then_refills_one_per_interval() {
-        let p = params(10, 5, 1);
+        let p = spec(10, 5, 1);
         let mut tat = None;
         for expected in [4, 3, 2, 1, 0] {
             assert!(check(tat, &p, 0).admits);
@@ -124,7 +123,7 @@ mod tests {
 
     #[test]
     fn a_release_leaves_the_tat_as_if_never_admitted() {
-        let p = params(10, 5, 2);
+        let p = spec(10, 5, 2);
         let (tat, _) = record(None, &p, 0, 0);
         let never = check(Some(tat), &p, SECOND / 2);
         let (after, _) = record(Some(tat), &p, SECOND / 2, SECOND / 2);
@@ -143,7 +142,7 @@ mod tests {
 
     #[test]
     fn a_delayed_request_moves_the_tat_as_if_admitted_now() {
-        let p = params(10, 2, 1);
+        let p = spec(10, 2, 1);
         let (tat, _) = record(None, &p, 0, 0);
         let (tat, _) = record(Some(tat), &p, 0, 0);
         let v = check(Some(tat), &p, 0);
@@ -163,7 +162,7 @@ mod tests {
 
     #[test]
     fn a_cost_waits_for_that_many_intervals() {
-        let p = params(10, 5, 3);
+        let p = spec(10, 5, 3);
         let (tat, _) = record(None, &p, 0, 0);
         let v = check(Some(tat), &p, 0);
         assert!(!v.admits);

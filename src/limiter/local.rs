@@ -19,7 +19,7 @@ use lru::LruCache;
 use prometheus::{IntCounter, IntGauge};
 
 use super::{fixed_window, gcra, sliding_log, sliding_window};
-use super::{Admission, Algorithm, Check, Decision, LimitState, Params, Peek, Verdict};
+use super::{Admission, Algorithm, Check, Decision, LimitState, Peek, Spec, Verdict};
 
 /// How often logs that have emptied are dropped, so memory follows live keys only.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -78,27 +78,27 @@ impl Cell {
     }
 
     /// The state must be advanced to `now`.
-    fn check(&self, params: &Params, now: u64) -> Verdict {
+    fn check(&self, spec: &Spec, now: u64) -> Verdict {
         match self {
-            Cell::Log(times) => sliding_log::check(times, params, now),
-            Cell::Window(counts) => sliding_window::check(*counts, params, now),
-            Cell::Counter(counter) => fixed_window::check(*counter, params, now),
-            Cell::Tat(tat) => gcra::check(*tat, params, now),
+            Cell::Log(times) => sliding_log::check(times, spec, now),
+            Cell::Window(counts) => sliding_window::check(*counts, spec, now),
+            Cell::Counter(counter) => fixed_window::check(*counter, spec, now),
+            Cell::Tat(tat) => gcra::check(*tat, spec, now),
         }
     }
 
     /// Records an admitted request: the exact algorithms at `at` (its forwarding time), the
     /// counters at `now` (they keep no time finer than their windows).
-    fn record(&mut self, params: &Params, now: u64, at: u64) -> LimitState {
+    fn record(&mut self, spec: &Spec, now: u64, at: u64) -> LimitState {
         // A fresh state starts at time zero: bring it to `now` first, or a sliding window
         // would count the request in a window long gone.
-        self.advance(params.window_us, now);
+        self.advance(spec.window_us(), now);
         match self {
-            Cell::Log(times) => sliding_log::record(times, params, now, at),
-            Cell::Window(counts) => sliding_window::record(counts, params, now),
-            Cell::Counter(counter) => fixed_window::record(counter, params, now),
+            Cell::Log(times) => sliding_log::record(times, spec, now, at),
+            Cell::Window(counts) => sliding_window::record(counts, spec, now),
+            Cell::Counter(counter) => fixed_window::record(counter, spec, now),
             Cell::Tat(tat) => {
-                let (new, state) = gcra::record(*tat, params, now, at);
+                let (new, state) = gcra::record(*tat, spec, now, at);
                 *tat = Some(new);
                 state
             }
@@ -106,15 +106,15 @@ impl Cell {
     }
 
     /// Gives back an admitted request (see `Store::release`).
-    fn release(&mut self, params: &Params, admission: &Admission, now: u64) {
-        self.advance(params.window_us, now);
+    fn release(&mut self, spec: &Spec, admission: &Admission, now: u64) {
+        self.advance(spec.window_us(), now);
         match self {
-            Cell::Log(times) => sliding_log::release(times, params.cost, admission.at_us),
+            Cell::Log(times) => sliding_log::release(times, spec.cost, admission.at_us),
             Cell::Window(counts) => {
-                *counts = sliding_window::release(*counts, params, now, admission.decided_us)
+                *counts = sliding_window::release(*counts, spec, now, admission.decided_us)
             }
-            Cell::Counter(counter) => *counter = fixed_window::release(*counter, params, now),
-            Cell::Tat(tat) => *tat = gcra::release(*tat, params, now),
+            Cell::Counter(counter) => *counter = fixed_window::release(*counter, spec, now),
+            Cell::Tat(tat) => *tat = gcra::release(*tat, spec, now),
         }
     }
 }
@@ -226,19 +226,19 @@ impl LocalStore {
         let mut states = Vec::with_capacity(checks.len());
         let mut rejecting = Vec::with_capacity(checks.len());
         for (check, &slot) in checks.iter().zip(&slot) {
-            let params = check.params();
+            let spec = check.spec;
             let verdict = match guards[slot].get_mut(&check.key) {
                 // A key last used by another algorithm (after a reload) starts afresh.
-                Some(log) if log.cell.algorithm() == params.algorithm => {
-                    log.window_us = params.window_us;
-                    log.cell.advance(params.window_us, now);
-                    log.cell.check(&params, now)
+                Some(log) if log.cell.algorithm() == spec.algorithm => {
+                    log.window_us = spec.window_us();
+                    log.cell.advance(spec.window_us(), now);
+                    log.cell.check(&spec, now)
                 }
-                _ => Cell::new(params.algorithm).check(&params, now),
+                _ => Cell::new(spec.algorithm).check(&spec, now),
             };
             // A shadow limit without room is only reported: it neither rejects nor records.
-            if !verdict.admits && !check.shadow {
-                if verdict.wait <= params.max_delay_us {
+            if !verdict.admits && !check.spec.shadow {
+                if verdict.wait <= spec.max_delay_us() {
                     delay = delay.max(verdict.wait);
                 } else {
                     admitted = false;
@@ -257,7 +257,7 @@ impl LocalStore {
                 .zip(&rejecting)
             {
                 // Recorded: every limit with room, and every limit that delays it.
-                if !rejects || !check.shadow {
+                if !rejects || !check.spec.shadow {
                     *state = self.record(&mut guards[slot], check, now, at);
                 }
             }
@@ -282,10 +282,10 @@ impl LocalStore {
         let (mut guards, slot) = self.lock_all(checks);
         let now = micros_since(self.epoch);
         for (check, &slot) in checks.iter().zip(&slot) {
-            let params = check.params();
+            let spec = check.spec;
             if let Some(log) = guards[slot].peek_mut(check.key.as_str()) {
-                if log.cell.algorithm() == params.algorithm {
-                    log.cell.release(&params, admission, now);
+                if log.cell.algorithm() == spec.algorithm {
+                    log.cell.release(&spec, admission, now);
                 }
             }
         }
@@ -293,10 +293,10 @@ impl LocalStore {
 
     /// Records an admitted request under `check.key`, creating its state if needed.
     fn record(&self, logs: &mut Logs, check: &Check, now: u64, at: u64) -> LimitState {
-        let params = check.params();
+        let spec = check.spec;
         let fresh = logs
             .peek(check.key.as_str())
-            .is_none_or(|log| log.cell.algorithm() != params.algorithm);
+            .is_none_or(|log| log.cell.algorithm() != spec.algorithm);
         if fresh {
             if logs.pop(check.key.as_str()).is_none() {
                 self.shards.make_room(logs, now);
@@ -305,14 +305,14 @@ impl LocalStore {
             logs.push(
                 check.key.clone(),
                 Log {
-                    cell: Cell::new(params.algorithm),
-                    window_us: params.window_us,
+                    cell: Cell::new(spec.algorithm),
+                    window_us: spec.window_us(),
                 },
             );
         }
         match logs.peek_mut(check.key.as_str()) {
-            Some(log) => log.cell.record(&params, now, at),
-            None => Cell::new(params.algorithm).record(&params, now, at),
+            Some(log) => log.cell.record(&spec, now, at),
+            None => Cell::new(spec.algorithm).record(&spec, now, at),
         }
     }
 }
@@ -323,23 +323,23 @@ impl LocalStore {
     /// as a decision; drops what time has expired, records nothing, and leaves the key's
     /// place in the LRU order alone.
     pub fn peek(&self, check: &Check) -> Peek {
-        let params = Params {
+        let spec = Spec {
             cost: 1,
-            ..check.params()
+            ..check.spec
         };
         let now = micros_since(self.epoch);
         let mut logs = lock(&self.shards.shards[self.shards.index(&check.key)]);
         let verdict = match logs.peek_mut(check.key.as_str()) {
-            Some(log) if log.cell.algorithm() == params.algorithm => {
-                log.cell.advance(params.window_us, now);
-                let verdict = log.cell.check(&params, now);
+            Some(log) if log.cell.algorithm() == spec.algorithm => {
+                log.cell.advance(spec.window_us(), now);
+                let verdict = log.cell.check(&spec, now);
                 return Peek {
-                    count: log.cell.count(&params, &verdict),
+                    count: log.cell.count(&spec, &verdict),
                     remaining: verdict.state.remaining,
                     reset: verdict.state.reset,
                 };
             }
-            _ => Cell::new(params.algorithm).check(&params, now),
+            _ => Cell::new(spec.algorithm).check(&spec, now),
         };
         Peek {
             count: 0,
@@ -363,13 +363,13 @@ impl Cell {
     /// Requests counted against the limit now (the state advanced to now): entries or the
     /// counter where the algorithm keeps them; for the sliding-window counter (a weighted
     /// sum) and GCRA (a timestamp), the room used, capacity minus remaining.
-    fn count(&self, params: &Params, verdict: &Verdict) -> u64 {
+    fn count(&self, spec: &Spec, verdict: &Verdict) -> u64 {
         let remaining = u64::from(verdict.state.remaining);
         match self {
             Cell::Log(times) => times.len() as u64,
             Cell::Counter(counter) => counter.count,
-            Cell::Window(_) => u64::from(params.requests).saturating_sub(remaining),
-            Cell::Tat(_) => u64::from(params.burst).saturating_sub(remaining),
+            Cell::Window(_) => u64::from(spec.requests).saturating_sub(remaining),
+            Cell::Tat(_) => u64::from(spec.burst).saturating_sub(remaining),
         }
     }
 }
@@ -470,12 +470,14 @@ mod tests {
     fn check(key: &str, requests: u32, window: Duration) -> Check {
         Check {
             key: key.to_owned(),
-            algorithm: Algorithm::SlidingLog,
-            requests,
-            window,
-            burst: requests,
-            cost: 1,
-            ..Check::default()
+            spec: Spec {
+                requests,
+                window,
+                algorithm: Algorithm::SlidingLog,
+                burst: requests,
+                cost: 1,
+                ..Spec::default()
+            },
         }
     }
 
@@ -491,7 +493,7 @@ mod tests {
             Algorithm::Gcra,
         ] {
             let mut one = check(algorithm.label(), 1, Duration::from_millis(30));
-            one.algorithm = algorithm;
+            one.spec.algorithm = algorithm;
             assert!(store.decide(std::slice::from_ref(&one)).admitted);
             assert!(
                 !store.decide(std::slice::from_ref(&one)).admitted,

@@ -31,16 +31,14 @@ use self::breaker::{Breaker, BreakerMetrics};
 pub use self::cluster::{slot_of, ClusterSettings};
 use self::deny_cache::DenyCache;
 use self::local::{LocalMetrics, LocalStore};
-pub use self::redis::RedisStore;
+pub use self::redis::{RedisStore, Topology};
 pub use self::sentinel::SentinelSettings;
 use crate::metrics::Metrics;
 
 /// How a limit counts. Every algorithm runs in both stores with the same results: one Lua file
-/// each under `scripts/`, one pure Rust module each for the in-process store.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Deserialize, schemars::JsonSchema,
-)]
-#[serde(rename_all = "snake_case")]
+/// each under `scripts/`, one pure Rust module each for the in-process store. (How the config
+/// file spells it is the config's business: `config::AlgorithmConfig`.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// Exact: every admission's time is kept for one window.
     #[default]
@@ -55,7 +53,7 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
-    /// The name used in the config, the Lua driver and store keys.
+    /// The name used in the Lua driver, store keys, metrics and logs.
     pub fn label(self) -> &'static str {
         match self {
             Algorithm::SlidingLog => "sliding_log",
@@ -66,18 +64,17 @@ impl Algorithm {
     }
 }
 
-/// One limit to check for a request: the full store key (prefix, route, limit, identity) and
-/// every parameter of the limit that changes a decision. `Default` is there so code that
-/// builds checks by hand can name only the fields it cares about (`..Check::default()`).
-#[derive(Debug, Clone, Default)]
-pub struct Check {
-    pub key: String,
+/// Every parameter of one limit that changes a decision: declared here once, carried by the
+/// policy's limit and by each check. The algorithms read it directly; the stores' microsecond
+/// forms are its methods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Spec {
     pub algorithm: Algorithm,
     pub requests: u32,
     pub window: Duration,
     /// GCRA only: how many requests may arrive at once (the other algorithms ignore it).
     pub burst: u32,
-    /// How many requests this one counts as.
+    /// How many requests one request counts as.
     pub cost: u32,
     /// Evaluated and counted, but never rejects the request (a shadow limit without room
     /// records nothing in itself).
@@ -90,32 +87,29 @@ pub struct Check {
     pub returnable: bool,
 }
 
-impl Check {
-    /// The limit's parameters in the stores' units.
-    pub fn params(&self) -> Params {
-        Params {
-            algorithm: self.algorithm,
-            requests: self.requests,
-            window_us: u64::try_from(self.window.as_micros()).unwrap_or(u64::MAX),
-            burst: self.burst,
-            cost: self.cost,
-            shadow: self.shadow,
-            max_delay_us: u64::try_from(self.max_delay.as_micros()).unwrap_or(u64::MAX),
-        }
+impl Spec {
+    /// The window in microseconds, the unit of the stores' clocks.
+    pub fn window_us(&self) -> u64 {
+        micros(self.window)
+    }
+
+    /// The longest delay instead of a rejection in microseconds; 0 = reject.
+    pub fn max_delay_us(&self) -> u64 {
+        micros(self.max_delay)
     }
 }
 
-/// A limit's parameters as the algorithms take them: the window in microseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Params {
-    pub algorithm: Algorithm,
-    pub requests: u32,
-    pub window_us: u64,
-    pub burst: u32,
-    pub cost: u32,
-    pub shadow: bool,
-    /// Longest delay instead of a rejection; 0 = reject.
-    pub max_delay_us: u64,
+fn micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// One limit to check for a request: the full store key (prefix, route, limit, identity) and
+/// the limit's parameters. `Default` is there so code that builds checks by hand can name
+/// only the fields it cares about (`..Spec::default()`).
+#[derive(Debug, Clone, Default)]
+pub struct Check {
+    pub key: String,
+    pub spec: Spec,
 }
 
 /// Whether `checks` live in more than one Redis Cluster slot (and so are decided per slot).

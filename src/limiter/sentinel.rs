@@ -24,7 +24,7 @@ use redis::{
 use super::StoreError;
 
 /// Where the sentinels are and what to ask them.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SentinelSettings {
     /// The name the sentinels monitor the master under.
     pub master_name: String,

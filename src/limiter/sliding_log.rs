@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::{LimitState, Params, Verdict};
+use super::{LimitState, Spec, Verdict};
 
 /// Drops the admissions that have left the window ending at `now`.
 pub fn prune(times: &mut VecDeque<u64>, window_us: u64, now: u64) {
@@ -35,18 +35,18 @@ pub fn until_more_room(times: &VecDeque<u64>, requests: u32, window_us: u64, now
 
 /// Whether the request fits: `times` must be pruned. A rejection waits until enough entries
 /// have left for its cost: the (count + cost − requests)-th oldest.
-pub fn check(times: &VecDeque<u64>, params: &Params, now: u64) -> Verdict {
-    let needed = (times.len() + params.cost as usize).saturating_sub(params.requests as usize);
+pub fn check(times: &VecDeque<u64>, spec: &Spec, now: u64) -> Verdict {
+    let needed = (times.len() + spec.cost as usize).saturating_sub(spec.requests as usize);
     let wait = match needed {
         0 => 0,
-        n => times.get(n - 1).map_or(params.window_us, |&t| {
-            (t + params.window_us).saturating_sub(now)
+        n => times.get(n - 1).map_or(spec.window_us(), |&t| {
+            (t + spec.window_us()).saturating_sub(now)
         }),
     };
     Verdict {
         admits: needed == 0,
         wait,
-        state: state(times, params.requests, params.window_us, now),
+        state: state(times, spec.requests, spec.window_us(), now),
     }
 }
 
@@ -65,12 +65,12 @@ pub fn check(times: &VecDeque<u64>, params: &Params, now: u64) -> Verdict {
 /// later than t_k (ties with t_k included in the n − k only if they come after it; entries
 /// equal to t_k are not in the window, which is open on that side), so the window holds at
 /// most requests − c + c = requests. Windows without `at` are unchanged.
-pub fn record(times: &mut VecDeque<u64>, params: &Params, now: u64, at: u64) -> LimitState {
+pub fn record(times: &mut VecDeque<u64>, spec: &Spec, now: u64, at: u64) -> LimitState {
     let index = times.partition_point(|&t| t <= at);
-    for _ in 0..params.cost {
+    for _ in 0..spec.cost {
         times.insert(index, at);
     }
-    state(times, params.requests, params.window_us, now)
+    state(times, spec.requests, spec.window_us(), now)
 }
 
 /// Gives back a request recorded at `at`: removes `cost` entries at that time (entries at the
@@ -137,16 +137,15 @@ mod tests {
     #[test]
     fn a_cost_waits_for_as_many_entries_to_leave() {
         let times = VecDeque::from([SECOND, 2 * SECOND, 3 * SECOND]);
-        let params = Params {
+        let spec = Spec {
             algorithm: crate::limiter::Algorithm::SlidingLog,
             requests: 4,
-            window_us: 10 * SECOND,
+            window: Duration::from_micros(10 * SECOND),
             burst: 4,
             cost: 3,
-            shadow: false,
-            max_delay_us: 0,
+            ..Spec::default()
         };
-        let verdict = check(&times, &params, 4 * SECOND);
+        let verdict = check(&times, &spec, 4 * SECOND);
         assert!(!verdict.admits);
         assert_eq!(
             verdict.wait,
@@ -155,30 +154,29 @@ mod tests {
         );
     }
 
-    fn params(requests: u32, cost: u32) -> Params {
-        Params {
+    fn spec(requests: u32, cost: u32) -> Spec {
+        Spec {
             algorithm: crate::limiter::Algorithm::SlidingLog,
             requests,
-            window_us: 10 * SECOND,
+            window: Duration::from_micros(10 * SECOND),
             burst: requests,
             cost,
-            shadow: false,
-            max_delay_us: 0,
+            ..Spec::default()
         }
     }
 
     #[test]
     fn a_release_leaves_the_log_as_if_never_admitted() {
-        let p = params(3, 2);
+        let p = spec(3, 2);
         let mut times = VecDeque::from([SECOND, 2 * SECOND]);
         let before = times.clone();
-        let never = check(&times, &params(3, 1), 3 * SECOND);
+        let never = check(&times, &spec(3, 1), 3 * SECOND);
         record(&mut times, &p, 3 * SECOND, 3 * SECOND);
         assert_eq!(times.len(), 4);
-        assert!(!check(&times, &params(3, 1), 3 * SECOND).admits);
+        assert!(!check(&times, &spec(3, 1), 3 * SECOND).admits);
         release(&mut times, p.cost, 3 * SECOND);
         assert_eq!(times, before);
-        assert_eq!(check(&times, &params(3, 1), 3 * SECOND), never);
+        assert_eq!(check(&times, &spec(3, 1), 3 * SECOND), never);
     }
 
     #[test]
@@ -192,7 +190,7 @@ mod tests {
 
     #[test]
     fn a_delayed_entry_lands_in_order_and_counts_at_once() {
-        let p = params(2, 1);
+        let p = spec(2, 1);
         let mut times = VecDeque::from([SECOND, 2 * SECOND]);
         let v = check(&times, &p, 3 * SECOND);
         assert!(!v.admits);
@@ -208,7 +206,7 @@ mod tests {
         record(&mut times, &p, 3 * SECOND, 9 * SECOND);
         assert_eq!(times, [SECOND, 2 * SECOND, 9 * SECOND, 11 * SECOND]);
         // The future entries count now, and wait for the entries they follow.
-        prune(&mut times, p.window_us, 12 * SECOND);
+        prune(&mut times, p.window_us(), 12 * SECOND);
         let v = check(&times, &p, 12 * SECOND);
         assert!(!v.admits);
         assert_eq!(v.wait, 7 * SECOND, "the entry at 9 s leaves at 19 s");
@@ -218,14 +216,14 @@ mod tests {
     /// requests arriving in a flood, each delayed to the time the check says.
     #[test]
     fn delayed_admissions_never_crowd_a_window() {
-        let p = params(5, 1);
+        let p = spec(5, 1);
         let mut times = VecDeque::new();
         let mut all = Vec::new();
         // Not at zero: the pruning horizon saturates there.
         let mut now = SECOND;
         for n in 0..200u64 {
             now += (n * 7919) % (SECOND / 2);
-            prune(&mut times, p.window_us, now);
+            prune(&mut times, p.window_us(), now);
             let v = check(&times, &p, now);
             let at = now + v.wait;
             record(&mut times, &p, now, at);
@@ -235,7 +233,7 @@ mod tests {
         for (i, &start) in all.iter().enumerate() {
             let within = all[i..]
                 .iter()
-                .take_while(|&&t| t < start + p.window_us)
+                .take_while(|&&t| t < start + p.window_us())
                 .count();
             assert!(within <= 5, "{within} entries in the window from {start}");
         }

@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use super::{LimitState, Params, Verdict};
+use super::{LimitState, Spec, Verdict};
 
 /// The counts of the window `index` (= now / window) and of the one before.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -72,14 +72,14 @@ fn wait_until(counts: Counts, window_us: u64, now: u64, target: f64) -> u64 {
     }
 }
 
-fn state(counts: Counts, params: &Params, now: u64) -> LimitState {
-    let (count, _) = weighted(counts, params.window_us, now);
-    let remaining = (f64::from(params.requests) - count).floor().max(0.0);
+fn state(counts: Counts, spec: &Spec, now: u64) -> LimitState {
+    let (count, _) = weighted(counts, spec.window_us(), now);
+    let remaining = (f64::from(spec.requests) - count).floor().max(0.0);
     let reset = wait_until(
         counts,
-        params.window_us,
+        spec.window_us(),
         now,
-        f64::from(params.requests) - remaining - 1.0,
+        f64::from(spec.requests) - remaining - 1.0,
     );
     LimitState {
         remaining: remaining as u32,
@@ -88,36 +88,36 @@ fn state(counts: Counts, params: &Params, now: u64) -> LimitState {
 }
 
 /// Whether the request fits in `counts` (already taken `at(now)`).
-pub fn check(counts: Counts, params: &Params, now: u64) -> Verdict {
-    let (count, _) = weighted(counts, params.window_us, now);
-    let admits = count + f64::from(params.cost) <= f64::from(params.requests);
+pub fn check(counts: Counts, spec: &Spec, now: u64) -> Verdict {
+    let (count, _) = weighted(counts, spec.window_us(), now);
+    let admits = count + f64::from(spec.cost) <= f64::from(spec.requests);
     let wait = if admits {
         0
     } else {
-        let target = f64::from(params.requests) - f64::from(params.cost);
-        wait_until(counts, params.window_us, now, target)
+        let target = f64::from(spec.requests) - f64::from(spec.cost);
+        wait_until(counts, spec.window_us(), now, target)
     };
     Verdict {
         admits,
         wait,
-        state: state(counts, params, now),
+        state: state(counts, spec, now),
     }
 }
 
 /// Counts an admitted request in the current window.
-pub fn record(counts: &mut Counts, params: &Params, now: u64) -> LimitState {
-    counts.current += u64::from(params.cost);
-    state(*counts, params, now)
+pub fn record(counts: &mut Counts, spec: &Spec, now: u64) -> LimitState {
+    counts.current += u64::from(spec.cost);
+    state(*counts, spec, now)
 }
 
 /// Gives back a request counted at `decided` (store time): the count of the fixed window
 /// holding `decided` drops by `cost`, never below zero, if that window is still the current
 /// or the previous one; otherwise it has no weight left and nothing is given back. Exact for
 /// the counts; a release into the previous window gives back the request's weight there.
-pub fn release(counts: Counts, params: &Params, now: u64, decided: u64) -> Counts {
-    let mut counts = counts.at(params.window_us, now);
-    let index = decided / params.window_us.max(1);
-    let cost = u64::from(params.cost);
+pub fn release(counts: Counts, spec: &Spec, now: u64, decided: u64) -> Counts {
+    let mut counts = counts.at(spec.window_us(), now);
+    let index = decided / spec.window_us().max(1);
+    let cost = u64::from(spec.cost);
     if index == counts.index {
         counts.current = counts.current.saturating_sub(cost);
     } else if index + 1 == counts.index {
@@ -133,22 +133,21 @@ mod tests {
 
     const SECOND: u64 = 1_000_000;
 
-    fn params(requests: u32) -> Params {
-        Params {
+    fn spec(requests: u32) -> Spec {
+        Spec {
             algorithm: Algorithm::SlidingWindow,
             requests,
-            window_us: 10 * SECOND,
+            window: Duration::from_micros(10 * SECOND),
             burst: requests,
             cost: 1,
-            shadow: false,
-            max_delay_us: 0,
+            ..Spec::default()
         }
     }
 
     #[test]
     fn a_release_leaves_the_counts_as_if_never_admitted() {
-        let p = params(10);
-        let mut counts = Counts::default().at(p.window_us, 3 * SECOND);
+        let p = spec(10);
+        let mut counts = Counts::default().at(p.window_us(), 3 * SECOND);
         record(&mut counts, &p, 3 * SECOND);
         let before = counts;
         let never = check(counts, &p, 4 * SECOND);
@@ -160,22 +159,22 @@ mod tests {
         // Counted in the previous window: given back there.
         let later = release(counts, &p, 12 * SECOND, 4 * SECOND);
         assert_eq!(later.previous, 1);
-        assert_eq!(later, before.at(p.window_us, 12 * SECOND));
+        assert_eq!(later, before.at(p.window_us(), 12 * SECOND));
         // Two windows on, it weighs nothing: nothing to give back.
         let gone = release(counts, &p, 25 * SECOND, 4 * SECOND);
-        assert_eq!(gone, counts.at(p.window_us, 25 * SECOND));
+        assert_eq!(gone, counts.at(p.window_us(), 25 * SECOND));
     }
 
     #[test]
     fn the_previous_window_weighs_by_the_part_still_covered() {
-        let p = params(10);
+        let p = spec(10);
         // Ten in window 0, none yet in window 1, a quarter into window 1: weight 7.5.
         let counts = Counts {
             index: 0,
             current: 10,
             previous: 0,
         }
-        .at(p.window_us, 12_500_000);
+        .at(p.window_us(), 12_500_000);
         let v = check(counts, &p, 12_500_000);
         assert_eq!(v.state.remaining, 2);
         assert!(v.admits);
@@ -204,11 +203,11 @@ mod tests {
     }
 
     /// Admission times of `arrivals` under a limit, one algorithm's check and record at a time.
-    fn admitted_by_window(p: &Params, arrivals: &[u64]) -> Vec<u64> {
+    fn admitted_by_window(p: &Spec, arrivals: &[u64]) -> Vec<u64> {
         let mut counts = Counts::default();
         let mut admitted = Vec::new();
         for &now in arrivals {
-            counts = counts.at(p.window_us, now);
+            counts = counts.at(p.window_us(), now);
             if check(counts, p, now).admits {
                 record(&mut counts, p, now);
                 admitted.push(now);
@@ -217,11 +216,11 @@ mod tests {
         admitted
     }
 
-    fn admitted_by_log(p: &Params, arrivals: &[u64]) -> Vec<u64> {
+    fn admitted_by_log(p: &Spec, arrivals: &[u64]) -> Vec<u64> {
         let mut times = std::collections::VecDeque::new();
         let mut admitted = Vec::new();
         for &now in arrivals {
-            crate::limiter::sliding_log::prune(&mut times, p.window_us, now);
+            crate::limiter::sliding_log::prune(&mut times, p.window_us(), now);
             if crate::limiter::sliding_log::check(&times, p, now).admits {
                 crate::limiter::sliding_log::record(&mut times, p, now, now);
                 admitted.push(now);
@@ -248,7 +247,7 @@ mod tests {
     /// sliding window passes it by at most 10% and admits within 5% as many requests overall.
     #[test]
     fn random_traffic_errs_by_at_most_ten_percent_against_the_log() {
-        let p = params(100);
+        let p = spec(100);
         let mut seed: u64 = 0x5eed;
         let mut now = 0;
         let arrivals: Vec<u64> = (0..100_000)
@@ -265,8 +264,8 @@ mod tests {
         let log = admitted_by_log(&p, &arrivals);
         let approx = admitted_by_window(&p, &arrivals);
         let (log_busiest, approx_busiest) = (
-            busiest_window(&log, p.window_us),
-            busiest_window(&approx, p.window_us),
+            busiest_window(&log, p.window_us()),
+            busiest_window(&approx, p.window_us()),
         );
         println!(
             "log: {} admitted, busiest window {log_busiest}; sliding_window: {} admitted, busiest window {approx_busiest}",
@@ -284,11 +283,11 @@ mod tests {
     /// passes within one window's length.
     #[test]
     fn a_burst_at_a_window_end_lets_nearly_twice_the_limit_through() {
-        let p = params(100);
+        let p = spec(100);
         let mut arrivals = vec![10 * SECOND - 1; 100];
         arrivals.extend((0..1000).map(|i| 10 * SECOND + i * 10_000));
         let approx = admitted_by_window(&p, &arrivals);
-        let busiest = busiest_window(&approx, p.window_us);
+        let busiest = busiest_window(&approx, p.window_us());
         println!("worst case: busiest window {busiest} of a limit of 100");
         assert!((180..=200).contains(&busiest), "{busiest}");
     }

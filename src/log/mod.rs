@@ -20,7 +20,15 @@ pub use self::budget::LineBudget;
 pub use self::summary::{Rejections, Subject, MAX_FOLLOWED, MAX_TRACKED};
 use self::writer::DropCount;
 pub use self::writer::Flusher;
-use crate::config::LogFormat;
+
+/// How each line is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// For people: one line of text per event.
+    Text,
+    /// For log pipelines: one JSON object per line.
+    Json,
+}
 
 /// Lines the queue holds while standard error is slow; past that they are dropped. A line is
 /// a few hundred bytes, so the queue holds at most a few MB.
@@ -42,7 +50,7 @@ pub fn lines_dropped() -> u64 {
 
 /// Logs to standard error through the queue, at the level `RUST_LOG` sets (default `info`).
 /// The returned `Flusher` writes out what is queued, within a bound, before the process ends.
-pub fn init(format: LogFormat) -> std::io::Result<Flusher> {
+pub fn init(format: Format) -> std::io::Result<Flusher> {
     let capacity = std::env::var(QUEUE_LINES_ENV)
         .ok()
         .and_then(|text| text.trim().parse::<usize>().ok())
@@ -56,12 +64,12 @@ pub fn init(format: LogFormat) -> std::io::Result<Flusher> {
 
 /// Logs straight to standard error: for the short commands (`check`, `explain`), which serve
 /// no requests and whose lines must come out in order with their answer.
-pub fn init_direct(format: LogFormat) {
+pub fn init_direct(format: Format) {
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     install(format, std::io::stderr, ansi);
 }
 
-fn install<W>(format: LogFormat, writer: W, ansi: bool)
+fn install<W>(format: Format, writer: W, ansi: bool)
 where
     W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
 {
@@ -71,8 +79,8 @@ where
         .with_env_filter(filter)
         .with_writer(writer);
     match format {
-        LogFormat::Text => builder.with_ansi(ansi).init(),
-        LogFormat::Json => builder.json().init(),
+        Format::Text => builder.with_ansi(ansi).init(),
+        Format::Json => builder.json().init(),
     }
 }
 

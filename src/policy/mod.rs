@@ -28,7 +28,7 @@ use crate::config::{
     OnStoreError, Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_IPV4_PREFIX,
     DEFAULT_IPV6_PREFIX, DEFAULT_MAX_DELAYED, MAX_MAX_DELAY_MS,
 };
-use crate::limiter::{Algorithm, Check};
+use crate::limiter::{Algorithm, Check, Spec};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::ratelimit_field::{ceil_seconds, limit_items};
 use crate::tls::UpstreamTls;
@@ -170,17 +170,9 @@ pub struct DirectResponse {
 pub struct Limit {
     pub name: Name,
     pub key: Vec<KeyPart>,
-    pub algorithm: Algorithm,
-    pub requests: u32,
-    pub window: Duration,
-    /// GCRA's burst (`requests` unless configured); the other algorithms ignore it.
-    pub burst: u32,
-    /// How many requests one request counts as.
-    pub cost: u32,
-    /// Counted, never rejects.
-    pub shadow: bool,
-    /// `on_exceed: delay`: the longest a request is held instead of rejected; zero: reject.
-    pub max_delay: Duration,
+    /// What the limiter decides with: algorithm, requests, window, burst (`requests` unless
+    /// configured), cost, shadow, max_delay, and whether a place can be given back (`count`).
+    pub spec: Spec,
     /// `count: { status: [...] }`: the statuses this limit counts; a request answered with
     /// another is given back. `None`: every request counts.
     pub count: Option<Box<[StatusMatch]>>,
@@ -376,8 +368,8 @@ pub fn rate_limit_policy<'a>(
     }
     limit_items(limits.map(|limit| {
         let params = [
-            ('q', u64::from(limit.requests)),
-            ('w', ceil_seconds(limit.window)),
+            ('q', u64::from(limit.spec.requests)),
+            ('w', ceil_seconds(limit.spec.window)),
         ];
         (&limit.name, params)
     }))
@@ -514,14 +506,14 @@ fn check_shaping(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Co
         .filter(|o| o.value == OnExceed::Delay)
     {
         let at = Position::from(on_exceed);
-        if !matches!(limit.algorithm, Algorithm::SlidingLog | Algorithm::Gcra) {
+        if !matches!(limit.algorithm(), Algorithm::SlidingLog | Algorithm::Gcra) {
             return refuse(
                 at,
                 "on_exceed",
                 format!(
                     "`on_exceed: delay` needs an exact algorithm (sliding_log or gcra), not `{}`: \
                      its wait must say exactly when the request fits",
-                    limit.algorithm.label()
+                    limit.algorithm().label()
                 ),
             );
         }
@@ -640,14 +632,14 @@ fn check_params(
 /// A `burst` on another algorithm is refused too, since it would be silently ignored.
 fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
     if let Some(burst) = &limit.burst {
-        if limit.algorithm != Algorithm::Gcra {
+        if limit.algorithm() != Algorithm::Gcra {
             return Err(ConfigError::invalid(
                 file,
                 Position::from(burst),
                 format!("{field}.burst"),
                 format!(
                     "`burst` applies to `algorithm: gcra` only, not `{}`",
-                    limit.algorithm.label()
+                    limit.algorithm().label()
                 ),
             ));
         }
@@ -655,7 +647,7 @@ fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Confi
     let Some(cost) = &limit.cost else {
         return Ok(());
     };
-    let (most, what) = match (&limit.burst, limit.algorithm) {
+    let (most, what) = match (&limit.burst, limit.algorithm()) {
         (Some(burst), Algorithm::Gcra) => (burst.value.0, "burst"),
         _ => (limit.requests.value.0, "requests"),
     };
@@ -678,14 +670,7 @@ impl Limit {
     pub fn check(&self, key: String) -> Check {
         Check {
             key,
-            algorithm: self.algorithm,
-            requests: self.requests,
-            window: self.window,
-            burst: self.burst,
-            cost: self.cost,
-            shadow: self.shadow,
-            max_delay: self.max_delay,
-            returnable: self.count.is_some(),
+            spec: self.spec,
         }
     }
 }
@@ -704,24 +689,27 @@ fn build_limits(
         .map(|(limit, when)| Limit {
             name: limit.name.value.clone(),
             key: limit.key.value.clone(),
-            algorithm: limit.algorithm,
-            requests: limit.requests.value.0,
-            window: limit.window.0,
-            burst: limit
-                .burst
-                .as_ref()
-                .map_or(limit.requests.value.0, |b| b.value.0),
-            cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
-            shadow: limit.shadow,
-            max_delay: match (delays(limit), &limit.max_delay) {
-                (true, Some(max_delay)) => max_delay.value.0,
-                _ => Duration::ZERO,
+            spec: Spec {
+                algorithm: limit.algorithm(),
+                requests: limit.requests.value.0,
+                window: limit.window.0,
+                burst: limit
+                    .burst
+                    .as_ref()
+                    .map_or(limit.requests.value.0, |b| b.value.0),
+                cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
+                shadow: limit.shadow,
+                max_delay: match (delays(limit), &limit.max_delay) {
+                    (true, Some(max_delay)) => max_delay.value.0,
+                    _ => Duration::ZERO,
+                },
+                returnable: limit.count.is_some(),
             },
             count: limit
                 .count
                 .as_ref()
                 .map(|count| count.value.status.clone().into_boxed_slice()),
-            key_prefix: match limit.algorithm {
+            key_prefix: match limit.algorithm() {
                 Algorithm::SlidingLog => format!(
                     "{}:{}:{}:",
                     config.store.key_prefix, route.name.value, limit.name.value
@@ -752,6 +740,13 @@ fn prefix_bits(prefix: &Option<crate::config::Spanned<u32>>, default: u32) -> u8
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_on_store_error_has_its_fallback_counter() {
+        for action in [OnStoreError::Local, OnStoreError::Allow, OnStoreError::Deny] {
+            assert!(crate::metrics::FALLBACK_ACTIONS.contains(&action.label()));
+        }
+    }
     use proptest::prelude::*;
 
     fn segment() -> impl Strategy<Value = String> {

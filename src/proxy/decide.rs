@@ -30,7 +30,7 @@ impl Decided<'_> {
             .iter()
             .zip(&self.checks)
             .zip(&self.decision.rejecting)
-            .filter(|&((limit, _), &rejecting)| !(rejecting && limit.shadow))
+            .filter(|&((limit, _), &rejecting)| !(rejecting && limit.spec.shadow))
             .map(|((limit, check), _)| (*limit, check))
             .filter(move |(limit, _)| keep(limit))
     }
@@ -57,7 +57,7 @@ pub async fn decide<'r>(
             if tracing::enabled!(tracing::Level::DEBUG) && log.store_failed.allow() {
                 tracing::debug!(target: "sluice::proxy", route = %route.name, store = store.name(), error = %err, action = route.on_store_error.label(), "store failed");
             }
-            route.metrics.count_fallback(route.on_store_error);
+            route.metrics.count_fallback(route.on_store_error.label());
             match route.on_store_error {
                 OnStoreError::Local => store.decide_locally(&plan.checks),
                 OnStoreError::Allow => return Ok(()),
@@ -83,7 +83,7 @@ pub async fn decide<'r>(
 /// to the access log.
 fn count(limits: &[&Limit], decision: &Decision, exchange: &mut Exchange<'_>) {
     for (limit, &rejecting) in limits.iter().zip(&decision.rejecting) {
-        if limit.shadow && rejecting {
+        if limit.spec.shadow && rejecting {
             limit.metrics.shadow_rejected.inc();
             exchange.note_shadow_rejection(limit.name.as_str());
         } else if decision.admitted && rejecting {

@@ -200,7 +200,7 @@ impl Finisher {
                 limit: limit.name.to_string(),
                 identity: keys::identity_hash(&check.key),
             };
-            if rejecting && !limit.shadow && self.log.rejections.record(&check.key, subject) {
+            if rejecting && !limit.spec.shadow && self.log.rejections.record(&check.key, subject) {
                 tracing::info!(
                     target: "sluice::rejected",
                     route = %route.name,
@@ -228,7 +228,7 @@ fn too_many_requests(
         .iter()
         .zip(&decided.decision.limits)
         .zip(&decided.decision.rejecting)
-        .filter(|((limit, _), &rejecting)| rejecting && !limit.shadow)
+        .filter(|((limit, _), &rejecting)| rejecting && !limit.spec.shadow)
         .filter_map(|((limit, state), _)| state.as_ref().map(|state| (limit, state)))
         .max_by_key(|(_, state)| state.reset)
         .map_or("", |(limit, _)| limit.name.as_str());

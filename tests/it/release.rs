@@ -8,7 +8,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use sluice::limiter::{Algorithm, Check, RedisStore, Store};
+use sluice::limiter::{Algorithm, Check, RedisStore, Spec, Store};
 use sluice::metrics::Metrics;
 use support::Redis;
 
@@ -22,12 +22,14 @@ const ALGORITHMS: [Algorithm; 4] = [
 fn check(key: &str, algorithm: Algorithm, requests: u32, cost: u32) -> Check {
     Check {
         key: key.to_owned(),
-        algorithm,
-        requests,
-        window: Duration::from_secs(60),
-        burst: requests,
-        cost,
-        ..Check::default()
+        spec: Spec {
+            algorithm,
+            requests,
+            cost,
+            window: Duration::from_secs(60),
+            burst: requests,
+            ..Spec::default()
+        },
     }
 }
 
@@ -155,7 +157,7 @@ async fn a_returnable_limit_is_never_answered_from_the_cache() {
     let metrics = Metrics::new().unwrap();
     let store = redis_store(&redis, &metrics).await;
     let mut login = check("sluice-test:release:login", Algorithm::SlidingLog, 1, 1);
-    login.returnable = true;
+    login.spec.returnable = true;
     let one = [login];
     let admitted = store.decide(&one).await.unwrap();
     for _ in 0..3 {

@@ -476,19 +476,21 @@ async fn a_demoted_master_counts_as_unreachable() {
     // A master demoted under sluice answers READONLY. That must read as "the store is not
     // reachable here" (which sends the Sentinel store back to the sentinels), not as a
     // script error.
-    use sluice::limiter::{Algorithm, Check, RedisStore, StoreError};
+    use sluice::limiter::{Algorithm, Check, RedisStore, Spec, StoreError};
     let master = Redis::start().await;
     let port = master.port().to_string();
     let replica = Redis::start_with(&["--replicaof", "127.0.0.1", &port]).await;
     let store = RedisStore::new(&replica.url(), 1, Duration::from_secs(2)).expect("a store");
     let check = Check {
         key: "sluice-test:r:l:{k}".to_owned(),
-        algorithm: Algorithm::SlidingLog,
-        requests: 5,
-        window: Duration::from_secs(60),
-        burst: 5,
-        cost: 1,
-        ..Check::default()
+        spec: Spec {
+            algorithm: Algorithm::SlidingLog,
+            requests: 5,
+            window: Duration::from_secs(60),
+            burst: 5,
+            cost: 1,
+            ..Spec::default()
+        },
     };
     match store.decide(&[check]).await {
         Err(StoreError::Connection(message)) => {

@@ -1,0 +1,185 @@
+//! The store's calls: decide, release, peek and reset, each one script call (on a cluster,
+//! one per slot the request's limits live in).
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::super::cluster;
+use super::super::{Admission, Check, Decision, Peek, StoreError};
+use super::scripts::decision_from_reply;
+use super::{Link, RedisStore};
+
+impl RedisStore {
+    pub async fn decide(&self, checks: &[Check]) -> Result<Decision, StoreError> {
+        let member = format!(
+            "{:016x}-{}",
+            self.instance,
+            self.sequence.fetch_add(1, Ordering::Relaxed)
+        );
+        if matches!(self.link, Link::Cluster(_)) {
+            if let Some(groups) = cluster::slot_groups(checks) {
+                return self.decide_across_slots(checks, &groups, &member).await;
+            }
+        }
+        self.decide_in_one_call(checks.iter(), member, true).await
+    }
+
+    /// One call of the decide script over `checks`, whose keys must share a slot on a cluster;
+    /// without `may_delay`, delay limits reject instead.
+    async fn decide_in_one_call<'a>(
+        &self,
+        checks: impl ExactSizeIterator<Item = &'a Check> + Clone,
+        member: String,
+        may_delay: bool,
+    ) -> Result<Decision, StoreError> {
+        let count = checks.len();
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.shared.script.get_hash()).arg(count);
+        for check in checks.clone() {
+            cmd.arg(&check.key);
+        }
+        cmd.arg(&member);
+        for check in checks {
+            let spec = check.spec;
+            cmd.arg(spec.algorithm.label())
+                .arg(spec.requests)
+                .arg(spec.window_us())
+                .arg(spec.burst)
+                .arg(spec.cost)
+                .arg(u8::from(spec.shadow))
+                .arg(if may_delay { spec.max_delay_us() } else { 0 });
+        }
+        let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.script)).await?;
+        decision_from_reply(&reply, count, member)
+    }
+
+    /// A request whose limits live in several cluster slots: each slot decided by its own
+    /// call, all at once; when any rejects, the others' admissions are given back (see
+    /// `cluster` for what this guarantees).
+    async fn decide_across_slots(
+        &self,
+        checks: &[Check],
+        groups: &[Vec<usize>],
+        member: &str,
+    ) -> Result<Decision, StoreError> {
+        // No delay across slots: their masters' clocks cannot agree on one future instant.
+        let calls = groups.iter().map(|members| {
+            self.decide_in_one_call(
+                members.iter().map(|&index| &checks[index]),
+                member.to_owned(),
+                false,
+            )
+        });
+        let results = futures_util::future::join_all(calls).await;
+        let mut decisions = Vec::with_capacity(results.len());
+        let mut failure = None;
+        for result in results {
+            match result {
+                Ok(decision) => decisions.push(Some(decision)),
+                Err(err) => {
+                    decisions.push(None);
+                    failure = Some(err);
+                }
+            }
+        }
+        let rejected = failure.is_some() || decisions.iter().flatten().any(|d| !d.admitted);
+        if rejected {
+            // Give back what the slots that admitted recorded: the request is not forwarded.
+            let admitted = groups
+                .iter()
+                .zip(&decisions)
+                .filter_map(|(members, d)| Some((members, d.as_ref()?.admission.as_ref()?)));
+            let releases = admitted.map(|(members, admission)| {
+                self.release_in_one_call(members.iter().map(|&index| &checks[index]), admission)
+            });
+            for result in futures_util::future::join_all(releases).await {
+                if let Err(err) = result {
+                    tracing::warn!(error = %err, "cannot give back a cluster slot's admission of a rejected request; it expires with its window");
+                }
+            }
+        }
+        if let Some(err) = failure {
+            return Err(err);
+        }
+        let decisions: Vec<Decision> = decisions.into_iter().flatten().collect();
+        Ok(cluster::merge(checks.len(), groups, &decisions))
+    }
+
+    /// Gives back what the request of `admission` recorded under `checks` (`release.lua`);
+    /// on a cluster, one call per slot the checks live in.
+    pub async fn release(&self, checks: &[Check], admission: &Admission) -> Result<(), StoreError> {
+        let groups = match &self.link {
+            Link::Cluster(_) => cluster::slot_groups(checks),
+            Link::Single | Link::Sentinel(_) => None,
+        };
+        let Some(groups) = groups else {
+            return self.release_in_one_call(checks.iter(), admission).await;
+        };
+        let calls = groups.iter().map(|members| {
+            self.release_in_one_call(members.iter().map(|&index| &checks[index]), admission)
+        });
+        futures_util::future::join_all(calls)
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    /// One call of the release script over `checks`, whose keys must share a slot on a
+    /// cluster.
+    async fn release_in_one_call<'a>(
+        &self,
+        checks: impl ExactSizeIterator<Item = &'a Check> + Clone,
+        admission: &Admission,
+    ) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.shared.release.get_hash()).arg(checks.len());
+        for check in checks.clone() {
+            cmd.arg(&check.key);
+        }
+        cmd.arg(&admission.member)
+            .arg(admission.at_us)
+            .arg(admission.decided_us);
+        for check in checks {
+            let spec = check.spec;
+            cmd.arg(spec.algorithm.label())
+                .arg(spec.requests)
+                .arg(spec.window_us())
+                .arg(spec.cost);
+        }
+        let _released: i64 = self.run(&cmd, Some(&self.shared.release)).await?;
+        Ok(())
+    }
+}
+
+/// Read and reset for the admin API, over the same connections and timeout as decisions.
+impl RedisStore {
+    /// Where `check.key` stands for one more request of cost 1, recording nothing.
+    pub async fn peek(&self, check: &Check) -> Result<Peek, StoreError> {
+        let spec = check.spec;
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.shared.peek.get_hash())
+            .arg(1)
+            .arg(&check.key)
+            .arg(spec.algorithm.label())
+            .arg(spec.requests)
+            .arg(spec.window_us())
+            .arg(spec.burst);
+        let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.peek)).await?;
+        let [count, remaining, reset] = reply[..] else {
+            return Err(StoreError::Script(format!(
+                "unexpected peek reply {reply:?}"
+            )));
+        };
+        Ok(Peek {
+            count: u64::try_from(count).unwrap_or(0),
+            remaining: u32::try_from(remaining).unwrap_or(0),
+            reset: Duration::from_micros(u64::try_from(reset).unwrap_or(0)),
+        })
+    }
+
+    /// Deletes `key`; whether it existed.
+    pub async fn reset(&self, key: &str) -> Result<bool, StoreError> {
+        let deleted: u64 = self.run(redis::cmd("DEL").arg(key), None).await?;
+        Ok(deleted > 0)
+    }
+}
