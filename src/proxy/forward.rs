@@ -118,7 +118,9 @@ pub async fn forward(
         .then(|| tunnel::ClientSide::take(&mut request));
     if upgrade.is_none() {
         // Only a tunnel may hold the client's connection slot; the upstream client must not.
-        request.extensions_mut().remove::<tunnel::ConnectionHold>();
+        request
+            .extensions_mut()
+            .remove::<crate::server::ConnectionHold>();
     }
     // `TE: trailers` is the one TE allowed in HTTP/2, and gRPC servers require it.
     let wants_trailers = upstream.http2

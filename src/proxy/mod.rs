@@ -36,7 +36,6 @@ use self::forward::ForwardError;
 pub use self::harden::HeadLimits;
 use self::request_id::{RequestIds, X_REQUEST_ID};
 use self::shaping::Admitted;
-pub use self::tunnel::ConnectionHold;
 use self::upstreams::{Clients, Upstreams};
 use crate::config::OnStoreError;
 use crate::keys;
