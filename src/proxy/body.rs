@@ -25,7 +25,7 @@ use crate::policy::BodyPace;
 
 pub enum ProxyBody {
     Full(Option<Bytes>),
-    Stream(Incoming),
+    Stream(super::forward::UpstreamBody),
 }
 
 impl ProxyBody {
