@@ -13,15 +13,15 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// `io`, noting in `activity` the milliseconds since `epoch` of the last byte read or
 /// written. Several streams may share one `activity` (the two sides of a tunnel).
-pub struct Noted<T> {
+pub struct StampedIo<T> {
     io: T,
     epoch: Instant,
     activity: Arc<AtomicU64>,
 }
 
-impl<T> Noted<T> {
-    pub fn new(io: T, epoch: Instant, activity: &Arc<AtomicU64>) -> Noted<T> {
-        Noted {
+impl<T> StampedIo<T> {
+    pub fn new(io: T, epoch: Instant, activity: &Arc<AtomicU64>) -> StampedIo<T> {
+        StampedIo {
             io,
             epoch,
             activity: Arc::clone(activity),
@@ -34,7 +34,7 @@ impl<T> Noted<T> {
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for Noted<T> {
+impl<T: AsyncRead + Unpin> AsyncRead for StampedIo<T> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -50,7 +50,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Noted<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for Noted<T> {
+impl<T: AsyncWrite + Unpin> AsyncWrite for StampedIo<T> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

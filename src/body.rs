@@ -6,16 +6,21 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 
 pub enum ProxyBody {
     Full(Option<Bytes>),
-    Stream(Incoming),
+    /// Boxed, so that the answer's type does not depend on how upstream connections are kept
+    /// (`proxy::forward`'s pool, which builds this body): one allocation per forwarded answer.
+    Stream(Pin<Box<dyn Body<Data = Bytes, Error = hyper::Error> + Send>>),
 }
 
 impl ProxyBody {
     pub fn full(bytes: Bytes) -> ProxyBody {
         ProxyBody::Full(Some(bytes).filter(|b| !b.is_empty()))
+    }
+
+    pub fn stream(body: impl Body<Data = Bytes, Error = hyper::Error> + Send + 'static) -> Self {
+        ProxyBody::Stream(Box::pin(body))
     }
 }
 
@@ -29,14 +34,14 @@ impl Body for ProxyBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
             ProxyBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            ProxyBody::Stream(incoming) => Pin::new(incoming).poll_frame(cx),
+            ProxyBody::Stream(upstream) => upstream.as_mut().poll_frame(cx),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
             ProxyBody::Full(bytes) => bytes.is_none(),
-            ProxyBody::Stream(incoming) => incoming.is_end_stream(),
+            ProxyBody::Stream(upstream) => upstream.is_end_stream(),
         }
     }
 
@@ -45,7 +50,7 @@ impl Body for ProxyBody {
             ProxyBody::Full(bytes) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
-            ProxyBody::Stream(incoming) => incoming.size_hint(),
+            ProxyBody::Stream(upstream) => upstream.size_hint(),
         }
     }
 }

@@ -88,11 +88,8 @@ fn main() -> ExitCode {
         Command::Run { config } => load(&config).and_then(|loaded| {
             let flusher = sluice::log::init(loaded.source.config.log_format.into())
                 .context("cannot start the log writer")?;
-            let served = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .context("cannot start the async runtime")
-                .and_then(|runtime| runtime.block_on(run(&config, loaded)));
+            let served =
+                worker_runtime().and_then(|runtime| runtime.block_on(run(&config, loaded)));
             // Whatever standard error's reader does, the exit waits for it this long at most.
             flusher.flush(sluice::log::FLUSH_TIMEOUT);
             served
@@ -151,6 +148,18 @@ fn check(file: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One worker's runtime: current-thread, so a connection and everything its requests do run
+/// on the worker's own thread (see `server`).
+fn worker_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// Runs on the main thread, which is worker 0: it also hosts what there is one of (the admin
+/// listener, the reloader, the TLS file watch, the signal handler, the store's background
+/// tasks). Workers 1.. each get a thread with its own runtime and listener.
 async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
     let Loaded {
         source,
@@ -179,7 +188,8 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
         }
         _ => Store::local(config.store.local.max_keys.0 as usize, &metrics),
     };
-    let listener = server::bind(config.listen)
+    let workers = config.server.workers.resolve();
+    let listeners = server::bind_workers(config.listen, workers)
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let admin_listener = server::bind(config.admin_listen.value).with_context(|| {
         format!(
@@ -189,6 +199,7 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
     })?;
     tracing::info!(
         listen = %config.listen,
+        workers,
         tls = config.tls.is_some(),
         admin_listen = %config.admin_listen.value,
         routes = policy.routes.len(),
@@ -205,6 +216,7 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
     let settings = server::Settings::new(&config.server);
     let open = |listener: &str| metrics.open_connections.with_label_values(&[listener]);
     let (gateway_open, admin_open) = (open("gateway"), open("admin"));
+    let worker_connections = metrics.worker_connections.clone();
     let gateway = Arc::new(Gateway::new(policy, store, head_limits, &metrics));
     let request_log = gateway.request_log();
     let draining = Arc::new(AtomicBool::new(false));
@@ -242,16 +254,60 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
         tracing::info!("listeners closed: finishing requests in flight");
         let _ = stop.send(true);
     });
+    let handler = move |request, peer| {
+        let gateway = Arc::clone(&gateway);
+        async move { gateway.handle(request, peer).await }
+    };
+    let gateway_slots = server::slots(&gateway_settings);
+    let counters = |worker: usize| server::Counters {
+        open: gateway_open.clone(),
+        accepted: Some(worker_connections.with_label_values(&[&worker.to_string()])),
+    };
+    let mut listeners = listeners.into_iter();
+    let first = listeners
+        .next()
+        .context("no listener was bound for worker 0")?;
+    // Workers 1..: their runtimes built and listeners registered here, so a failure stops the
+    // start; each reports on `finished` when its connections are drained.
+    let (finished, mut workers_done) = tokio::sync::mpsc::channel::<()>(workers.max(1));
+    let mut threads = Vec::new();
+    for (index, listener) in listeners.enumerate() {
+        let worker = index + 1;
+        let runtime = worker_runtime()?;
+        let listener = {
+            let _registered_with = runtime.enter();
+            listener.set_nonblocking(true)?;
+            tokio::net::TcpListener::from_std(listener)?
+        };
+        let (handler, settings, slots, counters, stopping, finished) = (
+            handler.clone(),
+            gateway_settings.clone(),
+            Arc::clone(&gateway_slots),
+            counters(worker),
+            stopping.clone(),
+            finished.clone(),
+        );
+        let thread = std::thread::Builder::new()
+            .name(format!("sluice-worker-{worker}"))
+            .spawn(move || {
+                let serve = server::serve(listener, handler, settings, slots, counters, stopping);
+                runtime.block_on(serve);
+                drop(finished);
+            })
+            .context("cannot start a worker thread")?;
+        threads.push(thread);
+    }
+    drop(finished);
+    first.set_nonblocking(true)?;
     let serve_gateway = server::serve(
-        listener,
-        move |request, peer| {
-            let gateway = Arc::clone(&gateway);
-            async move { gateway.handle(request, peer).await }
-        },
+        tokio::net::TcpListener::from_std(first)?,
+        handler,
         gateway_settings,
-        gateway_open,
+        gateway_slots,
+        counters(0),
         stopping.clone(),
     );
+    let admin_slots = server::slots(&settings);
     let serve_admin = server::serve(
         admin_listener,
         move |request, _peer| {
@@ -259,10 +315,22 @@ async fn run(file: &Path, loaded: Loaded) -> anyhow::Result<()> {
             async move { admin.handle(request).await }
         },
         settings,
-        admin_open,
+        admin_slots,
+        server::Counters {
+            open: admin_open,
+            accepted: None,
+        },
         stopping,
     );
     tokio::join!(serve_gateway, serve_admin);
+    // This runtime keeps driving the shared tasks (the store's connections) until the other
+    // workers are done: then every sender is dropped and `recv` ends.
+    while workers_done.recv().await.is_some() {}
+    for thread in threads {
+        if thread.join().is_err() {
+            tracing::error!("a worker thread panicked");
+        }
+    }
     // The counts since the last report, so a rejection summary is never lost at exit.
     request_log.report();
     Ok(())

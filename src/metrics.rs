@@ -201,6 +201,7 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     pub refused: IntCounterVec,
     pub open_connections: IntGaugeVec,
+    pub worker_connections: IntCounterVec,
     pub local_keys: IntGauge,
     pub local_evictions: IntCounter,
     pub deny_cache_answers: IntCounter,
@@ -289,6 +290,13 @@ impl Metrics {
             ),
             &["listener"],
         )?;
+        let worker_connections = IntCounterVec::new(
+            Opts::new(
+                "sluice_worker_connections_total",
+                "Gateway connections accepted, by worker (`server.workers`: each has its own listener).",
+            ),
+            &["worker"],
+        )?;
         let local_keys = IntGauge::new(
             "sluice_local_store_keys",
             "Keys the in-process store tracks now.",
@@ -373,6 +381,7 @@ impl Metrics {
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(refused.clone()))?;
         registry.register(Box::new(open_connections.clone()))?;
+        registry.register(Box::new(worker_connections.clone()))?;
         registry.register(Box::new(local_keys.clone()))?;
         registry.register(Box::new(local_evictions.clone()))?;
         registry.register(Box::new(deny_cache_answers.clone()))?;
@@ -401,6 +410,7 @@ impl Metrics {
             upstream_errors,
             refused,
             open_connections,
+            worker_connections,
             local_keys,
             local_evictions,
             deny_cache_answers,

@@ -118,6 +118,7 @@ impl Fixed {
             ),
             ("shutdown_delay", old.shutdown_delay == now.shutdown_delay),
             ("shutdown_grace", old.shutdown_grace == now.shutdown_grace),
+            ("workers", old.workers == now.workers),
         ];
         let (old, now) = (&self.store, &new.store);
         let store = [

@@ -2,7 +2,13 @@
 //! TLS with both offered through ALPN, with a bounded number of connections, a header-read
 //! timeout against slow clients (which bounds the TLS handshake too), an idle timeout, and a
 //! graceful shutdown that lets requests in flight finish. HTTP/1.1 connections may be upgraded
-//! (WebSocket): the upgraded connection keeps its slot until it closes.
+//! (WebSocket): the upgraded connection keeps its slot until it closes ([`ConnectionHold`]).
+//!
+//! The gateway is served by `server.workers` workers, each a thread with a current-thread
+//! runtime and its own listener on the same address (`SO_REUSEPORT`, see [`bind_workers`]):
+//! the kernel spreads new connections over them, and a connection lives on one thread from
+//! accept to close, so serving it never wakes another thread. The workers share one bound on
+//! connections (the semaphore handed to each [`serve`]).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -13,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -22,9 +29,8 @@ use prometheus::{IntCounter, IntGauge};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
-use crate::activity::Noted;
+use crate::activity::StampedIo;
 use crate::config::ServerConfig;
-use crate::proxy::{ConnectionHold, ProxyBody};
 use crate::tls::stream::MaybeTls;
 
 /// Connections the kernel may hold, handshake done, until sluice accepts them. The standard
@@ -35,13 +41,52 @@ const LISTEN_BACKLOG: u32 = 1024;
 
 /// Binds a listener on `addr` with [`LISTEN_BACKLOG`].
 pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    bind_socket(addr, false)
+}
+
+fn bind_socket(addr: SocketAddr, reuse_port: bool) -> io::Result<TcpListener> {
     let socket = match addr {
         SocketAddr::V4(_) => TcpSocket::new_v4()?,
         SocketAddr::V6(_) => TcpSocket::new_v6()?,
     };
     socket.set_reuseaddr(true)?;
+    if reuse_port {
+        socket.set_reuseport(true)?;
+    }
     socket.bind(addr)?;
     socket.listen(LISTEN_BACKLOG)
+}
+
+/// Binds `workers` listeners on `addr`, one per worker, as standard-library listeners that
+/// each worker registers with its own runtime ([`TcpListener::from_std`]).
+///
+/// With more than one, they share the address through `SO_REUSEPORT`, which would also let a
+/// second sluice (of the same user) bind the same port without an error: so the address is
+/// first bound once without it, which fails as before when something else listens there.
+/// Port 0 is resolved by the first listener, and the others bind the port it got.
+pub fn bind_workers(addr: SocketAddr, workers: usize) -> io::Result<Vec<std::net::TcpListener>> {
+    if workers <= 1 {
+        return Ok(vec![bind(addr)?.into_std()?]);
+    }
+    let addr = {
+        let probe = bind(addr)?;
+        probe.local_addr()?
+    };
+    (0..workers)
+        .map(|_| bind_socket(addr, true)?.into_std())
+        .collect()
+}
+
+/// What keeps one client connection counted (its slot under `server.max_connections`, the
+/// open-connections gauge) for as long as a clone of it lives, with the listener's idle
+/// timeout. The listener puts one into the extensions of a request that asks for an upgrade
+/// (only those: an extensions map is an allocation other requests are spared); a WebSocket
+/// tunnel takes it, so a connection taken over from HTTP still counts, and is closed when it
+/// falls silent.
+#[derive(Clone)]
+pub struct ConnectionHold {
+    pub idle_timeout: Duration,
+    pub hold: Arc<dyn Send + Sync>,
 }
 
 /// How one listener treats its connections, from `server:` in the config.
@@ -95,21 +140,42 @@ impl Settings {
     }
 }
 
+/// The connection slots of one listener (`max_connections` of them), shared by its workers.
+pub fn slots(settings: &Settings) -> Arc<Semaphore> {
+    Arc::new(Semaphore::new(settings.max_connections as usize))
+}
+
+/// How one worker's listener counts its connections.
+#[derive(Clone)]
+pub struct Counters {
+    /// Open connections of the listener (all workers).
+    pub open: IntGauge,
+    /// Connections this worker accepted.
+    pub accepted: Option<IntCounter>,
+}
+
 /// Serves `handler` on `listener` until `shutdown` turns true, then drains connections.
 ///
-/// Past `max_connections`, the listener stops accepting until a connection closes: new
-/// connections wait in the kernel's backlog (and are refused by the kernel once it is full)
-/// rather than being accepted and closed.
-pub async fn serve<H, F>(
+/// `slots` bounds the open connections of all the workers of this listener together. A
+/// worker that has accepted a connection waits for a slot before it serves it, and accepts
+/// no other meanwhile: past `max_connections`, new connections wait in the kernel's backlog
+/// (and are refused by the kernel once it is full) rather than being accepted and closed.
+/// (Waiting for a slot *before* accepting would let a worker whose backlog is empty take the
+/// slot a connection queued at another worker needs.)
+pub async fn serve<H, F, B>(
     listener: TcpListener,
     handler: H,
     settings: Settings,
-    open: IntGauge,
+    slots: Arc<Semaphore>,
+    counters: Counters,
     mut shutdown: watch::Receiver<bool>,
 ) where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let Counters { open, accepted } = counters;
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -122,16 +188,8 @@ pub async fn serve<H, F>(
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(settings.parser_max_head_bytes).unwrap_or(u32::MAX));
     let builder = Arc::new(builder);
-    let slots = Arc::new(Semaphore::new(settings.max_connections as usize));
     let epoch = Instant::now();
     loop {
-        let slot = tokio::select! {
-            slot = Arc::clone(&slots).acquire_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => break,
-            },
-            _ = shutdown.wait_for(|stop| *stop) => break,
-        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -144,15 +202,22 @@ pub async fn serve<H, F>(
             },
             _ = shutdown.wait_for(|stop| *stop) => break,
         };
+        let slot = tokio::select! {
+            slot = Arc::clone(&slots).acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            _ = shutdown.wait_for(|stop| *stop) => break,
+        };
+        if let Some(accepted) = &accepted {
+            accepted.inc();
+        }
         let _ = stream.set_nodelay(true);
         let accepted = Instant::now();
         let handler = handler.clone();
         let first_request = Arc::new(AtomicBool::new(false));
         let over_tls = settings.tls.is_some();
         open.inc();
-        // A request that asks for an upgrade carries a clone: a WebSocket tunnel keeps the
-        // connection counted after hyper has handed it over. Other requests go without, which
-        // spares each an extensions map (an allocation on the hot path).
         let hold = ConnectionHold {
             idle_timeout: settings.idle_timeout,
             hold: Arc::new(Counted {
@@ -182,7 +247,7 @@ pub async fn serve<H, F>(
         tokio::spawn(async move {
             let now = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
             let activity = Arc::new(AtomicU64::new(now));
-            let stream = Noted::new(stream, epoch, &activity);
+            let stream = StampedIo::new(stream, epoch, &activity);
             let stream = match tls {
                 None => MaybeTls::Plain(stream),
                 // The handshake is part of what must arrive by `head_due`: a client that
@@ -206,7 +271,7 @@ pub async fn serve<H, F>(
                 }
             };
             let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            let watch = Watch {
+            let closer = ConnectionCloser {
                 epoch,
                 activity,
                 idle_timeout,
@@ -214,13 +279,14 @@ pub async fn serve<H, F>(
                 first_request,
                 shutdown,
             };
-            if let Err(err) = watch.run(connection).await {
+            if let Err(err) = closer.run(connection).await {
                 tracing::debug!(%peer, error = %err, "connection ended with an error");
             }
         });
     }
     drop(listener);
-    // Every open connection holds a slot: all of them back means every connection is done.
+    // Every open connection holds a slot: all of them back means every connection is done
+    // (those of the other workers too: each worker's runtime lives until then, or the grace).
     let grace = settings.shutdown_grace;
     if tokio::time::timeout(grace, slots.acquire_many(settings.max_connections))
         .await
@@ -238,7 +304,7 @@ pub async fn serve<H, F>(
 /// HTTP/1.1, which takes its first byte, and HTTP/2 has none: a client that sends nothing,
 /// stops in the middle of the HTTP/2 preface, or opens HTTP/2 and sends no request, is
 /// closed here instead.
-struct Watch {
+struct ConnectionCloser {
     epoch: Instant,
     activity: Arc<AtomicU64>,
     idle_timeout: Duration,
@@ -265,15 +331,17 @@ impl Drop for Counted {
     }
 }
 
-impl Watch {
-    async fn run<S>(
+impl ConnectionCloser {
+    async fn run<S, B>(
         mut self,
         connection: Connection<'_, S>,
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     where
-        S: hyper::service::Service<Request<Incoming>, Response = Response<ProxyBody>>,
+        S: hyper::service::Service<Request<Incoming>, Response = Response<B>>,
         S::Future: Send + 'static,
         S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let mut connection = pin!(connection);
         let mut closing = false;
@@ -306,4 +374,4 @@ impl Watch {
 }
 
 /// A client connection that notes when it last read or wrote a byte, for the idle timeout.
-type Watched = Noted<TcpStream>;
+type Watched = StampedIo<TcpStream>;

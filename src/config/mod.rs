@@ -156,6 +156,63 @@ pub struct ServerConfig {
     pub shutdown_delay: Option<ConfigDuration>,
     #[serde(default = "default_shutdown_grace")]
     pub shutdown_grace: ConfigDuration,
+    /// How many threads serve the gateway, each with its own runtime, listener and upstream
+    /// connections: `auto` (the default) is one per available core.
+    #[serde(default)]
+    pub workers: Workers,
+}
+
+/// `server.workers`: `auto` or a count from 1 to [`Workers::MAX`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Workers {
+    #[default]
+    Auto,
+    Count(u32),
+}
+
+impl Workers {
+    pub const MAX: u32 = 1024;
+
+    /// The number of workers to start: `auto` asks the OS how many cores this process may use.
+    pub fn resolve(self) -> usize {
+        match self {
+            Workers::Count(count) => count as usize,
+            Workers::Auto => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Workers {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Workers, D::Error> {
+        struct Visitor;
+        const EXPECTED: &str = "`auto` or a number of workers from 1 to 1024";
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Workers;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(EXPECTED)
+            }
+            fn visit_u64<E: serde::de::Error>(self, count: u64) -> Result<Workers, E> {
+                match u32::try_from(count) {
+                    Ok(count) if (1..=Workers::MAX).contains(&count) => Ok(Workers::Count(count)),
+                    _ => Err(E::custom(format!("must be {EXPECTED}, got {count}"))),
+                }
+            }
+            fn visit_i64<E: serde::de::Error>(self, count: i64) -> Result<Workers, E> {
+                match u64::try_from(count) {
+                    Ok(count) => self.visit_u64(count),
+                    Err(_) => Err(E::custom(format!("must be {EXPECTED}, got {count}"))),
+                }
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Workers, E> {
+                if text == "auto" {
+                    Ok(Workers::Auto)
+                } else {
+                    Err(E::custom(format!("must be {EXPECTED}, got {text:?}")))
+                }
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
 impl Default for ServerConfig {
@@ -173,6 +230,7 @@ impl Default for ServerConfig {
             body_rate_grace: default_body_rate_grace(),
             shutdown_delay: None,
             shutdown_grace: default_shutdown_grace(),
+            workers: Workers::Auto,
         }
     }
 }

@@ -209,6 +209,22 @@ impl JsonSchema for Positive {
     }
 }
 
+impl JsonSchema for super::Workers {
+    fn schema_name() -> Cow<'static, str> {
+        "Workers".into()
+    }
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({
+            "description": "`auto`: one worker per available core; or a number of workers.",
+            "oneOf": [
+                { "const": "auto" },
+                { "type": "integer", "minimum": 1, "maximum": super::Workers::MAX },
+            ],
+            "default": "auto",
+        })
+    }
+}
+
 impl JsonSchema for PoolSize {
     fn schema_name() -> Cow<'static, str> {
         "PoolSize".into()

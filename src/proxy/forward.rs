@@ -17,11 +17,10 @@ use http::header::{HeaderValue, HOST, TE};
 use http::uri::{PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use prometheus::{IntCounter, IntCounterVec};
+
+use self::pool::Connector;
+pub use self::pool::UpstreamBody;
 
 use super::headers;
 use super::request_body::{BodyFault, BodyRefusals, RequestBody};
@@ -30,14 +29,14 @@ use crate::metrics::UpstreamErrorKind;
 use crate::policy::{Route, Upstream};
 use crate::tls::UpstreamTls;
 
-/// How long an idle pooled upstream connection is kept.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+mod pool;
 
-/// The pooled HTTP/1.1 (or, for an `http2` upstream, HTTP/2) client of one upstream (over TLS
-/// for an https one), with its error counters. Long-lived: the registry in `proxy::upstreams`
-/// keeps it across reloads that leave the upstream unchanged.
+/// The HTTP/1.1 (or, for an `http2` upstream, HTTP/2) client of one upstream (over TLS for an
+/// https one), with its error counters; its connections are pooled per worker (see `pool`).
+/// Long-lived: the registry in `proxy::upstreams` keeps it across reloads that leave the
+/// upstream unchanged, and with it the warm connections.
 pub struct UpstreamClient {
-    client: Client<HttpsConnector<HttpConnector>, RequestBody>,
+    connector: Arc<Connector>,
     errors: UpstreamErrors,
 }
 
@@ -53,20 +52,16 @@ impl UpstreamClient {
     /// `tls`: the settings of an https upstream. A failed TLS handshake is a connect error.
     /// `http2`: speak HTTP/2 with prior knowledge (h2c) instead of HTTP/1.1.
     pub fn new(
+        authority: &http::uri::Authority,
         connect_timeout: Duration,
         tls: Option<&UpstreamTls>,
         upstream: &str,
         errors: &IntCounterVec,
         http2: bool,
     ) -> UpstreamClient {
-        let connector = crate::tls::upstream::connector(connect_timeout, tls, http2);
         let counter = |kind: UpstreamErrorKind| errors.with_label_values(&[upstream, kind.label()]);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .http2_only(http2)
-            .build(connector);
         UpstreamClient {
-            client,
+            connector: Arc::new(Connector::new(authority, connect_timeout, tls, http2)),
             errors: UpstreamErrors {
                 connect: counter(UpstreamErrorKind::Connect),
                 timeout: counter(UpstreamErrorKind::Timeout),
@@ -112,13 +107,15 @@ pub async fn forward(
     peer: SocketAddr,
     route: &Route,
     refusals: &Arc<BodyRefusals>,
-) -> Result<Response<Incoming>, ForwardError> {
+) -> Result<Response<UpstreamBody>, ForwardError> {
     // Extended CONNECT (RFC 8441) is not supported, so an HTTP/2 upstream gets no upgrade.
     let upgrade = (!upstream.http2 && tunnel::is_websocket_upgrade(&request))
         .then(|| tunnel::ClientSide::take(&mut request));
     if upgrade.is_none() {
         // Only a tunnel may hold the client's connection slot; the upstream client must not.
-        request.extensions_mut().remove::<tunnel::ConnectionHold>();
+        request
+            .extensions_mut()
+            .remove::<crate::server::ConnectionHold>();
     }
     // `TE: trailers` is the one TE allowed in HTTP/2, and gRPC servers require it.
     let wants_trailers = upstream.http2
@@ -169,13 +166,9 @@ pub async fn forward(
         );
     }
 
-    let result = match tokio::time::timeout(upstream.timeout, client.client.request(request)).await
-    {
-        Ok(Ok(response)) => Ok(response),
-        Ok(Err(err)) if err.is_connect() || crate::tls::upstream::is_tls_failure(&err) => {
-            Err(ForwardError::Connect(error_chain(&err)))
-        }
-        Ok(Err(err)) => Err(ForwardError::Other(error_chain(&err))),
+    let sent = client.connector.send(request, upgrade.is_some());
+    let result = match tokio::time::timeout(upstream.timeout, sent).await {
+        Ok(result) => result,
         Err(_) => Err(ForwardError::Timeout(upstream.timeout)),
     };
     match result {

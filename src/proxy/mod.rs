@@ -44,7 +44,6 @@ use self::request_body::BodyRefusals;
 use self::request_id::{RequestIds, X_REQUEST_ID};
 pub use self::route::{refuse, route};
 pub use self::stop::{Fault, Stop};
-pub use self::tunnel::ConnectionHold;
 use self::upstreams::{Clients, Upstreams};
 pub use crate::body::ProxyBody;
 use crate::config::OnStoreError;
@@ -209,7 +208,7 @@ impl Gateway {
         match forwarded.await {
             Ok(response) => Ok(Answered {
                 outcome: Outcome::Forwarded,
-                response: response.map(ProxyBody::Stream),
+                response,
             }),
             // Counted by the body when it failed.
             Err(ForwardError::Body(fault)) => Err(Stop::Body(fault)),
@@ -232,7 +231,7 @@ pub trait ForwardBody: http_body::Body + Send + Sized + 'static {
         peer: SocketAddr,
         route: &'a Route,
         refusals: &'a Arc<BodyRefusals>,
-    ) -> impl Future<Output = Result<Response<Incoming>, ForwardError>> + Send + 'a;
+    ) -> impl Future<Output = Result<Response<ProxyBody>, ForwardError>> + Send + 'a;
 }
 
 impl ForwardBody for Incoming {
@@ -243,8 +242,9 @@ impl ForwardBody for Incoming {
         peer: SocketAddr,
         route: &'a Route,
         refusals: &'a Arc<BodyRefusals>,
-    ) -> impl Future<Output = Result<Response<Incoming>, ForwardError>> + Send + 'a {
-        forward::forward(upstream, client, request, peer, route, refusals)
+    ) -> impl Future<Output = Result<Response<ProxyBody>, ForwardError>> + Send + 'a {
+        let forwarded = forward::forward(upstream, client, request, peer, route, refusals);
+        async move { Ok(forwarded.await?.map(ProxyBody::stream)) }
     }
 }
 

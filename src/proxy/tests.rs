@@ -23,7 +23,7 @@ impl ForwardBody for Empty<Bytes> {
         _: SocketAddr,
         _: &'a Route,
         _: &'a Arc<BodyRefusals>,
-    ) -> Result<Response<Incoming>, ForwardError> {
+    ) -> Result<Response<ProxyBody>, ForwardError> {
         Err(ForwardError::Other(
             "no upstream in an in-process test".to_owned(),
         ))

@@ -13,17 +13,8 @@ use http::{Request, Version};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
-use crate::activity::Noted;
-
-/// Put by the listener into every request's extensions: what keeps the client's connection
-/// counted (its slot under `server.max_connections`, the open-connections gauge) for as long
-/// as a clone of it lives, and the listener's idle timeout. A tunnel holds one, so that a
-/// connection taken over from HTTP still counts, and is closed when it falls silent.
-#[derive(Clone)]
-pub struct ConnectionHold {
-    pub idle_timeout: Duration,
-    pub hold: Arc<dyn Send + Sync>,
-}
+use crate::activity::StampedIo;
+use crate::server::ConnectionHold;
 
 /// Whether `request` asks to switch its HTTP/1.1 connection to WebSocket (RFC 6455 §4.1):
 /// `Connection` names `upgrade` and `Upgrade` names `websocket`. Other protocols (h2c among
@@ -96,8 +87,8 @@ pub fn spawn(client: ClientSide, upstream: OnUpgrade, route: String) {
         let idle_timeout = hold.as_ref().map(|hold| hold.idle_timeout);
         let epoch = Instant::now();
         let activity = Arc::new(AtomicU64::new(0));
-        let mut client_io = Noted::new(TokioIo::new(client_io), epoch, &activity);
-        let mut upstream_io = Noted::new(TokioIo::new(upstream_io), epoch, &activity);
+        let mut client_io = StampedIo::new(TokioIo::new(client_io), epoch, &activity);
+        let mut upstream_io = StampedIo::new(TokioIo::new(upstream_io), epoch, &activity);
         let copy = tokio::io::copy_bidirectional(&mut client_io, &mut upstream_io);
         let ended = match idle_timeout {
             Some(idle) => until_idle(copy, epoch, &activity, idle).await,

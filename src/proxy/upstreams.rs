@@ -65,6 +65,7 @@ impl Upstreams {
             };
             let client = registry.entry(key.clone()).or_insert_with(|| {
                 Arc::new(UpstreamClient::new(
+                    &upstream.authority,
                     upstream.connect_timeout,
                     upstream.tls.as_deref(),
                     upstream.name.as_str(),

@@ -4,11 +4,8 @@
 
 use std::fmt;
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::sync::Arc;
 
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::HttpConnector;
 use rustls::{ClientConfig, RootCertStore};
 use sha2::{Digest, Sha256};
 
@@ -155,46 +152,17 @@ fn builtin_roots() -> RootCertStore {
     }
 }
 
-/// The client config of plain `http://` upstreams: never used for a handshake (the connector
-/// passes http URIs through), but the connector needs one.
-fn plain_config() -> Arc<ClientConfig> {
-    static PLAIN: OnceLock<Arc<ClientConfig>> = OnceLock::new();
-    Arc::clone(PLAIN.get_or_init(|| {
-        let config = ClientConfig::builder_with_provider(super::provider())
-            .with_safe_default_protocol_versions()
-            .map(|builder| {
-                builder
-                    .with_root_certificates(RootCertStore::empty())
-                    .with_no_client_auth()
-            });
-        // ring supports the default protocol versions; this cannot fail with it.
-        Arc::new(config.unwrap_or_else(|_| unreachable!("ring supports TLS 1.2 and 1.3")))
-    }))
-}
-
-/// The connector of one upstream: TCP within `connect_timeout`, then TLS for `https://` URIs
-/// with `tls` (ALPN `http/1.1`: sluice forwards HTTP/1.1).
-/// `http2`: an https upstream is offered only `h2` through ALPN (an `http2: true` upstream);
-/// otherwise only `http/1.1`.
-pub fn connector(
-    connect_timeout: Duration,
-    tls: Option<&UpstreamTls>,
-    http2: bool,
-) -> HttpsConnector<HttpConnector> {
-    let mut http = HttpConnector::new();
-    http.set_connect_timeout(Some(connect_timeout));
-    http.set_nodelay(true);
-    // The https connector wraps this one and hands it https URIs too.
-    http.enforce_http(false);
-    let config = tls.map_or_else(plain_config, |tls| Arc::clone(&tls.config));
-    let builder = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config((*config).clone())
-        .https_or_http();
-    if http2 {
-        builder.enable_http2().wrap_connector(http)
+/// The client config of one https upstream's connections: its own (roots, client
+/// certificate) with the one protocol sluice speaks to it offered through ALPN, `h2` for an
+/// `http2: true` upstream, `http/1.1` otherwise. Built once per upstream client.
+pub fn client_config(tls: &UpstreamTls, http2: bool) -> Arc<ClientConfig> {
+    let mut config = (*tls.config).clone();
+    config.alpn_protocols = vec![if http2 {
+        b"h2".to_vec()
     } else {
-        builder.enable_http1().wrap_connector(http)
-    }
+        b"http/1.1".to_vec()
+    }];
+    Arc::new(config)
 }
 
 /// Whether `err` is, or was caused by, a TLS failure. Under TLS 1.3 a server checks the client

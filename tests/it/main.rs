@@ -50,3 +50,4 @@ mod slow_bodies;
 mod streaming;
 mod tls;
 mod websocket;
+mod workers;
