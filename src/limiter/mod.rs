@@ -360,7 +360,9 @@ impl Store {
                 if breaker.is_open() {
                     return Err(StoreError::Unavailable);
                 }
-                let result = store.decide(checks).await;
+                // Boxed: the Redis call's future is large, and inline it would make every
+                // request's future (moved several times per request) as large, local or not.
+                let result = Box::pin(store.decide(checks)).await;
                 match &result {
                     Ok(decision) => {
                         breaker.record_success();
@@ -422,7 +424,7 @@ impl Store {
             }
             Backend::Redis { store, denials, .. } => {
                 denials.forget_checks(checks);
-                let result = store.release(checks, admission).await;
+                let result = Box::pin(store.release(checks, admission)).await;
                 if let Some(counter) = result.as_ref().err().and_then(|err| self.errors.of(err)) {
                     counter.inc();
                 }

@@ -208,8 +208,10 @@ impl Connector {
         mut request: Request<RequestBody>,
         upgrade: bool,
     ) -> Result<Response<UpstreamBody>, ForwardError> {
+        // Boxed, as are the rarer steps below (a new connection, an upgrade): a future holds
+        // room for its largest step, and this one is moved several times per request.
         if self.http2 {
-            return self.send_http2(request).await;
+            return Box::pin(self.send_http2(request)).await;
         }
         // HTTP/1.1 asks for the origin form, with the authority in `Host`.
         let origin = request
@@ -222,7 +224,7 @@ impl Connector {
         loop {
             let (mut conn, reused) = match self.checkout() {
                 Some(conn) => (conn, true),
-                None => (self.connect_http1().await?, false),
+                None => (Box::pin(self.connect_http1()).await?, false),
             };
             // A pooled connection may have been closed by the upstream while it was idle:
             // polling it finds out (it ends) before a request is given to it.
@@ -253,8 +255,7 @@ impl Connector {
                         tracing::debug!(error = %err, "an upgraded upstream connection failed");
                     }
                 });
-                let response = sender
-                    .send_request(request)
+                let response = Box::pin(sender.send_request(request))
                     .await
                     .map_err(|e| hyper_error(&e))?;
                 return Ok(response.map(UpstreamBody::alone));
