@@ -145,7 +145,7 @@ impl UpstreamErrorKind {
 
 /// How one limit decided a request, as counted by `sluice_limit_decisions_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum LimitDecision {
     Admitted,
     Rejected,
     /// A shadow limit that would have rejected the request (which it never does).
@@ -157,14 +157,14 @@ pub enum Verdict {
     Released,
 }
 
-impl Verdict {
+impl LimitDecision {
     pub fn label(self) -> &'static str {
         match self {
-            Verdict::Admitted => "admitted",
-            Verdict::Rejected => "rejected",
-            Verdict::ShadowRejected => "shadow_rejected",
-            Verdict::Delayed => "delayed",
-            Verdict::Released => "released",
+            LimitDecision::Admitted => "admitted",
+            LimitDecision::Rejected => "rejected",
+            LimitDecision::ShadowRejected => "shadow_rejected",
+            LimitDecision::Delayed => "delayed",
+            LimitDecision::Released => "released",
         }
     }
 }
@@ -447,16 +447,16 @@ impl Metrics {
     }
 
     pub fn for_limit(&self, route: &str, limit: &str) -> LimitMetrics {
-        let counter = |verdict: Verdict| {
+        let counter = |decision: LimitDecision| {
             self.limit_decisions
-                .with_label_values(&[route, limit, verdict.label()])
+                .with_label_values(&[route, limit, decision.label()])
         };
         LimitMetrics {
-            admitted: counter(Verdict::Admitted),
-            rejected: counter(Verdict::Rejected),
-            shadow_rejected: counter(Verdict::ShadowRejected),
-            delayed: counter(Verdict::Delayed),
-            released: counter(Verdict::Released),
+            admitted: counter(LimitDecision::Admitted),
+            rejected: counter(LimitDecision::Rejected),
+            shadow_rejected: counter(LimitDecision::ShadowRejected),
+            delayed: counter(LimitDecision::Delayed),
+            released: counter(LimitDecision::Released),
         }
     }
 

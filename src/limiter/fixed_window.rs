@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use super::{LimitState, Spec, Verdict};
+use super::{LimitState, Room, Spec};
 
 /// One window's count, and when it ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -42,9 +42,9 @@ fn remaining(requests: u32, count: u64) -> u32 {
 
 /// Whether the request fits in `counter` (already taken `at(now)`); a rejection waits for the
 /// window to end, since nothing leaves before.
-pub fn check(counter: Counter, spec: &Spec, now: u64) -> Verdict {
+pub fn check(counter: Counter, spec: &Spec, now: u64) -> Room {
     let admits = counter.count + u64::from(spec.cost) <= u64::from(spec.requests);
-    Verdict {
+    Room {
         admits,
         wait: if admits {
             0

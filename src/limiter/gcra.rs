@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use super::{LimitState, Spec, Verdict};
+use super::{LimitState, Room, Spec};
 
 /// The emission interval T.
 pub fn interval(spec: &Spec) -> u64 {
@@ -37,12 +37,12 @@ fn state(ahead: u64, t: u64, burst: u32) -> LimitState {
 }
 
 /// Whether the request fits, given the stored TAT (`None` = nothing stored).
-pub fn check(tat: Option<u64>, spec: &Spec, now: u64) -> Verdict {
+pub fn check(tat: Option<u64>, spec: &Spec, now: u64) -> Room {
     let t = interval(spec);
     let tat = tat.unwrap_or(now).max(now);
     let new = tat + u64::from(spec.cost) * t;
     let limit = now + u64::from(spec.burst) * t;
-    Verdict {
+    Room {
         admits: new <= limit,
         wait: new.saturating_sub(limit),
         state: state(tat - now, t, spec.burst),

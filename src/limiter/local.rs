@@ -19,7 +19,7 @@ use lru::LruCache;
 use prometheus::{IntCounter, IntGauge};
 
 use super::{fixed_window, gcra, sliding_log, sliding_window};
-use super::{Admission, Algorithm, Check, Decision, LimitState, Peek, Spec, Verdict};
+use super::{Admission, Algorithm, Check, Decision, LimitState, Peek, Room, Spec};
 
 /// How often logs that have emptied are dropped, so memory follows live keys only.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -78,7 +78,7 @@ impl Cell {
     }
 
     /// The state must be advanced to `now`.
-    fn check(&self, spec: &Spec, now: u64) -> Verdict {
+    fn check(&self, spec: &Spec, now: u64) -> Room {
         match self {
             Cell::Log(times) => sliding_log::check(times, spec, now),
             Cell::Window(counts) => sliding_window::check(*counts, spec, now),
@@ -227,7 +227,7 @@ impl LocalStore {
         let mut rejecting = Vec::with_capacity(checks.len());
         for (check, &slot) in checks.iter().zip(&slot) {
             let spec = check.spec;
-            let verdict = match guards[slot].get_mut(&check.key) {
+            let room = match guards[slot].get_mut(&check.key) {
                 // A key last used by another algorithm (after a reload) starts afresh.
                 Some(log) if log.cell.algorithm() == spec.algorithm => {
                     log.window_us = spec.window_us();
@@ -237,16 +237,16 @@ impl LocalStore {
                 _ => Cell::new(spec.algorithm).check(&spec, now),
             };
             // A shadow limit without room is only reported: it neither rejects nor records.
-            if !verdict.admits && !check.spec.shadow {
-                if verdict.wait <= spec.max_delay_us() {
-                    delay = delay.max(verdict.wait);
+            if !room.admits && !check.spec.shadow {
+                if room.wait <= spec.max_delay_us() {
+                    delay = delay.max(room.wait);
                 } else {
                     admitted = false;
                 }
-                retry_after = retry_after.max(verdict.wait);
+                retry_after = retry_after.max(room.wait);
             }
-            rejecting.push(!verdict.admits);
-            states.push(verdict.state);
+            rejecting.push(!room.admits);
+            states.push(room.state);
         }
         let at = now + delay;
         if admitted {
@@ -329,22 +329,22 @@ impl LocalStore {
         };
         let now = micros_since(self.epoch);
         let mut logs = lock(&self.shards.shards[self.shards.index(&check.key)]);
-        let verdict = match logs.peek_mut(check.key.as_str()) {
+        let room = match logs.peek_mut(check.key.as_str()) {
             Some(log) if log.cell.algorithm() == spec.algorithm => {
                 log.cell.advance(spec.window_us(), now);
-                let verdict = log.cell.check(&spec, now);
+                let room = log.cell.check(&spec, now);
                 return Peek {
-                    count: log.cell.count(&spec, &verdict),
-                    remaining: verdict.state.remaining,
-                    reset: verdict.state.reset,
+                    count: log.cell.count(&spec, &room),
+                    remaining: room.state.remaining,
+                    reset: room.state.reset,
                 };
             }
             _ => Cell::new(spec.algorithm).check(&spec, now),
         };
         Peek {
             count: 0,
-            remaining: verdict.state.remaining,
-            reset: verdict.state.reset,
+            remaining: room.state.remaining,
+            reset: room.state.reset,
         }
     }
 
@@ -363,8 +363,8 @@ impl Cell {
     /// Requests counted against the limit now (the state advanced to now): entries or the
     /// counter where the algorithm keeps them; for the sliding-window counter (a weighted
     /// sum) and GCRA (a timestamp), the room used, capacity minus remaining.
-    fn count(&self, spec: &Spec, verdict: &Verdict) -> u64 {
-        let remaining = u64::from(verdict.state.remaining);
+    fn count(&self, spec: &Spec, room: &Room) -> u64 {
+        let remaining = u64::from(room.state.remaining);
         match self {
             Cell::Log(times) => times.len() as u64,
             Cell::Counter(counter) => counter.count,

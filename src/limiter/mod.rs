@@ -117,9 +117,10 @@ pub fn spans_slots(checks: &[Check]) -> bool {
     cluster::slot_groups(checks).is_some()
 }
 
-/// One algorithm's answer for one limit, before anything is recorded.
+/// Whether one limit has room for a request's cost, as its algorithm answers before anything
+/// is recorded: how long until it has, and where the limit stands meanwhile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Verdict {
+pub struct Room {
     /// Whether this limit has room for the request's cost.
     pub admits: bool,
     /// For a limit without room, the exact time in microseconds until it has.

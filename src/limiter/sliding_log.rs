@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::{LimitState, Spec, Verdict};
+use super::{LimitState, Room, Spec};
 
 /// Drops the admissions that have left the window ending at `now`.
 pub fn prune(times: &mut VecDeque<u64>, window_us: u64, now: u64) {
@@ -35,7 +35,7 @@ pub fn until_more_room(times: &VecDeque<u64>, requests: u32, window_us: u64, now
 
 /// Whether the request fits: `times` must be pruned. A rejection waits until enough entries
 /// have left for its cost: the (count + cost − requests)-th oldest.
-pub fn check(times: &VecDeque<u64>, spec: &Spec, now: u64) -> Verdict {
+pub fn check(times: &VecDeque<u64>, spec: &Spec, now: u64) -> Room {
     let needed = (times.len() + spec.cost as usize).saturating_sub(spec.requests as usize);
     let wait = match needed {
         0 => 0,
@@ -43,7 +43,7 @@ pub fn check(times: &VecDeque<u64>, spec: &Spec, now: u64) -> Verdict {
             (t + spec.window_us()).saturating_sub(now)
         }),
     };
-    Verdict {
+    Room {
         admits: needed == 0,
         wait,
         state: state(times, spec.requests, spec.window_us(), now),
@@ -145,13 +145,9 @@ mod tests {
             cost: 3,
             ..Spec::default()
         };
-        let verdict = check(&times, &spec, 4 * SECOND);
-        assert!(!verdict.admits);
-        assert_eq!(
-            verdict.wait,
-            8 * SECOND,
-            "two must leave: the second at 12 s"
-        );
+        let room = check(&times, &spec, 4 * SECOND);
+        assert!(!room.admits);
+        assert_eq!(room.wait, 8 * SECOND, "two must leave: the second at 12 s");
     }
 
     fn spec(requests: u32, cost: u32) -> Spec {

@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use super::{LimitState, Spec, Verdict};
+use super::{LimitState, Room, Spec};
 
 /// The counts of the window `index` (= now / window) and of the one before.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -88,7 +88,7 @@ fn state(counts: Counts, spec: &Spec, now: u64) -> LimitState {
 }
 
 /// Whether the request fits in `counts` (already taken `at(now)`).
-pub fn check(counts: Counts, spec: &Spec, now: u64) -> Verdict {
+pub fn check(counts: Counts, spec: &Spec, now: u64) -> Room {
     let (count, _) = weighted(counts, spec.window_us(), now);
     let admits = count + f64::from(spec.cost) <= f64::from(spec.requests);
     let wait = if admits {
@@ -97,7 +97,7 @@ pub fn check(counts: Counts, spec: &Spec, now: u64) -> Verdict {
         let target = f64::from(spec.requests) - f64::from(spec.cost);
         wait_until(counts, spec.window_us(), now, target)
     };
-    Verdict {
+    Room {
         admits,
         wait,
         state: state(counts, spec, now),

@@ -304,6 +304,43 @@ fn pool_size_has_an_upper_bound() {
     );
 }
 
+/// `store.redis` names where Redis is in exactly one way; the error points at the second way
+/// given, or at `store.redis` itself when none is, and at an empty list of nodes.
+#[test]
+fn redis_needs_exactly_one_topology() {
+    const ONE_OF: &str = "`url` (one Redis), `sentinel` (a master found through Redis Sentinel) \
+                          or `cluster` (a Redis Cluster)";
+    let url = "    url: redis://127.0.0.1:6379/0\n";
+    let both = variant(
+        url,
+        &format!("{url}    cluster:\n      nodes: [\"127.0.0.1:7000\"]\n"),
+    );
+    assert_refused(
+        &both,
+        "nodes: [\"127.0.0.1:7000\"]",
+        "nodes",
+        &format!("store.redis.cluster: give exactly one of {ONE_OF}"),
+        &[],
+    );
+    let neither = variant(url, "");
+    assert_refused(
+        &neither,
+        "timeout: 50ms",
+        "timeout",
+        &format!("store.redis: needs {ONE_OF}"),
+        &[],
+    );
+    let no_nodes = variant(url, "    sentinel: { master_name: m, nodes: [] }\n");
+    assert_refused(
+        &no_nodes,
+        "sentinel: {",
+        "[]",
+        "store.redis.sentinel.nodes: list at least one sentinel (host:port); three or more is \
+         usual",
+        &[],
+    );
+}
+
 #[test]
 fn admin_listen_equal_to_listen() {
     let yaml = variant(

@@ -1,0 +1,558 @@
+//! The sections of the policy file as serde reads them (listeners, server, store, upstreams,
+//! routes, limits), with their defaults and the bounds checked while a value is read.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use super::types::{self, OnExceed, StatusMatch};
+use super::{
+    schema, AdminConfig, AlgorithmConfig, ByteSize, ConfigDuration, FieldName, ForwardedHeader,
+    HostPort, IpNet, KeyPart, LogFormat, MethodName, Name, OnStoreError, PathPrefix, Positive,
+    RedisUrl, ResponseHeaders, Spanned, Status, UpstreamUrl,
+};
+use crate::limiter::Topology;
+
+/// Default most requests of one route held at once by `on_exceed: delay` limits.
+pub const DEFAULT_MAX_DELAYED: u32 = 1024;
+/// Longest `max_delay` accepted: a held request keeps its connection open.
+pub const MAX_MAX_DELAY_MS: u64 = 60_000;
+
+/// Default timeout of one store call, including waiting for a pooled connection.
+pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 50;
+/// Default number of multiplexed Redis connections (few suffice: each carries many decisions).
+pub const DEFAULT_POOL_SIZE: u32 = 4;
+/// Default prefix of every key sluice writes to the store.
+pub const DEFAULT_KEY_PREFIX: &str = "sluice";
+/// Default longest request line (method, target and version) accepted; longer gets 414.
+pub const DEFAULT_MAX_REQUEST_LINE: u64 = 8 * 1024;
+/// Default most bytes of header fields (names, values and their separators); more gets 431.
+pub const DEFAULT_MAX_HEADER_BYTES: u64 = 32 * 1024;
+/// Default most header fields in one request; more gets 431.
+pub const DEFAULT_MAX_HEADERS: u32 = 100;
+/// Default most client connections open at once; past it, new ones wait in the backlog.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 10_000;
+/// Default time a client has to send its request headers.
+pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// Default prefix length IPv6 client addresses are grouped by in a limit's key: one /64 is
+/// what a single subscriber is usually given (RFC 6177), so one client, one bucket.
+pub const DEFAULT_IPV6_PREFIX: u32 = 64;
+/// Default prefix length IPv4 client addresses are grouped by: each address apart.
+pub const DEFAULT_IPV4_PREFIX: u32 = 32;
+/// Default time a connection may go without sending or receiving a byte.
+pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 60_000;
+/// Default time the whole of a request body gets to arrive, from when sluice starts reading it.
+pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 60_000;
+/// Default least average rate of a request body after the grace, in bytes a second.
+pub const DEFAULT_BODY_MIN_RATE: u64 = 1024;
+/// Default time a request body may arrive at any rate before `body_min_rate` applies.
+pub const DEFAULT_BODY_RATE_GRACE_MS: u64 = 10_000;
+/// Default time requests in flight get to finish once the listeners have closed.
+pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 10_000;
+/// Default most keys the in-process store tracks; past it, the least recently used goes.
+pub const DEFAULT_LOCAL_MAX_KEYS: u32 = 100_000;
+/// Default time allowed to open a TCP connection to an upstream.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
+/// Default time allowed for an upstream to answer with its response headers.
+pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 30_000;
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub listen: SocketAddr,
+    #[schemars(with = "SocketAddr")]
+    pub admin_listen: Spanned<SocketAddr>,
+    /// Who may use the admin API on `admin_listen` (applied at start).
+    #[serde(default)]
+    pub admin: AdminConfig,
+    /// TLS on `listen` (the gateway listener); absent: cleartext HTTP/1.1 and h2c.
+    #[schemars(with = "Option<ListenerTlsConfig>")]
+    pub tls: Option<Spanned<ListenerTlsConfig>>,
+    #[serde(default)]
+    pub server: ServerConfig,
+    #[serde(default)]
+    pub store: StoreConfig,
+    /// Peers whose forwarded-for header is believed when finding the client's address.
+    #[serde(default)]
+    pub trusted_proxies: Vec<IpNet>,
+    /// The header those proxies set.
+    #[serde(default)]
+    pub forwarded_header: ForwardedHeader,
+    /// Which rate-limit fields responses carry, unless a route says otherwise.
+    #[serde(default)]
+    pub response_headers: ResponseHeaders,
+    /// `text` or `json` lines on standard error (applied at start; a reload cannot change it).
+    #[serde(default)]
+    pub log_format: LogFormat,
+    #[serde(default)]
+    pub upstreams: BTreeMap<Name, UpstreamConfig>,
+    pub routes: Vec<RouteConfig>,
+}
+
+/// What the listeners accept: sizes of the request head and body, connections, timeouts.
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    #[serde(default = "default_max_request_line")]
+    #[serde(deserialize_with = "bytes_within::<256, 65_534, _>")]
+    #[schemars(schema_with = "schema::bytes_within::<256, 65_534>")]
+    pub max_request_line: ByteSize,
+    #[serde(default = "default_max_header_bytes")]
+    #[serde(deserialize_with = "bytes_within::<1_024, 1_048_576, _>")]
+    #[schemars(schema_with = "schema::bytes_within::<1_024, 1_048_576>")]
+    pub max_header_bytes: ByteSize,
+    #[serde(default = "default_max_headers")]
+    #[serde(deserialize_with = "count_within::<1, 10_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1, 10_000>")]
+    pub max_headers: Positive,
+    /// The default `max_body` of routes that set none; `None`: unlimited.
+    pub max_body: Option<ByteSize>,
+    #[serde(default = "default_max_connections")]
+    #[serde(deserialize_with = "count_within::<1, 1_000_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1, 1_000_000>")]
+    pub max_connections: Positive,
+    #[serde(default = "default_header_read_timeout")]
+    pub header_read_timeout: ConfigDuration,
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout: ConfigDuration,
+    /// The whole request body must arrive within this, counted from when sluice starts
+    /// reading it; routes may set their own.
+    #[serde(default = "default_body_timeout")]
+    pub body_timeout: ConfigDuration,
+    /// After `body_rate_grace`, a request body must keep up an average of at least this many
+    /// bytes a second (`0`: no minimum); routes may set their own.
+    #[serde(default = "default_body_min_rate")]
+    pub body_min_rate: ByteSize,
+    /// How long a request body may arrive at any rate before `body_min_rate` applies.
+    #[serde(default = "default_body_rate_grace")]
+    pub body_rate_grace: ConfigDuration,
+    /// After SIGTERM, how long `/readyz` answers 503 while the listeners still accept, so
+    /// load balancers stop sending first; absent: close at once.
+    pub shutdown_delay: Option<ConfigDuration>,
+    #[serde(default = "default_shutdown_grace")]
+    pub shutdown_grace: ConfigDuration,
+    /// How many threads serve the gateway, each with its own runtime, listener and upstream
+    /// connections: `auto` (the default) is one per available core.
+    #[serde(default)]
+    pub workers: Workers,
+}
+
+/// `server.workers`: `auto` or a count from 1 to [`Workers::MAX`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Workers {
+    #[default]
+    Auto,
+    Count(u32),
+}
+
+impl Workers {
+    pub const MAX: u32 = 1024;
+
+    /// The number of workers to start: `auto` asks the OS how many cores this process may use.
+    pub fn resolve(self) -> usize {
+        match self {
+            Workers::Count(count) => count as usize,
+            Workers::Auto => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Workers {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Workers, D::Error> {
+        struct Visitor;
+        const EXPECTED: &str = "`auto` or a number of workers from 1 to 1024";
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Workers;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(EXPECTED)
+            }
+            fn visit_u64<E: serde::de::Error>(self, count: u64) -> Result<Workers, E> {
+                match u32::try_from(count) {
+                    Ok(count) if (1..=Workers::MAX).contains(&count) => Ok(Workers::Count(count)),
+                    _ => Err(E::custom(format!("must be {EXPECTED}, got {count}"))),
+                }
+            }
+            fn visit_i64<E: serde::de::Error>(self, count: i64) -> Result<Workers, E> {
+                match u64::try_from(count) {
+                    Ok(count) => self.visit_u64(count),
+                    Err(_) => Err(E::custom(format!("must be {EXPECTED}, got {count}"))),
+                }
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Workers, E> {
+                if text == "auto" {
+                    Ok(Workers::Auto)
+                } else {
+                    Err(E::custom(format!("must be {EXPECTED}, got {text:?}")))
+                }
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            max_request_line: default_max_request_line(),
+            max_header_bytes: default_max_header_bytes(),
+            max_headers: default_max_headers(),
+            max_body: None,
+            max_connections: default_max_connections(),
+            header_read_timeout: default_header_read_timeout(),
+            idle_timeout: default_idle_timeout(),
+            body_timeout: default_body_timeout(),
+            body_min_rate: default_body_min_rate(),
+            body_rate_grace: default_body_rate_grace(),
+            shutdown_delay: None,
+            shutdown_grace: default_shutdown_grace(),
+            workers: Workers::Auto,
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    #[schemars(with = "Option<RedisConfig>")]
+    pub redis: Option<Spanned<RedisConfig>>,
+    #[serde(default)]
+    pub local: LocalConfig,
+    /// What limited routes do when Redis cannot decide, unless a route says otherwise.
+    #[serde(default = "default_on_store_error")]
+    pub on_store_error: OnStoreError,
+    #[serde(default = "default_key_prefix")]
+    pub key_prefix: Name,
+    /// Where Redis is, made from `redis` by `parse` (which refuses a `store.redis` without
+    /// exactly one of `url`, `sentinel` and `cluster`); `None`: the in-process store.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub topology: Option<Topology>,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            redis: None,
+            topology: None,
+            local: LocalConfig::default(),
+            on_store_error: default_on_store_error(),
+            key_prefix: default_key_prefix(),
+        }
+    }
+}
+
+/// The in-process store, used when no Redis is configured.
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LocalConfig {
+    #[serde(default = "default_local_max_keys")]
+    #[serde(deserialize_with = "count_within::<1_024, 100_000_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1_024, 100_000_000>")]
+    pub max_keys: Positive,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        LocalConfig {
+            max_keys: default_local_max_keys(),
+        }
+    }
+}
+
+/// `store.redis` as the file spells it: where Redis is (exactly one of `url`, `sentinel` and
+/// `cluster`, made into a `Topology` by `parse`) and how each decision uses it.
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RedisConfig {
+    #[schemars(with = "Option<RedisUrl>")]
+    pub url: Option<Spanned<RedisUrl>>,
+    #[schemars(with = "Option<SentinelConfig>")]
+    pub sentinel: Option<Spanned<SentinelConfig>>,
+    #[schemars(with = "Option<ClusterConfig>")]
+    pub cluster: Option<Spanned<ClusterConfig>>,
+    #[serde(default = "default_store_timeout")]
+    pub timeout: ConfigDuration,
+    #[serde(default = "default_pool_size")]
+    pub pool_size: types::PoolSize,
+}
+
+/// A Redis master found and followed through Redis Sentinel.
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SentinelConfig {
+    /// The name the sentinels monitor the master under (`sentinel monitor NAME ...`).
+    pub master_name: Name,
+    /// Sentinels asked in turn for the master's address.
+    #[schemars(with = "Vec<HostPort>")]
+    pub nodes: Spanned<Vec<HostPort>>,
+    /// Password of the Redis master and replicas (`requirepass`).
+    pub password: Option<String>,
+    /// Password of the sentinels themselves (their `requirepass`), when they have one.
+    pub sentinel_password: Option<String>,
+}
+
+/// A Redis Cluster: the nodes to learn the slot map from (any of its masters or replicas;
+/// the rest of the cluster is discovered from them).
+#[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    #[schemars(with = "Vec<HostPort>")]
+    pub nodes: Spanned<Vec<HostPort>>,
+    /// ACL user of every node, when not `default`.
+    pub username: Option<String>,
+    /// Password of every node (`requirepass`, or the ACL user's).
+    pub password: Option<String>,
+}
+
+/// `tls:` of the gateway listener: a PEM certificate chain (leaf first) and its private key
+/// (PKCS#8, PKCS#1 RSA or SEC1 EC). Relative paths are relative to the config file's
+/// directory. The files are watched: a valid new pair serves new handshakes.
+#[derive(Debug, Clone, PartialEq, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerTlsConfig {
+    #[schemars(with = "PathBuf")]
+    pub cert: Spanned<PathBuf>,
+    #[schemars(with = "PathBuf")]
+    pub key: Spanned<PathBuf>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    pub url: UpstreamUrl,
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout: ConfigDuration,
+    #[serde(default = "default_upstream_timeout")]
+    pub timeout: ConfigDuration,
+    /// https upstreams: a PEM bundle of the CAs to trust instead of the built-in roots.
+    #[schemars(with = "Option<PathBuf>")]
+    pub ca_file: Option<Spanned<PathBuf>>,
+    /// https upstreams: the PEM certificate chain sluice presents (mTLS); needs `client_key`.
+    #[schemars(with = "Option<PathBuf>")]
+    pub client_cert: Option<Spanned<PathBuf>>,
+    /// https upstreams: the private key of `client_cert`.
+    #[schemars(with = "Option<PathBuf>")]
+    pub client_key: Option<Spanned<PathBuf>>,
+    /// Speak HTTP/2 with prior knowledge (h2c) to this upstream, as gRPC servers expect.
+    #[serde(default)]
+    pub http2: bool,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    #[schemars(with = "Name")]
+    pub name: Spanned<Name>,
+    #[serde(rename = "match")]
+    pub matcher: MatchConfig,
+    #[schemars(with = "Option<Name>")]
+    pub upstream: Option<Spanned<Name>>,
+    #[schemars(with = "Option<RespondConfig>")]
+    pub respond: Option<Spanned<RespondConfig>>,
+    /// Largest request body forwarded; overrides `server.max_body`.
+    pub max_body: Option<ByteSize>,
+    /// Overrides `server.body_timeout` for this route.
+    pub body_timeout: Option<ConfigDuration>,
+    /// Overrides `server.body_min_rate` for this route (`0`: no minimum).
+    pub body_min_rate: Option<ByteSize>,
+    /// Overrides `store.on_store_error` for this route.
+    pub on_store_error: Option<OnStoreError>,
+    /// Overrides the top-level `response_headers` for this route.
+    pub response_headers: Option<ResponseHeaders>,
+    #[serde(default)]
+    pub limits: Vec<LimitConfig>,
+    /// With a limit of `on_exceed: delay`: most requests of this route held at once.
+    #[schemars(with = "Option<Positive>")]
+    pub max_delayed: Option<Spanned<Positive>>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MatchConfig {
+    pub path_prefix: PathPrefix,
+    /// The methods this route takes; every method when empty. A list naming `GET` also takes
+    /// `HEAD`, for which upstreams run the GET handler.
+    #[serde(default)]
+    pub methods: Vec<MethodName>,
+    /// Match the path prefix case-sensitively. Off by default: many upstreams route
+    /// `/LOGIN` to `/login`, and a limit that misses it is a way around the limit.
+    #[serde(default)]
+    pub case_sensitive: bool,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RespondConfig {
+    pub status: Status,
+    #[serde(default)]
+    pub body: String,
+    #[serde(default = "default_content_type")]
+    pub content_type: String,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LimitConfig {
+    #[schemars(with = "Name")]
+    pub name: Spanned<Name>,
+    #[schemars(with = "Vec<KeyPart>")]
+    pub key: Spanned<Vec<KeyPart>>,
+    #[schemars(with = "Positive")]
+    pub requests: Spanned<Positive>,
+    pub window: ConfigDuration,
+    /// How the limit counts; `sliding_log` (exact) by default.
+    #[serde(default)]
+    pub algorithm: AlgorithmConfig,
+    /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
+    /// key admits as many at once as under the other algorithms.
+    #[schemars(with = "Option<Positive>")]
+    pub burst: Option<Spanned<Positive>>,
+    /// How many requests one request counts as; 1 by default.
+    #[schemars(with = "Option<Positive>")]
+    pub cost: Option<Spanned<Positive>>,
+    /// Evaluate and count, but never reject (to try a limit on live traffic).
+    #[serde(default)]
+    pub shadow: bool,
+    /// Conditions on the request, all of which must hold for this limit to apply.
+    #[serde(default)]
+    #[schemars(with = "Vec<ConditionConfig>")]
+    pub when: Vec<Spanned<ConditionConfig>>,
+    /// `reject` (429, the default) or `delay` (hold the request up to `max_delay`).
+    #[schemars(with = "Option<OnExceed>")]
+    pub on_exceed: Option<Spanned<OnExceed>>,
+    /// With `on_exceed: delay`: the longest a request is held.
+    #[schemars(with = "Option<ConfigDuration>")]
+    pub max_delay: Option<Spanned<ConfigDuration>>,
+    /// Count only the requests whose response status matches; the others are given back.
+    #[schemars(with = "Option<CountConfig>")]
+    pub count: Option<Spanned<CountConfig>>,
+    /// The client address counts by its network of this many bits when it is IPv6 (1 to
+    /// 128; 64 by default), in a `client_ip` key part and the client-IP fallback alike.
+    #[serde(default)]
+    #[schemars(schema_with = "schema::prefix_within::<1, 128>")]
+    pub ipv6_prefix: Option<Spanned<u32>>,
+    /// The same for IPv4 addresses, IPv4-mapped IPv6 ones included (1 to 32; 32 by default).
+    #[serde(default)]
+    #[schemars(schema_with = "schema::prefix_within::<1, 32>")]
+    pub ipv4_prefix: Option<Spanned<u32>>,
+}
+
+impl LimitConfig {
+    /// The algorithm this limit counts with, as the limiter names it.
+    pub fn algorithm(&self) -> crate::limiter::Algorithm {
+        self.algorithm.into()
+    }
+}
+
+/// A limit's `count:`: which outcomes it counts.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CountConfig {
+    pub status: Vec<StatusMatch>,
+}
+
+/// One condition of a limit's `when:`: exactly one of `header` (with one of `equals`,
+/// `one_of`, `present`), `method` or `host`. Checked, with its position, in `policy`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConditionConfig {
+    pub header: Option<FieldName>,
+    pub equals: Option<String>,
+    pub one_of: Option<Vec<String>>,
+    pub present: Option<bool>,
+    /// The request method is one of these; a list naming `GET` also takes `HEAD`.
+    pub method: Option<Vec<MethodName>>,
+    pub host: Option<Vec<String>>,
+}
+
+fn default_max_request_line() -> ByteSize {
+    ByteSize(DEFAULT_MAX_REQUEST_LINE)
+}
+fn default_max_header_bytes() -> ByteSize {
+    ByteSize(DEFAULT_MAX_HEADER_BYTES)
+}
+fn default_max_headers() -> Positive {
+    Positive(DEFAULT_MAX_HEADERS)
+}
+fn default_max_connections() -> Positive {
+    Positive(DEFAULT_MAX_CONNECTIONS)
+}
+fn default_header_read_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(
+        DEFAULT_HEADER_READ_TIMEOUT_MS,
+    ))
+}
+fn default_idle_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_IDLE_TIMEOUT_MS))
+}
+fn default_body_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_BODY_TIMEOUT_MS))
+}
+fn default_body_min_rate() -> ByteSize {
+    ByteSize(DEFAULT_BODY_MIN_RATE)
+}
+fn default_body_rate_grace() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_BODY_RATE_GRACE_MS))
+}
+fn default_shutdown_grace() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_SHUTDOWN_GRACE_MS))
+}
+fn default_local_max_keys() -> Positive {
+    Positive(DEFAULT_LOCAL_MAX_KEYS)
+}
+
+/// A size checked against bounds as it is read, so the error points at the value.
+fn bytes_within<'de, const MIN: u64, const MAX: u64, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<ByteSize, D::Error> {
+    let size = ByteSize::deserialize(deserializer)?;
+    if !(MIN..=MAX).contains(&size.0) {
+        return Err(serde::de::Error::custom(format!(
+            "must be from {MIN} to {MAX} bytes, got {}",
+            size.0
+        )));
+    }
+    Ok(size)
+}
+
+/// A count checked against bounds as it is read, so the error points at the value.
+fn count_within<'de, const MIN: u32, const MAX: u32, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Positive, D::Error> {
+    let count = u32::deserialize(deserializer)?;
+    if !(MIN..=MAX).contains(&count) {
+        return Err(serde::de::Error::custom(format!(
+            "must be from {MIN} to {MAX}, got {count}"
+        )));
+    }
+    Ok(Positive(count))
+}
+
+/// `local`: a Redis outage neither turns into an API outage (`deny`) nor lifts every limit
+/// (`allow`); each instance keeps enforcing the limits on its own.
+fn default_on_store_error() -> OnStoreError {
+    OnStoreError::Local
+}
+
+fn default_key_prefix() -> Name {
+    Name::new_unchecked(DEFAULT_KEY_PREFIX)
+}
+fn default_store_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_STORE_TIMEOUT_MS))
+}
+fn default_pool_size() -> types::PoolSize {
+    types::PoolSize(DEFAULT_POOL_SIZE)
+}
+fn default_connect_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS))
+}
+fn default_upstream_timeout() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(
+        DEFAULT_UPSTREAM_TIMEOUT_MS,
+    ))
+}
+fn default_content_type() -> String {
+    "text/plain; charset=utf-8".to_owned()
+}
