@@ -18,6 +18,7 @@ pub mod admin;
 pub mod body;
 pub mod config;
 pub mod explain;
+pub mod file_watch;
 pub mod keys;
 pub mod limiter;
 pub mod log;

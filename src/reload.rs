@@ -4,27 +4,19 @@
 //! what only a restart can apply (the listeners, the `server:` and `store:` sections), is
 //! refused whole, logged with its position, counted, and the old policy keeps serving.
 
+use arc_swap::ArcSwap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
-
-use arc_swap::ArcSwap;
-use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::config::{
     self, AdminConfig, Config, ListenerTlsConfig, LogFormat, ServerConfig, Source, StoreConfig,
 };
+use crate::file_watch::FileWatch;
 use crate::metrics::{Metrics, ReloadResult};
 use crate::policy::Policy;
 use crate::proxy::Gateway;
-
-/// How often the file is looked at. Editors save by writing a new file and renaming it over
-/// the old one, so the path is read again each time rather than an inode watched; a policy
-/// file is a few kilobytes, so reading and hashing it four times a second costs nothing and
-/// needs no watcher dependency. A change takes effect within this interval plus the compile.
-pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
 
 /// Why a new config file was not applied.
 #[derive(Debug, thiserror::Error)]
@@ -192,9 +184,9 @@ pub struct Reloader {
     gateway: Arc<Gateway>,
     metrics: Arc<Metrics>,
     fixed: Fixed,
-    /// The hash of the bytes last tried, applied or refused: a refused file is reported once,
-    /// not at every poll, and is tried again only when it changes (or on SIGHUP).
-    last_seen: [u8; 32],
+    /// The file, with the version last tried, applied or refused: a refused file is reported
+    /// once, not at every poll, and is tried again only when it changes (or on SIGHUP).
+    watched: FileWatch,
     #[cfg(unix)]
     hangup: Option<tokio::signal::unix::Signal>,
     serving: Arc<ArcSwap<Serving>>,
@@ -214,6 +206,7 @@ impl Reloader {
         metrics: Arc<Metrics>,
     ) -> Reloader {
         metrics.config_hash.set(hash_value(&started.digest));
+        let watched = FileWatch::new(vec![file.to_owned()], &[started.text.as_bytes()]);
         let serving = Arc::new(ArcSwap::from_pointee(Serving {
             file: file.to_owned(),
             text: started.text,
@@ -243,7 +236,7 @@ impl Reloader {
                 server: config.server,
                 store: config.store,
             },
-            last_seen: started.digest,
+            watched,
             #[cfg(unix)]
             hangup,
             serving,
@@ -265,8 +258,7 @@ impl Reloader {
         let Some(mut requests) = self.requests.take() else {
             return;
         };
-        let mut poll = tokio::time::interval(POLL_INTERVAL);
-        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut poll = FileWatch::ticker();
         loop {
             tokio::select! {
                 _ = poll.tick() => self.poll(),
@@ -283,19 +275,17 @@ impl Reloader {
         }
     }
 
-    /// Reloads if the file's bytes differ from the ones last tried. The read blocks the
-    /// thread briefly: a local file of a few kilobytes, no worse than a page-cache hit.
+    /// Reloads if the file's bytes differ from the ones last tried.
     fn poll(&mut self) {
-        match std::fs::read(&self.file) {
-            Ok(bytes) => {
-                if <[u8; 32]>::from(Sha256::digest(&bytes)) != self.last_seen {
-                    let _ = self.reload(&bytes);
+        match self.watched.changed() {
+            Ok(Some(files)) => {
+                if let Some(bytes) = files.first() {
+                    let _ = self.reload(bytes);
                 }
             }
-            // A file briefly missing (an editor that deletes, then writes) is not a new
-            // version; the next poll sees what it became.
+            Ok(None) => {}
             Err(err) => {
-                tracing::debug!(file = %self.file.display(), error = %err, "cannot read the config file");
+                tracing::debug!(error = %err, "cannot read the config file");
             }
         }
     }
@@ -349,7 +339,7 @@ impl Reloader {
 
     /// Parses, checks and compiles `bytes` completely, then installs the policy.
     fn apply(&mut self, bytes: &[u8]) -> Result<Applied, ReloadError> {
-        self.last_seen = Sha256::digest(bytes).into();
+        self.watched.saw(&[bytes]);
         let source = config::from_bytes(bytes, &self.file)?;
         if let Some(change) = self.fixed.change(&source.config) {
             return Err(ReloadError::NeedsRestart {
@@ -379,6 +369,8 @@ impl Reloader {
 
 #[cfg(test)]
 mod tests {
+    use sha2::{Digest, Sha256};
+
     use super::*;
 
     #[test]
