@@ -15,6 +15,7 @@
 
 pub mod activity;
 pub mod admin;
+pub mod app;
 pub mod body;
 pub mod config;
 pub mod explain;

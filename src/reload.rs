@@ -1,8 +1,9 @@
-//! Hot reload: sluice watches its config file and also reloads on SIGHUP. A new file is
-//! parsed and compiled completely, as at start-up, before its policy replaces the running one
-//! in one atomic step (see `proxy::Gateway::install`); a file that is invalid, or that changes
-//! what only a restart can apply (the listeners, the `server:` and `store:` sections), is
-//! refused whole, logged with its position, counted, and the old policy keeps serving.
+//! Hot reload: sluice watches its config file (`file_watch`) and also reloads on SIGHUP and
+//! on the admin API's request. A new file is loaded completely by the same function as at
+//! start-up (`app::version`) before its policy replaces the running one in one atomic step
+//! (see `proxy::Gateway::install`); a file that is invalid, or that changes what only a
+//! restart can apply (the listeners, the `server:` and `store:` sections), is refused whole,
+//! logged with its position, counted, and the old policy keeps serving.
 
 use arc_swap::ArcSwap;
 use std::net::SocketAddr;
@@ -10,12 +11,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::app::{self, ListenerFiles};
 use crate::config::{
     self, AdminConfig, Config, ListenerTlsConfig, LogFormat, ServerConfig, Source, StoreConfig,
 };
 use crate::file_watch::FileWatch;
 use crate::metrics::{Metrics, ReloadResult};
-use crate::policy::Policy;
 use crate::proxy::Gateway;
 
 /// Why a new config file was not applied.
@@ -36,9 +37,9 @@ pub fn hash_value(digest: &[u8; 32]) -> i64 {
     (u64::from_be_bytes(first) >> 12) as i64
 }
 
-/// What the process was started with and a reload cannot change: the listeners are bound, the
-/// store's connections are open.
-struct Fixed {
+/// The settings a reload cannot change, as the process was started with them: the listeners
+/// are bound, the store's connections are open. A file that changes one needs a restart.
+struct RestartOnly {
     listen: SocketAddr,
     admin_listen: SocketAddr,
     /// The admin API's token is read from the environment at start only.
@@ -51,7 +52,7 @@ struct Fixed {
     store: StoreConfig,
 }
 
-impl Fixed {
+impl RestartOnly {
     /// The first change `new` makes to what needs a restart, described for a person.
     fn change(&self, new: &Config) -> Option<String> {
         if new.listen != self.listen {
@@ -146,15 +147,16 @@ impl Serving {
     }
 }
 
-/// A reload that was applied: the file's SHA-256 and its number of routes.
+/// A reload that put a new file in force: the file's SHA-256, its hash gauge value and its
+/// number of routes.
 #[derive(Debug, Clone)]
-pub struct Applied {
+pub struct Reloaded {
     pub sha256: String,
     pub config_hash: i64,
     pub routes: usize,
 }
 
-type Reply = oneshot::Sender<Result<Applied, ReloadError>>;
+type Reply = oneshot::Sender<Result<Reloaded, ReloadError>>;
 
 /// Asks the reloader to reload now, as SIGHUP does, and waits for the outcome (the admin
 /// API's `POST /admin/v1/reload`).
@@ -166,7 +168,7 @@ pub struct ReloadHandle {
 
 impl ReloadHandle {
     /// Reloads the file now; `None` when the reloader has stopped (shutting down).
-    pub async fn reload(&self) -> Option<Result<Applied, ReloadError>> {
+    pub async fn reload(&self) -> Option<Result<Reloaded, ReloadError>> {
         let (reply, outcome) = oneshot::channel();
         self.requests.send(reply).await.ok()?;
         outcome.await.ok()
@@ -183,7 +185,7 @@ pub struct Reloader {
     file: PathBuf,
     gateway: Arc<Gateway>,
     metrics: Arc<Metrics>,
-    fixed: Fixed,
+    restart_only: RestartOnly,
     /// The file, with the version last tried, applied or refused: a refused file is reported
     /// once, not at every poll, and is tried again only when it changes (or on SIGHUP).
     watched: FileWatch,
@@ -227,7 +229,7 @@ impl Reloader {
             file: file.to_owned(),
             gateway,
             metrics,
-            fixed: Fixed {
+            restart_only: RestartOnly {
                 listen: config.listen,
                 admin_listen: config.admin_listen.value,
                 admin: config.admin,
@@ -301,7 +303,7 @@ impl Reloader {
     }
 
     /// Reads the file and reloads it whatever its bytes (SIGHUP, the admin API).
-    fn reload_file(&mut self) -> Result<Applied, ReloadError> {
+    fn reload_file(&mut self) -> Result<Reloaded, ReloadError> {
         match std::fs::read(&self.file) {
             Ok(bytes) => self.reload(&bytes),
             Err(err) => {
@@ -312,15 +314,15 @@ impl Reloader {
         }
     }
 
-    fn reload(&mut self, bytes: &[u8]) -> Result<Applied, ReloadError> {
-        match self.apply(bytes) {
-            Ok(applied) => {
+    fn reload(&mut self, bytes: &[u8]) -> Result<Reloaded, ReloadError> {
+        match self.put_in_force(bytes) {
+            Ok(reloaded) => {
                 self.metrics
                     .config_reloads
                     .with_label_values(&[ReloadResult::Ok.label()])
                     .inc();
-                tracing::info!(file = %self.file.display(), routes = applied.routes, "config reloaded");
-                Ok(applied)
+                tracing::info!(file = %self.file.display(), routes = reloaded.routes, "config reloaded");
+                Ok(reloaded)
             }
             Err(err) => {
                 self.refused(&err);
@@ -337,17 +339,19 @@ impl Reloader {
         tracing::error!("config reload refused; the old policy keeps serving: {err}");
     }
 
-    /// Parses, checks and compiles `bytes` completely, then installs the policy.
-    fn apply(&mut self, bytes: &[u8]) -> Result<Applied, ReloadError> {
+    /// Loads `bytes` completely, as at start-up, checks that nothing in it needs a restart,
+    /// then installs its policy with its metric handles.
+    fn put_in_force(&mut self, bytes: &[u8]) -> Result<Reloaded, ReloadError> {
         self.watched.saw(&[bytes]);
-        let source = config::from_bytes(bytes, &self.file)?;
-        if let Some(change) = self.fixed.change(&source.config) {
+        let version = app::version(bytes, &self.file, ListenerFiles::Skip)?;
+        let source = version.source;
+        if let Some(change) = self.restart_only.change(&source.config) {
             return Err(ReloadError::NeedsRestart {
                 file: self.file.clone(),
                 change,
             });
         }
-        let policy = Policy::compile(&source.config, &self.file, &self.metrics)?;
+        let policy = version.policy.metered(&self.metrics);
         let routes = policy.routes.len();
         self.gateway.install(policy);
         let config_hash = hash_value(&source.digest);
@@ -359,7 +363,7 @@ impl Reloader {
         };
         let sha256 = serving.sha256();
         self.serving.store(Arc::new(serving));
-        Ok(Applied {
+        Ok(Reloaded {
             sha256,
             config_hash,
             routes,
@@ -380,9 +384,9 @@ mod tests {
         assert_eq!(hash_value(&digest), 0xe3b0c44298fc1);
     }
 
-    fn fixed(yaml: &str) -> Fixed {
+    fn restart_only(yaml: &str) -> RestartOnly {
         let config = config::parse(yaml, Path::new("t.yaml")).expect("valid");
-        Fixed {
+        RestartOnly {
             listen: config.listen,
             admin_listen: config.admin_listen.value,
             admin: config.admin,
@@ -397,7 +401,7 @@ mod tests {
     fn each_change_that_needs_a_restart_is_named() {
         let base = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n";
         let routes = "routes: []\n";
-        let running = fixed(&format!("{base}{routes}"));
+        let running = restart_only(&format!("{base}{routes}"));
         let change = |rest: &str, head: &str| {
             let config = config::parse(&format!("{head}{rest}{routes}"), Path::new("t.yaml"))
                 .expect("valid");
@@ -432,7 +436,7 @@ mod tests {
     fn moving_a_section_in_the_file_is_not_a_change() {
         let store = "store:\n  redis:\n    sentinel: { master_name: m, nodes: [\"127.0.0.1:26379\"] }\nroutes: []\n";
         let head = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n";
-        let running = fixed(&format!("{head}{store}"));
+        let running = restart_only(&format!("{head}{store}"));
         let moved = format!("{head}# a comment, and a blank line\n\n{store}");
         let config = config::parse(&moved, Path::new("t.yaml")).expect("valid");
         assert_eq!(running.change(&config), None);
