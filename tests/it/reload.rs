@@ -313,7 +313,8 @@ async fn changing_listen_is_refused_whole() {
     );
     assert_ne!(moved, head, "test bug: listen line not found");
     // A route only this file has: refused whole, it must leave no metric series behind.
-    let ghost = "  - name: ghost\n    match:\n      path_prefix: /ghost\n    respond:\n      status: 200\n";
+    let ghost =
+        "  - name: ghost\n    match:\n      path_prefix: /ghost\n    respond:\n      status: 200\n";
     support::replace_file(
         sluice.config_path(),
         &format!("{moved}{}{ghost}", limited(6, "1m")),
