@@ -852,6 +852,49 @@ mod tests {
             assert!(crate::metrics::FALLBACK_ACTIONS.contains(&action.label()));
         }
     }
+
+    /// Compiling creates no series; attaching the handles creates each route's and each
+    /// limit's, under their own names.
+    #[test]
+    fn series_exist_once_the_policy_is_metered_not_when_it_is_compiled() {
+        let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: api\n    match: { path_prefix: /api }\n    respond: { status: 200 }\n    limits:\n      - { name: per-ip, key: [client_ip], requests: 5, window: 1s }\n";
+        let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("valid");
+        let metrics = Metrics::new().expect("metrics");
+        let compiled = Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .expect("valid");
+        let text = || String::from_utf8(metrics.render()).expect("UTF-8");
+        assert!(!text().contains("api"), "{}", text());
+        let policy = compiled.metered(&metrics);
+        policy.routes[0].limits[0].metrics.admitted.inc();
+        assert!(
+            text().contains(
+                r#"sluice_limit_decisions_total{decision="admitted",limit="per-ip",route="api"} 1"#
+            ),
+            "{}",
+            text()
+        );
+    }
+
+    /// An https upstream compiled without the TLS settings read for it is refused, naming
+    /// it, rather than served without its CAs.
+    #[test]
+    fn an_https_upstream_needs_its_loaded_tls_settings() {
+        let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nupstreams:\n  secure: { url: \"https://127.0.0.1:9\" }\nroutes:\n  - name: r\n    match: { path_prefix: / }\n    upstream: secure\n";
+        let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("valid");
+        let refused = Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .err()
+            .expect("refused");
+        assert!(
+            refused.to_string().contains("upstreams.secure.url"),
+            "{refused}"
+        );
+        let loaded =
+            UpstreamTlsSet::load(&config.upstreams, Path::new("t.yaml")).expect("builtin roots");
+        let policy = Compiled::compile(&config, Path::new("t.yaml"), &loaded).expect("valid");
+        let upstream = policy.upstreams().next().expect("one upstream");
+        assert!(upstream.tls.is_some());
+    }
+
     use proptest::prelude::*;
 
     fn segment() -> impl Strategy<Value = String> {
