@@ -19,7 +19,7 @@ use crate::limiter::{RedisStore, Store, StoreError};
 use crate::metrics::Metrics;
 use crate::policy::Compiled;
 use crate::proxy::{self, Gateway};
-use crate::reload::Reloader;
+use crate::reload::{Reloader, Versions};
 use crate::server;
 use crate::tls::{ListenerTls, UpstreamTlsSet};
 
@@ -90,6 +90,32 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
         policy,
         listener_tls,
     })
+}
+
+/// A reload's versions: loaded as at start-up, put in force in the gateway with their
+/// metric handles.
+struct GatewayVersions {
+    gateway: Arc<Gateway>,
+    metrics: Arc<Metrics>,
+}
+
+impl Versions for GatewayVersions {
+    type Version = Version;
+
+    fn load(&mut self, bytes: &[u8], file: &Path) -> Result<Version, ConfigError> {
+        version(bytes, file, ListenerFiles::Skip)
+    }
+
+    fn source(version: &Version) -> &Source {
+        &version.source
+    }
+
+    fn put_in_force(&mut self, version: Version) -> (Source, usize) {
+        let policy = version.policy.metered(&self.metrics);
+        let routes = policy.routes.len();
+        self.gateway.install(policy);
+        (version.source, routes)
+    }
 }
 
 /// `sluice check`: the file checked as `run` would, summed up in one line.
@@ -210,7 +236,11 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     };
     let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
     let admin_metrics = Arc::clone(&metrics);
-    let reloader = Reloader::new(file, source, Arc::clone(&gateway), metrics);
+    let versions = GatewayVersions {
+        gateway: Arc::clone(&gateway),
+        metrics: Arc::clone(&metrics),
+    };
+    let reloader = Reloader::new(file, source, versions, metrics);
     let admin = Arc::new(Admin {
         gateway: Arc::clone(&gateway),
         metrics: admin_metrics,

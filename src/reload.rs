@@ -1,9 +1,10 @@
 //! Hot reload: sluice watches its config file (`file_watch`) and also reloads on SIGHUP and
-//! on the admin API's request. A new file is loaded completely by the same function as at
-//! start-up (`app::version`) before its policy replaces the running one in one atomic step
-//! (see `proxy::Gateway::install`); a file that is invalid, or that changes what only a
-//! restart can apply (the listeners, the `server:` and `store:` sections), is refused whole,
-//! logged with its position, counted, and the old policy keeps serving.
+//! on the admin API's request. A new file is loaded completely, by the same function as at
+//! start-up, before its policy replaces the running one in one atomic step; a file that is
+//! invalid, or that changes what only a restart can apply (the listeners, the `server:` and
+//! `store:` sections), is refused whole, logged with its position, counted, and the old
+//! policy keeps serving. How a version is loaded and put in force is the composition root's
+//! (`app`, through `Versions`): this module knows when, not what serves.
 
 use arc_swap::ArcSwap;
 use std::net::SocketAddr;
@@ -11,13 +12,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::app::{self, ListenerFiles};
 use crate::config::{
     self, AdminConfig, Config, ListenerTlsConfig, LogFormat, ServerConfig, Source, StoreConfig,
 };
 use crate::file_watch::FileWatch;
 use crate::metrics::{Metrics, ReloadResult};
-use crate::proxy::Gateway;
 
 /// Why a new config file was not applied.
 #[derive(Debug, thiserror::Error)]
@@ -180,10 +179,27 @@ impl ReloadHandle {
     }
 }
 
+/// How a version of the config file is loaded and put in force (`app` provides it).
+pub trait Versions: Send + 'static {
+    /// A version loaded whole, not yet in force.
+    type Version: Send;
+
+    /// Loads the version in `bytes`, the contents of `file`, completely: everything that can
+    /// refuse it happens here, and it leaves nothing behind when refused.
+    fn load(&mut self, bytes: &[u8], file: &Path) -> Result<Self::Version, config::ConfigError>;
+
+    /// The parsed file of `version`.
+    fn source(version: &Self::Version) -> &Source;
+
+    /// Puts `version` in force for every request that starts from now on; gives back its
+    /// parsed file and number of routes.
+    fn put_in_force(&mut self, version: Self::Version) -> (Source, usize);
+}
+
 /// Watches the config file and puts each valid new version in force.
-pub struct Reloader {
+pub struct Reloader<V: Versions> {
     file: PathBuf,
-    gateway: Arc<Gateway>,
+    versions: V,
     metrics: Arc<Metrics>,
     restart_only: RestartOnly,
     /// The file, with the version last tried, applied or refused: a refused file is reported
@@ -198,15 +214,10 @@ pub struct Reloader {
     sender: mpsc::Sender<Reply>,
 }
 
-impl Reloader {
+impl<V: Versions> Reloader<V> {
     /// `started` is the config the process runs with. Installs the SIGHUP handler now, so
     /// that a SIGHUP from this point on reloads instead of ending the process.
-    pub fn new(
-        file: &Path,
-        started: Source,
-        gateway: Arc<Gateway>,
-        metrics: Arc<Metrics>,
-    ) -> Reloader {
+    pub fn new(file: &Path, started: Source, versions: V, metrics: Arc<Metrics>) -> Reloader<V> {
         metrics.config_hash.set(hash_value(&started.digest));
         let watched = FileWatch::new(vec![file.to_owned()], &[started.text.as_bytes()]);
         let serving = Arc::new(ArcSwap::from_pointee(Serving {
@@ -227,7 +238,7 @@ impl Reloader {
         };
         Reloader {
             file: file.to_owned(),
-            gateway,
+            versions,
             metrics,
             restart_only: RestartOnly {
                 listen: config.listen,
@@ -340,20 +351,17 @@ impl Reloader {
     }
 
     /// Loads `bytes` completely, as at start-up, checks that nothing in it needs a restart,
-    /// then installs its policy with its metric handles.
+    /// then puts it in force.
     fn put_in_force(&mut self, bytes: &[u8]) -> Result<Reloaded, ReloadError> {
         self.watched.saw(&[bytes]);
-        let version = app::version(bytes, &self.file, ListenerFiles::Skip)?;
-        let source = version.source;
-        if let Some(change) = self.restart_only.change(&source.config) {
+        let version = self.versions.load(bytes, &self.file)?;
+        if let Some(change) = self.restart_only.change(&V::source(&version).config) {
             return Err(ReloadError::NeedsRestart {
                 file: self.file.clone(),
                 change,
             });
         }
-        let policy = version.policy.metered(&self.metrics);
-        let routes = policy.routes.len();
-        self.gateway.install(policy);
+        let (source, routes) = self.versions.put_in_force(version);
         let config_hash = hash_value(&source.digest);
         self.metrics.config_hash.set(config_hash);
         let serving = Serving {
