@@ -369,3 +369,26 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `run` and `check` read the listener's certificate files with the version; a reload and
+    /// `explain` do not (the listener's files are fixed at start and rotated on their own).
+    #[test]
+    fn only_a_start_reads_the_listener_certificate() {
+        let yaml = b"listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\ntls:\n  cert: missing-cert.pem\n  key: missing-key.pem\nroutes: []\n";
+        let file = Path::new("/nonexistent-sluice-dir/t.yaml");
+        let skipped = version(yaml, file, ListenerFiles::Skip).expect("no file read");
+        assert!(skipped.listener_tls.is_none());
+        let read = version(yaml, file, ListenerFiles::Read)
+            .err()
+            .expect("the certificate is missing");
+        let message = read.to_string();
+        assert!(
+            message.contains("tls.cert") && message.contains("missing-cert.pem"),
+            "{message}"
+        );
+    }
+}
