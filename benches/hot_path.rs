@@ -13,6 +13,7 @@ use http::{HeaderMap, HeaderValue, Method};
 
 use sluice::metrics::Metrics;
 use sluice::policy::Policy;
+use sluice::tls::UpstreamTlsSet;
 
 /// 100 routes, `/svc00/...` to `/svc98/...` with two limits each, then a catch-all.
 fn policy() -> Policy {
@@ -27,7 +28,9 @@ fn policy() -> Policy {
     );
     let config = sluice::config::parse(&yaml, Path::new("bench.yaml")).expect("a valid policy");
     let metrics = Metrics::new().expect("metrics");
-    Policy::compile(&config, Path::new("bench.yaml"), &metrics).expect("a valid policy")
+    Policy::compile(&config, Path::new("bench.yaml"), &UpstreamTlsSet::default())
+        .expect("a valid policy")
+        .metered(&metrics)
 }
 
 fn routing(c: &mut Criterion) {

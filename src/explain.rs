@@ -12,11 +12,12 @@ use std::time::Duration;
 use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Uri};
 
-use crate::config::{self, ConfigError, KeyPart};
+use crate::app::{self, ListenerFiles};
+use crate::config::{ConfigError, KeyPart};
 use crate::keys::{self, RequestParts};
 use crate::metrics::Metrics;
 use crate::plan;
-use crate::policy::{Action, Policy};
+use crate::policy::Action;
 use crate::proxy::{self, HeadLimits};
 
 /// The request to explain, as given on the command line.
@@ -46,9 +47,11 @@ pub enum ExplainError {
 
 /// The explanation, as lines of text.
 pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainError> {
-    let source = config::load(file)?;
-    let metrics = Metrics::new()?;
-    let policy = Policy::compile(&source.config, file, &metrics)?;
+    let loaded = app::load(file, ListenerFiles::Skip)?;
+    let source = loaded.source;
+    // The gateway's phases read a policy with its metric handles; these count into a registry
+    // of their own that nothing reads.
+    let policy = loaded.policy.metered(&Metrics::new()?);
     let method = Method::from_bytes(question.method.as_bytes())
         .map_err(|_| ExplainError::Method(question.method.to_owned()))?;
     let headers = parse_headers(question.headers)?;

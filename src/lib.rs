@@ -8,16 +8,20 @@
 //! directly → `settle` → `finish`, the one place an answer is completed (`response` spells
 //! sluice's own answers, `body` carries them). `metrics` observe each step and `admin` serves
 //! them with the admin API; `log` writes lines that never block a request. `config` reads
-//! the policy file; `reload` watches it and swaps in each valid new policy whole.
+//! the policy file; `app` loads one version of it (for `run`, `check`, a reload and
+//! `explain` alike) and wires the running process; `reload` watches it (`file_watch`, shared
+//! with the listener certificate's rotation) and swaps in each valid new policy whole.
 //!
 //! The binary (`main.rs`) is the command line around this library; the library exists so
 //! that benchmarks can measure its parts.
 
 pub mod activity;
 pub mod admin;
+pub mod app;
 pub mod body;
 pub mod config;
 pub mod explain;
+pub mod file_watch;
 pub mod keys;
 pub mod limiter;
 pub mod log;

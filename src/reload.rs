@@ -1,30 +1,22 @@
-//! Hot reload: sluice watches its config file and also reloads on SIGHUP. A new file is
-//! parsed and compiled completely, as at start-up, before its policy replaces the running one
-//! in one atomic step (see `proxy::Gateway::install`); a file that is invalid, or that changes
-//! what only a restart can apply (the listeners, the `server:` and `store:` sections), is
-//! refused whole, logged with its position, counted, and the old policy keeps serving.
+//! Hot reload: sluice watches its config file (`file_watch`) and also reloads on SIGHUP and
+//! on the admin API's request. A new file is loaded completely, by the same function as at
+//! start-up, before its policy replaces the running one in one atomic step; a file that is
+//! invalid, or that changes what only a restart can apply (the listeners, the `server:` and
+//! `store:` sections), is refused whole, logged with its position, counted, and the old
+//! policy keeps serving. How a version is loaded and put in force is the composition root's
+//! (`app`, through `Versions`): this module knows when, not what serves.
 
+use arc_swap::ArcSwap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
-
-use arc_swap::ArcSwap;
-use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::config::{
     self, AdminConfig, Config, ListenerTlsConfig, LogFormat, ServerConfig, Source, StoreConfig,
 };
+use crate::file_watch::FileWatch;
 use crate::metrics::{Metrics, ReloadResult};
-use crate::policy::Policy;
-use crate::proxy::Gateway;
-
-/// How often the file is looked at. Editors save by writing a new file and renaming it over
-/// the old one, so the path is read again each time rather than an inode watched; a policy
-/// file is a few kilobytes, so reading and hashing it four times a second costs nothing and
-/// needs no watcher dependency. A change takes effect within this interval plus the compile.
-pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
 
 /// Why a new config file was not applied.
 #[derive(Debug, thiserror::Error)]
@@ -44,9 +36,9 @@ pub fn hash_value(digest: &[u8; 32]) -> i64 {
     (u64::from_be_bytes(first) >> 12) as i64
 }
 
-/// What the process was started with and a reload cannot change: the listeners are bound, the
-/// store's connections are open.
-struct Fixed {
+/// The settings a reload cannot change, as the process was started with them: the listeners
+/// are bound, the store's connections are open. A file that changes one needs a restart.
+struct RestartOnly {
     listen: SocketAddr,
     admin_listen: SocketAddr,
     /// The admin API's token is read from the environment at start only.
@@ -59,7 +51,7 @@ struct Fixed {
     store: StoreConfig,
 }
 
-impl Fixed {
+impl RestartOnly {
     /// The first change `new` makes to what needs a restart, described for a person.
     fn change(&self, new: &Config) -> Option<String> {
         if new.listen != self.listen {
@@ -154,15 +146,16 @@ impl Serving {
     }
 }
 
-/// A reload that was applied: the file's SHA-256 and its number of routes.
+/// A reload that put a new file in force: the file's SHA-256, its hash gauge value and its
+/// number of routes.
 #[derive(Debug, Clone)]
-pub struct Applied {
+pub struct Reloaded {
     pub sha256: String,
     pub config_hash: i64,
     pub routes: usize,
 }
 
-type Reply = oneshot::Sender<Result<Applied, ReloadError>>;
+type Reply = oneshot::Sender<Result<Reloaded, ReloadError>>;
 
 /// Asks the reloader to reload now, as SIGHUP does, and waits for the outcome (the admin
 /// API's `POST /admin/v1/reload`).
@@ -174,7 +167,7 @@ pub struct ReloadHandle {
 
 impl ReloadHandle {
     /// Reloads the file now; `None` when the reloader has stopped (shutting down).
-    pub async fn reload(&self) -> Option<Result<Applied, ReloadError>> {
+    pub async fn reload(&self) -> Option<Result<Reloaded, ReloadError>> {
         let (reply, outcome) = oneshot::channel();
         self.requests.send(reply).await.ok()?;
         outcome.await.ok()
@@ -186,15 +179,32 @@ impl ReloadHandle {
     }
 }
 
+/// How a version of the config file is loaded and put in force (`app` provides it).
+pub trait Versions: Send + 'static {
+    /// A version loaded whole, not yet in force.
+    type Version: Send;
+
+    /// Loads the version in `bytes`, the contents of `file`, completely: everything that can
+    /// refuse it happens here, and it leaves nothing behind when refused.
+    fn load(&mut self, bytes: &[u8], file: &Path) -> Result<Self::Version, config::ConfigError>;
+
+    /// The parsed file of `version`.
+    fn source(version: &Self::Version) -> &Source;
+
+    /// Puts `version` in force for every request that starts from now on; gives back its
+    /// parsed file and number of routes.
+    fn put_in_force(&mut self, version: Self::Version) -> (Source, usize);
+}
+
 /// Watches the config file and puts each valid new version in force.
-pub struct Reloader {
+pub struct Reloader<V: Versions> {
     file: PathBuf,
-    gateway: Arc<Gateway>,
+    versions: V,
     metrics: Arc<Metrics>,
-    fixed: Fixed,
-    /// The hash of the bytes last tried, applied or refused: a refused file is reported once,
-    /// not at every poll, and is tried again only when it changes (or on SIGHUP).
-    last_seen: [u8; 32],
+    restart_only: RestartOnly,
+    /// The file, with the version last tried, applied or refused: a refused file is reported
+    /// once, not at every poll, and is tried again only when it changes (or on SIGHUP).
+    watched: FileWatch,
     #[cfg(unix)]
     hangup: Option<tokio::signal::unix::Signal>,
     serving: Arc<ArcSwap<Serving>>,
@@ -204,16 +214,12 @@ pub struct Reloader {
     sender: mpsc::Sender<Reply>,
 }
 
-impl Reloader {
+impl<V: Versions> Reloader<V> {
     /// `started` is the config the process runs with. Installs the SIGHUP handler now, so
     /// that a SIGHUP from this point on reloads instead of ending the process.
-    pub fn new(
-        file: &Path,
-        started: Source,
-        gateway: Arc<Gateway>,
-        metrics: Arc<Metrics>,
-    ) -> Reloader {
+    pub fn new(file: &Path, started: Source, versions: V, metrics: Arc<Metrics>) -> Reloader<V> {
         metrics.config_hash.set(hash_value(&started.digest));
+        let watched = FileWatch::new(vec![file.to_owned()], &[started.text.as_bytes()]);
         let serving = Arc::new(ArcSwap::from_pointee(Serving {
             file: file.to_owned(),
             text: started.text,
@@ -232,9 +238,9 @@ impl Reloader {
         };
         Reloader {
             file: file.to_owned(),
-            gateway,
+            versions,
             metrics,
-            fixed: Fixed {
+            restart_only: RestartOnly {
                 listen: config.listen,
                 admin_listen: config.admin_listen.value,
                 admin: config.admin,
@@ -243,7 +249,7 @@ impl Reloader {
                 server: config.server,
                 store: config.store,
             },
-            last_seen: started.digest,
+            watched,
             #[cfg(unix)]
             hangup,
             serving,
@@ -265,8 +271,7 @@ impl Reloader {
         let Some(mut requests) = self.requests.take() else {
             return;
         };
-        let mut poll = tokio::time::interval(POLL_INTERVAL);
-        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut poll = FileWatch::ticker();
         loop {
             tokio::select! {
                 _ = poll.tick() => self.poll(),
@@ -283,19 +288,17 @@ impl Reloader {
         }
     }
 
-    /// Reloads if the file's bytes differ from the ones last tried. The read blocks the
-    /// thread briefly: a local file of a few kilobytes, no worse than a page-cache hit.
+    /// Reloads if the file's bytes differ from the ones last tried.
     fn poll(&mut self) {
-        match std::fs::read(&self.file) {
-            Ok(bytes) => {
-                if <[u8; 32]>::from(Sha256::digest(&bytes)) != self.last_seen {
-                    let _ = self.reload(&bytes);
+        match self.watched.changed() {
+            Ok(Some(files)) => {
+                if let Some(bytes) = files.first() {
+                    let _ = self.reload(bytes);
                 }
             }
-            // A file briefly missing (an editor that deletes, then writes) is not a new
-            // version; the next poll sees what it became.
+            Ok(None) => {}
             Err(err) => {
-                tracing::debug!(file = %self.file.display(), error = %err, "cannot read the config file");
+                tracing::debug!(error = %err, "cannot read the config file");
             }
         }
     }
@@ -311,7 +314,7 @@ impl Reloader {
     }
 
     /// Reads the file and reloads it whatever its bytes (SIGHUP, the admin API).
-    fn reload_file(&mut self) -> Result<Applied, ReloadError> {
+    fn reload_file(&mut self) -> Result<Reloaded, ReloadError> {
         match std::fs::read(&self.file) {
             Ok(bytes) => self.reload(&bytes),
             Err(err) => {
@@ -322,15 +325,15 @@ impl Reloader {
         }
     }
 
-    fn reload(&mut self, bytes: &[u8]) -> Result<Applied, ReloadError> {
-        match self.apply(bytes) {
-            Ok(applied) => {
+    fn reload(&mut self, bytes: &[u8]) -> Result<Reloaded, ReloadError> {
+        match self.put_in_force(bytes) {
+            Ok(reloaded) => {
                 self.metrics
                     .config_reloads
                     .with_label_values(&[ReloadResult::Ok.label()])
                     .inc();
-                tracing::info!(file = %self.file.display(), routes = applied.routes, "config reloaded");
-                Ok(applied)
+                tracing::info!(file = %self.file.display(), routes = reloaded.routes, "config reloaded");
+                Ok(reloaded)
             }
             Err(err) => {
                 self.refused(&err);
@@ -347,19 +350,18 @@ impl Reloader {
         tracing::error!("config reload refused; the old policy keeps serving: {err}");
     }
 
-    /// Parses, checks and compiles `bytes` completely, then installs the policy.
-    fn apply(&mut self, bytes: &[u8]) -> Result<Applied, ReloadError> {
-        self.last_seen = Sha256::digest(bytes).into();
-        let source = config::from_bytes(bytes, &self.file)?;
-        if let Some(change) = self.fixed.change(&source.config) {
+    /// Loads `bytes` completely, as at start-up, checks that nothing in it needs a restart,
+    /// then puts it in force.
+    fn put_in_force(&mut self, bytes: &[u8]) -> Result<Reloaded, ReloadError> {
+        self.watched.saw(&[bytes]);
+        let version = self.versions.load(bytes, &self.file)?;
+        if let Some(change) = self.restart_only.change(&V::source(&version).config) {
             return Err(ReloadError::NeedsRestart {
                 file: self.file.clone(),
                 change,
             });
         }
-        let policy = Policy::compile(&source.config, &self.file, &self.metrics)?;
-        let routes = policy.routes.len();
-        self.gateway.install(policy);
+        let (source, routes) = self.versions.put_in_force(version);
         let config_hash = hash_value(&source.digest);
         self.metrics.config_hash.set(config_hash);
         let serving = Serving {
@@ -369,7 +371,7 @@ impl Reloader {
         };
         let sha256 = serving.sha256();
         self.serving.store(Arc::new(serving));
-        Ok(Applied {
+        Ok(Reloaded {
             sha256,
             config_hash,
             routes,
@@ -379,6 +381,8 @@ impl Reloader {
 
 #[cfg(test)]
 mod tests {
+    use sha2::{Digest, Sha256};
+
     use super::*;
 
     #[test]
@@ -388,9 +392,9 @@ mod tests {
         assert_eq!(hash_value(&digest), 0xe3b0c44298fc1);
     }
 
-    fn fixed(yaml: &str) -> Fixed {
+    fn restart_only(yaml: &str) -> RestartOnly {
         let config = config::parse(yaml, Path::new("t.yaml")).expect("valid");
-        Fixed {
+        RestartOnly {
             listen: config.listen,
             admin_listen: config.admin_listen.value,
             admin: config.admin,
@@ -405,7 +409,7 @@ mod tests {
     fn each_change_that_needs_a_restart_is_named() {
         let base = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n";
         let routes = "routes: []\n";
-        let running = fixed(&format!("{base}{routes}"));
+        let running = restart_only(&format!("{base}{routes}"));
         let change = |rest: &str, head: &str| {
             let config = config::parse(&format!("{head}{rest}{routes}"), Path::new("t.yaml"))
                 .expect("valid");
@@ -440,7 +444,7 @@ mod tests {
     fn moving_a_section_in_the_file_is_not_a_change() {
         let store = "store:\n  redis:\n    sentinel: { master_name: m, nodes: [\"127.0.0.1:26379\"] }\nroutes: []\n";
         let head = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n";
-        let running = fixed(&format!("{head}{store}"));
+        let running = restart_only(&format!("{head}{store}"));
         let moved = format!("{head}# a comment, and a blank line\n\n{store}");
         let config = config::parse(&moved, Path::new("t.yaml")).expect("valid");
         assert_eq!(running.change(&config), None);

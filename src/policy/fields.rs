@@ -8,7 +8,7 @@ use std::fmt;
 
 use http::header::{HeaderName, COOKIE, HOST};
 
-use super::{Condition, Limit, Route};
+use super::{Condition, Limit, Metering, Route};
 use crate::config::{ForwardedHeader, KeyPart};
 
 /// A field of the request that a route's limits read, through a key part or a `when:`
@@ -32,7 +32,7 @@ impl fmt::Display for Field {
 }
 
 /// The fields `limits` read, each once, in the order they are first read.
-pub fn read_by(limits: &[Limit]) -> Vec<Field> {
+pub fn read_by<M: Metering>(limits: &[Limit<M>]) -> Vec<Field> {
     let mut fields = Vec::new();
     let mut add = |field: Field| {
         if !fields.contains(&field) {
@@ -64,8 +64,8 @@ pub fn read_by(limits: &[Limit]) -> Vec<Field> {
 /// read, `Cookie` when some limit reads a cookie, `Host` (the upstream learns the client's
 /// host from it, in `X-Forwarded-Host`), and the forwarded-for header when proxies are
 /// trusted (the client address is read from it).
-pub fn connection_guarded(
-    routes: &[Route],
+pub fn connection_guarded<M: Metering>(
+    routes: &[Route<M>],
     trusts_proxies: bool,
     forwarded: ForwardedHeader,
 ) -> Vec<HeaderName> {
@@ -94,16 +94,15 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::metrics::Metrics;
-    use crate::policy::Policy;
+    use crate::policy::Compiled;
+    use crate::tls::UpstreamTlsSet;
 
-    fn compile(head: &str, limits: &str) -> Policy {
+    fn compile(head: &str, limits: &str) -> Compiled {
         let yaml = format!(
             "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{head}routes:\n  - name: r\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n{limits}  - name: open\n    match: {{ path_prefix: /open }}\n    respond: {{ status: 200 }}\n"
         );
         let config = crate::config::parse(&yaml, Path::new("t.yaml")).expect("valid");
-        let metrics = Metrics::new().expect("metrics");
-        Policy::compile(&config, Path::new("t.yaml"), &metrics).expect("valid")
+        Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default()).expect("valid")
     }
 
     #[test]

@@ -4,7 +4,11 @@
 //!
 //! A policy is plain data, built once per config file and swapped whole on reload; what must
 //! outlive a reload (upstream connection pools, the store) lives outside it, so nothing here
-//! needs the proxy.
+//! needs the proxy. Compiling is a pure function of the parsed config and the upstreams' TLS
+//! settings, read from their files beforehand (`tls::UpstreamTlsSet`): it reads no file and
+//! creates no metric series. The metric handles each route and limit counts into are
+//! attached afterwards (`Compiled::metered`), by whoever puts the policy in force, so a file
+//! that is refused leaves no series behind.
 
 mod condition;
 mod fields;
@@ -31,10 +35,36 @@ use crate::config::{
 use crate::limiter::{Algorithm, Check, Spec};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::ratelimit_field::{ceil_seconds, limit_items};
-use crate::tls::UpstreamTls;
+use crate::tls::{UpstreamTls, UpstreamTlsSet};
 
-pub struct Policy {
-    pub routes: Vec<Route>,
+/// What a policy's routes and limits carry to count into: nothing once compiled
+/// (`Unmetered`), their Prometheus handles once in force (`Metered`).
+pub trait Metering: 'static {
+    type Route: 'static;
+    type Limit: 'static;
+}
+
+/// A policy as compiled: checked and complete, but counting into nothing yet.
+pub enum Unmetered {}
+
+impl Metering for Unmetered {
+    type Route = ();
+    type Limit = ();
+}
+
+/// A policy with the metric handles of each route and limit: the one the request path uses.
+pub enum Metered {}
+
+impl Metering for Metered {
+    type Route = RouteMetrics;
+    type Limit = LimitMetrics;
+}
+
+/// A compiled policy before its metric handles are attached.
+pub type Compiled = Policy<Unmetered>;
+
+pub struct Policy<M: Metering = Metered> {
+    pub routes: Vec<Route<M>>,
     /// Peers whose forwarded-for header is believed, and which header that is.
     pub trusted_proxies: Vec<IpNet>,
     pub forwarded_header: ForwardedHeader,
@@ -60,7 +90,7 @@ struct RouteIndex {
 const INDEXED_SEGMENT_LEN: usize = 64;
 
 impl RouteIndex {
-    fn new(routes: &[Route]) -> RouteIndex {
+    fn new<M: Metering>(routes: &[Route<M>]) -> RouteIndex {
         let any_path: Vec<usize> = (0..routes.len())
             .filter(|&i| routes[i].matcher.first_segment().is_none())
             .collect();
@@ -101,11 +131,11 @@ impl RouteIndex {
     }
 }
 
-pub struct Route {
+pub struct Route<M: Metering = Metered> {
     pub name: Name,
     pub matcher: Matcher,
     pub action: Action,
-    pub limits: Vec<Limit>,
+    pub limits: Vec<Limit<M>>,
     /// The fields its limits read (keys and `when:`): each may appear only once in a request.
     pub fields: Vec<Field>,
     /// Largest request body forwarded, in bytes; `None`: unlimited.
@@ -121,7 +151,7 @@ pub struct Route {
     /// The `RateLimit-Policy` field describing every limit of the route; `None` without limits
     /// or when some limit has conditions (the field then lists what applied to a request).
     pub rate_limit_policy: Option<HeaderValue>,
-    pub metrics: RouteMetrics,
+    pub metrics: M::Route,
 }
 
 /// How fast a request body must arrive, so that a client trickling bytes cannot hold an
@@ -167,7 +197,7 @@ pub struct DirectResponse {
     pub content_type: HeaderValue,
 }
 
-pub struct Limit {
+pub struct Limit<M: Metering = Metered> {
     pub name: Name,
     pub key: Vec<KeyPart>,
     /// What the limiter decides with: algorithm, requests, window, burst (`requests` unless
@@ -184,7 +214,7 @@ pub struct Limit {
     pub when: Vec<Condition>,
     /// How client addresses are grouped in this limit's keys.
     pub client_prefix: ClientPrefix,
-    pub metrics: LimitMetrics,
+    pub metrics: M::Limit,
 }
 
 /// The prefix lengths client addresses count by: every address of one network is one
@@ -204,7 +234,7 @@ impl Default for ClientPrefix {
     }
 }
 
-impl Limit {
+impl<M: Metering> Limit<M> {
     /// Whether this limit keeps a request answered with `status` (always, without `count`).
     pub fn counts(&self, status: u16) -> bool {
         self.count
@@ -237,9 +267,15 @@ pub struct Upstream {
     pub http2: bool,
 }
 
-impl Policy {
-    /// Checks the config as a whole and builds the policy. `file` names the source in errors.
-    pub fn compile(config: &Config, file: &Path, metrics: &Metrics) -> Result<Policy, ConfigError> {
+impl Compiled {
+    /// Checks the config as a whole and builds the policy. `file` names the source in errors;
+    /// `tls` holds the settings of every https upstream, read from their files by the caller
+    /// (`UpstreamTlsSet::load`).
+    pub fn compile(
+        config: &Config,
+        file: &Path,
+        tls: &UpstreamTlsSet,
+    ) -> Result<Compiled, ConfigError> {
         if config.listen == config.admin_listen.value {
             return Err(ConfigError::invalid(
                 file,
@@ -258,7 +294,7 @@ impl Policy {
                     base_path: upstream.url.base_path.clone(),
                     connect_timeout: upstream.connect_timeout.0,
                     timeout: upstream.timeout.0,
-                    tls: UpstreamTls::from_config(name, upstream, file)?.map(Arc::new),
+                    tls: upstream_tls(name, upstream.url.https, tls, file)?,
                     http2: upstream.http2,
                 };
                 Ok((name, Arc::new(compiled)))
@@ -283,15 +319,13 @@ impl Policy {
             actions.push(compile_action(route, &upstreams, file, &field)?);
             conditions.push(check_limits(route, file, &field)?);
         }
-        // Metrics handles are made only once the whole file is valid, so that a file refused
-        // on reload leaves no series behind for routes that never served.
-        let routes: Vec<Route> = config
+        let routes: Vec<Route<Unmetered>> = config
             .routes
             .iter()
             .zip(actions)
             .zip(conditions)
             .map(|((route, action), conditions)| {
-                let limits = build_limits(config, route, conditions, metrics);
+                let limits = build_limits(config, route, conditions);
                 Route {
                     name: route.name.value.clone(),
                     matcher: Matcher::new(&route.matcher),
@@ -315,7 +349,7 @@ impl Policy {
                     },
                     fields: fields::read_by(&limits),
                     limits,
-                    metrics: metrics.for_route(route.name.value.as_str()),
+                    metrics: (),
                 }
             })
             .collect();
@@ -334,6 +368,55 @@ impl Policy {
         })
     }
 
+    /// The policy with the metric handles of each route and limit, for the request path to
+    /// count into. Called only for a policy about to be put in force: the series of a route
+    /// exist from then on.
+    pub fn metered(self, metrics: &Metrics) -> Policy {
+        let routes = self
+            .routes
+            .into_iter()
+            .map(|route| {
+                let limits = route
+                    .limits
+                    .into_iter()
+                    .map(|limit| Limit {
+                        metrics: metrics.for_limit(route.name.as_str(), limit.name.as_str()),
+                        name: limit.name,
+                        key: limit.key,
+                        spec: limit.spec,
+                        count: limit.count,
+                        key_prefix: limit.key_prefix,
+                        when: limit.when,
+                        client_prefix: limit.client_prefix,
+                    })
+                    .collect();
+                Route {
+                    metrics: metrics.for_route(route.name.as_str()),
+                    name: route.name,
+                    matcher: route.matcher,
+                    action: route.action,
+                    limits,
+                    fields: route.fields,
+                    max_body: route.max_body,
+                    body_pace: route.body_pace,
+                    on_store_error: route.on_store_error,
+                    response_headers: route.response_headers,
+                    max_delayed: route.max_delayed,
+                    rate_limit_policy: route.rate_limit_policy,
+                }
+            })
+            .collect();
+        Policy {
+            routes,
+            trusted_proxies: self.trusted_proxies,
+            forwarded_header: self.forwarded_header,
+            connection_guarded: self.connection_guarded,
+            index: self.index,
+        }
+    }
+}
+
+impl<M: Metering> Policy<M> {
     /// Every upstream some route forwards to, once each.
     pub fn upstreams(&self) -> impl Iterator<Item = &Arc<Upstream>> {
         let mut seen = std::collections::HashSet::new();
@@ -348,9 +431,9 @@ impl Policy {
 
     /// The first route, in file order, that matches the request. `path` is canonical (see
     /// `crate::path::normalize`); its `;` parameters are ignored here.
-    pub fn route(&self, method: &Method, path: &str) -> Option<&Route> {
+    pub fn route(&self, method: &Method, path: &str) -> Option<&Route<M>> {
         let path = crate::path::without_parameters(path);
-        let matches = |route: &&Route| route.matcher.matches(method, &path);
+        let matches = |route: &&Route<M>| route.matcher.matches(method, &path);
         match self.index.candidates(&path) {
             Some(candidates) => candidates.iter().map(|&i| &self.routes[i]).find(matches),
             None => self.routes.iter().find(matches),
@@ -360,8 +443,8 @@ impl Policy {
 
 /// `"per-ip";q=5;w=60, "per-key";q=100;w=1`: the given limits (of a route: built once per
 /// policy, unless limits have conditions).
-pub fn rate_limit_policy<'a>(
-    limits: impl ExactSizeIterator<Item = &'a Limit>,
+pub fn rate_limit_policy<'a, M: Metering>(
+    limits: impl ExactSizeIterator<Item = &'a Limit<M>>,
 ) -> Option<HeaderValue> {
     if limits.len() == 0 {
         return None;
@@ -373,6 +456,29 @@ pub fn rate_limit_policy<'a>(
         ];
         (&limit.name, params)
     }))
+}
+
+/// The TLS settings of upstream `name`, loaded before compiling: `None` for an `http://` one.
+fn upstream_tls(
+    name: &Name,
+    https: bool,
+    tls: &UpstreamTlsSet,
+    file: &Path,
+) -> Result<Option<Arc<UpstreamTls>>, ConfigError> {
+    if !https {
+        return Ok(None);
+    }
+    match tls.get(name) {
+        Some(settings) => Ok(Some(settings)),
+        // The caller loaded the set from another config than this one: say so rather than
+        // serve an https upstream without its CAs.
+        None => Err(ConfigError::invalid(
+            file,
+            Position::default(),
+            format!("upstreams.{name}.url"),
+            "the TLS settings of this https upstream were not loaded",
+        )),
+    }
 }
 
 fn compile_action(
@@ -665,7 +771,7 @@ fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Confi
     Ok(())
 }
 
-impl Limit {
+impl<M: Metering> Limit<M> {
     /// The check of this limit for one identity's store key: the one place a `Check` is built.
     pub fn check(&self, key: String) -> Check {
         Check {
@@ -680,8 +786,7 @@ fn build_limits(
     config: &Config,
     route: &RouteConfig,
     conditions: Vec<Vec<Condition>>,
-    metrics: &Metrics,
-) -> Vec<Limit> {
+) -> Vec<Limit<Unmetered>> {
     route
         .limits
         .iter()
@@ -727,7 +832,7 @@ fn build_limits(
                 ipv4: prefix_bits(&limit.ipv4_prefix, DEFAULT_IPV4_PREFIX),
                 ipv6: prefix_bits(&limit.ipv6_prefix, DEFAULT_IPV6_PREFIX),
             },
-            metrics: metrics.for_limit(route.name.value.as_str(), limit.name.value.as_str()),
+            metrics: (),
         })
         .collect()
 }
@@ -747,6 +852,49 @@ mod tests {
             assert!(crate::metrics::FALLBACK_ACTIONS.contains(&action.label()));
         }
     }
+
+    /// Compiling creates no series; attaching the handles creates each route's and each
+    /// limit's, under their own names.
+    #[test]
+    fn series_exist_once_the_policy_is_metered_not_when_it_is_compiled() {
+        let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: api\n    match: { path_prefix: /api }\n    respond: { status: 200 }\n    limits:\n      - { name: per-ip, key: [client_ip], requests: 5, window: 1s }\n";
+        let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("valid");
+        let metrics = Metrics::new().expect("metrics");
+        let compiled = Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .expect("valid");
+        let text = || String::from_utf8(metrics.render()).expect("UTF-8");
+        assert!(!text().contains("api"), "{}", text());
+        let policy = compiled.metered(&metrics);
+        policy.routes[0].limits[0].metrics.admitted.inc();
+        assert!(
+            text().contains(
+                r#"sluice_limit_decisions_total{decision="admitted",limit="per-ip",route="api"} 1"#
+            ),
+            "{}",
+            text()
+        );
+    }
+
+    /// An https upstream compiled without the TLS settings read for it is refused, naming
+    /// it, rather than served without its CAs.
+    #[test]
+    fn an_https_upstream_needs_its_loaded_tls_settings() {
+        let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nupstreams:\n  secure: { url: \"https://127.0.0.1:9\" }\nroutes:\n  - name: r\n    match: { path_prefix: / }\n    upstream: secure\n";
+        let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("valid");
+        let refused = Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .err()
+            .expect("refused");
+        assert!(
+            refused.to_string().contains("upstreams.secure.url"),
+            "{refused}"
+        );
+        let loaded =
+            UpstreamTlsSet::load(&config.upstreams, Path::new("t.yaml")).expect("builtin roots");
+        let policy = Compiled::compile(&config, Path::new("t.yaml"), &loaded).expect("valid");
+        let upstream = policy.upstreams().next().expect("one upstream");
+        assert!(upstream.tls.is_some());
+    }
+
     use proptest::prelude::*;
 
     fn segment() -> impl Strategy<Value = String> {
@@ -764,7 +912,7 @@ mod tests {
         })
     }
 
-    fn policy(routes: &[(String, bool, bool)]) -> Policy {
+    fn policy(routes: &[(String, bool, bool)]) -> Compiled {
         let mut yaml = String::from("listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n");
         for (n, (prefix, case_sensitive, post_only)) in routes.iter().enumerate() {
             let prefix = prefix.replace(";p", "");
@@ -774,8 +922,7 @@ mod tests {
             ));
         }
         let config = crate::config::parse(&yaml, Path::new("t.yaml")).expect("valid");
-        let metrics = Metrics::new().expect("metrics");
-        Policy::compile(&config, Path::new("t.yaml"), &metrics).expect("valid")
+        Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default()).expect("valid")
     }
 
     proptest! {

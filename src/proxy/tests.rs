@@ -13,6 +13,7 @@ use http_body_util::{BodyExt, Empty};
 
 use super::*;
 use crate::limiter::RedisStore;
+use crate::tls::UpstreamTlsSet;
 
 /// A body with no upstream to go to: the routes of these tests answer themselves.
 impl ForwardBody for Empty<Bytes> {
@@ -37,7 +38,9 @@ fn gateway(store_yaml: &str, routes_yaml: &str, metrics: &Metrics, store: Store)
         "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{store_yaml}routes:\n{routes_yaml}"
     );
     let config = crate::config::parse(&yaml, Path::new("t.yaml")).expect("a valid config");
-    let policy = Policy::compile(&config, Path::new("t.yaml"), metrics).expect("a valid policy");
+    let policy = Policy::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+        .expect("a valid policy")
+        .metered(metrics);
     let head_limits = HeadLimits::new(&config.server);
     Gateway::new(policy, store, head_limits, metrics)
 }

@@ -5,23 +5,18 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use prometheus::IntCounterVec;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls::ServerConfig;
-use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
 use super::files::{self, PairBytes, TlsFileError};
 use crate::config::{ConfigError, ListenerTlsConfig, Position, Spanned};
-
-/// How often the certificate and key files are looked at: as often as the config file (see
-/// `reload::POLL_INTERVAL`), for the same reasons (renames over the path, no watcher needed).
-pub const POLL_INTERVAL: Duration = crate::reload::POLL_INTERVAL;
+use crate::file_watch::FileWatch;
 
 /// The certificate new handshakes get.
 #[derive(Debug)]
@@ -39,9 +34,9 @@ pub struct ListenerTls {
     current: Arc<Rotating>,
     cert: PathBuf,
     key: PathBuf,
-    /// The SHA-256 of the certificate and key bytes last tried, loaded or refused: a refused
-    /// pair is reported once, and tried again when either file changes.
-    last_seen: [u8; 32],
+    /// The certificate and key files, with the version last tried, loaded or refused: a
+    /// refused pair is reported once, and tried again when either file changes.
+    files: FileWatch,
     /// Whether the last poll could not read the files: reported once, not at every poll.
     unreadable: bool,
 }
@@ -80,7 +75,7 @@ impl ListenerTls {
         Ok(ListenerTls {
             acceptor: TlsAcceptor::from(Arc::new(config)),
             current,
-            last_seen: digest(&bytes),
+            files: FileWatch::new(vec![cert.clone(), key.clone()], &[&bytes.cert, &bytes.key]),
             unreadable: false,
             cert,
             key,
@@ -96,8 +91,7 @@ impl ListenerTls {
     /// logged and counted in `reloads` (`sluice_tls_cert_reloads_total`) and the old pair
     /// keeps serving.
     pub async fn watch(mut self, reloads: IntCounterVec, mut stopping: watch::Receiver<bool>) {
-        let mut poll = tokio::time::interval(POLL_INTERVAL);
-        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut poll = FileWatch::ticker();
         loop {
             tokio::select! {
                 _ = poll.tick() => self.poll(&reloads),
@@ -106,16 +100,17 @@ impl ListenerTls {
         }
     }
 
-    /// Loads the pair if its bytes changed. The reads block the thread briefly, as the config
-    /// poll's do: two local files of a few kilobytes.
+    /// Loads the pair if its bytes changed.
     fn poll(&mut self, reloads: &IntCounterVec) {
-        let bytes = match PairBytes::read(&self.cert, &self.key) {
-            Ok(bytes) => bytes,
-            // Briefly missing while a tool replaces the files: not a new version yet.
-            Err(TlsFileError::Read { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
-                return
+        let bytes = match self.files.changed() {
+            // Two paths watched, so two files read.
+            Ok(Some(files)) => match <[Vec<u8>; 2]>::try_from(files) {
+                Ok([cert, key]) => PairBytes { cert, key },
+                Err(_) => return,
+            },
+            Ok(None) => {
+                self.unreadable = false;
+                return;
             }
             Err(err) => {
                 if !self.unreadable {
@@ -126,11 +121,6 @@ impl ListenerTls {
             }
         };
         self.unreadable = false;
-        let seen = digest(&bytes);
-        if seen == self.last_seen {
-            return;
-        }
-        self.last_seen = seen;
         match files::certified_key(&self.cert, &self.key, &bytes) {
             Ok(certified) => {
                 self.current.0.store(certified);
@@ -143,12 +133,4 @@ impl ListenerTls {
             }
         }
     }
-}
-
-fn digest(bytes: &PairBytes) -> [u8; 32] {
-    let mut hash = Sha256::new();
-    hash.update((bytes.cert.len() as u64).to_be_bytes());
-    hash.update(&bytes.cert);
-    hash.update(&bytes.key);
-    hash.finalize().into()
 }

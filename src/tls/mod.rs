@@ -15,7 +15,7 @@ use rustls::crypto::CryptoProvider;
 
 pub use files::TlsFileError;
 pub use listener::ListenerTls;
-pub use upstream::UpstreamTls;
+pub use upstream::{UpstreamTls, UpstreamTlsSet};
 
 /// Marks a request that arrived over TLS (a request extension set by `server`), so that the
 /// upstream is told `X-Forwarded-Proto: https`.

@@ -2,6 +2,7 @@
 //! sluice, or the upstream's `ca_file`), and the client certificate presented for mTLS. The
 //! host name of the upstream URL is sent as SNI and must be in the upstream's certificate.
 
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
@@ -12,8 +13,9 @@ use sha2::{Digest, Sha256};
 use super::files::{self, PairBytes, TlsFileError};
 use crate::config::{ConfigError, Name, Position, Spanned, UpstreamConfig};
 
-/// The TLS client settings of one https upstream, built from its files when the policy is
-/// compiled (so `sluice check` and a reload refuse a bad file before anything serves).
+/// The TLS client settings of one https upstream, built from its files when a config version
+/// is loaded, before its policy is compiled (so `sluice check` and a reload refuse a bad
+/// file before anything serves).
 pub struct UpstreamTls {
     pub config: Arc<ClientConfig>,
     /// The SHA-256 of the settings and file contents: the client registry builds a new client
@@ -36,6 +38,33 @@ impl PartialEq for UpstreamTls {
 }
 
 impl Eq for UpstreamTls {}
+
+/// The TLS settings of every https upstream of one config, by upstream name: what compiling
+/// its policy needs from the files the config names.
+#[derive(Debug, Default)]
+pub struct UpstreamTlsSet(HashMap<Name, Arc<UpstreamTls>>);
+
+impl UpstreamTlsSet {
+    /// Reads and checks the files of every upstream (relative to `file`, the config); the
+    /// first error points at the field to fix.
+    pub fn load(
+        upstreams: &BTreeMap<Name, UpstreamConfig>,
+        file: &Path,
+    ) -> Result<UpstreamTlsSet, ConfigError> {
+        let mut set = HashMap::new();
+        for (name, upstream) in upstreams {
+            if let Some(tls) = UpstreamTls::from_config(name, upstream, file)? {
+                set.insert(name.clone(), Arc::new(tls));
+            }
+        }
+        Ok(UpstreamTlsSet(set))
+    }
+
+    /// The settings of upstream `name`; `None` for an `http://` one.
+    pub fn get(&self, name: &Name) -> Option<Arc<UpstreamTls>> {
+        self.0.get(name).cloned()
+    }
+}
 
 impl UpstreamTls {
     /// The TLS settings of upstream `name`: `None` for an `http://` one (which may then set

@@ -312,9 +312,12 @@ async fn changing_listen_is_refused_whole() {
         1,
     );
     assert_ne!(moved, head, "test bug: listen line not found");
+    // A route only this file has: refused whole, it must leave no metric series behind.
+    let ghost =
+        "  - name: ghost\n    match:\n      path_prefix: /ghost\n    respond:\n      status: 200\n";
     support::replace_file(
         sluice.config_path(),
-        &format!("{moved}{}", limited(6, "1m")),
+        &format!("{moved}{}{ghost}", limited(6, "1m")),
     );
     wait_reloads(&sluice, "error", 1.0).await;
 
@@ -334,6 +337,11 @@ async fn changing_listen_is_refused_whole() {
     assert!(
         std::net::TcpStream::connect(("127.0.0.1", new_port)).is_err(),
         "nothing listens on the new address"
+    );
+    let metrics = sluice.metrics().await;
+    assert!(
+        !metrics.contains("ghost"),
+        "no series of a route in a file refused for a restart:\n{metrics}"
     );
 
     let server = format!("{head}server:\n  idle_timeout: 5s\n{}", limited(6, "1m"));

@@ -420,6 +420,15 @@ async fn a_bad_new_certificate_is_refused_and_the_old_one_keeps_serving() {
         }
     })
     .await;
+    // Each version of the pair is tried once, however many times the files were looked at
+    // meanwhile (four times a second): two refusals, one rotation.
+    let text = sluice.metrics().await;
+    let loaded = metric_sum(
+        &parse_metrics(&text),
+        "sluice_tls_cert_reloads_total",
+        &[("result", "ok")],
+    );
+    assert_eq!((errors(&text), loaded), (2.0, 1.0), "{text}");
 }
 
 /// Runs `openssl` with `args`, panicking with how to install it when it is missing.

@@ -1,0 +1,394 @@
+//! The composition root: how a config file becomes a running sluice. One function turns the
+//! bytes of a file into a version sluice could serve (`version`: parse, the TLS files it
+//! names, compile), and `run`, `check`, a reload and `explain` all take their version from
+//! it, so none of them can accept a file another would refuse. `serve` wires the parts of a
+//! running process together: the store, the listeners and their workers, the gateway, the
+//! admin API, the reloader and the certificate watch.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::admin::{Admin, Api, Token, TokenError};
+use crate::config::{self, ConfigError, Source};
+use crate::limiter::{RedisStore, Store, StoreError};
+use crate::metrics::Metrics;
+use crate::policy::Compiled;
+use crate::proxy::{self, Gateway};
+use crate::reload::{Reloader, Versions};
+use crate::server;
+use crate::tls::{ListenerTls, UpstreamTlsSet};
+
+/// Why sluice cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Token(#[from] TokenError),
+    #[error("cannot create the metrics registry: {0}")]
+    Metrics(#[from] prometheus::Error),
+    #[error("invalid Redis settings: {0}")]
+    Redis(#[from] StoreError),
+    #[error("cannot listen on {addr}{what}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        /// Which setting the address comes from, when it is not `listen`.
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("cannot start {what}: {source}")]
+    Start {
+        what: &'static str,
+        source: std::io::Error,
+    },
+}
+
+/// One version of the config file, ready to be put in force: parsed, its policy compiled,
+/// the TLS files it names read and checked.
+pub struct Version {
+    pub source: Source,
+    /// Without its metric handles: attached by whoever puts it in force.
+    pub policy: Compiled,
+    /// The listener's certificate and key, when `tls:` names them and they were asked for.
+    pub listener_tls: Option<ListenerTls>,
+}
+
+/// Whether a version reads the listener's certificate files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenerFiles {
+    /// `run` and `check`: the listener is made from this version.
+    Read,
+    /// A reload (the listener's files are fixed at start and rotated by their own watch) and
+    /// `explain` (it serves nothing).
+    Skip,
+}
+
+/// The version in the file at `file`, read now.
+pub fn load(file: &Path, listener: ListenerFiles) -> Result<Version, ConfigError> {
+    let bytes = std::fs::read(file).map_err(|err| config::read_error(file, err))?;
+    version(&bytes, file, listener)
+}
+
+/// The version in `bytes`, the contents of `file` (which names it in errors and anchors the
+/// relative paths it holds). Creates no metric series and no client: a refused file leaves
+/// nothing behind.
+pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Version, ConfigError> {
+    let source = config::from_bytes(bytes, file)?;
+    let upstream_tls = UpstreamTlsSet::load(&source.config.upstreams, file)?;
+    let policy = Compiled::compile(&source.config, file, &upstream_tls)?;
+    let listener_tls = match (&source.config.tls, listener) {
+        (Some(tls), ListenerFiles::Read) => Some(ListenerTls::load(tls, file)?),
+        _ => None,
+    };
+    Ok(Version {
+        source,
+        policy,
+        listener_tls,
+    })
+}
+
+/// A reload's versions: loaded as at start-up, put in force in the gateway with their
+/// metric handles.
+struct GatewayVersions {
+    gateway: Arc<Gateway>,
+    metrics: Arc<Metrics>,
+}
+
+impl Versions for GatewayVersions {
+    type Version = Version;
+
+    fn load(&mut self, bytes: &[u8], file: &Path) -> Result<Version, ConfigError> {
+        version(bytes, file, ListenerFiles::Skip)
+    }
+
+    fn source(version: &Version) -> &Source {
+        &version.source
+    }
+
+    fn put_in_force(&mut self, version: Version) -> (Source, usize) {
+        let policy = version.policy.metered(&self.metrics);
+        let routes = policy.routes.len();
+        self.gateway.install(policy);
+        (version.source, routes)
+    }
+}
+
+/// `sluice check`: the file checked as `run` would, summed up in one line.
+pub fn check(file: &Path) -> Result<String, ConfigError> {
+    let loaded = load(file, ListenerFiles::Read)?;
+    let config = &loaded.source.config;
+    Ok(format!(
+        "{}: ok ({} routes, {} upstreams, store: {}{})",
+        file.display(),
+        loaded.policy.routes.len(),
+        config.upstreams.len(),
+        if config.store.redis.is_some() {
+            "redis"
+        } else {
+            "in-process"
+        },
+        if loaded.listener_tls.is_some() {
+            ", tls"
+        } else {
+            ""
+        }
+    ))
+}
+
+/// One worker's runtime: current-thread, so a connection and everything its requests do run
+/// on the worker's own thread (see `server`).
+pub fn worker_runtime() -> Result<tokio::runtime::Runtime, StartError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| StartError::Start {
+            what: "the async runtime",
+            source,
+        })
+}
+
+/// Serves `loaded` (the version in `file`) until SIGTERM or Ctrl-C. Runs on the calling
+/// thread, which is worker 0: it also hosts what there is one of (the admin listener, the
+/// reloader, the TLS file watch, the signal handler, the store's background tasks). Workers
+/// 1.. each get a thread with its own runtime and listener.
+pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
+    let Version {
+        source,
+        policy,
+        listener_tls,
+    } = loaded;
+    let config = &source.config;
+    // Before anything is bound or connected: a token that cannot be read stops the start.
+    let token = if config.admin.api {
+        Token::from_env(&config.admin)?
+    } else {
+        None
+    };
+    let admin_api = config.admin.api;
+    let metrics = Arc::new(Metrics::new()?);
+    let policy = policy.metered(&metrics);
+    let store = match (&config.store.redis, &config.store.topology) {
+        (Some(redis), Some(topology)) => {
+            let (pool_size, timeout) = (redis.value.pool_size.0 as usize, redis.value.timeout.0);
+            let store = RedisStore::connect(topology, pool_size, timeout).await?;
+            if let Err(err) = store.load_script().await {
+                tracing::warn!(error = %err, "Redis is not answering yet; limited routes follow their on_store_error until it does");
+            }
+            Store::redis(store, config.store.local.max_keys.0 as usize, &metrics)
+        }
+        _ => Store::local(config.store.local.max_keys.0 as usize, &metrics),
+    };
+    let workers = config.server.workers.resolve();
+    let listeners =
+        server::bind_workers(config.listen, workers).map_err(|source| StartError::Listen {
+            addr: config.listen,
+            what: "",
+            source,
+        })?;
+    let admin_listener =
+        server::bind(config.admin_listen.value).map_err(|source| StartError::Listen {
+            addr: config.admin_listen.value,
+            what: " (admin_listen)",
+            source,
+        })?;
+    tracing::info!(
+        listen = %config.listen,
+        workers,
+        tls = config.tls.is_some(),
+        admin_listen = %config.admin_listen.value,
+        routes = policy.routes.len(),
+        store = store.name(),
+        admin_api = match (admin_api, &token) {
+            (false, _) => "off",
+            (true, Some(_)) => "bearer token",
+            (true, None) => "open (loopback, no token)",
+        },
+        "sluice is serving"
+    );
+
+    let head_limits = proxy::HeadLimits::new(&config.server);
+    let settings = server::Settings::new(&config.server);
+    let open = |listener: &str| metrics.open_connections.with_label_values(&[listener]);
+    let (gateway_open, admin_open) = (open("gateway"), open("admin"));
+    let worker_connections = metrics.worker_connections.clone();
+    let gateway = Arc::new(Gateway::new(policy, store, head_limits, &metrics));
+    let request_log = gateway.request_log();
+    let draining = Arc::new(AtomicBool::new(false));
+    let (stop, stopping) = watch::channel(false);
+    let mut gateway_settings = settings.clone();
+    if let Some(tls) = listener_tls {
+        gateway_settings.tls = Some(server::ServerTls {
+            acceptor: tls.acceptor(),
+            handshake_errors: metrics.tls_handshake_errors.clone(),
+        });
+        tokio::spawn(tls.watch(metrics.tls_cert_reloads.clone(), stopping.clone()));
+    }
+    let listen = config.listen;
+    let listener_error = |source| StartError::Listen {
+        addr: listen,
+        what: "",
+        source,
+    };
+    let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
+    let admin_metrics = Arc::clone(&metrics);
+    let versions = GatewayVersions {
+        gateway: Arc::clone(&gateway),
+        metrics: Arc::clone(&metrics),
+    };
+    let reloader = Reloader::new(file, source, versions, metrics);
+    let admin = Arc::new(Admin {
+        gateway: Arc::clone(&gateway),
+        metrics: admin_metrics,
+        draining: Arc::clone(&draining),
+        api: admin_api.then(|| Api {
+            token,
+            reload: reloader.handle(),
+        }),
+    });
+    tokio::spawn(reloader.run(stopping.clone()));
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        // Unready first, so load balancers stop sending while the listeners still accept.
+        draining.store(true, Ordering::Relaxed);
+        tracing::info!(
+            ?shutdown_delay,
+            "shutting down: /readyz answers 503; listeners close after the delay"
+        );
+        tokio::time::sleep(shutdown_delay).await;
+        tracing::info!("listeners closed: finishing requests in flight");
+        let _ = stop.send(true);
+    });
+    let handler = move |request, peer| {
+        let gateway = Arc::clone(&gateway);
+        async move { gateway.handle(request, peer).await }
+    };
+    let gateway_slots = server::slots(&gateway_settings);
+    let counters = |worker: usize| server::Counters {
+        open: gateway_open.clone(),
+        accepted: Some(worker_connections.with_label_values(&[&worker.to_string()])),
+    };
+    let mut listeners = listeners.into_iter();
+    let first = listeners.next().ok_or_else(|| {
+        listener_error(std::io::Error::other("no listener was bound for worker 0"))
+    })?;
+    // Workers 1..: their runtimes built and listeners registered here, so a failure stops the
+    // start; each reports on `finished` when its connections are drained.
+    let (finished, mut workers_done) = tokio::sync::mpsc::channel::<()>(workers.max(1));
+    let mut threads = Vec::new();
+    for (index, listener) in listeners.enumerate() {
+        let worker = index + 1;
+        let runtime = worker_runtime()?;
+        let listener = {
+            let _registered_with = runtime.enter();
+            listener.set_nonblocking(true).map_err(listener_error)?;
+            tokio::net::TcpListener::from_std(listener).map_err(listener_error)?
+        };
+        let (handler, settings, slots, counters, stopping, finished) = (
+            handler.clone(),
+            gateway_settings.clone(),
+            Arc::clone(&gateway_slots),
+            counters(worker),
+            stopping.clone(),
+            finished.clone(),
+        );
+        let thread = std::thread::Builder::new()
+            .name(format!("sluice-worker-{worker}"))
+            .spawn(move || {
+                let serve = server::serve(listener, handler, settings, slots, counters, stopping);
+                runtime.block_on(serve);
+                drop(finished);
+            })
+            .map_err(|source| StartError::Start {
+                what: "a worker thread",
+                source,
+            })?;
+        threads.push(thread);
+    }
+    drop(finished);
+    first.set_nonblocking(true).map_err(listener_error)?;
+    let serve_gateway = server::serve(
+        tokio::net::TcpListener::from_std(first).map_err(listener_error)?,
+        handler,
+        gateway_settings,
+        gateway_slots,
+        counters(0),
+        stopping.clone(),
+    );
+    let admin_slots = server::slots(&settings);
+    let serve_admin = server::serve(
+        admin_listener,
+        move |request, _peer| {
+            let admin = Arc::clone(&admin);
+            async move { admin.handle(request).await }
+        },
+        settings,
+        admin_slots,
+        server::Counters {
+            open: admin_open,
+            accepted: None,
+        },
+        stopping,
+    );
+    tokio::join!(serve_gateway, serve_admin);
+    // This runtime keeps driving the shared tasks (the store's connections) until the other
+    // workers are done: then every sender is dropped and `recv` ends.
+    while workers_done.recv().await.is_some() {}
+    for thread in threads {
+        if thread.join().is_err() {
+            tracing::error!("a worker thread panicked");
+        }
+    }
+    // The counts since the last report, so a rejection summary is never lost at exit.
+    request_log.report();
+    Ok(())
+}
+
+/// SIGTERM (Kubernetes, Docker) or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `run` and `check` read the listener's certificate files with the version; a reload and
+    /// `explain` do not (the listener's files are fixed at start and rotated on their own).
+    #[test]
+    fn only_a_start_reads_the_listener_certificate() {
+        let yaml = b"listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\ntls:\n  cert: missing-cert.pem\n  key: missing-key.pem\nroutes: []\n";
+        let file = Path::new("/nonexistent-sluice-dir/t.yaml");
+        let skipped = version(yaml, file, ListenerFiles::Skip).expect("no file read");
+        assert!(skipped.listener_tls.is_none());
+        let read = version(yaml, file, ListenerFiles::Read)
+            .err()
+            .expect("the certificate is missing");
+        let message = read.to_string();
+        assert!(
+            message.contains("tls.cert") && message.contains("missing-cert.pem"),
+            "{message}"
+        );
+    }
+}
