@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::FutureExt as _;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -235,8 +236,10 @@ pub async fn serve<H, F, B>(
                 if request.headers().contains_key(http::header::UPGRADE) {
                     request.extensions_mut().insert(hold.clone());
                 }
-                let response = handler(request, peer);
-                async move { Ok::<_, Infallible>(response.await) }
+                // `map`, not an async block awaiting it: a future captured by an async block
+                // takes its room twice (measured: 22 KB per request against 6 KB), and hyper
+                // moves it into place on every request.
+                handler(request, peer).map(Ok::<_, Infallible>)
             })
         };
         let builder = Arc::clone(&builder);
