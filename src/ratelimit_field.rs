@@ -2,9 +2,9 @@
 //! (RFC 9651) with one item per limit. Kept apart from `response` so that `policy` can build
 //! its `RateLimit-Policy` value once per config without depending on the request path.
 
-use std::fmt::Write as _;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::header::HeaderValue;
 
 use crate::config::Name;
@@ -19,17 +19,38 @@ pub fn ceil_seconds(duration: Duration) -> u64 {
 pub fn limit_items<'a>(
     items: impl Iterator<Item = (&'a Name, [(char, u64); 2])>,
 ) -> Option<HeaderValue> {
-    let mut field = String::with_capacity(64);
+    // Written by hand and handed over without a copy: this runs for every limited answer,
+    // and `write!` showed at 0.7 % of the proxy's CPU.
+    let mut field = Vec::with_capacity(64);
     for (index, (name, params)) in items.enumerate() {
         if index > 0 {
-            field.push_str(", ");
+            field.extend_from_slice(b", ");
         }
-        let _ = write!(field, "\"{name}\"");
+        field.push(b'"');
+        field.extend_from_slice(name.as_str().as_bytes());
+        field.push(b'"');
         for (key, value) in params {
-            let _ = write!(field, ";{key}={value}");
+            field.push(b';');
+            field.push(key as u8);
+            field.push(b'=');
+            push_decimal(&mut field, value);
         }
     }
-    HeaderValue::from_str(&field).ok()
+    HeaderValue::from_maybe_shared(Bytes::from(field)).ok()
+}
+
+fn push_decimal(out: &mut Vec<u8>, mut value: u64) {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (value % 10) as u8;
+        value /= 10;
+        if value == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[start..]);
 }
 
 #[cfg(test)]
@@ -42,5 +63,21 @@ mod tests {
         assert_eq!(ceil_seconds(Duration::from_secs(2)), 2);
         assert_eq!(ceil_seconds(Duration::from_millis(2001)), 3);
         assert_eq!(ceil_seconds(Duration::ZERO), 0);
+    }
+
+    #[test]
+    fn items_are_quoted_names_with_decimal_parameters() {
+        let names: Vec<Name> = ["per-ip", "b"]
+            .iter()
+            .map(|n| serde_json::from_value(serde_json::json!(n)).expect("a name"))
+            .collect();
+        let value = limit_items(names.iter().zip([
+            [('r', 0), ('t', 60)],
+            [('q', 18_446_744_073_709_551_615), ('w', 7)],
+        ]));
+        assert_eq!(
+            value.expect("a value"),
+            "\"per-ip\";r=0;t=60, \"b\";q=18446744073709551615;w=7"
+        );
     }
 }

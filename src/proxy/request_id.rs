@@ -36,15 +36,26 @@ impl RequestIds {
             return given.clone();
         }
         let sequence = self.next.fetch_add(1, Ordering::Relaxed);
-        let made = format!("{:016x}{sequence:016x}", self.instance);
+        // 32 hex digits written by hand: `format!` showed at 1 % of the proxy's CPU.
+        let mut made = [0u8; 32];
+        hex_into(&mut made[..16], self.instance);
+        hex_into(&mut made[16..], sequence);
         // Hex digits are always a valid header value.
-        HeaderValue::from_str(&made).unwrap_or(HeaderValue::from_static("-"))
+        HeaderValue::from_bytes(&made).unwrap_or(HeaderValue::from_static("-"))
     }
 }
 
 impl Default for RequestIds {
     fn default() -> Self {
         RequestIds::new()
+    }
+}
+
+/// `value` as 16 lowercase hex digits, most significant first, into `out` (16 bytes).
+fn hex_into(out: &mut [u8], value: u64) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for (index, digit) in out.iter_mut().enumerate() {
+        *digit = DIGITS[((value >> (60 - 4 * index)) & 0xf) as usize];
     }
 }
 
@@ -72,5 +83,17 @@ mod tests {
         }
         let empty = HeaderMap::new();
         assert_ne!(ids.id_for(&empty), ids.id_for(&empty));
+    }
+
+    #[test]
+    fn a_made_id_is_the_instance_then_the_sequence_in_hex() {
+        let ids = RequestIds {
+            instance: 0x0123_4567_89ab_cdef,
+            next: AtomicU64::new(0xfe),
+        };
+        assert_eq!(
+            ids.id_for(&HeaderMap::new()),
+            "0123456789abcdef00000000000000fe"
+        );
     }
 }
