@@ -174,7 +174,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             continue;
         };
         let check = &plan.checks[at];
-        let parts: Vec<String> = limit.key.iter().map(describe).collect();
+        let parts: Vec<String> = limit.key.iter().map(KeyPart::to_string).collect();
         let mut extras = vec![limit.spec.algorithm.label().to_owned()];
         if limit.spec.cost > 1 {
             extras.push(format!("cost {}", limit.spec.cost));
@@ -213,8 +213,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         if let Some(missing) = keys::missing_part(limit, &request) {
             let _ = writeln!(
                 out,
-                "    the request has no {}: this limit counts the client ip instead",
-                describe(missing)
+                "    the request has no {missing}: this limit counts the client ip instead"
             );
         }
         let counts_client =
@@ -256,20 +255,6 @@ fn parse_headers(lines: &[String]) -> Result<HeaderMap, ExplainError> {
         headers.append(name, value);
     }
     Ok(headers)
-}
-
-/// A key part as written in the policy file.
-pub fn describe(part: &KeyPart) -> String {
-    match part {
-        KeyPart::ClientIp => "client_ip".to_owned(),
-        KeyPart::Header(name) => format!("header:{name}"),
-        KeyPart::Query(name) => format!("query:{name}"),
-        KeyPart::Cookie(name) => format!("cookie:{name}"),
-        KeyPart::Method => "method".to_owned(),
-        KeyPart::Host => "host".to_owned(),
-        KeyPart::Path => "path".to_owned(),
-        KeyPart::Param(name) => format!("param:{name}"),
-    }
 }
 
 /// A window in the policy file's units (`1m`, `30s`, `1500ms`).

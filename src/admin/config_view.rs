@@ -8,7 +8,7 @@
 
 use serde_json::{json, Value};
 
-use crate::explain::describe;
+use crate::config::KeyPart;
 use crate::policy::{Action, Policy};
 use crate::reload::{hash_value, Serving};
 
@@ -45,7 +45,7 @@ pub fn view(serving: &Serving, policy: &Policy) -> Value {
                         "cost": limit.spec.cost,
                         "shadow": limit.spec.shadow,
                         "conditional": !limit.when.is_empty(),
-                        "key": limit.key.iter().map(describe).collect::<Vec<_>>(),
+                        "key": limit.key.iter().map(KeyPart::to_string).collect::<Vec<_>>(),
                         "key_prefix": limit.key_prefix,
                     })
                 })

@@ -19,7 +19,6 @@ use http::header::{HeaderName, HeaderValue, COOKIE, HOST};
 use http::{HeaderMap, Method, Uri};
 
 use crate::config::KeyPart;
-use crate::explain::describe;
 use crate::keys::{self, percent_decode, RequestParts};
 use crate::policy::{Limit, Route};
 
@@ -101,7 +100,7 @@ impl NamedIdentity {
 /// 400 answer.
 pub fn store_key(route: &Route, limit: &Limit, query: &str) -> Result<String, String> {
     let named = NamedIdentity::parse(query)?;
-    let parts: Vec<String> = limit.key.iter().map(describe).collect();
+    let parts: Vec<String> = limit.key.iter().map(KeyPart::to_string).collect();
     let shape = format!("the limit's key is [{}]", parts.join(", "));
     match (
         &named.key,
@@ -144,11 +143,11 @@ fn from_parts(
     let (mut method, mut path) = (Method::GET, String::from("/"));
     for (part, value) in &named.parts {
         if !limit.key.contains(part) {
-            return Err(format!("{shape}: it has no {}", describe(part)));
+            return Err(format!("{shape}: it has no {}", part));
         }
         let header_value = || {
             HeaderValue::from_bytes(value)
-                .map_err(|_| format!("{}: not a valid header value", describe(part)))
+                .map_err(|_| format!("{}: not a valid header value", part))
         };
         match part {
             KeyPart::Header(name) => {
@@ -196,7 +195,7 @@ fn from_parts(
             _ => None,
         };
         if let Some(needed) = needed {
-            return Err(format!("{shape}: give {needed} for its {}", describe(part)));
+            return Err(format!("{shape}: give {needed} for its {}", part));
         }
         if let KeyPart::Param(name) = part {
             let bare = crate::path::without_parameters(&path);
@@ -227,7 +226,7 @@ fn from_parts(
             return Err(format!(
                 "{shape}: no value for {0}; give it, or client_ip= for the bucket of requests \
                  without {0} (they count the client ip)",
-                describe(missing)
+                missing
             ));
         }
     }

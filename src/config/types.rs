@@ -135,6 +135,22 @@ pub enum KeyPart {
     Param(String),
 }
 
+/// As written in the policy file (`FromStr` reads it back).
+impl fmt::Display for KeyPart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyPart::ClientIp => f.write_str("client_ip"),
+            KeyPart::Header(name) => write!(f, "header:{name}"),
+            KeyPart::Query(name) => write!(f, "query:{name}"),
+            KeyPart::Cookie(name) => write!(f, "cookie:{name}"),
+            KeyPart::Method => f.write_str("method"),
+            KeyPart::Host => f.write_str("host"),
+            KeyPart::Path => f.write_str("path"),
+            KeyPart::Param(name) => write!(f, "param:{name}"),
+        }
+    }
+}
+
 impl FromStr for KeyPart {
     type Err = String;
 
