@@ -272,6 +272,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         open: gateway_open.clone(),
         accepted: Some(worker_connections.with_label_values(&[&worker.to_string()])),
     };
+    crate::worker::set_count(listeners.len());
     let mut listeners = listeners.into_iter();
     let first = listeners.next().ok_or_else(|| {
         listener_error(std::io::Error::other("no listener was bound for worker 0"))
@@ -299,6 +300,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         let thread = std::thread::Builder::new()
             .name(format!("sluice-worker-{worker}"))
             .spawn(move || {
+                crate::worker::enter(worker);
                 let serve = server::serve(listener, handler, settings, slots, counters, stopping);
                 runtime.block_on(serve);
                 drop(finished);

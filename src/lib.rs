@@ -36,3 +36,4 @@ pub mod reload;
 pub mod response;
 pub mod server;
 pub mod tls;
+pub mod worker;

@@ -210,8 +210,9 @@ impl RedisStore {
         .await
     }
 
-    /// The next connection to the current master, round robin. A clone is a handle to the
-    /// same connection.
+    /// The next connection to the current master, round robin among the current worker's
+    /// share (`worker::share`), so that each connection is opened and driven by the one
+    /// worker that uses it. A clone is a handle to the same connection.
     fn connection(&self) -> Result<Connection, StoreError> {
         if let Link::Cluster(cluster) = &self.link {
             return cluster.connection().map(Connection::Cluster);
@@ -224,7 +225,8 @@ impl RedisStore {
                     .to_owned(),
             ));
         }
-        let index = self.next.fetch_add(1, Ordering::Relaxed) % master.connections.len();
+        let mine = crate::worker::share(master.connections.len());
+        let index = mine.start + self.next.fetch_add(1, Ordering::Relaxed) % mine.len();
         Ok(Connection::Node(master.connections[index].clone()))
     }
 
