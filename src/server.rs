@@ -32,7 +32,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::activity::StampedIo;
 use crate::config::ServerConfig;
-use crate::tls::stream::MaybeTls;
+use crate::tls::stream::{Accepted, MaybeTls};
 
 /// Connections the kernel may hold, handshake done, until sluice accepts them. The standard
 /// library's (and tokio's) 128 is easily overrun by a burst of new connections, and each SYN
@@ -319,7 +319,7 @@ struct ConnectionCloser {
 }
 
 type Connection<'a, S> =
-    auto::UpgradeableConnection<'a, TokioIo<MaybeTls<Watched>>, S, TokioExecutor>;
+    auto::UpgradeableConnection<'a, TokioIo<Accepted<Watched>>, S, TokioExecutor>;
 
 /// One accepted connection, counted under `max_connections` and in the open-connections
 /// gauge until the last holder (the connection's task, or a tunnel made of it) drops it.

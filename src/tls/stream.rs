@@ -1,19 +1,23 @@
-//! A client connection that is either cleartext or TLS, so that one HTTP server serves both.
+//! A connection that is either cleartext or TLS: a client's, so that one HTTP server serves
+//! both, or an upstream's, so that one pool keeps both.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio_rustls::server::TlsStream;
 
-pub enum MaybeTls<S> {
+/// `S` in the clear, or `T`, a TLS session over it (rustls's server or client stream).
+pub enum MaybeTls<S, T> {
     Plain(S),
     /// Boxed: a TLS session's buffers make it far larger than a plain stream.
-    Tls(Box<TlsStream<S>>),
+    Tls(Box<T>),
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for MaybeTls<S> {
+/// A client's connection to sluice's listener.
+pub type Accepted<S> = MaybeTls<S, tokio_rustls::server::TlsStream<S>>;
+
+impl<S: AsyncRead + Unpin, T: AsyncRead + Unpin> AsyncRead for MaybeTls<S, T> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -26,7 +30,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for MaybeTls<S> {
     }
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for MaybeTls<S> {
+impl<S: AsyncWrite + Unpin, T: AsyncWrite + Unpin> AsyncWrite for MaybeTls<S, T> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

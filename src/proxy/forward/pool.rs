@@ -38,7 +38,6 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::future::{poll_fn, Future};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::io;
 use std::pin::{pin, Pin};
 use std::sync::{Arc, Weak};
 use std::task::{ready, Context, Poll};
@@ -53,13 +52,13 @@ use hyper::body::Incoming;
 use hyper::client::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::ServerName;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 
 use super::{error_chain, ForwardError};
 use crate::proxy::request_body::RequestBody;
+use crate::tls::stream::MaybeTls;
 use crate::tls::UpstreamTls;
 
 /// How long an idle upstream connection is kept.
@@ -350,14 +349,14 @@ impl Connector {
         };
         let _ = tcp.set_nodelay(true);
         let io = match &self.tls {
-            None => UpstreamIo::Plain(tcp),
+            None => MaybeTls::Plain(tcp),
             Some((connector, name)) => {
                 let name = name.clone().map_err(ForwardError::Connect)?;
                 let tls = connector
                     .connect(name, tcp)
                     .await
                     .map_err(|e| ForwardError::Connect(error_chain(&e)))?;
-                UpstreamIo::Tls(Box::new(tls))
+                MaybeTls::Tls(Box::new(tls))
             }
         };
         Ok(TokioIo::new(io))
@@ -514,69 +513,7 @@ impl Body for UpstreamBody {
 }
 
 /// An upstream connection, cleartext or TLS.
-pub enum UpstreamIo {
-    Plain(TcpStream),
-    /// Boxed: a TLS session's buffers make it far larger than a plain stream.
-    Tls(Box<TlsStream<TcpStream>>),
-}
-
-impl AsyncRead for UpstreamIo {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            UpstreamIo::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            UpstreamIo::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for UpstreamIo {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            UpstreamIo::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            UpstreamIo::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            UpstreamIo::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            UpstreamIo::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            UpstreamIo::Plain(s) => s.is_write_vectored(),
-            UpstreamIo::Tls(s) => s.is_write_vectored(),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            UpstreamIo::Plain(s) => Pin::new(s).poll_flush(cx),
-            UpstreamIo::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            UpstreamIo::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            UpstreamIo::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
-    }
-}
+pub type UpstreamIo = MaybeTls<TcpStream, TlsStream<TcpStream>>;
 
 #[cfg(test)]
 mod tests {
