@@ -22,6 +22,7 @@ pub mod body;
 pub mod config;
 pub mod explain;
 pub mod file_watch;
+pub mod identity;
 pub mod keys;
 pub mod limiter;
 pub mod log;

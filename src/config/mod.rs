@@ -34,7 +34,8 @@ pub use error::{ConfigError, Position};
 pub use load::{from_bytes, load, parse, read_error, to_json, Source};
 pub use schema::json_schema;
 pub use tree::{
-    ClusterConfig, ConditionConfig, Config, CountConfig, LimitConfig, ListenerTlsConfig,
+    ClusterConfig, ConditionConfig, Config, CountConfig, JwtAlgorithm, JwtConfig, JwtKeyConfig,
+    LimitConfig, OnInvalid, RouteJwtConfig, ListenerTlsConfig,
     LocalConfig, MatchConfig, RedisConfig, RespondConfig, RouteConfig, SentinelConfig,
     ServerConfig, StoreConfig, UpstreamConfig, Workers,
 };
@@ -51,4 +52,5 @@ pub use types::{
     MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status,
     UpstreamUrl,
 };
+pub use types::TokenFrom;
 pub use types::{OnExceed, StatusMatch, HOP_BY_HOP};

@@ -1,6 +1,7 @@
 //! `when:` conditions on a limit: which requests it applies to. Tiers are built from them:
 //! the same key limited differently when `x-plan` is `free` or `paid` (a header an
-//! authentication layer in front sets).
+//! authentication layer in front sets), or better, when a claim of the request's verified
+//! JWT is (`jwt: plan`), which the client cannot write.
 
 use std::path::Path;
 
@@ -8,6 +9,7 @@ use http::header::{HeaderName, HOST};
 use http::{HeaderMap, Method, Uri};
 
 use crate::config::{ConditionConfig, ConfigError, Position, Spanned};
+use crate::identity::Claims;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Condition {
@@ -20,6 +22,9 @@ pub enum Condition {
     Method(Vec<Method>),
     /// The host (without its port, lower-cased) is one of these.
     Host(Vec<String>),
+    /// A claim of the verified token: `OneOf` compares its text (a number as its decimal
+    /// text); without a valid token no claim is present.
+    Claim { claim: String, test: HeaderTest },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,8 +36,23 @@ pub enum HeaderTest {
 }
 
 impl Condition {
-    pub fn holds(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> bool {
+    pub fn holds(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        claims: Option<&Claims>,
+    ) -> bool {
         match self {
+            Condition::Claim { claim, test } => {
+                let value = claims.and_then(|claims| claims.text(claim));
+                match test {
+                    HeaderTest::Present(present) => value.is_some() == *present,
+                    HeaderTest::OneOf(values) => value.is_some_and(|value| {
+                        values.iter().any(|wanted| wanted == value.as_str())
+                    }),
+                }
+            }
             Condition::Header { name, test } => match test {
                 HeaderTest::Present(present) => headers.contains_key(name) == *present,
                 HeaderTest::OneOf(values) => headers.get_all(name).iter().any(|value| {
@@ -65,16 +85,19 @@ impl Condition {
             ConfigError::invalid(file, Position::from(spanned), field, message.to_owned())
         };
         let kinds = [
+            config.jwt.is_some(),
             config.header.is_some(),
             config.method.is_some(),
             config.host.is_some(),
         ];
         if kinds.iter().filter(|given| **given).count() != 1 {
             return Err(invalid(
-                "a condition names exactly one of `header`, `method` or `host`",
+                "a condition names exactly one of `header`, `jwt`, `method` or `host`",
             ));
         }
-        if let Some(name) = &config.header {
+        let named = config.header.as_ref().map(|h| Ok(h.0.clone()));
+        let claim = config.jwt.as_ref().map(|c| Err(c.clone()));
+        if let Some(name) = named.or(claim) {
             let test = match (&config.equals, &config.one_of, config.present) {
                 (Some(value), None, None) => HeaderTest::OneOf(vec![value.clone()]),
                 (None, Some(values), None) if !values.is_empty() => {
@@ -83,17 +106,20 @@ impl Condition {
                 (None, None, Some(present)) => HeaderTest::Present(present),
                 _ => {
                     return Err(invalid(
-                        "a header condition has exactly one of `equals`, `one_of` (not empty) or `present`",
+                        "a header or jwt condition has exactly one of `equals`, `one_of` (not empty) or `present`",
                     ))
                 }
             };
-            return Ok(Condition::Header {
-                name: name.0.clone(),
-                test,
+            return Ok(match name {
+                Ok(name) => Condition::Header { name, test },
+                Err(claim) if claim.is_empty() => return Err(invalid("`jwt` names a claim")),
+                Err(claim) => Condition::Claim { claim, test },
             });
         }
         if config.equals.is_some() || config.one_of.is_some() || config.present.is_some() {
-            return Err(invalid("`equals`, `one_of` and `present` go with `header`"));
+            return Err(invalid(
+                "`equals`, `one_of` and `present` go with `header` or `jwt`",
+            ));
         }
         if let Some(methods) = &config.method {
             return Ok(Condition::Method(super::matcher::with_head(
@@ -140,7 +166,7 @@ mod tests {
                 HeaderValue::from_str(value).unwrap(),
             );
         }
-        condition.holds(&Method::GET, &"/".parse().unwrap(), &map)
+        condition.holds(&Method::GET, &"/".parse().unwrap(), &map, None)
     }
 
     #[test]
