@@ -152,7 +152,11 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             None => "missing or invalid: the limits of an anonymous client (on_invalid: anonymous)"
                 .to_owned(),
         };
-        let _ = writeln!(out, "jwt:        verifier `{}`: token {verdict}", jwt.verifier.name);
+        let _ = writeln!(
+            out,
+            "jwt:        verifier `{}`: token {verdict}",
+            jwt.verifier.name
+        );
     }
     let plan = plan::plan_identified(&policy, route, &head, question.from, claims.as_ref());
     let client_ip = plan.client_ip;

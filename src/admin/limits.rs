@@ -188,8 +188,8 @@ fn from_parts(
                     .into_owned();
             }
             KeyPart::Jwt(claim) => {
-                let text = std::str::from_utf8(value)
-                    .map_err(|_| format!("jwt:{claim}: not UTF-8"))?;
+                let text =
+                    std::str::from_utf8(value).map_err(|_| format!("jwt:{claim}: not UTF-8"))?;
                 claims.insert(claim.clone(), serde_json::Value::from(text));
             }
             KeyPart::ClientIp | KeyPart::Param(_) => {}

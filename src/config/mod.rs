@@ -35,9 +35,9 @@ pub use load::{from_bytes, load, parse, read_error, to_json, Source};
 pub use schema::json_schema;
 pub use tree::{
     ClusterConfig, ConditionConfig, Config, CountConfig, JwtAlgorithm, JwtConfig, JwtKeyConfig,
-    LimitConfig, OnInvalid, RouteJwtConfig, ListenerTlsConfig,
-    LocalConfig, MatchConfig, RedisConfig, RespondConfig, RouteConfig, SentinelConfig,
-    ServerConfig, StoreConfig, UpstreamConfig, Workers,
+    LimitConfig, ListenerTlsConfig, LocalConfig, MatchConfig, OnInvalid, RedisConfig,
+    RespondConfig, RouteConfig, RouteJwtConfig, SentinelConfig, ServerConfig, StoreConfig,
+    UpstreamConfig, Workers,
 };
 pub use tree::{
     DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_RATE_GRACE_MS, DEFAULT_BODY_TIMEOUT_MS,
@@ -47,10 +47,10 @@ pub use tree::{
     DEFAULT_MAX_REQUEST_LINE, DEFAULT_POOL_SIZE, DEFAULT_SHUTDOWN_GRACE_MS,
     DEFAULT_STORE_TIMEOUT_MS, DEFAULT_UPSTREAM_TIMEOUT_MS, MAX_MAX_DELAY_MS,
 };
+pub use types::TokenFrom;
 pub use types::{
     AlgorithmConfig, ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat,
     MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status,
     UpstreamUrl,
 };
-pub use types::TokenFrom;
 pub use types::{OnExceed, StatusMatch, HOP_BY_HOP};

@@ -9,8 +9,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::keys::{Key, Material};
-use crate::config::JwtAlgorithm;
 use super::{Claims, Invalid, Verifier};
+use crate::config::JwtAlgorithm;
 
 /// Longest token verified, in bytes: longer ones are `malformed` before any decoding or
 /// crypto. Above the 16 KB that large claim sets reach, below the default

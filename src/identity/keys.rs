@@ -23,7 +23,10 @@ const MIN_RSA_BITS: usize = 2048;
 /// The material a signature is checked with.
 pub enum Material {
     /// RS256 from a JWK's modulus and exponent (big-endian, no leading zeros).
-    RsaParts { n: Vec<u8>, e: Vec<u8> },
+    RsaParts {
+        n: Vec<u8>,
+        e: Vec<u8>,
+    },
     /// RS256 (PKCS#1 `RSAPublicKey` DER), ES256 (an uncompressed P-256 point) or EdDSA (32
     /// bytes), as ring's `UnparsedPublicKey` takes them.
     Public(Vec<u8>),
@@ -56,7 +59,11 @@ pub fn verifier(config: &JwtConfig, file: &Path, field: &str) -> Result<Verifier
         ConfigError::invalid(file, position, format!("{field}.{name}"), message)
     };
     if config.issuer.is_empty() {
-        return Err(invalid(at, "issuer", "the issuer cannot be empty".to_owned()));
+        return Err(invalid(
+            at,
+            "issuer",
+            "the issuer cannot be empty".to_owned(),
+        ));
     }
     if config.audiences.value.is_empty() || config.audiences.value.iter().any(String::is_empty) {
         return Err(invalid(
@@ -94,11 +101,17 @@ pub fn verifier(config: &JwtConfig, file: &Path, field: &str) -> Result<Verifier
         audiences: config.audiences.value.clone(),
         keys,
         from: config.from.clone(),
-        clock_skew: config.clock_skew.map_or(Duration::from_secs(30), |skew| skew.0),
+        clock_skew: config
+            .clock_skew
+            .map_or(Duration::from_secs(30), |skew| skew.0),
     })
 }
 
-fn read(path: &Spanned<std::path::PathBuf>, file: &Path, field: &str) -> Result<Vec<u8>, ConfigError> {
+fn read(
+    path: &Spanned<std::path::PathBuf>,
+    file: &Path,
+    field: &str,
+) -> Result<Vec<u8>, ConfigError> {
     let resolved = crate::tls::resolve(file, &path.value);
     std::fs::read(&resolved).map_err(|err| {
         ConfigError::invalid(
@@ -116,14 +129,12 @@ fn key_file(key: &Spanned<JwtKeyConfig>, file: &Path, field: &str) -> Result<Key
     let (path, name) = match (&config.pem_file, &config.secret_file) {
         (Some(pem), None) => (pem, "pem_file"),
         (None, Some(secret)) => (secret, "secret_file"),
-        _ => {
-            return Err(ConfigError::invalid(
-                file,
-                Position::from(key),
-                field,
-                "a key names exactly one of `pem_file` (RS256, ES256, EdDSA) or `secret_file` (HS256)",
-            ))
-        }
+        _ => return Err(ConfigError::invalid(
+            file,
+            Position::from(key),
+            field,
+            "a key names exactly one of `pem_file` (RS256, ES256, EdDSA) or `secret_file` (HS256)",
+        )),
     };
     let field = format!("{field}.{name}");
     let bytes = read(path, file, &field)?;
@@ -173,7 +184,9 @@ fn secret(bytes: &[u8]) -> Result<Material, String> {
     Ok(Material::Hmac(hmac::Key::new(hmac::HMAC_SHA256, secret)))
 }
 
-const OID_RSA: &[u8] = &[0x06, 0x09, 0x2A, 0x86, 0x48, 0x86, 0xF7, 0x0D, 0x01, 0x01, 0x01];
+const OID_RSA: &[u8] = &[
+    0x06, 0x09, 0x2A, 0x86, 0x48, 0x86, 0xF7, 0x0D, 0x01, 0x01, 0x01,
+];
 const OID_EC: &[u8] = &[0x06, 0x07, 0x2A, 0x86, 0x48, 0xCE, 0x3D, 0x02, 0x01];
 const OID_P256: &[u8] = &[0x06, 0x08, 0x2A, 0x86, 0x48, 0xCE, 0x3D, 0x03, 0x01, 0x07];
 const OID_ED25519: &[u8] = &[0x06, 0x03, 0x2B, 0x65, 0x70];
@@ -192,7 +205,10 @@ fn pem_public_key(pem: &[u8], algorithm: JwtAlgorithm) -> Result<Material, Strin
         JwtAlgorithm::HS256 => (false, "a secret"),
     };
     if !fits {
-        return Err(format!("{} needs {kind}; this is another kind of key", algorithm.name()));
+        return Err(format!(
+            "{} needs {kind}; this is another kind of key",
+            algorithm.name()
+        ));
     }
     check_public(algorithm, key)?;
     Ok(Material::Public(key.to_vec()))
@@ -375,7 +391,9 @@ mod tests {
         ];
         der.extend_from_slice(&[7u8; 32]);
         let (algorithm, key) = split_spki(&der).expect("an SPKI");
-        assert!(algorithm.windows(OID_ED25519.len()).any(|w| w == OID_ED25519));
+        assert!(algorithm
+            .windows(OID_ED25519.len())
+            .any(|w| w == OID_ED25519));
         assert_eq!(key, &[7u8; 32]);
         assert!(split_spki(&der[..der.len() - 1]).is_none(), "truncated");
     }

@@ -24,7 +24,10 @@ pub enum Condition {
     Host(Vec<String>),
     /// A claim of the verified token: `OneOf` compares its text (a number as its decimal
     /// text); without a valid token no claim is present.
-    Claim { claim: String, test: HeaderTest },
+    Claim {
+        claim: String,
+        test: HeaderTest,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,9 +51,8 @@ impl Condition {
                 let value = claims.and_then(|claims| claims.text(claim));
                 match test {
                     HeaderTest::Present(present) => value.is_some() == *present,
-                    HeaderTest::OneOf(values) => value.is_some_and(|value| {
-                        values.iter().any(|wanted| wanted == value.as_str())
-                    }),
+                    HeaderTest::OneOf(values) => value
+                        .is_some_and(|value| values.iter().any(|wanted| wanted == value.as_str())),
                 }
             }
             Condition::Header { name, test } => match test {

@@ -599,7 +599,12 @@ fn route_jwt(
     let Some(jwt) = &route.jwt else {
         for (index, limit) in route.limits.iter().enumerate() {
             let field = format!("{field}.limits[{index}]");
-            if let Some(at) = limit.key.value.iter().position(|p| matches!(p, KeyPart::Jwt(_))) {
+            if let Some(at) = limit
+                .key
+                .value
+                .iter()
+                .position(|p| matches!(p, KeyPart::Jwt(_)))
+            {
                 return Err(ConfigError::invalid(
                     file,
                     Position::from(&limit.key),

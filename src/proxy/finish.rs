@@ -263,7 +263,6 @@ fn www_authenticate(invalid: crate::identity::Invalid) -> HeaderValue {
         "Bearer error=\"invalid_token\", error_description=\"{}\"",
         invalid.detail().replace(['"', '\\'], "'")
     );
-    HeaderValue::from_str(&value).unwrap_or(HeaderValue::from_static(
-        "Bearer error=\"invalid_token\"",
-    ))
+    HeaderValue::from_str(&value)
+        .unwrap_or(HeaderValue::from_static("Bearer error=\"invalid_token\""))
 }
