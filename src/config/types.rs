@@ -702,7 +702,11 @@ mod tests {
         );
         assert!("query:".parse::<KeyPart>().is_err());
         assert!("query:a=b".parse::<KeyPart>().is_err());
-        assert!("jwt:sub".parse::<KeyPart>().is_err());
+        assert!("claim:sub".parse::<KeyPart>().is_err());
+        assert_eq!(
+            "jwt:sub".parse::<KeyPart>(),
+            Ok(KeyPart::Jwt("sub".to_owned()))
+        );
     }
 
     #[test]
