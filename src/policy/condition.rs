@@ -107,9 +107,10 @@ impl Condition {
                 }
                 (None, None, Some(present)) => HeaderTest::Present(present),
                 _ => {
-                    return Err(invalid(
-                        "a header or jwt condition has exactly one of `equals`, `one_of` (not empty) or `present`",
-                    ))
+                    let kind = if name.is_ok() { "header" } else { "jwt" };
+                    return Err(invalid(&format!(
+                        "a {kind} condition has exactly one of `equals`, `one_of` (not empty) or `present`"
+                    )));
                 }
             };
             return Ok(match name {
@@ -187,6 +188,43 @@ mod tests {
         };
         assert!(holds(&absent, &[]));
         assert!(!holds(&absent, &[("x-plan", "paid")]));
+    }
+
+    #[test]
+    fn claim_tests_read_verified_claims_only() {
+        let paid = Condition::Claim {
+            claim: "plan".to_owned(),
+            test: HeaderTest::OneOf(vec!["paid".to_owned(), "7".to_owned()]),
+        };
+        let claims = |value: serde_json::Value| {
+            let mut map = serde_json::Map::new();
+            map.insert("plan".to_owned(), value);
+            Claims::new(map)
+        };
+        let at = |claims: Option<&Claims>| {
+            let mut headers = HeaderMap::new();
+            headers.insert("plan", HeaderValue::from_static("paid"));
+            paid.holds(&Method::GET, &"/".parse().unwrap(), &headers, claims)
+        };
+        assert!(at(Some(&claims("paid".into()))));
+        assert!(at(Some(&claims(7.into()))), "a number is its decimal text");
+        assert!(
+            !at(Some(&claims(serde_json::json!(["paid"])))),
+            "an array is no value"
+        );
+        assert!(!at(None), "a header of the same name is not a claim");
+        let absent = Condition::Claim {
+            claim: "plan".to_owned(),
+            test: HeaderTest::Present(false),
+        };
+        let empty = HeaderMap::new();
+        assert!(absent.holds(&Method::GET, &"/".parse().unwrap(), &empty, None));
+        assert!(!absent.holds(
+            &Method::GET,
+            &"/".parse().unwrap(),
+            &empty,
+            Some(&claims("x".into()))
+        ));
     }
 
     #[test]
