@@ -703,3 +703,25 @@ fn explain_reads_the_verified_claims() {
     );
     assert!(out.stdout.contains("401"), "{}{}", out.stdout, out.stderr);
 }
+
+/// The token is one reading of the request: two `Authorization` fields (a valid token and a
+/// forged one, say) are refused, not verified one way and forwarded another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_token_fields_are_refused() {
+    let keys = Keys::new();
+    let sluice = Sluice::start(&keys.yaml("")).await;
+    let valid = keys.hs.token(&claims(json!("twice")));
+    let response = get_with(
+        &sluice,
+        "/open",
+        Some(&valid),
+        &[("authorization", "Bearer forged")],
+    )
+    .await;
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.expect("JSON");
+    assert!(
+        body["detail"].to_string().contains("authorization"),
+        "{body}"
+    );
+}
