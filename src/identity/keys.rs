@@ -148,7 +148,7 @@ fn key_file(key: &Spanned<JwtKeyConfig>, file: &Path, field: &str) -> Result<Key
         )
     };
     let material = match (name, config.algorithm) {
-        ("secret_file", JwtAlgorithm::HS256) => secret(&bytes).map_err(unusable)?,
+        ("secret_file", JwtAlgorithm::HS256) => secret_file(&bytes).map_err(unusable)?,
         ("secret_file", other) => {
             return Err(unusable(format!(
                 "a secret is for HS256, not {}",
@@ -169,12 +169,17 @@ fn key_file(key: &Spanned<JwtKeyConfig>, file: &Path, field: &str) -> Result<Key
     })
 }
 
-/// An HS256 secret: the file's bytes, a final line break taken off (editors add one).
-fn secret(bytes: &[u8]) -> Result<Material, String> {
-    let secret = bytes
+/// An HS256 secret file's bytes, a final line break taken off (editors add one).
+fn secret_file(bytes: &[u8]) -> Result<Material, String> {
+    let trimmed = bytes
         .strip_suffix(b"\n")
         .map(|s| s.strip_suffix(b"\r").unwrap_or(s))
         .unwrap_or(bytes);
+    secret(trimmed)
+}
+
+/// An HS256 secret, at least as long as the hash.
+fn secret(secret: &[u8]) -> Result<Material, String> {
     if secret.len() < MIN_SECRET_BYTES {
         return Err(format!(
             "an HS256 secret needs at least {MIN_SECRET_BYTES} bytes, this one has {}",
@@ -401,7 +406,8 @@ mod tests {
     #[test]
     fn short_secrets_and_foreign_keys_are_refused() {
         assert!(secret(&[1u8; 31]).is_err());
-        assert!(secret(b"0123456789abcdef0123456789abcdef\n").is_ok());
+        assert!(secret_file(b"0123456789abcdef0123456789abcdef\n").is_ok());
+        assert!(secret_file(b"0123456789abcdef0123456789abcde\n").is_err());
         let jwk = serde_json::json!({"kty": "EC", "crv": "P-384", "x": "AA", "y": "AA"});
         assert!(jwk_key(&jwk).unwrap_err().contains("unsupported"));
         let jwk = serde_json::json!({"kty": "oct", "k": "AAAA", "alg": "HS256"});
