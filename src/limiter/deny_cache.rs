@@ -97,7 +97,7 @@ impl DenyCache {
     fn denied_until(&self, check: &Check, now: Instant) -> Option<Instant> {
         let shard = self.shard(&check.key);
         let denial = shard.get(&check.key)?;
-        let same_limit = denial.spec == check.spec;
+        let same_limit = same_limit(&denial.spec, &check.spec);
         (same_limit && denial.until > now).then_some(denial.until)
     }
 
@@ -153,6 +153,20 @@ impl DenyCache {
             }
             shard.insert(check.key.clone(), denial);
         }
+    }
+}
+
+/// Whether a denial remembered for `remembered` holds for `now`. A calendar quota's window
+/// is the time left in its period, different for every request: it changes no decision
+/// (the key names the period, so a new period is a new key), so it is left out.
+fn same_limit(remembered: &Spec, now: &Spec) -> bool {
+    if now.algorithm == super::Algorithm::Calendar {
+        Spec {
+            window: now.window,
+            ..*remembered
+        } == *now
+    } else {
+        remembered == now
     }
 }
 

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use lru::LruCache;
 use prometheus::{IntCounter, IntGauge};
 
-use super::{fixed_window, gcra, sliding_log, sliding_window};
+use super::{calendar, fixed_window, gcra, sliding_log, sliding_window};
 use super::{Admission, Algorithm, Check, Decision, LimitState, Peek, Room, Spec};
 
 /// How often logs that have emptied are dropped, so memory follows live keys only.
@@ -35,6 +35,7 @@ enum Cell {
     Window(sliding_window::Counts),
     Counter(fixed_window::Counter),
     Tat(Option<u64>),
+    Quota(calendar::Counter),
 }
 
 impl Cell {
@@ -44,6 +45,7 @@ impl Cell {
             Algorithm::SlidingWindow => Cell::Window(sliding_window::Counts::default()),
             Algorithm::FixedWindow => Cell::Counter(fixed_window::Counter::default()),
             Algorithm::Gcra => Cell::Tat(None),
+            Algorithm::Calendar => Cell::Quota(calendar::Counter::default()),
         }
     }
 
@@ -53,6 +55,7 @@ impl Cell {
             Cell::Window(_) => Algorithm::SlidingWindow,
             Cell::Counter(_) => Algorithm::FixedWindow,
             Cell::Tat(_) => Algorithm::Gcra,
+            Cell::Quota(_) => Algorithm::Calendar,
         }
     }
 
@@ -63,6 +66,7 @@ impl Cell {
             Cell::Window(counts) => *counts = counts.at(window_us, now),
             Cell::Counter(counter) => *counter = counter.at(now),
             Cell::Tat(tat) => *tat = tat.filter(|&tat| tat > now),
+            Cell::Quota(counter) => *counter = counter.at(now),
         }
     }
 
@@ -74,6 +78,7 @@ impl Cell {
             Cell::Window(counts) => counts.is_empty(window_us, now),
             Cell::Counter(counter) => counter.count == 0,
             Cell::Tat(tat) => tat.is_none(),
+            Cell::Quota(counter) => counter.count == 0,
         }
     }
 
@@ -84,6 +89,7 @@ impl Cell {
             Cell::Window(counts) => sliding_window::check(*counts, spec, now),
             Cell::Counter(counter) => fixed_window::check(*counter, spec, now),
             Cell::Tat(tat) => gcra::check(*tat, spec, now),
+            Cell::Quota(counter) => calendar::check(*counter, spec, now),
         }
     }
 
@@ -102,6 +108,7 @@ impl Cell {
                 *tat = Some(new);
                 state
             }
+            Cell::Quota(counter) => calendar::record(counter, spec, now),
         }
     }
 
@@ -115,6 +122,7 @@ impl Cell {
             }
             Cell::Counter(counter) => *counter = fixed_window::release(*counter, spec, now),
             Cell::Tat(tat) => *tat = gcra::release(*tat, spec, now),
+            Cell::Quota(counter) => *counter = calendar::release(*counter, spec.cost, now),
         }
     }
 }
@@ -370,6 +378,7 @@ impl Cell {
             Cell::Counter(counter) => counter.count,
             Cell::Window(_) => u64::from(spec.requests).saturating_sub(remaining),
             Cell::Tat(_) => u64::from(spec.burst).saturating_sub(remaining),
+            Cell::Quota(counter) => counter.count,
         }
     }
 }

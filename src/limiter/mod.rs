@@ -12,6 +12,7 @@
 //! cluster slot.
 
 mod breaker;
+pub mod calendar;
 mod cluster;
 mod deny_cache;
 mod fixed_window;
@@ -50,6 +51,10 @@ pub enum Algorithm {
     FixedWindow,
     /// A token bucket kept as one timestamp: O(1), exact, with bursts of `burst`.
     Gcra,
+    /// A calendar quota: one counter per calendar period, reset at the period's start (see
+    /// `calendar`). Its check's key ends with the period and its `window` is the time left
+    /// until the period ends, both set per request when the check is built.
+    Calendar,
 }
 
 impl Algorithm {
@@ -60,6 +65,7 @@ impl Algorithm {
             Algorithm::SlidingWindow => "sliding_window",
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::Gcra => "gcra",
+            Algorithm::Calendar => "calendar",
         }
     }
 }
