@@ -285,12 +285,20 @@ impl LocalStore {
         }
     }
 
-    /// Gives back what an admitted request recorded under `checks` (see `Store::release`).
-    pub fn release(&self, checks: &[Check], admission: &Admission) {
+    /// Gives back what an admitted request recorded under `checks` beyond `keep` units of
+    /// each (see `Store::settle`; `Store::release` keeps none).
+    pub fn release(&self, checks: &[Check], admission: &Admission, keep: u32) {
         let (mut guards, slot) = self.lock_all(checks);
         let now = micros_since(self.epoch);
         for (check, &slot) in checks.iter().zip(&slot) {
-            let spec = check.spec;
+            // The algorithms give back a whole cost: what is not kept is the part given back.
+            let spec = Spec {
+                cost: check.spec.cost.saturating_sub(keep),
+                ..check.spec
+            };
+            if spec.cost == 0 {
+                continue;
+            }
             if let Some(log) = guards[slot].peek_mut(check.key.as_str()) {
                 if log.cell.algorithm() == spec.algorithm {
                     log.cell.release(&spec, admission, now);
