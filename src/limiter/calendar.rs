@@ -107,10 +107,7 @@ pub fn span_at(period: Period, zone: &TimeZone, now: Timestamp) -> Result<Span, 
         Period::Week => first_day
             .checked_add(SignedDuration::from_hours(24 * 7))
             .map_err(|_| out())?,
-        Period::Month => first_day
-            .last_of_month()
-            .tomorrow()
-            .map_err(|_| out())?,
+        Period::Month => first_day.last_of_month().tomorrow().map_err(|_| out())?,
     };
     let start_of = |day: Date| zone.to_timestamp(day.at(0, 0, 0, 0)).map_err(|_| out());
     Ok(Span {

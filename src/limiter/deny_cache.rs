@@ -332,7 +332,10 @@ mod tests {
             .expect("still denied");
         assert_eq!(answer.retry_after, Duration::from_secs(99));
         assert!(cache
-            .answer(std::slice::from_ref(&later), sent + Duration::from_secs(100))
+            .answer(
+                std::slice::from_ref(&later),
+                sent + Duration::from_secs(100)
+            )
             .is_none());
         let mut raised = later.clone();
         raised.spec.requests = 6;
