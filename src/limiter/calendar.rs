@@ -309,7 +309,7 @@ mod tests {
         /// before a start lies in the previous period).
         #[test]
         fn periods_tile_time(
-            seconds in 0i64..(2_100_000_000),
+            seconds in 0i64..2_100_000_000,
             zone_index in 0..ZONES.len(),
             period in period(),
         ) {
