@@ -72,9 +72,12 @@ fn main() -> ExitCode {
                 headers: &headers,
                 from,
             };
-            sluice::explain::explain(&config, &question)
-                .map(|text| print!("{text}"))
+            sluice::clock::init()
                 .map_err(anyhow::Error::from)
+                .and_then(|_| {
+                    sluice::explain::explain(&config, &question).map_err(anyhow::Error::from)
+                })
+                .map(|text| print!("{text}"))
         }
         Command::Run { config } => run(&config),
     };

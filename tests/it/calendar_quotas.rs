@@ -238,6 +238,11 @@ async fn retry_after_is_exact_across_a_dst_day(kind: StoreKind) {
             &["{ name: daily, key: [client_ip], requests: 1, quota: day, time_zone: America/New_York }"],
         )
         .await;
+        assert!(
+            sluice.log().contains("SLUICE_TEST_CLOCK_START is set"),
+            "the test clock is announced at warn: {}",
+            sluice.log()
+        );
         let first = get(&sluice).await;
         assert_eq!(first.status(), 200);
         assert_seconds_left(rate_limit_t(&first), left, spawned.elapsed(), start);
@@ -310,6 +315,23 @@ async fn a_quota_gives_back_what_it_does_not_count(kind: StoreKind) {
     assert_eq!(login("right").await, 429, "two successes use up the quota");
     assert_eq!(login("wrong").await, 429);
     assert_eq!(upstream.hits(), 7);
+    // The admin API reads the current period's count without consuming anything.
+    let admin: serde_json::Value = c
+        .get(format!(
+            "{}/admin/v1/limits/login/monthly?client_ip=127.0.0.1",
+            sluice.admin_url()
+        ))
+        .send()
+        .await
+        .expect("an admin answer")
+        .json()
+        .await
+        .expect("JSON");
+    assert_eq!(admin["quota"], "month", "{admin}");
+    assert_eq!(admin["period"], "2026-11", "{admin}");
+    assert_eq!(admin["resets_at"], "2026-12-01T00:00:00+00:00", "{admin}");
+    assert_eq!(admin["count"], 2, "{admin}");
+    assert_eq!(admin["remaining"], 0, "{admin}");
     if let Some(redis) = &store.redis {
         let keys = redis.keys().await;
         let key = keys
@@ -429,6 +451,43 @@ async fn explain_shows_the_quota_and_its_reset() {
         "{stdout}"
     );
     assert!(stdout.contains("{ip=127.0.0.1}:2026-11"), "{stdout}");
+}
+
+/// A test clock that is not an instant stops sluice instead of being ignored.
+#[test]
+fn a_test_clock_that_is_not_an_instant_is_refused() {
+    let config = write_config(
+        "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: api\n    match: { path_prefix: / }\n    respond: { status: 200 }\n",
+    );
+    for command in ["explain", "run"] {
+        let mut args = vec![command, "--config", config.path().to_str().expect("a path")];
+        if command == "explain" {
+            args.extend(["GET", "/x"]);
+        }
+        let mut child = std::process::Command::new(support::SLUICE_BIN)
+            .args(&args)
+            .env(CLOCK, "next tuesday")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run sluice");
+        // Bounded: a sluice that ignored the value would serve until killed.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while child.try_wait().expect("wait").is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("`sluice {command}` ignored a bad {CLOCK} and kept running");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let output = child.wait_with_output().expect("its output");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{command} started: {stderr}");
+        assert!(
+            stderr.contains("SLUICE_TEST_CLOCK_START=\"next tuesday\" is not an RFC 3339 instant"),
+            "{command}: {stderr}"
+        );
+    }
 }
 
 /// `sluice check` refuses what a quota cannot be, naming file, line, column and field.
