@@ -22,6 +22,7 @@ mod redis;
 mod sentinel;
 mod sliding_log;
 mod sliding_window;
+mod weighted_log;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,6 +45,9 @@ pub enum Algorithm {
     /// Exact: every admission's time is kept for one window.
     #[default]
     SlidingLog,
+    /// The sliding log with one entry per request weighted by its cost: exact, for limits in
+    /// units other than requests (token budgets), whose requests cost thousands each.
+    WeightedLog,
     /// Two fixed-window counters, the previous one weighted: O(1), approximate.
     SlidingWindow,
     /// One counter per window that starts at the first hit: O(1), up to twice the limit
@@ -62,6 +66,7 @@ impl Algorithm {
     pub fn label(self) -> &'static str {
         match self {
             Algorithm::SlidingLog => "sliding_log",
+            Algorithm::WeightedLog => "weighted_log",
             Algorithm::SlidingWindow => "sliding_window",
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::Gcra => "gcra",

@@ -12,8 +12,9 @@ use sluice::limiter::{Algorithm, Check, RedisStore, Spec, Store};
 use sluice::metrics::Metrics;
 use support::Redis;
 
-const ALGORITHMS: [Algorithm; 4] = [
+const ALGORITHMS: [Algorithm; 5] = [
     Algorithm::SlidingLog,
+    Algorithm::WeightedLog,
     Algorithm::SlidingWindow,
     Algorithm::FixedWindow,
     Algorithm::Gcra,

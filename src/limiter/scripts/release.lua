@@ -18,6 +18,8 @@
 --
 -- Per algorithm, with `back` = cost - keep units given back:
 --   sliding_log     ZREM member:keep+1 .. member:cost. Exact.
+--   weighted_log    the entry member#cost becomes member#keep at the same score (goes when
+--                   keep is 0). Exact.
 --   gcra            TAT -= back * T, never below now (then the key goes: a full bucket).
 --                   Exact unless the TAT fell behind the clock in between (then up to
 --                   back * T more than the request's share comes back, once); a request
@@ -60,6 +62,17 @@ for i = 1, #KEYS do
       end
     end
     if removed > 0 then
+      released = released + 1
+    end
+  elseif algorithm == 'weighted_log' then
+    -- The request's one entry, named by its whole cost, keeps its time with the kept weight.
+    local name = member .. '#' .. (keep + back)
+    local score = redis.call('ZSCORE', key, name)
+    if score then
+      redis.call('ZREM', key, name)
+      if keep > 0 then
+        redis.call('ZADD', key, score, member .. '#' .. keep)
+      end
       released = released + 1
     end
   elseif algorithm == 'gcra' then
