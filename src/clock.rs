@@ -13,26 +13,40 @@ use jiff::{SignedDuration, Timestamp};
 /// The environment variable that starts the wall clock at a given instant (testing only).
 pub const START_ENV: &str = "SLUICE_TEST_CLOCK_START";
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[error("{START_ENV}={value:?} is not an RFC 3339 instant (e.g. 2026-01-31T23:59:58Z): {reason}")]
 pub struct ClockError {
     value: String,
     reason: String,
 }
 
-/// How far this process's wall clock is from the system's: zero unless the variable is set.
-static OFFSET: OnceLock<Result<SignedDuration, String>> = OnceLock::new();
+/// When the variable is set: the instant it starts the clock at, and how far that is from the
+/// system's clock when it was read.
+#[derive(Debug, Clone, Copy)]
+struct Start {
+    at: Timestamp,
+    offset: SignedDuration,
+}
 
-fn offset() -> &'static Result<SignedDuration, String> {
-    OFFSET.get_or_init(|| {
+/// Read once, on first use; `None` without the variable.
+static START: OnceLock<Result<Option<Start>, ClockError>> = OnceLock::new();
+
+fn start() -> &'static Result<Option<Start>, ClockError> {
+    START.get_or_init(|| {
         let Some(value) = std::env::var_os(START_ENV) else {
-            return Ok(SignedDuration::ZERO);
+            return Ok(None);
         };
         let value = value.to_string_lossy().into_owned();
-        let start: Timestamp = value
-            .parse()
-            .map_err(|err: jiff::Error| format!("{value}\u{0}{err}"))?;
-        Ok(start.duration_since(Timestamp::now()))
+        match value.parse::<Timestamp>() {
+            Ok(at) => Ok(Some(Start {
+                at,
+                offset: at.duration_since(Timestamp::now()),
+            })),
+            Err(err) => Err(ClockError {
+                value,
+                reason: err.to_string(),
+            }),
+        }
     })
 }
 
@@ -40,26 +54,19 @@ fn offset() -> &'static Result<SignedDuration, String> {
 /// or why it cannot be used. Called at start, so a bad value stops sluice instead of being
 /// ignored on the request path.
 pub fn init() -> Result<Option<Timestamp>, ClockError> {
-    match offset() {
-        Ok(offset) if offset.is_zero() && std::env::var_os(START_ENV).is_none() => Ok(None),
-        Ok(_) => Ok(Some(now())),
-        Err(message) => {
-            let (value, reason) = message.split_once('\u{0}').unwrap_or((message, ""));
-            Err(ClockError {
-                value: value.to_owned(),
-                reason: reason.to_owned(),
-            })
-        }
-    }
+    start()
+        .as_ref()
+        .map(|start| start.map(|start| start.at))
+        .map_err(Clone::clone)
 }
 
 /// The current instant on sluice's wall clock.
 pub fn now() -> Timestamp {
     let now = Timestamp::now();
-    match offset() {
-        Ok(offset) => now.checked_add(*offset).unwrap_or(now),
-        // `init` refused to start with it; a library caller that skipped `init` gets the
-        // system's clock.
-        Err(_) => now,
+    match start() {
+        Ok(Some(start)) => now.checked_add(start.offset).unwrap_or(now),
+        // Without the variable, the system's clock; with a bad one, `init` refused to start,
+        // and a library caller that skipped `init` gets the system's clock too.
+        Ok(None) | Err(_) => now,
     }
 }
