@@ -35,7 +35,7 @@ pub use load::{from_bytes, load, parse, read_error, to_json, Source};
 pub use schema::json_schema;
 pub use tree::{
     ClusterConfig, ConditionConfig, Config, CountConfig, JwtAlgorithm, JwtConfig, JwtKeyConfig,
-    LimitConfig, ListenerTlsConfig, LocalConfig, MatchConfig, OnInvalid, RedisConfig,
+    LimitConfig, ListenerTlsConfig, LocalConfig, MatchConfig, OnInvalid, QuotaPeriod, RedisConfig,
     RespondConfig, RouteConfig, RouteJwtConfig, SentinelConfig, ServerConfig, StoreConfig,
     UpstreamConfig, Workers,
 };

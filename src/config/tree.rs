@@ -408,10 +408,19 @@ pub struct LimitConfig {
     pub key: Spanned<Vec<KeyPart>>,
     #[schemars(with = "Positive")]
     pub requests: Spanned<Positive>,
-    pub window: ConfigDuration,
+    /// The length of a rolling window; a limit has either this or a calendar `quota`.
+    pub window: Option<ConfigDuration>,
+    /// A calendar quota instead of a `window`: `requests` per `day`, `week` (ISO, from
+    /// Monday 00:00) or `month`, reset when the period starts in `time_zone`.
+    #[schemars(with = "Option<QuotaPeriod>")]
+    pub quota: Option<Spanned<QuotaPeriod>>,
+    /// With `quota`: the IANA time zone its periods follow (`Europe/Berlin`); `UTC` by
+    /// default.
+    #[schemars(with = "Option<String>")]
+    pub time_zone: Option<Spanned<String>>,
     /// How the limit counts; `sliding_log` (exact) by default.
-    #[serde(default)]
-    pub algorithm: AlgorithmConfig,
+    #[schemars(with = "Option<AlgorithmConfig>")]
+    pub algorithm: Option<Spanned<AlgorithmConfig>>,
     /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
     /// key admits as many at once as under the other algorithms.
     #[schemars(with = "Option<Positive>")]
@@ -449,7 +458,31 @@ pub struct LimitConfig {
 impl LimitConfig {
     /// The algorithm this limit counts with, as the limiter names it.
     pub fn algorithm(&self) -> crate::limiter::Algorithm {
-        self.algorithm.into()
+        match (&self.quota, &self.algorithm) {
+            (Some(_), _) => crate::limiter::Algorithm::Calendar,
+            (None, Some(algorithm)) => algorithm.value.into(),
+            (None, None) => crate::limiter::Algorithm::default(),
+        }
+    }
+}
+
+/// A calendar quota's period, as the policy file spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum QuotaPeriod {
+    Day,
+    /// An ISO 8601 week, from Monday 00:00.
+    Week,
+    Month,
+}
+
+impl From<QuotaPeriod> for crate::limiter::calendar::Period {
+    fn from(spelled: QuotaPeriod) -> Self {
+        match spelled {
+            QuotaPeriod::Day => Self::Day,
+            QuotaPeriod::Week => Self::Week,
+            QuotaPeriod::Month => Self::Month,
+        }
     }
 }
 

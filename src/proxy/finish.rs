@@ -236,7 +236,17 @@ fn too_many_requests(
         .filter(|((limit, _), &rejecting)| rejecting && !limit.spec.shadow)
         .filter_map(|((limit, state), _)| state.as_ref().map(|state| (limit, state)))
         .max_by_key(|(_, state)| state.reset)
-        .map_or("", |(limit, _)| limit.name.as_str());
+        .map(|(limit, _)| *limit);
+    if let Some(quota) = limit.and_then(|limit| limit.quota.as_ref().map(|q| (limit, q))) {
+        return response::quota_exhausted(
+            route,
+            quota,
+            decided.decision.retry_after,
+            instance,
+            retry_after,
+        );
+    }
+    let limit = limit.map_or("", |limit| limit.name.as_str());
     let detail = format!(
         "route `{}`: limit `{limit}` is exhausted; retry in {retry_after} s",
         route.name

@@ -10,9 +10,11 @@ use super::super::{Admission, Decision, LimitState, StoreError};
 /// in one atomic call.
 pub(super) const DECIDE: &str = concat!(
     include_str!("../scripts/sliding_log.lua"),
+    include_str!("../scripts/weighted_log.lua"),
     include_str!("../scripts/sliding_window.lua"),
     include_str!("../scripts/fixed_window.lua"),
     include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/calendar.lua"),
     include_str!("../scripts/decide.lua"),
 );
 
@@ -20,9 +22,11 @@ pub(super) const DECIDE: &str = concat!(
 /// one check function and records nothing.
 pub(super) const PEEK: &str = concat!(
     include_str!("../scripts/sliding_log.lua"),
+    include_str!("../scripts/weighted_log.lua"),
     include_str!("../scripts/sliding_window.lua"),
     include_str!("../scripts/fixed_window.lua"),
     include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/calendar.lua"),
     include_str!("../scripts/peek.lua"),
 );
 
