@@ -1,6 +1,6 @@
 //! The composition root: how a config file becomes a running sluice. One function turns the
-//! bytes of a file into a version sluice could serve (`version`: parse, the TLS files it
-//! names, compile), and `run`, `check`, a reload and `explain` all take their version from
+//! bytes of a file into a version sluice could serve (`version`: parse, the TLS and JWT key
+//! files it names, compile), and `run`, `check`, a reload and `explain` all take their version from
 //! it, so none of them can accept a file another would refuse. `serve` wires the parts of a
 //! running process together: the store, the listeners and their workers, the gateway, the
 //! admin API, the reloader and the certificate watch.
