@@ -657,8 +657,8 @@ fn route_jwt(
     }))
 }
 
-/// The checks of a route's limits that the YAML types cannot make alone.
-/// Checks a route's limits; returns each limit's compiled conditions.
+/// Checks what the YAML types cannot check alone in a route's limits; returns each limit's
+/// compiled conditions.
 fn check_limits(
     route: &RouteConfig,
     file: &Path,
