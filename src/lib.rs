@@ -24,6 +24,7 @@ pub mod explain;
 pub mod file_watch;
 pub mod keys;
 pub mod limiter;
+pub mod llm;
 pub mod log;
 pub mod metrics;
 pub mod one_request;
