@@ -446,6 +446,7 @@ pub(crate) mod tests {
             key_prefix: "sluice:r:l:".to_owned(),
             when: Vec::new(),
             client_prefix: ClientPrefix::default(),
+            tokens: None,
             metrics: metrics.for_limit("r", "l"),
         }
     }

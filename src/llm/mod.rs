@@ -5,8 +5,38 @@
 //! (`Store::settle`). Reserving the upper bound atomically and only ever settling down is
 //! what keeps settled plus reserved tokens inside the limit at every instant.
 
+pub mod config;
 pub mod estimate;
 pub mod usage;
 
 pub use self::estimate::{estimate, EstimateError, Reservation, Reserve};
 pub use self::usage::{Usage, UsageScanner};
+
+use http::HeaderName;
+
+/// Most tokens a `sliding_log` token budget may hold: its log keeps one entry per token
+/// (a calendar quota keeps a counter instead).
+pub const MAX_SLIDING_LOG_TOKENS: u32 = 1_000_000;
+
+/// A limit counted in tokens: how each request reserves, and how it is settled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenBudget {
+    pub reserve: Reserve,
+    pub settle: Settle,
+}
+
+/// Where a token limit reads the real count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settle {
+    /// The response body's usage (JSON `usage`, or the usage events of an event stream).
+    Usage,
+    /// A response header holding the tokens used, as a decimal integer.
+    Header(HeaderName),
+}
+
+/// Whether a token budget can run on `algorithm`: its settlement gives back exactly what
+/// was not used, which needs an algorithm whose give-back is exact.
+pub fn settles_exactly(algorithm: crate::limiter::Algorithm) -> bool {
+    // The calendar quota (issue 21, part 2) joins here once it lands.
+    matches!(algorithm, crate::limiter::Algorithm::SlidingLog)
+}

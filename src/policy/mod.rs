@@ -214,6 +214,9 @@ pub struct Limit<M: Metering = Metered> {
     pub when: Vec<Condition>,
     /// How client addresses are grouped in this limit's keys.
     pub client_prefix: ClientPrefix,
+    /// `tokens:`: the limit counts LLM tokens, reserved from the request body and settled
+    /// from the response; `None`: it counts requests.
+    pub tokens: Option<Box<crate::llm::TokenBudget>>,
     pub metrics: M::Limit,
 }
 
@@ -380,7 +383,14 @@ impl Compiled {
                     .limits
                     .into_iter()
                     .map(|limit| Limit {
-                        metrics: metrics.for_limit(route.name.as_str(), limit.name.as_str()),
+                        metrics: {
+                            let (route, name) = (route.name.as_str(), limit.name.as_str());
+                            let mut counters = metrics.for_limit(route, name);
+                            if limit.tokens.is_some() {
+                                counters.tokens = Some(metrics.for_token_limit(route, name));
+                            }
+                            counters
+                        },
                         name: limit.name,
                         key: limit.key,
                         spec: limit.spec,
@@ -388,6 +398,7 @@ impl Compiled {
                         key_prefix: limit.key_prefix,
                         when: limit.when,
                         client_prefix: limit.client_prefix,
+                        tokens: limit.tokens,
                     })
                     .collect();
                 Route {
@@ -562,6 +573,7 @@ fn check_limits(
                 ),
             ));
         }
+        crate::llm::config::check(limit, file, &field)?;
         check_cost(limit, file, &field)?;
         check_params(route, limit, file, &field)?;
         check_shaping(limit, file, &field)?;
@@ -755,7 +767,7 @@ fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Confi
     };
     let (most, what) = match (&limit.burst, limit.algorithm()) {
         (Some(burst), Algorithm::Gcra) => (burst.value.0, "burst"),
-        _ => (limit.requests.value.0, "requests"),
+        _ => (crate::llm::config::quota(limit), "requests"),
     };
     if cost.value.0 > most {
         return Err(ConfigError::invalid(
@@ -796,20 +808,22 @@ fn build_limits(
             key: limit.key.value.clone(),
             spec: Spec {
                 algorithm: limit.algorithm(),
-                requests: limit.requests.value.0,
+                requests: crate::llm::config::quota(limit),
                 window: limit.window.0,
                 burst: limit
                     .burst
                     .as_ref()
-                    .map_or(limit.requests.value.0, |b| b.value.0),
+                    .map_or(crate::llm::config::quota(limit), |b| b.value.0),
                 cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
                 shadow: limit.shadow,
                 max_delay: match (delays(limit), &limit.max_delay) {
                     (true, Some(max_delay)) => max_delay.value.0,
                     _ => Duration::ZERO,
                 },
-                returnable: limit.count.is_some(),
+                // A token budget gives back what a request did not use.
+                returnable: limit.count.is_some() || limit.tokens.is_some(),
             },
+            tokens: crate::llm::config::budget(limit).map(Box::new),
             count: limit
                 .count
                 .as_ref()

@@ -22,6 +22,7 @@ mod request_id;
 mod route;
 mod settle;
 mod stop;
+mod tokens;
 mod tunnel;
 mod upstreams;
 
@@ -40,7 +41,7 @@ pub use self::finish::Answered;
 use self::finish::Finisher;
 use self::forward::{ForwardError, UpstreamClient};
 pub use self::head::{read as read_head, HeadLimits};
-use self::request_body::BodyRefusals;
+use self::request_body::{BodyFault, BodyRefusals, ClientBody};
 use self::request_id::{RequestIds, X_REQUEST_ID};
 pub use self::route::{refuse, route};
 pub use self::stop::{Fault, Stop};
@@ -51,7 +52,8 @@ use crate::limiter::Store;
 use crate::log::RequestLog;
 use crate::metrics::{Metrics, Outcome};
 use crate::plan;
-use crate::policy::{Action, DirectResponse, Policy, Route, Upstream};
+use crate::policy::{Action, BodyPace, DirectResponse, Policy, Route, Upstream};
+use bytes::Bytes;
 
 /// The policy in force and the client of each upstream it forwards to: swapped together, in
 /// one step, on reload. A request holds an `Arc` of it from routing to its response, so it
@@ -164,12 +166,14 @@ impl Gateway {
         let route = route::route(&active.policy, &head)?;
         exchange.route = Some(route);
         route::refuse(route, &head, body.size_hint().lower())?;
-        let plan = plan::plan(&active.policy, route, &head, peer.ip());
+        let mut plan = plan::plan(&active.policy, route, &head, peer.ip());
+        let body = tokens::read_body(route, &plan, &mut head, body, &self.body_refusals).await?;
+        tokens::reserve(&mut plan, &body)?;
         decide::decide(&self.store, &self.finisher.log, route, plan, exchange).await?;
         if let Some(decided) = &exchange.decided {
             hold::hold(&self.store, route, decided).await?;
         }
-        let acted = self
+        let mut acted = self
             .act(active, route, Request::from_parts(head, body), peer)
             .await;
         if let Some(decided) = &exchange.decided {
@@ -178,6 +182,7 @@ impl Gateway {
                 Err(stop) => stop.status(),
             };
             settle::give_back_uncounted(&self.store, route, decided, status).await;
+            acted = tokens::settle(&self.store, decided, acted).await;
         }
         acted
     }
@@ -187,7 +192,7 @@ impl Gateway {
         &self,
         active: &Active,
         route: &Route,
-        request: Request<B>,
+        request: Request<ClientBody<B>>,
         peer: SocketAddr,
     ) -> Result<Answered, Stop> {
         let upstream = match &route.action {
@@ -228,24 +233,42 @@ pub trait ForwardBody: http_body::Body + Send + Sized + 'static {
     fn forward<'a>(
         upstream: &'a Upstream,
         client: &'a UpstreamClient,
-        request: Request<Self>,
+        request: Request<ClientBody<Self>>,
         peer: SocketAddr,
         route: &'a Route,
         refusals: &'a Arc<BodyRefusals>,
     ) -> impl Future<Output = Result<Response<ProxyBody>, ForwardError>> + Send + 'a;
+
+    /// Reads the body whole, within `limit` bytes and `pace` (a fault counted in
+    /// `refusals`), for a route that must see it before deciding.
+    fn read_whole(
+        self,
+        limit: u64,
+        pace: BodyPace,
+        refusals: Arc<BodyRefusals>,
+    ) -> impl Future<Output = Result<Bytes, BodyFault>> + Send;
 }
 
 impl ForwardBody for Incoming {
     async fn forward<'a>(
         upstream: &'a Upstream,
         client: &'a UpstreamClient,
-        request: Request<Incoming>,
+        request: Request<ClientBody<Incoming>>,
         peer: SocketAddr,
         route: &'a Route,
         refusals: &'a Arc<BodyRefusals>,
     ) -> Result<Response<ProxyBody>, ForwardError> {
         let response = forward::forward(upstream, client, request, peer, route, refusals).await?;
         Ok(response.map(ProxyBody::stream))
+    }
+
+    async fn read_whole(
+        self,
+        limit: u64,
+        pace: BodyPace,
+        refusals: Arc<BodyRefusals>,
+    ) -> Result<Bytes, BodyFault> {
+        request_body::read_whole(self, limit, pace, refusals).await
     }
 }
 

@@ -50,12 +50,17 @@ pub enum Stop {
     Upstream { error: ForwardError, upstream: Name },
     /// sluice has no way to act on an admitted request.
     Internal(&'static str),
+    /// A token budget cannot reserve for the request's body (400), or the reservation can
+    /// never fit (413).
+    Unreservable { status: StatusCode, detail: String },
 }
 
 impl Stop {
     pub fn fault(&self) -> Fault {
         match self {
-            Stop::Refused { .. } | Stop::NoRoute | Stop::Body(_) => Fault::Client,
+            Stop::Refused { .. } | Stop::NoRoute | Stop::Body(_) | Stop::Unreservable { .. } => {
+                Fault::Client
+            }
             Stop::Limited | Stop::TooManyHeld { .. } => Fault::Limit,
             Stop::StoreUnavailable => Fault::Store,
             Stop::Upstream { .. } => Fault::Upstream,
@@ -65,7 +70,7 @@ impl Stop {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            Stop::Refused { status, .. } => *status,
+            Stop::Refused { status, .. } | Stop::Unreservable { status, .. } => *status,
             Stop::NoRoute => StatusCode::NOT_FOUND,
             Stop::Body(BodyFault::TooLarge) => StatusCode::PAYLOAD_TOO_LARGE,
             Stop::Body(BodyFault::TooSlow) => StatusCode::REQUEST_TIMEOUT,
@@ -105,7 +110,7 @@ impl Stop {
     /// `finish`, which holds the decision.
     pub fn detail(&self, route: Option<&Route>) -> String {
         match self {
-            Stop::Refused { detail, .. } => detail.clone(),
+            Stop::Refused { detail, .. } | Stop::Unreservable { detail, .. } => detail.clone(),
             Stop::NoRoute => "no route matches this request".to_owned(),
             Stop::Body(fault) => body_detail(*fault, route),
             Stop::Limited => "a limit of this route is exhausted".to_owned(),
