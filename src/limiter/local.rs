@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use lru::LruCache;
 use prometheus::{IntCounter, IntGauge};
 
-use super::{fixed_window, gcra, sliding_log, sliding_window};
+use super::{fixed_window, gcra, sliding_log, sliding_window, weighted_log};
 use super::{Admission, Algorithm, Check, Decision, LimitState, Peek, Room, Spec};
 
 /// How often logs that have emptied are dropped, so memory follows live keys only.
@@ -32,6 +32,7 @@ const SHARDS: usize = 64;
 /// One limit's state, of the kind its algorithm keeps.
 enum Cell {
     Log(VecDeque<u64>),
+    Weighted(weighted_log::Log),
     Window(sliding_window::Counts),
     Counter(fixed_window::Counter),
     Tat(Option<u64>),
@@ -41,6 +42,7 @@ impl Cell {
     fn new(algorithm: Algorithm) -> Cell {
         match algorithm {
             Algorithm::SlidingLog => Cell::Log(VecDeque::new()),
+            Algorithm::WeightedLog => Cell::Weighted(weighted_log::Log::default()),
             Algorithm::SlidingWindow => Cell::Window(sliding_window::Counts::default()),
             Algorithm::FixedWindow => Cell::Counter(fixed_window::Counter::default()),
             Algorithm::Gcra => Cell::Tat(None),
@@ -50,6 +52,7 @@ impl Cell {
     fn algorithm(&self) -> Algorithm {
         match self {
             Cell::Log(_) => Algorithm::SlidingLog,
+            Cell::Weighted(_) => Algorithm::WeightedLog,
             Cell::Window(_) => Algorithm::SlidingWindow,
             Cell::Counter(_) => Algorithm::FixedWindow,
             Cell::Tat(_) => Algorithm::Gcra,
@@ -60,6 +63,7 @@ impl Cell {
     fn advance(&mut self, window_us: u64, now: u64) {
         match self {
             Cell::Log(times) => sliding_log::prune(times, window_us, now),
+            Cell::Weighted(log) => log.prune(window_us, now),
             Cell::Window(counts) => *counts = counts.at(window_us, now),
             Cell::Counter(counter) => *counter = counter.at(now),
             Cell::Tat(tat) => *tat = tat.filter(|&tat| tat > now),
@@ -71,6 +75,7 @@ impl Cell {
         self.advance(window_us, now);
         match self {
             Cell::Log(times) => times.is_empty(),
+            Cell::Weighted(log) => log.is_empty(),
             Cell::Window(counts) => counts.is_empty(window_us, now),
             Cell::Counter(counter) => counter.count == 0,
             Cell::Tat(tat) => tat.is_none(),
@@ -81,6 +86,7 @@ impl Cell {
     fn check(&self, spec: &Spec, now: u64) -> Room {
         match self {
             Cell::Log(times) => sliding_log::check(times, spec, now),
+            Cell::Weighted(log) => log.check(spec, now),
             Cell::Window(counts) => sliding_window::check(*counts, spec, now),
             Cell::Counter(counter) => fixed_window::check(*counter, spec, now),
             Cell::Tat(tat) => gcra::check(*tat, spec, now),
@@ -95,6 +101,7 @@ impl Cell {
         self.advance(spec.window_us(), now);
         match self {
             Cell::Log(times) => sliding_log::record(times, spec, now, at),
+            Cell::Weighted(log) => log.record(spec, now, at),
             Cell::Window(counts) => sliding_window::record(counts, spec, now),
             Cell::Counter(counter) => fixed_window::record(counter, spec, now),
             Cell::Tat(tat) => {
@@ -110,6 +117,7 @@ impl Cell {
         self.advance(spec.window_us(), now);
         match self {
             Cell::Log(times) => sliding_log::release(times, spec.cost, admission.at_us),
+            Cell::Weighted(log) => log.release(spec.cost, admission.at_us),
             Cell::Window(counts) => {
                 *counts = sliding_window::release(*counts, spec, now, admission.decided_us)
             }
@@ -277,12 +285,20 @@ impl LocalStore {
         }
     }
 
-    /// Gives back what an admitted request recorded under `checks` (see `Store::release`).
-    pub fn release(&self, checks: &[Check], admission: &Admission) {
+    /// Gives back what an admitted request recorded under `checks` beyond `keep` units of
+    /// each (see `Store::settle`; `Store::release` keeps none).
+    pub fn release(&self, checks: &[Check], admission: &Admission, keep: u32) {
         let (mut guards, slot) = self.lock_all(checks);
         let now = micros_since(self.epoch);
         for (check, &slot) in checks.iter().zip(&slot) {
-            let spec = check.spec;
+            // The algorithms give back a whole cost: what is not kept is the part given back.
+            let spec = Spec {
+                cost: check.spec.cost.saturating_sub(keep),
+                ..check.spec
+            };
+            if spec.cost == 0 {
+                continue;
+            }
             if let Some(log) = guards[slot].peek_mut(check.key.as_str()) {
                 if log.cell.algorithm() == spec.algorithm {
                     log.cell.release(&spec, admission, now);
@@ -367,6 +383,7 @@ impl Cell {
         let remaining = u64::from(room.state.remaining);
         match self {
             Cell::Log(times) => times.len() as u64,
+            Cell::Weighted(log) => log.total(),
             Cell::Counter(counter) => counter.count,
             Cell::Window(_) => u64::from(spec.requests).saturating_sub(remaining),
             Cell::Tat(_) => u64::from(spec.burst).saturating_sub(remaining),

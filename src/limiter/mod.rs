@@ -21,6 +21,7 @@ mod redis;
 mod sentinel;
 mod sliding_log;
 mod sliding_window;
+mod weighted_log;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,6 +44,9 @@ pub enum Algorithm {
     /// Exact: every admission's time is kept for one window.
     #[default]
     SlidingLog,
+    /// The sliding log with one entry per request weighted by its cost: exact, for limits in
+    /// units other than requests (token budgets), whose requests cost thousands each.
+    WeightedLog,
     /// Two fixed-window counters, the previous one weighted: O(1), approximate.
     SlidingWindow,
     /// One counter per window that starts at the first hit: O(1), up to twice the limit
@@ -57,6 +61,7 @@ impl Algorithm {
     pub fn label(self) -> &'static str {
         match self {
             Algorithm::SlidingLog => "sliding_log",
+            Algorithm::WeightedLog => "weighted_log",
             Algorithm::SlidingWindow => "sliding_window",
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::Gcra => "gcra",
@@ -411,21 +416,35 @@ impl Store {
     /// instances may still hold a denial of those keys until its wait ends: they refuse
     /// where the store would now admit (under-admit), never the other way.
     pub async fn release(&self, checks: &[Check], admission: &Admission) -> Result<(), StoreError> {
-        if checks.is_empty() {
+        self.settle(checks, admission, 0).await
+    }
+
+    /// Settles an admitted request's reservation to what it used: keeps `used` units of each
+    /// check's cost and gives back the rest (nothing when `used` reaches the cost), as
+    /// `release` does, so each limit stands as if the request had been admitted with cost
+    /// `used`. A token budget reserves an upper bound of what a request can consume and
+    /// settles it here once the response says what it did consume.
+    pub async fn settle(
+        &self,
+        checks: &[Check],
+        admission: &Admission,
+        used: u32,
+    ) -> Result<(), StoreError> {
+        if checks.iter().all(|check| check.spec.cost <= used) {
             return Ok(());
         }
         match &self.backend {
             Backend::Local(store) => {
-                store.release(checks, admission);
+                store.release(checks, admission, used);
                 Ok(())
             }
             Backend::Redis { fallback, .. } if admission.local => {
-                fallback.release(checks, admission);
+                fallback.release(checks, admission, used);
                 Ok(())
             }
             Backend::Redis { store, denials, .. } => {
                 denials.forget_checks(checks);
-                let result = Box::pin(store.release(checks, admission)).await;
+                let result = Box::pin(store.release(checks, admission, used)).await;
                 if let Some(counter) = result.as_ref().err().and_then(|err| self.errors.of(err)) {
                     counter.inc();
                 }

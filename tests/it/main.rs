@@ -50,4 +50,5 @@ mod slow_bodies;
 mod streaming;
 mod tls;
 mod websocket;
+mod weighted_log;
 mod workers;

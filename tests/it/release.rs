@@ -12,8 +12,9 @@ use sluice::limiter::{Algorithm, Check, RedisStore, Spec, Store};
 use sluice::metrics::Metrics;
 use support::Redis;
 
-const ALGORITHMS: [Algorithm; 4] = [
+const ALGORITHMS: [Algorithm; 5] = [
     Algorithm::SlidingLog,
+    Algorithm::WeightedLog,
     Algorithm::SlidingWindow,
     Algorithm::FixedWindow,
     Algorithm::Gcra,
@@ -200,4 +201,70 @@ async fn a_local_fallback_admission_is_given_back_locally() {
         .await
         .expect("no Redis call");
     assert!(store.decide_locally(&one).admitted);
+}
+
+/// `Store::settle`: a reservation of 10 settled to 3 used leaves every algorithm where an
+/// admission of cost 3 would (in Redis, the sliding log's entries are the request's first
+/// three, the others' values the same); settling to the whole cost or more gives nothing
+/// back. Both stores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settled_reservation_stands_as_an_admission_of_what_it_used() {
+    let redis = Redis::start().await;
+    let metrics = Metrics::new().unwrap();
+    for store in [
+        redis_store(&redis, &metrics).await,
+        Store::local(1000, &metrics),
+    ] {
+        for algorithm in ALGORITHMS {
+            let key = format!("sluice-test:settle:{}:{}", store.name(), algorithm.label());
+            let reserved = check(&key, algorithm, 20, 10);
+            let decision = store.decide(std::slice::from_ref(&reserved)).await.unwrap();
+            let admission = decision.admission.expect("admitted");
+            store
+                .settle(std::slice::from_ref(&reserved), &admission, 3)
+                .await
+                .unwrap();
+            let probe = check(&key, algorithm, 20, 1);
+            let remaining = store
+                .decide(std::slice::from_ref(&probe))
+                .await
+                .unwrap()
+                .limits[0]
+                .unwrap()
+                .remaining;
+            // 20 - 3 used - 1 probe.
+            assert_eq!(remaining, 16, "{} {algorithm:?}", store.name());
+            if store.name() == "redis" && algorithm == Algorithm::SlidingLog {
+                let members = format!("{:?}", redis.cmd(&["ZRANGE", &key, "0", "-1"]).await);
+                let ours = |j: u32| format!("{}:{j}\"", admission.member);
+                assert!((1..=3).all(|j| members.contains(&ours(j))), "{members}");
+                assert!(!members.contains(&ours(4)), "{members}");
+            }
+
+            // Used as much as reserved, or more: nothing comes back.
+            let key = format!("{key}:full");
+            let reserved = check(&key, algorithm, 20, 10);
+            let admission = store
+                .decide(std::slice::from_ref(&reserved))
+                .await
+                .unwrap()
+                .admission
+                .expect("admitted");
+            for used in [10, 11] {
+                store
+                    .settle(std::slice::from_ref(&reserved), &admission, used)
+                    .await
+                    .unwrap();
+            }
+            let probe = check(&key, algorithm, 20, 1);
+            let remaining = store
+                .decide(std::slice::from_ref(&probe))
+                .await
+                .unwrap()
+                .limits[0]
+                .unwrap()
+                .remaining;
+            assert_eq!(remaining, 9, "{} {algorithm:?} full", store.name());
+        }
+    }
 }

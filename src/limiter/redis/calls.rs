@@ -90,7 +90,7 @@ impl RedisStore {
                 .zip(&decisions)
                 .filter_map(|(members, d)| Some((members, d.as_ref()?.admission.as_ref()?)));
             let releases = admitted.map(|(members, admission)| {
-                self.release_in_one_call(members.iter().map(|&index| &checks[index]), admission)
+                self.release_in_one_call(members.iter().map(|&index| &checks[index]), admission, 0)
             });
             for result in futures_util::future::join_all(releases).await {
                 if let Err(err) = result {
@@ -105,18 +105,25 @@ impl RedisStore {
         Ok(cluster::merge(checks.len(), groups, &decisions))
     }
 
-    /// Gives back what the request of `admission` recorded under `checks` (`release.lua`);
-    /// on a cluster, one call per slot the checks live in.
-    pub async fn release(&self, checks: &[Check], admission: &Admission) -> Result<(), StoreError> {
+    /// Gives back what the request of `admission` recorded under `checks` beyond `keep` units
+    /// of each (`release.lua`); on a cluster, one call per slot the checks live in.
+    pub async fn release(
+        &self,
+        checks: &[Check],
+        admission: &Admission,
+        keep: u32,
+    ) -> Result<(), StoreError> {
         let groups = match &self.link {
             Link::Cluster(_) => cluster::slot_groups(checks),
             Link::Single | Link::Sentinel(_) => None,
         };
         let Some(groups) = groups else {
-            return self.release_in_one_call(checks.iter(), admission).await;
+            return self
+                .release_in_one_call(checks.iter(), admission, keep)
+                .await;
         };
         let calls = groups.iter().map(|members| {
-            self.release_in_one_call(members.iter().map(|&index| &checks[index]), admission)
+            self.release_in_one_call(members.iter().map(|&index| &checks[index]), admission, keep)
         });
         futures_util::future::join_all(calls)
             .await
@@ -130,6 +137,7 @@ impl RedisStore {
         &self,
         checks: impl ExactSizeIterator<Item = &'a Check> + Clone,
         admission: &Admission,
+        keep: u32,
     ) -> Result<(), StoreError> {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(self.shared.release.get_hash()).arg(checks.len());
@@ -144,7 +152,8 @@ impl RedisStore {
             cmd.arg(spec.algorithm.label())
                 .arg(spec.requests)
                 .arg(spec.window_us())
-                .arg(spec.cost);
+                .arg(spec.cost)
+                .arg(keep.min(spec.cost));
         }
         let _released: i64 = self.run(&cmd, Some(&self.shared.release)).await?;
         Ok(())

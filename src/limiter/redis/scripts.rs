@@ -10,6 +10,7 @@ use super::super::{Admission, Decision, LimitState, StoreError};
 /// in one atomic call.
 pub(super) const DECIDE: &str = concat!(
     include_str!("../scripts/sliding_log.lua"),
+    include_str!("../scripts/weighted_log.lua"),
     include_str!("../scripts/sliding_window.lua"),
     include_str!("../scripts/fixed_window.lua"),
     include_str!("../scripts/gcra.lua"),
@@ -20,6 +21,7 @@ pub(super) const DECIDE: &str = concat!(
 /// one check function and records nothing.
 pub(super) const PEEK: &str = concat!(
     include_str!("../scripts/sliding_log.lua"),
+    include_str!("../scripts/weighted_log.lua"),
     include_str!("../scripts/sliding_window.lua"),
     include_str!("../scripts/fixed_window.lua"),
     include_str!("../scripts/gcra.lua"),

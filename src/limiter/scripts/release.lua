@@ -1,32 +1,36 @@
--- Release: gives back what one admitted request recorded under some of its limits, so each
--- stands as if the request had never been admitted by it (as exactly as its algorithm
--- allows). Used for a held request whose client left (`on_exceed: delay`), for an outcome a
--- `count:` limit does not count, and to undo the admitted part of a request decided in
--- several calls. A script of its own (not part of decide.lua); it needs no helper of the
--- algorithms' files.
+-- Release: gives back what one admitted request recorded under some of its limits beyond the
+-- part it keeps, so each stands as if the request had been admitted with the kept cost only
+-- (as exactly as its algorithm allows). Used for a held request whose client left
+-- (`on_exceed: delay`), for an outcome a `count:` limit does not count, to undo the admitted
+-- part of a request decided in several calls (all three keep nothing), and to settle a
+-- reservation to what the response says it used (a token budget keeps its usage). A script
+-- of its own (not part of decide.lua); it needs no helper of the algorithms' files.
 --
 -- KEYS[i]      the keys the request was recorded under (any subset of its checks)
 -- ARGV[1]      the request's member prefix (decide.lua's ARGV[1])
 -- ARGV[2]      at_us: when it was recorded in sliding_log and gcra (decide.lua's at_us)
 -- ARGV[3]      decided_us: when it was decided (decide.lua's now_us): the counters'
 --              record time
--- ARGV[4i..4i+3]  the limit of KEYS[i]: algorithm, requests, window in microseconds, cost
+-- ARGV[5i-1..5i+3]  the limit of KEYS[i]: algorithm, requests, window in microseconds, cost
+--              (what the request recorded), keep (the units of that cost it keeps, 0..cost)
 --
 -- Returns the number of keys that held something to give back.
 --
--- Per algorithm:
---   sliding_log     ZREM member:1 .. member:cost. Exact.
---   gcra            TAT -= cost * T, never below now (then the key goes: a full bucket).
+-- Per algorithm, with `back` = cost - keep units given back:
+--   sliding_log     ZREM member:keep+1 .. member:cost. Exact.
+--   weighted_log    the entry member#cost becomes member#keep at the same score (goes when
+--                   keep is 0). Exact.
+--   gcra            TAT -= back * T, never below now (then the key goes: a full bucket).
 --                   Exact unless the TAT fell behind the clock in between (then up to
---                   cost * T more than the request's share comes back, once); a request
+--                   back * T more than the request's share comes back, once); a request
 --                   recorded after the TAT (delayed by another limit) left the TAT at its own
 --                   time, which stays (less comes back).
---   fixed_window    DECRBY cost, only if the key exists; at zero the key goes (the next hit
+--   fixed_window    DECRBY back, only if the key exists; at zero the key goes (the next hit
 --                   starts a window, as for a fresh key). If the request's window ended in
---                   between, the give-back lands in the new window: at most `cost` more,
+--                   between, the give-back lands in the new window: at most `back` more,
 --                   within the algorithm's documented twice the limit across a boundary.
 --   sliding_window  the count of the fixed window holding decided_us (current or previous
---                   counter) drops by cost, never below 0; an older window weighs nothing.
+--                   counter) drops by back, never below 0; an older window weighs nothing.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -37,16 +41,19 @@ local released = 0
 
 for i = 1, #KEYS do
   local key = KEYS[i]
-  local base = 4 * i
+  local base = 5 * i - 1
   local algorithm = ARGV[base]
   local requests = tonumber(ARGV[base + 1])
   local window = tonumber(ARGV[base + 2])
-  local cost = tonumber(ARGV[base + 3])
-  if algorithm == 'sliding_log' then
+  local keep = tonumber(ARGV[base + 4])
+  local back = tonumber(ARGV[base + 3]) - keep
+  if back <= 0 then
+    -- Everything is kept: nothing to give back.
+  elseif algorithm == 'sliding_log' then
     local members, removed = {}, 0
-    for j = 1, cost do
+    for j = keep + 1, keep + back do
       members[#members + 1] = member .. ':' .. j
-      if #members == 1000 or j == cost then
+      if #members == 1000 or j == keep + back then
         removed = removed + redis.call('ZREM', key, unpack(members))
         members = {}
       end
@@ -54,11 +61,22 @@ for i = 1, #KEYS do
     if removed > 0 then
       released = released + 1
     end
+  elseif algorithm == 'weighted_log' then
+    -- The request's one entry, named by its whole cost, keeps its time with the kept weight.
+    local name = member .. '#' .. (keep + back)
+    local score = redis.call('ZSCORE', key, name)
+    if score then
+      redis.call('ZREM', key, name)
+      if keep > 0 then
+        redis.call('ZADD', key, score, member .. '#' .. keep)
+      end
+      released = released + 1
+    end
   elseif algorithm == 'gcra' then
     local tat = tonumber(redis.call('GET', key) or '0')
     if tat > now then
       local t = math.ceil(window / requests)
-      local new = tat - cost * t
+      local new = tat - back * t
       if new > now then
         redis.call('SET', key, string.format('%.0f', new), 'PX', math.ceil((new - now) / 1000))
       else
@@ -69,8 +87,8 @@ for i = 1, #KEYS do
   elseif algorithm == 'fixed_window' then
     local count = tonumber(redis.call('GET', key) or '0')
     if count > 0 then
-      if count > cost then
-        redis.call('DECRBY', key, cost)
+      if count > back then
+        redis.call('DECRBY', key, back)
       else
         redis.call('DEL', key)
       end
@@ -90,10 +108,10 @@ for i = 1, #KEYS do
         w, c, p = index, 0, 0
       end
       if counted == w and c > 0 then
-        redis.call('HSET', key, 'w', w, 'c', math.max(c - cost, 0), 'p', p)
+        redis.call('HSET', key, 'w', w, 'c', math.max(c - back, 0), 'p', p)
         released = released + 1
       elseif counted == w - 1 and p > 0 then
-        redis.call('HSET', key, 'w', w, 'c', c, 'p', math.max(p - cost, 0))
+        redis.call('HSET', key, 'w', w, 'c', c, 'p', math.max(p - back, 0))
         released = released + 1
       end
     end
