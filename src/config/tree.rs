@@ -407,9 +407,10 @@ pub struct LimitConfig {
     #[schemars(with = "Option<Positive>")]
     pub tokens: Option<Spanned<Positive>>,
     pub window: ConfigDuration,
-    /// How the limit counts; `sliding_log` (exact) by default.
+    /// How the limit counts; `sliding_log` (exact) by default, `weighted_log` (exact, one
+    /// entry per request) for a token budget.
     #[serde(default)]
-    pub algorithm: AlgorithmConfig,
+    pub algorithm: Option<AlgorithmConfig>,
     /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
     /// key admits as many at once as under the other algorithms.
     #[schemars(with = "Option<Positive>")]
@@ -522,7 +523,11 @@ fn default_reserve_max_body() -> ByteSize {
 impl LimitConfig {
     /// The algorithm this limit counts with, as the limiter names it.
     pub fn algorithm(&self) -> crate::limiter::Algorithm {
-        self.algorithm.into()
+        match (self.algorithm, &self.tokens) {
+            (Some(spelled), _) => spelled.into(),
+            (None, Some(_)) => crate::limiter::Algorithm::WeightedLog,
+            (None, None) => crate::limiter::Algorithm::SlidingLog,
+        }
     }
 }
 

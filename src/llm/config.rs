@@ -72,7 +72,7 @@ pub fn check(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Config
             "tokens",
             format!(
                 "a token budget gives back what a request did not use, which `{}` cannot do \
-                 exactly: use `algorithm: sliding_log`",
+                 exactly: use `weighted_log` (the default of a token budget) or `sliding_log`",
                 algorithm.label()
             ),
         );
@@ -83,7 +83,8 @@ pub fn check(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Config
             "tokens",
             format!(
                 "at most {MAX_SLIDING_LOG_TOKENS} tokens on a sliding_log: its log keeps one \
-                 entry per token; for larger budgets use a calendar quota"
+                 entry per token; leave `algorithm:` out for `weighted_log` (one entry per \
+                 request), or use a calendar quota"
             ),
         );
     }

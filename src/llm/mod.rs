@@ -15,7 +15,7 @@ pub use self::usage::{Usage, UsageScanner};
 use http::HeaderName;
 
 /// Most tokens a `sliding_log` token budget may hold: its log keeps one entry per token
-/// (a calendar quota keeps a counter instead).
+/// (`weighted_log`, the default of a token budget, keeps one per request).
 pub const MAX_SLIDING_LOG_TOKENS: u32 = 1_000_000;
 
 /// A limit counted in tokens: how each request reserves, and how it is settled.
@@ -38,5 +38,6 @@ pub enum Settle {
 /// was not used, which needs an algorithm whose give-back is exact.
 pub fn settles_exactly(algorithm: crate::limiter::Algorithm) -> bool {
     // The calendar quota (issue 21, part 2) joins here once it lands.
-    matches!(algorithm, crate::limiter::Algorithm::SlidingLog)
+    use crate::limiter::Algorithm;
+    matches!(algorithm, Algorithm::SlidingLog | Algorithm::WeightedLog)
 }

@@ -170,7 +170,7 @@ impl Settlement {
         if checks.is_empty() {
             return;
         }
-        if let Err(err) = give_back_unused(&self.store, &checks, &self.admission, used).await {
+        if let Err(err) = self.store.settle(&checks, &self.admission, used).await {
             // The tokens stay reserved until they leave the window: the limit under-admits
             // meanwhile, never over-admits.
             tracing::debug!(store = self.store.name(), error = %err, "cannot settle a token reservation");
@@ -185,21 +185,6 @@ impl Settlement {
             }
         }
     }
-}
-
-/// Gives back `cost - used` of each check's reservation.
-async fn give_back_unused(
-    store: &Store,
-    checks: &[Check],
-    admission: &Admission,
-    used: u32,
-) -> Result<(), crate::limiter::StoreError> {
-    if used == 0 {
-        return store.release(checks, admission).await;
-    }
-    // Until `Store::settle` lands (issue 21, the lead's part), a partial give-back keeps the
-    // reservation: exact, but the freed tokens come back only with the window.
-    Ok(())
 }
 
 /// Settles the request's token reservations by what `acted` says: at once for a connect
