@@ -202,3 +202,113 @@ fn default_reserve() -> Reserve {
         max_body: DEFAULT_RESERVE_MAX_BODY,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::limiter::Algorithm;
+    use crate::policy::Policy;
+    use crate::tls::UpstreamTlsSet;
+
+    fn compile(limit: &str) -> Result<crate::policy::Compiled, String> {
+        let yaml = format!(
+            "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: chat\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n      - name: tpm\n        key: []\n        window: 1m\n{limit}"
+        );
+        let config = crate::config::parse(&yaml, Path::new("p.yaml")).map_err(|e| e.to_string())?;
+        Policy::compile(&config, Path::new("p.yaml"), &UpstreamTlsSet::default())
+            .map_err(|e| e.to_string())
+    }
+
+    fn refused(limit: &str, field: &str, line: usize) -> String {
+        let err = compile(limit)
+            .err()
+            .unwrap_or_else(|| panic!("accepted:\n{limit}"));
+        assert!(err.contains(&format!("p.yaml:{line}:")), "{err}");
+        assert!(err.contains(field), "{err}");
+        err
+    }
+
+    #[test]
+    fn a_token_budget_compiles_to_weighted_log_with_its_rules() {
+        let compiled = compile(
+            "        tokens: 40000\n        reserve: { default_output: 512, per_request: 100 }\n        settle: { from: header, header: x-tokens-used }\n",
+        )
+        .unwrap();
+        let limit = &compiled.routes[0].limits[0];
+        assert_eq!(limit.spec.algorithm, Algorithm::WeightedLog);
+        assert_eq!(limit.spec.requests, 40000);
+        assert!(limit.spec.returnable);
+        let budget = limit.tokens.as_ref().unwrap();
+        assert_eq!(budget.reserve.default_output, 512);
+        assert_eq!(budget.reserve.per_request, 100);
+        assert_eq!(budget.reserve.max_output, 4096);
+        assert_eq!(
+            budget.settle,
+            super::Settle::Header(http::HeaderName::from_static("x-tokens-used"))
+        );
+    }
+
+    #[test]
+    fn what_cannot_go_with_a_token_budget_is_refused_with_its_position() {
+        refused(
+            "        tokens: 100\n        requests: 5\n",
+            "routes[0].limits[0].tokens",
+            11,
+        );
+        refused("        cost: 5\n", "routes[0].limits[0].requests", 8);
+        refused(
+            "        requests: 5\n        reserve: {}\n",
+            "limits[0].reserve",
+            12,
+        );
+        refused(
+            "        tokens: 5000\n        algorithm: gcra\n",
+            "limits[0].tokens",
+            11,
+        );
+        refused(
+            "        tokens: 5000\n        algorithm: fixed_window\n",
+            "limits[0].tokens",
+            11,
+        );
+        let err = refused(
+            "        tokens: 1000001\n        algorithm: sliding_log\n",
+            "limits[0].tokens",
+            11,
+        );
+        assert!(err.contains("one entry per token"), "{err}");
+        assert!(compile("        tokens: 1000000\n        algorithm: sliding_log\n").is_ok());
+        refused(
+            "        tokens: 5000\n        cost: 10\n",
+            "limits[0].cost",
+            12,
+        );
+        refused(
+            "        tokens: 5000\n        on_exceed: delay\n        max_delay: 1s\n",
+            "limits[0].on_exceed",
+            12,
+        );
+        refused(
+            "        tokens: 5000\n        count: { status: [2xx] }\n",
+            "limits[0].count",
+            12,
+        );
+        refused("        tokens: 500\n", "limits[0].reserve", 11);
+        refused(
+            "        tokens: 5000\n        reserve: { default_output: 900, max_output: 800 }\n",
+            "reserve.default_output",
+            12,
+        );
+        refused(
+            "        tokens: 5000\n        settle: { from: header }\n",
+            "settle.header",
+            12,
+        );
+        refused(
+            "        tokens: 5000\n        settle: { header: x-used }\n",
+            "settle.header",
+            12,
+        );
+    }
+}
