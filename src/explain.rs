@@ -201,15 +201,23 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
                 listed.join(", ")
             ));
         }
+        let unit = if limit.tokens.is_some() {
+            " tokens"
+        } else {
+            ""
+        };
         let _ = writeln!(
             out,
-            "  {}: {} per {} ({}), key [{}]",
+            "  {}: {}{unit} per {} ({}), key [{}]",
             limit.name,
             limit.spec.requests,
             human(limit.spec.window),
             extras.join(", "),
             parts.join(", ")
         );
+        if let Some(budget) = &limit.tokens {
+            let _ = writeln!(out, "    {}", crate::llm::describe(budget));
+        }
         if let Some(missing) = keys::missing_part(limit, &request) {
             let _ = writeln!(
                 out,

@@ -47,6 +47,7 @@ pub fn view(serving: &Serving, policy: &Policy) -> Value {
                         "conditional": !limit.when.is_empty(),
                         "key": limit.key.iter().map(KeyPart::to_string).collect::<Vec<_>>(),
                         "key_prefix": limit.key_prefix,
+                        "unit": if limit.tokens.is_some() { "tokens" } else { "requests" },
                     })
                 })
                 .collect();

@@ -41,3 +41,20 @@ pub fn settles_exactly(algorithm: crate::limiter::Algorithm) -> bool {
     use crate::limiter::Algorithm;
     matches!(algorithm, Algorithm::SlidingLog | Algorithm::WeightedLog)
 }
+
+/// How a token budget reserves and settles, in a sentence (`sluice explain`).
+pub fn describe(budget: &TokenBudget) -> String {
+    let r = &budget.reserve;
+    let settle = match &budget.settle {
+        Settle::Usage => {
+            "the answer's usage (JSON `usage` or the usage events of a stream)".to_owned()
+        }
+        Settle::Header(name) => format!("the answer's `{name}` header"),
+    };
+    format!(
+        "reserves body bytes + output cap (default {}, at most {}) + {} per non-text part + {} \
+         per request, body read whole up to {} bytes; settles to {settle}; without a figure, \
+         keeps the reservation (gives it all back when the upstream cannot be reached)",
+        r.default_output, r.max_output, r.per_non_text_part, r.per_request, r.max_body
+    )
+}

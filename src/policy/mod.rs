@@ -34,7 +34,7 @@ use crate::config::{
 };
 use crate::limiter::{Algorithm, Check, Spec};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
-use crate::ratelimit_field::{ceil_seconds, limit_items};
+use crate::ratelimit_field::{ceil_seconds, limit_items_in};
 use crate::tls::{UpstreamTls, UpstreamTlsSet};
 
 /// What a policy's routes and limits carry to count into: nothing once compiled
@@ -460,12 +460,12 @@ pub fn rate_limit_policy<'a, M: Metering>(
     if limits.len() == 0 {
         return None;
     }
-    limit_items(limits.map(|limit| {
+    limit_items_in(limits.map(|limit| {
         let params = [
             ('q', u64::from(limit.spec.requests)),
             ('w', ceil_seconds(limit.spec.window)),
         ];
-        (&limit.name, params)
+        (&limit.name, params, limit.tokens.as_ref().map(|_| "tokens"))
     }))
 }
 

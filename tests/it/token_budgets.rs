@@ -53,8 +53,20 @@ async fn settlement_frees_the_unused_tokens(mode: &str, settle: &str) {
     for n in 0..5 {
         let body = chat_body(4000, json!({"usage": 100, "mode": mode}));
         reserved += body.len() + 4000;
+        let reservation = body.len() + 4000;
         let answer = send(&sluice, "k", body).await;
         assert_eq!(answer.status(), 200, "request {n} ({mode})");
+        assert_eq!(
+            support::header(&answer, "ratelimit-policy"),
+            "\"tpm\";q=6000;w=60;qu=\"tokens\""
+        );
+        // Decided with only the earlier requests' usage (100 each) kept: the room is in tokens.
+        let remaining = 6000 - n * 100 - reservation;
+        assert_eq!(
+            support::header(&answer, "ratelimit"),
+            format!("\"tpm\";r={remaining};t=60"),
+            "request {n}"
+        );
         let text = answer.text().await.expect("the answer's body");
         if mode == "sse" {
             assert!(
@@ -115,6 +127,7 @@ async fn without_a_figure_the_reservation_is_kept() {
         assert_eq!(next.status(), 429, "{key}: the reservation is kept");
         let problem: Value = next.json().await.expect("a problem body");
         assert_eq!(problem["limit"], "tpm", "{problem}");
+        assert_eq!(problem["unit"], "tokens", "{problem}");
     }
     let metrics = sluice.metrics().await;
     assert_eq!(metric(&metrics, "sluice_token_overruns_total"), 1.0);
