@@ -371,3 +371,38 @@ async fn concurrent_budgets_never_overshoot_redis() {
 async fn concurrent_budgets_never_overshoot_memory() {
     concurrent_budgets_never_overshoot(StoreKind::Memory).await;
 }
+
+/// On a Redis Cluster, a request whose token limits live in different slots (one per key,
+/// one for the whole route) is reserved in both and settled in both: requests that fit only
+/// once the earlier ones are settled all pass, and the next one past the budget does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_limits_in_different_cluster_slots_settle_in_each() {
+    let cluster = support::RedisCluster::start().await;
+    let upstream = LlmUpstream::start().await;
+    let yaml = format!(
+        "{}upstreams:\n  llm: {{ url: \"{}\", timeout: 10s }}\nroutes:\n  - name: chat\n    match: {{ path_prefix: /v1/ }}\n    upstream: llm\n    on_store_error: deny\n    limits:\n      - {{ name: tpm, key: [header:x-api-key], tokens: 6000, window: 1m }}\n      - {{ name: all, key: [], tokens: 7000, window: 1m }}\n",
+        cluster.store_yaml(),
+        upstream.url()
+    );
+    let sluice = Sluice::start(&yaml).await;
+    let checks = [
+        "sluice:chat:tpm:weighted_log:{h:x-api-key=k}",
+        "sluice:chat:all:weighted_log:{*}",
+    ];
+    assert_ne!(
+        cluster.slot_of(checks[0]).await,
+        cluster.slot_of(checks[1]).await,
+        "the test needs two slots"
+    );
+    for n in 0..5 {
+        let answer = send(&sluice, "k", chat_body(4000, json!({"usage": 100}))).await;
+        assert_eq!(answer.status(), 200, "request {n}");
+        answer.bytes().await.expect("the whole answer");
+    }
+    // 500 settled in both; a request naming no usage keeps its reservation in both.
+    let kept = send(&sluice, "k", chat_body(4000, json!({"mode": "none"}))).await;
+    assert_eq!(kept.status(), 200);
+    kept.bytes().await.expect("the whole answer");
+    let next = send(&sluice, "other", chat_body(4000, json!({}))).await;
+    assert_eq!(next.status(), 429, "`all` holds 500 + the kept reservation");
+}
