@@ -167,7 +167,21 @@ impl Gateway {
         exchange.route = Some(route);
         route::refuse(route, &head, body.size_hint().lower())?;
         let mut plan = plan::plan(&active.policy, route, &head, peer.ip());
-        let body = tokens::read_body(route, &plan, &mut head, body, &self.body_refusals).await?;
+        // Boxed, like the token settlement below: only routes with a token budget take
+        // these steps, and inline their futures would make every request's as large.
+        let body = match tokens::read_limit(route, &plan) {
+            None => ClientBody::Streaming(body),
+            Some(limit) => {
+                Box::pin(tokens::read_body(
+                    route,
+                    limit,
+                    &mut head,
+                    body,
+                    &self.body_refusals,
+                ))
+                .await?
+            }
+        };
         tokens::reserve(&mut plan, &body)?;
         decide::decide(&self.store, &self.finisher.log, route, plan, exchange).await?;
         if let Some(decided) = &exchange.decided {
@@ -182,7 +196,9 @@ impl Gateway {
                 Err(stop) => stop.status(),
             };
             settle::give_back_uncounted(&self.store, route, decided, status).await;
-            acted = tokens::settle(&self.store, decided, acted).await;
+            if route.limits.iter().any(|limit| limit.tokens.is_some()) {
+                acted = Box::pin(tokens::settle(&self.store, decided, acted)).await;
+            }
         }
         acted
     }

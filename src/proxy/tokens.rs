@@ -37,26 +37,28 @@ use crate::metrics::{Outcome, TokenMetrics};
 use crate::plan::Plan;
 use crate::policy::Route;
 
-/// Reads the body whole when a token limit applies to the request (`plan`), within the
-/// smallest of the route's `max_body` and the limits' `reserve.max_body`, and sets its
-/// `Content-Length`; otherwise leaves it to stream.
-pub async fn read_body<B: ForwardBody>(
-    route: &Route,
-    plan: &Plan<'_>,
-    head: &mut Parts,
-    body: B,
-    refusals: &Arc<BodyRefusals>,
-) -> Result<ClientBody<B>, Stop> {
-    let Some(limit) = plan
+/// The most body bytes to read before deciding, when a token limit applies to the request
+/// (`plan`): the smallest of the route's `max_body` and the limits' `reserve.max_body`.
+/// `None`: no token limit applies, and the body streams.
+pub fn read_limit(route: &Route, plan: &Plan<'_>) -> Option<u64> {
+    let limit = plan
         .limits
         .iter()
         .filter_map(|limit| limit.tokens.as_ref())
         .map(|budget| budget.reserve.max_body)
-        .min()
-    else {
-        return Ok(ClientBody::Streaming(body));
-    };
-    let limit = route.max_body.map_or(limit, |max| max.min(limit));
+        .min()?;
+    Some(route.max_body.map_or(limit, |max| max.min(limit)))
+}
+
+/// Reads the body whole, within `limit` bytes and the route's pace, and sets its
+/// `Content-Length`.
+pub async fn read_body<B: ForwardBody>(
+    route: &Route,
+    limit: u64,
+    head: &mut Parts,
+    body: B,
+    refusals: &Arc<BodyRefusals>,
+) -> Result<ClientBody<B>, Stop> {
     let bytes = match body
         .read_whole(limit, route.body_pace, Arc::clone(refusals))
         .await
