@@ -59,6 +59,20 @@ pub async fn read_body<B: ForwardBody>(
     body: B,
     refusals: &Arc<BodyRefusals>,
 ) -> Result<ClientBody<B>, Stop> {
+    let too_large = || {
+        format!(
+            "the request body is larger than {limit} bytes, the most this route reads to \
+             reserve tokens for it"
+        )
+    };
+    // A declared length over the bound is refused before a byte is read.
+    if body.size_hint().lower() > limit {
+        return Err(Stop::Refused {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            detail: too_large(),
+            reason: crate::metrics::Refusal::BodyTooLarge,
+        });
+    }
     let bytes = match body
         .read_whole(limit, route.body_pace, Arc::clone(refusals))
         .await
@@ -67,10 +81,7 @@ pub async fn read_body<B: ForwardBody>(
         Err(super::BodyFault::TooLarge) => {
             return Err(Stop::Unreservable {
                 status: StatusCode::PAYLOAD_TOO_LARGE,
-                detail: format!(
-                    "the request body is larger than {limit} bytes, the most this route reads \
-                     to reserve tokens for it"
-                ),
+                detail: too_large(),
             })
         }
         Err(fault) => return Err(Stop::Body(fault)),

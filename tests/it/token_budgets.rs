@@ -208,6 +208,27 @@ async fn unreservable_requests_are_refused_with_a_problem() {
         let detail = problem["detail"].as_str().unwrap_or_default();
         assert!(detail.contains(says), "{detail}");
     }
+    // Sent chunked, without a length: refused once the bytes read pass the bound.
+    let chunks: Vec<Result<String, std::io::Error>> =
+        (0..20).map(|_| Ok("x".repeat(1024))).collect();
+    let answer = client()
+        .post(format!("{}/v1/chat/completions", sluice.url()))
+        .header("x-api-key", "k")
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .send()
+        .await
+        .expect("an answer");
+    assert_eq!(answer.status(), 413);
+    let problem: Value = answer.json().await.expect("a problem");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("larger than 16384 bytes"),
+        "{problem}"
+    );
     assert!(upstream.answers().is_empty());
     // A request that fits still goes through, its body as sent.
     let body = chat_body(100, json!({"usage": 5}));
