@@ -206,12 +206,22 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         } else {
             ""
         };
+        // A calendar quota: its period and zone, and when the one holding now ends.
+        let per = match &limit.quota {
+            Some(quota) => format!(
+                "{} ({}), resets at {}",
+                quota.period.label(),
+                quota.zone_name,
+                crate::response::reset_instant(quota, check.spec.window)
+            ),
+            None => human(limit.spec.window),
+        };
         let _ = writeln!(
             out,
             "  {}: {}{unit} per {} ({}), key [{}]",
             limit.name,
             limit.spec.requests,
-            human(limit.spec.window),
+            per,
             extras.join(", "),
             parts.join(", ")
         );

@@ -445,6 +445,7 @@ pub(crate) mod tests {
             count: None,
             key_prefix: "sluice:r:l:".to_owned(),
             when: Vec::new(),
+            quota: None,
             client_prefix: ClientPrefix::default(),
             tokens: None,
             metrics: metrics.for_limit("r", "l"),

@@ -19,6 +19,7 @@ pub mod activity;
 pub mod admin;
 pub mod app;
 pub mod body;
+pub mod clock;
 pub mod config;
 pub mod explain;
 pub mod file_watch;

@@ -72,9 +72,12 @@ fn main() -> ExitCode {
                 headers: &headers,
                 from,
             };
-            sluice::explain::explain(&config, &question)
-                .map(|text| print!("{text}"))
+            sluice::clock::init()
                 .map_err(anyhow::Error::from)
+                .and_then(|_| {
+                    sluice::explain::explain(&config, &question).map_err(anyhow::Error::from)
+                })
+                .map(|text| print!("{text}"))
         }
         Command::Run { config } => run(&config),
     };
@@ -92,6 +95,15 @@ fn run(config: &std::path::Path) -> anyhow::Result<()> {
     // The file names the log format, so it is read before anything is logged.
     let flusher = sluice::log::init(loaded.source.config.log_format.into())
         .context("cannot start the log writer")?;
+    if let Some(start) = sluice::clock::init()? {
+        tracing::warn!(
+            target: "sluice::clock",
+            %start,
+            "{} is set: the wall clock calendar quotas count by was started at {start} (for \
+             tests only)",
+            sluice::clock::START_ENV
+        );
+    }
     let served = app::worker_runtime()
         .and_then(|runtime| runtime.block_on(app::serve(config, loaded)))
         .map_err(anyhow::Error::from);

@@ -132,3 +132,53 @@ pub fn problem(
             .map(|(name, value)| (*name, serde_json::Value::from(*value))),
     )
 }
+
+/// The `type` of a 429 whose longest wait is a calendar quota's: its own, since the client's
+/// answer to it differs (wait for the reset, or buy a larger plan), not retry soon.
+pub const QUOTA_EXHAUSTED_TYPE: &str = "tag:sluice,2026:quota-exhausted";
+
+/// The 429 of a request whose longest wait is a calendar quota's: names the quota, its period
+/// and zone, and the instant it resets, in that zone and in seconds from now.
+pub fn quota_exhausted(
+    route: &Route,
+    (limit, quota): (&Limit, &crate::limiter::calendar::Quota),
+    wait: std::time::Duration,
+    instance: &str,
+    retry_after: u64,
+) -> Response<ProxyBody> {
+    let resets_at = reset_instant(quota, wait);
+    let period = quota.period.label();
+    let detail = format!(
+        "route `{}`: quota `{}` ({} requests per {period}, {}) is used up; it resets at \
+         {resets_at}, in {retry_after} s",
+        route.name, limit.name, limit.spec.requests, quota.zone_name
+    );
+    problem_with(
+        StatusCode::TOO_MANY_REQUESTS,
+        &detail,
+        instance,
+        [
+            ("type", QUOTA_EXHAUSTED_TYPE.into()),
+            ("title", "Quota exhausted".into()),
+            ("route", route.name.as_str().into()),
+            ("limit", limit.name.as_str().into()),
+            ("quota", period.into()),
+            ("time_zone", quota.zone_name.as_str().into()),
+            ("resets_at", resets_at.into()),
+            ("retry_after", retry_after.into()),
+        ],
+    )
+}
+
+/// When a quota whose period ends `wait` from now resets, as RFC 3339 in its zone (periods
+/// start on whole seconds, so the store's microseconds are rounded off).
+pub fn reset_instant(quota: &crate::limiter::calendar::Quota, wait: std::time::Duration) -> String {
+    let now = crate::clock::now();
+    let wait = jiff::SignedDuration::try_from(wait).unwrap_or(jiff::SignedDuration::ZERO);
+    let at = now.checked_add(wait).unwrap_or(now);
+    let at = at
+        .round(jiff::Unit::Second)
+        .unwrap_or(at)
+        .to_zoned_datetime(quota.zone.clone());
+    at.strftime("%Y-%m-%dT%H:%M:%S%:z").to_string()
+}

@@ -186,9 +186,10 @@ impl Admin {
         let check = rule.check(key);
         let store = self.gateway.store();
         let identity = &check.key[rule.key_prefix.len()..];
+        // A quota's key ends with its period after the identity's braces.
         let identity = identity
             .strip_prefix('{')
-            .and_then(|i| i.strip_suffix('}'))
+            .and_then(|i| i.rfind('}').map(|end| &i[..end]))
             .unwrap_or(identity);
         let outcome = if method == Method::DELETE {
             match store.reset(&check).await {
@@ -246,6 +247,18 @@ impl Admin {
             "cost": rule.spec.cost,
             "unit": if rule.tokens.is_some() { "tokens" } else { "requests" },
         });
+        if let Some(quota) = &rule.quota {
+            merge(
+                &mut body,
+                json!({
+                    "quota": quota.period.label(),
+                    "time_zone": quota.zone_name,
+                    "period": check.key.rsplit(':').next(),
+                    "window": check.spec.window.as_secs_f64(),
+                    "resets_at": crate::response::reset_instant(quota, check.spec.window),
+                }),
+            );
+        }
         merge(&mut body, outcome);
         json_response(StatusCode::OK, &body)
     }

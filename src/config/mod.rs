@@ -35,7 +35,7 @@ pub use load::{from_bytes, load, parse, read_error, to_json, Source};
 pub use schema::json_schema;
 pub use tree::{
     ClusterConfig, ConditionConfig, Config, CountConfig, LimitConfig, ListenerTlsConfig,
-    LocalConfig, MatchConfig, RedisConfig, RespondConfig, RouteConfig, SentinelConfig,
+    LocalConfig, MatchConfig, QuotaPeriod, RedisConfig, RespondConfig, RouteConfig, SentinelConfig,
     ServerConfig, StoreConfig, UpstreamConfig, Workers,
 };
 pub use tree::{

@@ -406,11 +406,20 @@ pub struct LimitConfig {
     /// what it can consume (`reserve:`) and is settled to what it did (`settle:`).
     #[schemars(with = "Option<Positive>")]
     pub tokens: Option<Spanned<Positive>>,
-    pub window: ConfigDuration,
+    /// The length of a rolling window; a limit has either this or a calendar `quota`.
+    pub window: Option<ConfigDuration>,
+    /// A calendar quota instead of a `window`: `requests` per `day`, `week` (ISO, from
+    /// Monday 00:00) or `month`, reset when the period starts in `time_zone`.
+    #[schemars(with = "Option<QuotaPeriod>")]
+    pub quota: Option<Spanned<QuotaPeriod>>,
+    /// With `quota`: the IANA time zone its periods follow (`Europe/Berlin`); `UTC` by
+    /// default.
+    #[schemars(with = "Option<String>")]
+    pub time_zone: Option<Spanned<String>>,
     /// How the limit counts; `sliding_log` (exact) by default, `weighted_log` (exact, one
     /// entry per request) for a token budget.
-    #[serde(default)]
-    pub algorithm: Option<AlgorithmConfig>,
+    #[schemars(with = "Option<AlgorithmConfig>")]
+    pub algorithm: Option<Spanned<AlgorithmConfig>>,
     /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
     /// key admits as many at once as under the other algorithms.
     #[schemars(with = "Option<Positive>")]
@@ -523,10 +532,31 @@ fn default_reserve_max_body() -> ByteSize {
 impl LimitConfig {
     /// The algorithm this limit counts with, as the limiter names it.
     pub fn algorithm(&self) -> crate::limiter::Algorithm {
-        match (self.algorithm, &self.tokens) {
-            (Some(spelled), _) => spelled.into(),
-            (None, Some(_)) => crate::limiter::Algorithm::WeightedLog,
-            (None, None) => crate::limiter::Algorithm::SlidingLog,
+        match (&self.quota, &self.algorithm, &self.tokens) {
+            (Some(_), _, _) => crate::limiter::Algorithm::Calendar,
+            (None, Some(algorithm), _) => algorithm.value.into(),
+            (None, None, Some(_)) => crate::limiter::Algorithm::WeightedLog,
+            (None, None, None) => crate::limiter::Algorithm::default(),
+        }
+    }
+}
+
+/// A calendar quota's period, as the policy file spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum QuotaPeriod {
+    Day,
+    /// An ISO 8601 week, from Monday 00:00.
+    Week,
+    Month,
+}
+
+impl From<QuotaPeriod> for crate::limiter::calendar::Period {
+    fn from(spelled: QuotaPeriod) -> Self {
+        match spelled {
+            QuotaPeriod::Day => Self::Day,
+            QuotaPeriod::Week => Self::Week,
+            QuotaPeriod::Month => Self::Month,
         }
     }
 }

@@ -20,6 +20,11 @@
 //!   is the first time it falls to `requests − cost`, rounded up to the microsecond. While
 //!   denied, no request of that limit is admitted (all have the same cost), so nothing adds
 //!   to the count: the cache answers as Redis would, within that microsecond.
+//! - calendar: the count only grows within a period, and the key names the period, so room
+//!   comes back only when the period ends; the wait is the time left in it (found from
+//!   sluice's wall clock when the check was built): a denial lasts exactly until the period
+//!   ends, and the next period's requests ask Redis under their own key. The window, which
+//!   is that time left and differs per request, is not compared (`same_limit`).
 //!
 //! Entries are keyed by the store key *and* every parameter that changes a decision
 //! (algorithm, `requests`, `window`, `burst`, `cost`), so a changed limit never reuses a stale
@@ -97,7 +102,7 @@ impl DenyCache {
     fn denied_until(&self, check: &Check, now: Instant) -> Option<Instant> {
         let shard = self.shard(&check.key);
         let denial = shard.get(&check.key)?;
-        let same_limit = denial.spec == check.spec;
+        let same_limit = same_limit(&denial.spec, &check.spec);
         (same_limit && denial.until > now).then_some(denial.until)
     }
 
@@ -153,6 +158,20 @@ impl DenyCache {
             }
             shard.insert(check.key.clone(), denial);
         }
+    }
+}
+
+/// Whether a denial remembered for `remembered` holds for `now`. A calendar quota's window
+/// is the time left in its period, different for every request: it changes no decision
+/// (the key names the period, so a new period is a new key), so it is left out.
+fn same_limit(remembered: &Spec, now: &Spec) -> bool {
+    if now.algorithm == super::Algorithm::Calendar {
+        Spec {
+            window: now.window,
+            ..*remembered
+        } == *now
+    } else {
+        remembered == now
     }
 }
 
@@ -292,6 +311,37 @@ mod tests {
         assert!(cache.answer(&checks[1..], Instant::now()).is_some());
         cache.forget_checks(&checks[1..]);
         assert!(cache.answer(&checks[1..], Instant::now()).is_none());
+    }
+
+    #[test]
+    fn a_quota_denial_holds_for_later_requests_of_its_period_until_it_ends() {
+        let cache = DenyCache::new();
+        let sent = Instant::now();
+        let mut quota = check("q:{a}:2026-11", 5, 100);
+        quota.spec.algorithm = crate::limiter::Algorithm::Calendar;
+        cache.remember(
+            std::slice::from_ref(&quota),
+            &rejected(vec![full(100)]),
+            sent,
+        );
+        // A second later the request's window (the time left) is a second shorter.
+        let mut later = quota.clone();
+        later.spec.window = Duration::from_secs(99);
+        let answer = cache
+            .answer(std::slice::from_ref(&later), sent + Duration::from_secs(1))
+            .expect("still denied");
+        assert_eq!(answer.retry_after, Duration::from_secs(99));
+        assert!(cache
+            .answer(
+                std::slice::from_ref(&later),
+                sent + Duration::from_secs(100)
+            )
+            .is_none());
+        let mut raised = later.clone();
+        raised.spec.requests = 6;
+        assert!(cache
+            .answer(&[raised], sent + Duration::from_secs(1))
+            .is_none());
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use lru::LruCache;
 use prometheus::{IntCounter, IntGauge};
 
-use super::{fixed_window, gcra, sliding_log, sliding_window, weighted_log};
+use super::{calendar, fixed_window, gcra, sliding_log, sliding_window, weighted_log};
 use super::{Admission, Algorithm, Check, Decision, LimitState, Peek, Room, Spec};
 
 /// How often logs that have emptied are dropped, so memory follows live keys only.
@@ -36,6 +36,7 @@ enum Cell {
     Window(sliding_window::Counts),
     Counter(fixed_window::Counter),
     Tat(Option<u64>),
+    Quota(calendar::Counter),
 }
 
 impl Cell {
@@ -46,6 +47,7 @@ impl Cell {
             Algorithm::SlidingWindow => Cell::Window(sliding_window::Counts::default()),
             Algorithm::FixedWindow => Cell::Counter(fixed_window::Counter::default()),
             Algorithm::Gcra => Cell::Tat(None),
+            Algorithm::Calendar => Cell::Quota(calendar::Counter::default()),
         }
     }
 
@@ -56,6 +58,7 @@ impl Cell {
             Cell::Window(_) => Algorithm::SlidingWindow,
             Cell::Counter(_) => Algorithm::FixedWindow,
             Cell::Tat(_) => Algorithm::Gcra,
+            Cell::Quota(_) => Algorithm::Calendar,
         }
     }
 
@@ -67,6 +70,7 @@ impl Cell {
             Cell::Window(counts) => *counts = counts.at(window_us, now),
             Cell::Counter(counter) => *counter = counter.at(now),
             Cell::Tat(tat) => *tat = tat.filter(|&tat| tat > now),
+            Cell::Quota(counter) => *counter = counter.at(now),
         }
     }
 
@@ -79,6 +83,7 @@ impl Cell {
             Cell::Window(counts) => counts.is_empty(window_us, now),
             Cell::Counter(counter) => counter.count == 0,
             Cell::Tat(tat) => tat.is_none(),
+            Cell::Quota(counter) => counter.count == 0,
         }
     }
 
@@ -90,6 +95,7 @@ impl Cell {
             Cell::Window(counts) => sliding_window::check(*counts, spec, now),
             Cell::Counter(counter) => fixed_window::check(*counter, spec, now),
             Cell::Tat(tat) => gcra::check(*tat, spec, now),
+            Cell::Quota(counter) => calendar::check(*counter, spec, now),
         }
     }
 
@@ -109,6 +115,7 @@ impl Cell {
                 *tat = Some(new);
                 state
             }
+            Cell::Quota(counter) => calendar::record(counter, spec, now),
         }
     }
 
@@ -123,6 +130,7 @@ impl Cell {
             }
             Cell::Counter(counter) => *counter = fixed_window::release(*counter, spec, now),
             Cell::Tat(tat) => *tat = gcra::release(*tat, spec, now),
+            Cell::Quota(counter) => *counter = calendar::release(*counter, spec.cost, now),
         }
     }
 }
@@ -387,6 +395,7 @@ impl Cell {
             Cell::Counter(counter) => counter.count,
             Cell::Window(_) => u64::from(spec.requests).saturating_sub(remaining),
             Cell::Tat(_) => u64::from(spec.burst).saturating_sub(remaining),
+            Cell::Quota(counter) => counter.count,
         }
     }
 }

@@ -12,6 +12,7 @@
 //! cluster slot.
 
 mod breaker;
+pub mod calendar;
 mod cluster;
 mod deny_cache;
 mod fixed_window;
@@ -54,6 +55,10 @@ pub enum Algorithm {
     FixedWindow,
     /// A token bucket kept as one timestamp: O(1), exact, with bursts of `burst`.
     Gcra,
+    /// A calendar quota: one counter per calendar period, reset at the period's start (see
+    /// `calendar`). Its check's key ends with the period and its `window` is the time left
+    /// until the period ends, both set per request when the check is built.
+    Calendar,
 }
 
 impl Algorithm {
@@ -65,6 +70,7 @@ impl Algorithm {
             Algorithm::SlidingWindow => "sliding_window",
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::Gcra => "gcra",
+            Algorithm::Calendar => "calendar",
         }
     }
 }
@@ -76,6 +82,8 @@ impl Algorithm {
 pub struct Spec {
     pub algorithm: Algorithm,
     pub requests: u32,
+    /// The window; for a calendar quota, the time left until its period ends, set per
+    /// request by `policy::Limit::check` (the policy's own spec holds the nominal length).
     pub window: Duration,
     /// GCRA only: how many requests may arrive at once (the other algorithms ignore it).
     pub burst: u32,

@@ -72,7 +72,8 @@ pub fn check(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Config
             "tokens",
             format!(
                 "a token budget gives back what a request did not use, which `{}` cannot do \
-                 exactly: use `weighted_log` (the default of a token budget) or `sliding_log`",
+                 exactly: use `weighted_log` (the default of a token budget), `sliding_log` or \
+                 a calendar `quota`",
                 algorithm.label()
             ),
         );

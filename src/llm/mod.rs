@@ -37,9 +37,12 @@ pub enum Settle {
 /// Whether a token budget can run on `algorithm`: its settlement gives back exactly what
 /// was not used, which needs an algorithm whose give-back is exact.
 pub fn settles_exactly(algorithm: crate::limiter::Algorithm) -> bool {
-    // The calendar quota (issue 21, part 2) joins here once it lands.
+    // A calendar quota gives back within the request's period (`release.lua`): exact too.
     use crate::limiter::Algorithm;
-    matches!(algorithm, Algorithm::SlidingLog | Algorithm::WeightedLog)
+    matches!(
+        algorithm,
+        Algorithm::SlidingLog | Algorithm::WeightedLog | Algorithm::Calendar
+    )
 }
 
 /// How a token budget reserves and settles, in a sentence (`sluice explain`).

@@ -32,6 +32,7 @@ use crate::config::{
     OnStoreError, Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_IPV4_PREFIX,
     DEFAULT_IPV6_PREFIX, DEFAULT_MAX_DELAYED, MAX_MAX_DELAY_MS,
 };
+use crate::limiter::calendar::Quota;
 use crate::limiter::{Algorithm, Check, Spec};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::ratelimit_field::{ceil_seconds, limit_items_in};
@@ -212,6 +213,9 @@ pub struct Limit<M: Metering = Metered> {
     pub key_prefix: String,
     /// All must hold for the limit to apply to a request; empty: it always applies.
     pub when: Vec<Condition>,
+    /// A calendar quota's period and zone (`spec.algorithm` is then `Calendar`, and
+    /// `spec.window` the period's nominal length until `check` sets the time left).
+    pub quota: Option<Quota>,
     /// How client addresses are grouped in this limit's keys.
     pub client_prefix: ClientPrefix,
     /// `tokens:`: the limit counts LLM tokens, reserved from the request body and settled
@@ -397,6 +401,7 @@ impl Compiled {
                         count: limit.count,
                         key_prefix: limit.key_prefix,
                         when: limit.when,
+                        quota: limit.quota,
                         client_prefix: limit.client_prefix,
                         tokens: limit.tokens,
                     })
@@ -574,6 +579,7 @@ fn check_limits(
             ));
         }
         crate::llm::config::check(limit, file, &field)?;
+        check_quota(limit, file, &field)?;
         check_cost(limit, file, &field)?;
         check_params(route, limit, file, &field)?;
         check_shaping(limit, file, &field)?;
@@ -785,12 +791,137 @@ fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Confi
 
 impl<M: Metering> Limit<M> {
     /// The check of this limit for one identity's store key: the one place a `Check` is built.
+    /// A calendar quota's key gets the current period's label (`:2026-11`, outside the
+    /// identity's `{...}`, so Redis Cluster places every period of one identity in its slot)
+    /// and its window is the time left in that period, both from sluice's wall clock.
     pub fn check(&self, key: String) -> Check {
-        Check {
+        let mut check = Check {
             key,
             spec: self.spec,
+        };
+        if let Some(quota) = &self.quota {
+            let now = crate::clock::now();
+            check.key.push(':');
+            match quota.span_at(now) {
+                Ok(span) => {
+                    span.push_label(&mut check.key);
+                    check.spec.window = span.left_at(now);
+                }
+                // Only a clock set beyond the year 9999 gets here: count in a key of its own,
+                // one second at a time, rather than fail the request.
+                Err(_) => {
+                    check.key.push_str("beyond-the-calendar");
+                    check.spec.window = Duration::from_secs(1);
+                }
+            }
+        }
+        check
+    }
+}
+
+/// A calendar quota (`quota:`) is a limit of its own kind: exactly one of `window` and
+/// `quota`; `time_zone` only with a quota, naming a zone of the bundled tz database; and none
+/// of what shapes a rolling window (`algorithm`, `burst`, `on_exceed: delay`).
+fn check_quota(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
+    let refuse = |position: Position, name: &str, message: String| {
+        Err(ConfigError::invalid(
+            file,
+            position,
+            format!("{field}.{name}"),
+            message,
+        ))
+    };
+    let Some(quota) = &limit.quota else {
+        if limit.window.is_none() {
+            return refuse(
+                Position::from(&limit.name),
+                "window",
+                "a limit needs a `window` (rolling, e.g. `60s`) or a calendar `quota` (`day`, \
+                 `week` or `month`)"
+                    .to_owned(),
+            );
+        }
+        if let Some(zone) = &limit.time_zone {
+            return refuse(
+                Position::from(zone),
+                "time_zone",
+                "`time_zone` applies to a calendar `quota` only (a rolling `window` has no \
+                 calendar)"
+                    .to_owned(),
+            );
+        }
+        return Ok(());
+    };
+    let period = crate::limiter::calendar::Period::from(quota.value).label();
+    if limit.window.is_some() {
+        return refuse(
+            Position::from(quota),
+            "quota",
+            format!(
+                "a limit has either a rolling `window` or a calendar `quota`, not both: remove \
+                 `window` for {} requests per {period}",
+                crate::llm::config::quota(limit)
+            ),
+        );
+    }
+    if let Some(algorithm) = &limit.algorithm {
+        return refuse(
+            Position::from(algorithm),
+            "algorithm",
+            "a calendar `quota` counts exactly in its own way (one counter per period): \
+             remove `algorithm`"
+                .to_owned(),
+        );
+    }
+    if let Some(burst) = &limit.burst {
+        return refuse(
+            Position::from(burst),
+            "burst",
+            "`burst` applies to `algorithm: gcra` only, not to a calendar `quota`".to_owned(),
+        );
+    }
+    if let Some(on_exceed) = limit
+        .on_exceed
+        .as_ref()
+        .filter(|o| o.value == OnExceed::Delay)
+    {
+        return refuse(
+            Position::from(on_exceed),
+            "on_exceed",
+            format!(
+                "a calendar `quota` cannot delay a request: room comes back only when the \
+                 {period} ends"
+            ),
+        );
+    }
+    if let Some(zone) = &limit.time_zone {
+        if let Err(err) = jiff::tz::TimeZone::get(&zone.value) {
+            return refuse(
+                Position::from(zone),
+                "time_zone",
+                format!(
+                    "unknown time zone `{}`: name an IANA zone such as `Europe/Berlin` or \
+                     `UTC` ({err})",
+                    zone.value
+                ),
+            );
         }
     }
+    Ok(())
+}
+
+/// The quota of a limit that passed `check_quota`.
+fn quota_of(limit: &LimitConfig) -> Option<Quota> {
+    let period = limit.quota.as_ref()?.value.into();
+    let zone_name = limit
+        .time_zone
+        .as_ref()
+        .map_or("UTC", |zone| zone.value.as_str());
+    Some(Quota {
+        period,
+        zone: jiff::tz::TimeZone::get(zone_name).unwrap_or(jiff::tz::TimeZone::UTC),
+        zone_name: zone_name.to_owned(),
+    })
 }
 
 /// The limits of a route that passed `check_limits`.
@@ -809,7 +940,11 @@ fn build_limits(
             spec: Spec {
                 algorithm: limit.algorithm(),
                 requests: crate::llm::config::quota(limit),
-                window: limit.window.0,
+                window: match (&limit.window, quota_of(limit)) {
+                    (Some(window), _) => window.0,
+                    (None, Some(quota)) => quota.period.nominal(),
+                    (None, None) => Duration::ZERO,
+                },
                 burst: limit
                     .burst
                     .as_ref()
@@ -842,6 +977,7 @@ fn build_limits(
                 ),
             },
             when,
+            quota: quota_of(limit),
             client_prefix: ClientPrefix {
                 ipv4: prefix_bits(&limit.ipv4_prefix, DEFAULT_IPV4_PREFIX),
                 ipv6: prefix_bits(&limit.ipv6_prefix, DEFAULT_IPV6_PREFIX),

@@ -231,7 +231,16 @@ fn too_many_requests(
         .filter(|((limit, _), &rejecting)| rejecting && !limit.spec.shadow)
         .filter_map(|((limit, state), _)| state.as_ref().map(|state| (limit, state)))
         .max_by_key(|(_, state)| state.reset)
-        .map(|(limit, _)| limit);
+        .map(|(limit, _)| *limit);
+    if let Some(quota) = limit.and_then(|limit| limit.quota.as_ref().map(|q| (limit, q))) {
+        return response::quota_exhausted(
+            route,
+            quota,
+            decided.decision.retry_after,
+            instance,
+            retry_after,
+        );
+    }
     let unit = match limit {
         Some(limit) if limit.tokens.is_some() => "tokens",
         _ => "requests",

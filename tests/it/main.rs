@@ -17,6 +17,7 @@ mod support;
 mod admin;
 mod admin_api;
 mod algorithms;
+mod calendar_quotas;
 mod check_cli;
 mod cluster;
 mod combos;

@@ -14,6 +14,7 @@ pub(super) const DECIDE: &str = concat!(
     include_str!("../scripts/sliding_window.lua"),
     include_str!("../scripts/fixed_window.lua"),
     include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/calendar.lua"),
     include_str!("../scripts/decide.lua"),
 );
 
@@ -25,6 +26,7 @@ pub(super) const PEEK: &str = concat!(
     include_str!("../scripts/sliding_window.lua"),
     include_str!("../scripts/fixed_window.lua"),
     include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/calendar.lua"),
     include_str!("../scripts/peek.lua"),
 );
 

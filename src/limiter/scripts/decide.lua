@@ -1,14 +1,15 @@
 -- The driver: every limit of one request, of any mix of algorithms, decided atomically.
--- Concatenated after sliding_log.lua, weighted_log.lua, sliding_window.lua, fixed_window.lua
--- and gcra.lua at compile time (see redis.rs), whose check and record functions it calls.
+-- Concatenated after sliding_log.lua, weighted_log.lua, sliding_window.lua, fixed_window.lua,
+-- gcra.lua and calendar.lua at compile time (see redis.rs), whose check and record functions
+-- it calls.
 --
 -- KEYS[i]      one key per limit, of the type its algorithm keeps
 -- ARGV[1]      a member name unique to this request (instance id and sequence number), so
 --              two requests admitted in the same microsecond never collapse into one entry
 -- ARGV[7i-5..7i+1]  the limit of KEYS[i]: algorithm (sliding_log | weighted_log |
---              sliding_window | fixed_window | gcra), requests, window in microseconds,
---              burst, cost, shadow (1: the limit is counted but never rejects), max delay
---              in microseconds
+--              sliding_window | fixed_window | gcra | calendar), requests, window in
+--              microseconds (for a calendar quota: the time left in its period), burst, cost,
+--              shadow (1: the limit is counted but never rejects), max delay in microseconds
 --              (`on_exceed: delay`; 0: a limit without room rejects)
 --
 -- Returns {admitted, retry_after_us, now_us, at_us, remaining_1, reset_us_1, rejecting_1,
@@ -37,6 +38,7 @@ local algorithms = {
   sliding_window = {check = sliding_window_check, record = sliding_window_record},
   fixed_window = {check = fixed_window_check, record = fixed_window_record},
   gcra = {check = gcra_check, record = gcra_record},
+  calendar = {check = calendar_check, record = calendar_record},
 }
 
 -- Whether some limit of the request may delay it: sliding_log keys may then hold future

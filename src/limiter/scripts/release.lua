@@ -31,6 +31,9 @@
 --                   within the algorithm's documented twice the limit across a boundary.
 --   sliding_window  the count of the fixed window holding decided_us (current or previous
 --                   counter) drops by back, never below 0; an older window weighs nothing.
+--   calendar        DECRBY back within the period's key, only if it exists; at zero the key
+--                   goes. Exact: the key names the request's period, so a give-back after
+--                   that period ended lands on a key that no longer counts.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -85,6 +88,16 @@ for i = 1, #KEYS do
       released = released + 1
     end
   elseif algorithm == 'fixed_window' then
+    local count = tonumber(redis.call('GET', key) or '0')
+    if count > 0 then
+      if count > back then
+        redis.call('DECRBY', key, back)
+      else
+        redis.call('DEL', key)
+      end
+      released = released + 1
+    end
+  elseif algorithm == 'calendar' then
     local count = tonumber(redis.call('GET', key) or '0')
     if count > 0 then
       if count > back then
