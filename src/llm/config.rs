@@ -213,8 +213,13 @@ mod tests {
     use crate::tls::UpstreamTlsSet;
 
     fn compile(limit: &str) -> Result<crate::policy::Compiled, String> {
+        compile_with("window: 1m", limit)
+    }
+
+    /// `period`: the limit's `window:` or `quota:` line.
+    fn compile_with(period: &str, limit: &str) -> Result<crate::policy::Compiled, String> {
         let yaml = format!(
-            "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: chat\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n      - name: tpm\n        key: []\n        window: 1m\n{limit}"
+            "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: chat\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n      - name: tpm\n        key: []\n        {period}\n{limit}"
         );
         let config = crate::config::parse(&yaml, Path::new("p.yaml")).map_err(|e| e.to_string())?;
         Policy::compile(&config, Path::new("p.yaml"), &UpstreamTlsSet::default())
@@ -248,6 +253,14 @@ mod tests {
             budget.settle,
             super::Settle::Header(http::HeaderName::from_static("x-tokens-used"))
         );
+    }
+
+    #[test]
+    fn a_monthly_token_quota_is_a_calendar_limit() {
+        let compiled = compile_with("quota: month", "        tokens: 10000000\n").unwrap();
+        let limit = &compiled.routes[0].limits[0];
+        assert_eq!(limit.spec.algorithm, Algorithm::Calendar);
+        assert!(limit.tokens.is_some());
     }
 
     #[test]
