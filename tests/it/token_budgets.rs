@@ -427,3 +427,34 @@ async fn token_limits_in_different_cluster_slots_settle_in_each() {
     let next = send(&sluice, "other", chat_body(4000, json!({}))).await;
     assert_eq!(next.status(), 429, "`all` holds 500 + the kept reservation");
 }
+
+/// A daily token quota (a calendar limit) reserves and settles like a rolling budget: each
+/// request fits only once the earlier ones are settled, and a kept reservation holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daily_token_quota_settles_too() {
+    let upstream = LlmUpstream::start().await;
+    let yaml = format!(
+        "upstreams:\n  llm: {{ url: \"{}\", timeout: 10s }}\nroutes:\n  - name: chat\n    match: {{ path_prefix: /v1/ }}\n    upstream: llm\n    limits:\n      - {{ name: tpm, key: [header:x-api-key], tokens: 6000, quota: day }}\n",
+        upstream.url()
+    );
+    let sluice = Sluice::start(&yaml).await;
+    for n in 0..5 {
+        let answer = send(
+            &sluice,
+            "k",
+            chat_body(4000, json!({"usage": 100, "mode": "sse"})),
+        )
+        .await;
+        assert_eq!(answer.status(), 200, "request {n}");
+        answer.bytes().await.expect("the whole answer");
+    }
+    let kept = send(&sluice, "k", chat_body(4000, json!({"mode": "none"}))).await;
+    assert_eq!(kept.status(), 200);
+    kept.bytes().await.expect("the whole answer");
+    let next = send(&sluice, "k", chat_body(4000, json!({}))).await;
+    assert_eq!(
+        next.status(),
+        429,
+        "500 settled + a kept reservation leave no room"
+    );
+}
