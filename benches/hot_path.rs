@@ -1,5 +1,6 @@
 //! Micro-benchmarks of the per-request work that does not touch the network: routing among
-//! 100 routes, path normalization, and building a limit's store key.
+//! 100 routes, path normalization, building a limit's store key, and verifying a JWT with
+//! each algorithm (the identify phase's cost per request on a route with `jwt:`).
 //!
 //! `cargo bench --bench hot_path`. The target from the performance issue: a route match
 //! under 1 µs with 100 routes.
@@ -88,5 +89,115 @@ fn keys(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, routing, normalization, keys);
+/// A signer of bench tokens and the verifier of its public half.
+fn jwt_pair(algorithm: sluice::identity::JwtAlgorithm) -> (sluice::identity::Verifier, String) {
+    use ring::rand::SystemRandom;
+    use ring::signature::{self, EcdsaKeyPair, Ed25519KeyPair, KeyPair, RsaKeyPair};
+    use rustls::pki_types::pem::PemObject;
+    use sluice::identity::{JwtAlgorithm, Key, Material};
+
+    let rng = SystemRandom::new();
+    let b64 = |bytes: &[u8]| {
+        const ALPHABET: &[u8; 64] =
+            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+        let mut out = String::new();
+        for chunk in bytes.chunks(3) {
+            let n =
+                chunk.iter().fold(0u32, |n, &b| (n << 8) | u32::from(b)) << (8 * (3 - chunk.len()));
+            for i in 0..=chunk.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
+            }
+        }
+        out
+    };
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_secs()
+        + 3600;
+    let header = format!(r#"{{"alg":"{}","typ":"JWT"}}"#, algorithm.name());
+    let claims = format!(
+        r#"{{"iss":"https://auth.example/","aud":"api","sub":"user-1234","plan":"paid","exp":{exp}}}"#
+    );
+    let signed = format!("{}.{}", b64(header.as_bytes()), b64(claims.as_bytes()));
+    let (material, sig) = match algorithm {
+        JwtAlgorithm::RS256 => {
+            let pem = include_bytes!("../tests/it/support/jwt/rsa-1.key.pem");
+            let der = rustls::pki_types::PrivatePkcs8KeyDer::from_pem_slice(pem).expect("PKCS#8");
+            let key = RsaKeyPair::from_pkcs8(der.secret_pkcs8_der()).expect("RSA");
+            let mut sig = vec![0; key.public().modulus_len()];
+            key.sign(
+                &signature::RSA_PKCS1_SHA256,
+                &rng,
+                signed.as_bytes(),
+                &mut sig,
+            )
+            .expect("sign");
+            let parts: signature::RsaPublicKeyComponents<Vec<u8>> = key.public().into();
+            (
+                Material::RsaParts {
+                    n: parts.n,
+                    e: parts.e,
+                },
+                sig,
+            )
+        }
+        JwtAlgorithm::ES256 => {
+            let alg = &signature::ECDSA_P256_SHA256_FIXED_SIGNING;
+            let pkcs8 = EcdsaKeyPair::generate_pkcs8(alg, &rng).expect("generate");
+            let key = EcdsaKeyPair::from_pkcs8(alg, pkcs8.as_ref(), &rng).expect("EC");
+            let sig = key.sign(&rng, signed.as_bytes()).expect("sign");
+            (
+                Material::Public(key.public_key().as_ref().to_vec()),
+                sig.as_ref().to_vec(),
+            )
+        }
+        JwtAlgorithm::EdDSA => {
+            let pkcs8 = Ed25519KeyPair::generate_pkcs8(&rng).expect("generate");
+            let key = Ed25519KeyPair::from_pkcs8(pkcs8.as_ref()).expect("Ed25519");
+            let sig = key.sign(signed.as_bytes()).as_ref().to_vec();
+            (Material::Public(key.public_key().as_ref().to_vec()), sig)
+        }
+        JwtAlgorithm::HS256 => {
+            let secret = [7u8; 32];
+            let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &secret);
+            let sig = ring::hmac::sign(&key, signed.as_bytes()).as_ref().to_vec();
+            (Material::Hmac(key), sig)
+        }
+    };
+    let verifier = sluice::identity::Verifier {
+        name: "auth".parse().expect("a name"),
+        issuer: "https://auth.example/".to_owned(),
+        audiences: vec!["api".to_owned()],
+        keys: vec![Key {
+            kid: None,
+            algorithm,
+            material,
+        }],
+        from: sluice::config::TokenFrom::default(),
+        clock_skew: std::time::Duration::from_secs(30),
+    };
+    (verifier, format!("{signed}.{}", b64(&sig)))
+}
+
+fn jwt(c: &mut Criterion) {
+    use sluice::identity::JwtAlgorithm;
+    let mut group = c.benchmark_group("verify a JWT");
+    for algorithm in [
+        JwtAlgorithm::RS256,
+        JwtAlgorithm::ES256,
+        JwtAlgorithm::EdDSA,
+        JwtAlgorithm::HS256,
+    ] {
+        let (verifier, token) = jwt_pair(algorithm);
+        let now = std::time::SystemTime::now();
+        sluice::identity::verify(&verifier, &token, now).expect("a valid token");
+        group.bench_function(algorithm.name(), |b| {
+            b.iter(|| sluice::identity::verify(black_box(&verifier), black_box(&token), now))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, routing, normalization, keys, jwt);
 criterion_main!(benches);

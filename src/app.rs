@@ -1,6 +1,6 @@
 //! The composition root: how a config file becomes a running sluice. One function turns the
-//! bytes of a file into a version sluice could serve (`version`: parse, the TLS files it
-//! names, compile), and `run`, `check`, a reload and `explain` all take their version from
+//! bytes of a file into a version sluice could serve (`version`: parse, the TLS and JWT key
+//! files it names, compile), and `run`, `check`, a reload and `explain` all take their version from
 //! it, so none of them can accept a file another would refuse. `serve` wires the parts of a
 //! running process together: the store, the listeners and their workers, the gateway, the
 //! admin API, the reloader and the certificate watch.
@@ -15,6 +15,7 @@ use tokio::sync::watch;
 
 use crate::admin::{Admin, Api, Token, TokenError};
 use crate::config::{self, ConfigError, Source};
+use crate::identity::Verifiers;
 use crate::limiter::{RedisStore, Store, StoreError};
 use crate::metrics::Metrics;
 use crate::policy::Compiled;
@@ -80,7 +81,10 @@ pub fn load(file: &Path, listener: ListenerFiles) -> Result<Version, ConfigError
 pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Version, ConfigError> {
     let source = config::from_bytes(bytes, file)?;
     let upstream_tls = UpstreamTlsSet::load(&source.config.upstreams, file)?;
-    let policy = Compiled::compile(&source.config, file, &upstream_tls)?;
+    // The JWT key files are read with the policy: a reload picks up a rotated key, and a
+    // key file that cannot be used refuses the version whole.
+    let verifiers = Verifiers::load(&source.config.jwt, file)?;
+    let policy = Compiled::compile_with(&source.config, file, &upstream_tls, &verifiers)?;
     let listener_tls = match (&source.config.tls, listener) {
         (Some(tls), ListenerFiles::Read) => Some(ListenerTls::load(tls, file)?),
         _ => None,

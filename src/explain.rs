@@ -126,7 +126,39 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             let _ = writeln!(out, "action:     respond {} directly", direct.status);
         }
     }
-    let plan = plan::plan(&policy, route, &head, question.from);
+    // The gateway's identify phase, with the token given as a header (`-H 'authorization:
+    // Bearer ...'`), verified at this moment.
+    let unused = Metrics::new()?;
+    let claims = match proxy::identify(
+        route,
+        &head.headers,
+        std::time::SystemTime::now(),
+        &unused.jwt_invalid,
+    ) {
+        Ok(claims) => claims,
+        Err(stop) => {
+            let _ = writeln!(
+                out,
+                "refused:    {}: {}",
+                stop.status(),
+                stop.detail(Some(route))
+            );
+            return Ok(out);
+        }
+    };
+    if let Some(jwt) = &route.jwt {
+        let verdict = match &claims {
+            Some(_) => "valid: its claims are read below".to_owned(),
+            None => "missing or invalid: the limits of an anonymous client (on_invalid: anonymous)"
+                .to_owned(),
+        };
+        let _ = writeln!(
+            out,
+            "jwt:        verifier `{}`: token {verdict}",
+            jwt.verifier.name
+        );
+    }
+    let plan = plan::plan_identified(&policy, route, &head, question.from, claims.as_ref());
     let client_ip = plan.client_ip;
     if client_ip != question.from.to_canonical() {
         let _ = writeln!(
@@ -141,6 +173,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         return Ok(out);
     }
     let request = RequestParts {
+        claims: claims.as_ref(),
         method: &head.method,
         uri: &head.uri,
         headers: &head.headers,

@@ -28,6 +28,7 @@ use http::{HeaderMap, Method, Uri};
 use sha2::{Digest, Sha256};
 
 use crate::config::{ForwardedHeader, IpNet, KeyPart};
+use crate::identity::Claims;
 use crate::policy::{ClientPrefix, Field, Limit, Matcher, Route};
 
 /// What the parts of a key are read from: the request (its path already canonical) and the
@@ -37,6 +38,9 @@ pub struct RequestParts<'a> {
     pub uri: &'a Uri,
     pub headers: &'a HeaderMap,
     pub client_ip: IpAddr,
+    /// The claims of the request's verified token; `None` without one (no `jwt:` on the
+    /// route, or an `on_invalid: anonymous` route's missing or invalid token).
+    pub claims: Option<&'a Claims>,
 }
 
 /// The client's address: `peer`, or when `peer` is a trusted proxy, the rightmost address of
@@ -184,6 +188,7 @@ pub fn part_label(part: &KeyPart) -> Cow<'static, str> {
         KeyPart::Host => Cow::Borrowed("host="),
         KeyPart::Param(name) => Cow::Owned(format!("param:{name}=")),
         KeyPart::Path => Cow::Borrowed("p="),
+        KeyPart::Jwt(claim) => Cow::Owned(format!("jwt:{claim}=")),
     }
 }
 
@@ -237,6 +242,9 @@ fn present(part: &KeyPart, request: &RequestParts<'_>) -> bool {
         KeyPart::Header(name) => request.headers.contains_key(name),
         KeyPart::Query(name) => query_values(request.uri, name).next().is_some(),
         KeyPart::Cookie(name) => cookie_values(request.headers, name).next().is_some(),
+        KeyPart::Jwt(claim) => request
+            .claims
+            .is_some_and(|claims| claims.text(claim).is_some()),
     }
 }
 
@@ -302,6 +310,11 @@ fn push_part(
                 Cow::Owned(path.to_ascii_lowercase())
             };
             push_values(key, &[path.as_bytes()]);
+        }
+        KeyPart::Jwt(claim) => {
+            let _ = write!(key, "jwt:{claim}=");
+            let value = request.claims.and_then(|claims| claims.text(claim));
+            push_values(key, &[value.as_ref().map_or("", |v| v.as_str())]);
         }
     }
 }
@@ -463,6 +476,7 @@ pub(crate) mod tests {
             uri: &uri,
             headers,
             client_ip: IP,
+            claims: None,
         };
         let matcher = Matcher::new(&crate::config::MatchConfig {
             path_prefix: crate::config::PathPrefix("/".to_owned()),
@@ -735,6 +749,7 @@ pub(crate) mod tests {
             uri: &uri,
             headers: &headers,
             client_ip: ip.parse().unwrap(),
+            claims: None,
         };
         let matcher = Matcher::new(&crate::config::MatchConfig {
             path_prefix: crate::config::PathPrefix("/".to_owned()),

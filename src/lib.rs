@@ -23,6 +23,7 @@ pub mod clock;
 pub mod config;
 pub mod explain;
 pub mod file_watch;
+pub mod identity;
 pub mod keys;
 pub mod limiter;
 pub mod llm;

@@ -200,6 +200,8 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     pub upstream_errors: IntCounterVec,
     pub refused: IntCounterVec,
+    /// `sluice_jwt_invalid_total{route, reason}`: requests whose token gave no identity.
+    pub jwt_invalid: IntCounterVec,
     pub open_connections: IntGaugeVec,
     pub worker_connections: IntCounterVec,
     pub local_keys: IntGauge,
@@ -286,6 +288,13 @@ impl Metrics {
                 "Requests sluice refused itself, by reason (request_line, header_count, header_bytes, path, body_malformed, body_too_large, body_slow, repeated_field, connection_field, method_spelling).",
             ),
             &["reason"],
+        )?;
+        let jwt_invalid = IntCounterVec::new(
+            Opts::new(
+                "sluice_jwt_invalid_total",
+                "Requests on a route with `jwt:` whose token gave no identity, by route and reason (missing, malformed, signature, expired, not_yet_valid, issuer, audience, algorithm, unknown_key); the route's on_invalid says whether they got 401 or the anonymous limits.",
+            ),
+            &["route", "reason"],
         )?;
         let open_connections = IntGaugeVec::new(
             Opts::new(
@@ -402,6 +411,7 @@ impl Metrics {
         }
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(refused.clone()))?;
+        registry.register(Box::new(jwt_invalid.clone()))?;
         registry.register(Box::new(open_connections.clone()))?;
         registry.register(Box::new(worker_connections.clone()))?;
         registry.register(Box::new(local_keys.clone()))?;
@@ -435,6 +445,7 @@ impl Metrics {
             store_errors,
             upstream_errors,
             refused,
+            jwt_invalid,
             open_connections,
             worker_connections,
             local_keys,

@@ -7,6 +7,7 @@ use std::net::IpAddr;
 
 use http::request::Parts;
 
+use crate::identity::Claims;
 use crate::keys::{self, RequestParts};
 use crate::limiter::Check;
 use crate::policy::{Limit, Policy, Route};
@@ -27,8 +28,20 @@ impl Plan<'_> {
 }
 
 /// Plans `head` (already read by `one_request`, its path canonical) on `route`; `peer` is the
-/// TCP peer's address.
+/// TCP peer's address. No claims: for a route without `jwt:`.
 pub fn plan<'r>(policy: &Policy, route: &'r Route, head: &Parts, peer: IpAddr) -> Plan<'r> {
+    plan_identified(policy, route, head, peer, None)
+}
+
+/// `plan`, with the claims of the request's verified token (`proxy::identify`): what `jwt:`
+/// key parts and conditions read.
+pub fn plan_identified<'r>(
+    policy: &Policy,
+    route: &'r Route,
+    head: &Parts,
+    peer: IpAddr,
+    claims: Option<&Claims>,
+) -> Plan<'r> {
     let client_ip = if route.limits.is_empty() {
         peer.to_canonical()
     } else {
@@ -44,11 +57,12 @@ pub fn plan<'r>(policy: &Policy, route: &'r Route, head: &Parts, peer: IpAddr) -
         uri: &head.uri,
         headers: &head.headers,
         client_ip,
+        claims,
     };
     let limits: Vec<&Limit> = route
         .limits
         .iter()
-        .filter(|limit| limit.applies(&head.method, &head.uri, &head.headers))
+        .filter(|limit| limit.applies(&head.method, &head.uri, &head.headers, claims))
         .collect();
     let checks = limits
         .iter()

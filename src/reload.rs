@@ -1,5 +1,6 @@
-//! Hot reload: sluice watches its config file (`file_watch`) and also reloads on SIGHUP and
-//! on the admin API's request. A new file is loaded completely, by the same function as at
+//! Hot reload: sluice watches its config file (`file_watch`) and the JWT key files it names
+//! (an edit of a JWKS file alone reloads it), and also reloads on SIGHUP and on the admin
+//! API's request. A new file is loaded completely, by the same function as at
 //! start-up, before its policy replaces the running one in one atomic step; a file that is
 //! invalid, or that changes what only a restart can apply (the listeners, the `server:` and
 //! `store:` sections), is refused whole, logged with its position, counted, and the old
@@ -205,6 +206,8 @@ pub struct Reloader<V: Versions> {
     /// The file, with the version last tried, applied or refused: a refused file is reported
     /// once, not at every poll, and is tried again only when it changes (or on SIGHUP).
     watched: FileWatch,
+    /// The JWT key files the file in force names: a new version of one reloads the file.
+    key_files: FileWatch,
     #[cfg(unix)]
     hangup: Option<tokio::signal::unix::Signal>,
     serving: Arc<ArcSwap<Serving>>,
@@ -220,6 +223,7 @@ impl<V: Versions> Reloader<V> {
     pub fn new(file: &Path, started: Source, versions: V, metrics: Arc<Metrics>) -> Reloader<V> {
         metrics.config_hash.set(hash_value(&started.digest));
         let watched = FileWatch::new(vec![file.to_owned()], &[started.text.as_bytes()]);
+        let key_files = key_watch(file, &started.config);
         let serving = Arc::new(ArcSwap::from_pointee(Serving {
             file: file.to_owned(),
             text: started.text,
@@ -250,6 +254,7 @@ impl<V: Versions> Reloader<V> {
                 store: config.store,
             },
             watched,
+            key_files,
             #[cfg(unix)]
             hangup,
             serving,
@@ -296,9 +301,23 @@ impl<V: Versions> Reloader<V> {
                     let _ = self.reload(bytes);
                 }
             }
-            Ok(None) => {}
+            Ok(None) => self.poll_key_files(),
             Err(err) => {
                 tracing::debug!(error = %err, "cannot read the config file");
+            }
+        }
+    }
+
+    /// Reloads the config file when a key file it names has a new version.
+    fn poll_key_files(&mut self) {
+        match self.key_files.changed() {
+            Ok(Some(_)) => {
+                tracing::info!(file = %self.file.display(), "a JWT key file changed: reloading the config file");
+                let _ = self.reload_file();
+            }
+            Ok(None) => {}
+            Err(err) => {
+                tracing::debug!(error = %err, "cannot read a JWT key file");
             }
         }
     }
@@ -362,6 +381,7 @@ impl<V: Versions> Reloader<V> {
             });
         }
         let (source, routes) = self.versions.put_in_force(version);
+        self.key_files = key_watch(&self.file, &source.config);
         let config_hash = hash_value(&source.digest);
         self.metrics.config_hash.set(config_hash);
         let serving = Serving {
@@ -377,6 +397,17 @@ impl<V: Versions> Reloader<V> {
             routes,
         })
     }
+}
+
+/// A watch of the JWT key files `config` (the contents of `file`) names, as they are now.
+fn key_watch(file: &Path, config: &Config) -> FileWatch {
+    let paths = crate::identity::key_files(&config.jwt, file);
+    let bytes: Vec<Vec<u8>> = paths
+        .iter()
+        .map(|path| std::fs::read(path).unwrap_or_default())
+        .collect();
+    let seen: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    FileWatch::new(paths, &seen)
 }
 
 #[cfg(test)]

@@ -77,6 +77,8 @@ impl NamedIdentity {
                         KeyPart::Query(query)
                     } else if let Some(cookie) = suffix_of("cookie") {
                         KeyPart::Cookie(cookie)
+                    } else if let Some(claim) = suffix_of("jwt") {
+                        KeyPart::Jwt(claim)
                     } else if suffix_of("param").is_some() {
                         return Err(format!(
                             "`{name}`: give the request's path instead (path=/...): path \
@@ -85,7 +87,7 @@ impl NamedIdentity {
                     } else {
                         return Err(format!(
                             "unknown parameter `{name}`: use key=, or client_ip=, header.NAME=, \
-                             query.NAME=, cookie.NAME=, method=, host=, path="
+                             query.NAME=, cookie.NAME=, jwt.CLAIM=, method=, host=, path="
                         ));
                     };
                     named.parts.push((part, value));
@@ -141,6 +143,9 @@ fn from_parts(
     let mut headers = HeaderMap::new();
     let mut query = String::new();
     let (mut method, mut path) = (Method::GET, String::from("/"));
+    // A verified token's claims, as the operator names them: the key the gateway would
+    // build for a request whose token carries them.
+    let mut claims = serde_json::Map::new();
     for (part, value) in &named.parts {
         if !limit.key.contains(part) {
             return Err(format!("{shape}: it has no {}", part));
@@ -182,9 +187,15 @@ fn from_parts(
                     .map_err(|err| format!("path: {err}"))?
                     .into_owned();
             }
+            KeyPart::Jwt(claim) => {
+                let text =
+                    std::str::from_utf8(value).map_err(|_| format!("jwt:{claim}: not UTF-8"))?;
+                claims.insert(claim.clone(), serde_json::Value::from(text));
+            }
             KeyPart::ClientIp | KeyPart::Param(_) => {}
         }
     }
+    let claims = crate::identity::Claims::new(claims);
     let given_path = named.parts.iter().any(|(p, _)| *p == KeyPart::Path);
     for part in &limit.key {
         let needed = match part {
@@ -220,6 +231,7 @@ fn from_parts(
         uri: &uri,
         headers: &headers,
         client_ip: named.client_ip.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
+        claims: Some(&claims),
     };
     if named.client_ip.is_none() {
         if let Some(missing) = keys::missing_part(limit, &request) {

@@ -202,7 +202,7 @@ mod tests {
             err.starts_with("test.yaml:4:11: routes[0].name: a name"),
             "{err}"
         );
-        let limit = "    respond: { status: 200 }\n    limits: [{ name: a, key: [client_ip, \"jwt:sub\"], requests: 1, window: 1s }]\n";
+        let limit = "    respond: { status: 200 }\n    limits: [{ name: a, key: [client_ip, \"claim:sub\"], requests: 1, window: 1s }]\n";
         let err = error_of(&format!("{HEAD}{}{limit}", route.replace("\"a b\"", "r")));
         assert!(
             err.contains(": routes[0].limits[0].key[1]: expected a key part"),

@@ -34,9 +34,10 @@ pub use error::{ConfigError, Position};
 pub use load::{from_bytes, load, parse, read_error, to_json, Source};
 pub use schema::json_schema;
 pub use tree::{
-    ClusterConfig, ConditionConfig, Config, CountConfig, LimitConfig, ListenerTlsConfig,
-    LocalConfig, MatchConfig, QuotaPeriod, RedisConfig, RespondConfig, RouteConfig, SentinelConfig,
-    ServerConfig, StoreConfig, UpstreamConfig, Workers,
+    ClusterConfig, ConditionConfig, Config, CountConfig, JwtAlgorithm, JwtConfig, JwtKeyConfig,
+    LimitConfig, ListenerTlsConfig, LocalConfig, MatchConfig, OnInvalid, QuotaPeriod, RedisConfig,
+    RespondConfig, RouteConfig, RouteJwtConfig, SentinelConfig, ServerConfig, StoreConfig,
+    UpstreamConfig, Workers,
 };
 pub use tree::{
     ReserveConfig, SettleConfig, SettleFrom, DEFAULT_PER_NON_TEXT_PART, DEFAULT_RESERVE_MAX_BODY,
@@ -50,6 +51,7 @@ pub use tree::{
     DEFAULT_MAX_REQUEST_LINE, DEFAULT_POOL_SIZE, DEFAULT_SHUTDOWN_GRACE_MS,
     DEFAULT_STORE_TIMEOUT_MS, DEFAULT_UPSTREAM_TIMEOUT_MS, MAX_MAX_DELAY_MS,
 };
+pub use types::TokenFrom;
 pub use types::{
     AlgorithmConfig, ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat,
     MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status,

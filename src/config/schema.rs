@@ -15,7 +15,7 @@ use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 use super::types::{PoolSize, StatusMatch};
 use super::{
     ByteSize, Config, ConfigDuration, FieldName, HostPort, IpNet, KeyPart, MethodName, Name,
-    PathPrefix, Positive, RedisUrl, Status, UpstreamUrl,
+    PathPrefix, Positive, RedisUrl, Status, TokenFrom, UpstreamUrl,
 };
 
 /// The schema of the whole policy file, as pretty-printed JSON with a final newline. Draft 7,
@@ -81,18 +81,27 @@ string_schema!(
 string_schema!(
     KeyPart,
     "KeyPart",
-    r"^(client_ip|method|host|path|header:[!#$%&'*+.^_`|~0-9A-Za-z-]+|(query|cookie|param):[!-~]+)$",
+    r"^(client_ip|method|host|path|header:[!#$%&'*+.^_`|~0-9A-Za-z-]+|(query|cookie|param|jwt):[!-~]+)$",
     "Where in the request the identity comes from: `client_ip`, `header:NAME`, \
      `query:NAME`, `cookie:NAME`, `param:NAME` (a `{NAME}` segment of the path prefix), \
-     `method`, `host` or `path`. An absent header, query parameter or cookie falls back to \
-     the client IP.",
+     `jwt:CLAIM` (a claim of the route's verified JWT), `method`, `host` or `path`. An absent \
+     header, query parameter, cookie or claim falls back to the client IP.",
     [
         "client_ip",
         "header:x-api-key",
         "query:api_key",
         "cookie:session",
-        "param:tenant"
+        "param:tenant",
+        "jwt:sub"
     ]
+);
+string_schema!(
+    TokenFrom,
+    "TokenFrom",
+    r"^(header:[!#$%&'*+.^_`|~0-9A-Za-z-]+|cookie:[!-~]+)$",
+    "Where the token is: `header:authorization` (`Bearer TOKEN`, the default), another \
+     `header:NAME` (its value, a `Bearer ` in front taken off) or `cookie:NAME`.",
+    ["header:authorization", "cookie:session"]
 );
 string_schema!(
     MethodName,

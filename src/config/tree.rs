@@ -88,6 +88,9 @@ pub struct Config {
     pub log_format: LogFormat,
     #[serde(default)]
     pub upstreams: BTreeMap<Name, UpstreamConfig>,
+    /// Verifiers of JSON Web Tokens, by name: routes name one in their `jwt:`.
+    #[serde(default)]
+    pub jwt: Vec<JwtConfig>,
     pub routes: Vec<RouteConfig>,
 }
 
@@ -366,6 +369,10 @@ pub struct RouteConfig {
     /// With a limit of `on_exceed: delay`: most requests of this route held at once.
     #[schemars(with = "Option<Positive>")]
     pub max_delayed: Option<Spanned<Positive>>,
+    /// Verify the request's JWT with this verifier: `jwt:` key parts and conditions read
+    /// its claims.
+    #[schemars(with = "Option<RouteJwtConfig>")]
+    pub jwt: Option<Spanned<RouteJwtConfig>>,
 }
 
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
@@ -580,6 +587,94 @@ pub struct ConditionConfig {
     /// The request method is one of these; a list naming `GET` also takes `HEAD`.
     pub method: Option<Vec<MethodName>>,
     pub host: Option<Vec<String>>,
+    /// A claim of the route's verified JWT (with `equals`, `one_of` or `present`); never
+    /// holds without a valid token.
+    pub jwt: Option<String>,
+}
+
+/// One verifier of JSON Web Tokens: whose tokens (`issuer`), for whom (`audiences`), and
+/// the keys their signatures are checked with, each pinned to one algorithm.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JwtConfig {
+    #[schemars(with = "Name")]
+    pub name: Spanned<Name>,
+    /// The `iss` a token must carry, exactly.
+    pub issuer: String,
+    /// A token's `aud` must name one of these.
+    #[schemars(with = "Vec<String>")]
+    pub audiences: Spanned<Vec<String>>,
+    /// A JWK set (RSA, EC P-256, OKP Ed25519, oct): re-read on every reload, and watched.
+    #[schemars(with = "Option<PathBuf>")]
+    pub jwks_file: Option<Spanned<PathBuf>>,
+    /// PEM public keys or HS256 secrets, each with its algorithm.
+    #[serde(default)]
+    #[schemars(with = "Vec<JwtKeyConfig>")]
+    pub keys: Vec<Spanned<JwtKeyConfig>>,
+    /// Where the token is; `header:authorization` (`Bearer TOKEN`) by default.
+    #[serde(default)]
+    pub from: super::TokenFrom,
+    /// Leeway for `exp`, `nbf` and `iat` against sluice's clock; 30s by default.
+    pub clock_skew: Option<ConfigDuration>,
+}
+
+/// A key of a verifier from its own file: a PEM public key or an HS256 secret.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JwtKeyConfig {
+    /// A PEM `PUBLIC KEY` (RS256, ES256, EdDSA).
+    #[schemars(with = "Option<PathBuf>")]
+    pub pem_file: Option<Spanned<PathBuf>>,
+    /// An HS256 secret of at least 32 bytes (a final line break is not part of it).
+    #[schemars(with = "Option<PathBuf>")]
+    pub secret_file: Option<Spanned<PathBuf>>,
+    /// The one algorithm this key verifies, whatever a token's header says.
+    pub algorithm: JwtAlgorithm,
+    /// The `kid` a token's header names this key by; needed when a verifier has several.
+    pub kid: Option<String>,
+}
+
+/// The algorithms a JWT key can be pinned to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+pub enum JwtAlgorithm {
+    RS256,
+    ES256,
+    EdDSA,
+    HS256,
+}
+
+impl JwtAlgorithm {
+    /// As a token's header spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            JwtAlgorithm::RS256 => "RS256",
+            JwtAlgorithm::ES256 => "ES256",
+            JwtAlgorithm::EdDSA => "EdDSA",
+            JwtAlgorithm::HS256 => "HS256",
+        }
+    }
+}
+
+/// A route's `jwt:`: which verifier, and what a missing or invalid token gets.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RouteJwtConfig {
+    #[schemars(with = "Name")]
+    pub verifier: Spanned<Name>,
+    #[serde(default)]
+    pub on_invalid: OnInvalid,
+}
+
+/// What a request without a valid token gets on a route with `jwt:`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OnInvalid {
+    /// 401 problem+json with `WWW-Authenticate: Bearer error="invalid_token"`.
+    #[default]
+    Reject,
+    /// The limits of an anonymous client: `jwt:` key parts count the client address,
+    /// `jwt:` conditions do not hold.
+    Anonymous,
 }
 
 fn default_max_request_line() -> ByteSize {

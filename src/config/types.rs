@@ -34,8 +34,54 @@ deserialize_via_from_str!(
     RedisUrl,
     HostPort,
     IpNet,
-    FieldName
+    FieldName,
+    TokenFrom
 );
+
+/// Where a JWT verifier finds the token: `header:authorization` (`Bearer TOKEN`, the
+/// default), another header, or a cookie.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenFrom {
+    Header(HeaderName),
+    Cookie(String),
+}
+
+impl Default for TokenFrom {
+    fn default() -> Self {
+        TokenFrom::Header(http::header::AUTHORIZATION)
+    }
+}
+
+impl fmt::Display for TokenFrom {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TokenFrom::Header(name) => write!(f, "header:{name}"),
+            TokenFrom::Cookie(name) => write!(f, "cookie:{name}"),
+        }
+    }
+}
+
+impl FromStr for TokenFrom {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if let Some(name) = text.strip_prefix("header:") {
+            return end_to_end_header(name).map(TokenFrom::Header);
+        }
+        if let Some(name) = text.strip_prefix("cookie:") {
+            let valid = !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_graphic() && !matches!(b, b'=' | b';' | b','));
+            if valid {
+                return Ok(TokenFrom::Cookie(name.to_owned()));
+            }
+        }
+        Err(format!(
+            "expected where the token is: `header:NAME` or `cookie:NAME`, got `{text}`"
+        ))
+    }
+}
 
 /// A header field name, as a condition names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,6 +179,9 @@ pub enum KeyPart {
     Path,
     /// The value of a `{NAME}` segment of the route's path prefix.
     Param(String),
+    /// A claim of the request's verified JWT (the route's `jwt:` verifier); absent, or the
+    /// token missing or invalid on an `on_invalid: anonymous` route → the client IP.
+    Jwt(String),
 }
 
 /// As written in the policy file (`FromStr` reads it back).
@@ -147,6 +196,7 @@ impl fmt::Display for KeyPart {
             KeyPart::Host => f.write_str("host"),
             KeyPart::Path => f.write_str("path"),
             KeyPart::Param(name) => write!(f, "param:{name}"),
+            KeyPart::Jwt(claim) => write!(f, "jwt:{claim}"),
         }
     }
 }
@@ -185,8 +235,11 @@ impl FromStr for KeyPart {
         if let Some(name) = text.strip_prefix("param:") {
             return named("path parameter", name).map(KeyPart::Param);
         }
+        if let Some(name) = text.strip_prefix("jwt:") {
+            return named("claim", name).map(KeyPart::Jwt);
+        }
         Err(format!(
-            "expected a key part `client_ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `param:NAME`, `method`, `host` or `path`, got `{text}`"
+            "expected a key part `client_ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `param:NAME`, `jwt:CLAIM`, `method`, `host` or `path`, got `{text}`"
         ))
     }
 }
@@ -653,7 +706,11 @@ mod tests {
         );
         assert!("query:".parse::<KeyPart>().is_err());
         assert!("query:a=b".parse::<KeyPart>().is_err());
-        assert!("jwt:sub".parse::<KeyPart>().is_err());
+        assert!("claim:sub".parse::<KeyPart>().is_err());
+        assert_eq!(
+            "jwt:sub".parse::<KeyPart>(),
+            Ok(KeyPart::Jwt("sub".to_owned()))
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `when:` conditions on a limit: which requests it applies to. Tiers are built from them:
 //! the same key limited differently when `x-plan` is `free` or `paid` (a header an
-//! authentication layer in front sets).
+//! authentication layer in front sets), or better, when a claim of the request's verified
+//! JWT is (`jwt: plan`), which the client cannot write.
 
 use std::path::Path;
 
@@ -8,6 +9,7 @@ use http::header::{HeaderName, HOST};
 use http::{HeaderMap, Method, Uri};
 
 use crate::config::{ConditionConfig, ConfigError, Position, Spanned};
+use crate::identity::Claims;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Condition {
@@ -20,6 +22,12 @@ pub enum Condition {
     Method(Vec<Method>),
     /// The host (without its port, lower-cased) is one of these.
     Host(Vec<String>),
+    /// A claim of the verified token: `OneOf` compares its text (a number as its decimal
+    /// text); without a valid token no claim is present.
+    Claim {
+        claim: String,
+        test: HeaderTest,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,8 +39,22 @@ pub enum HeaderTest {
 }
 
 impl Condition {
-    pub fn holds(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> bool {
+    pub fn holds(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        claims: Option<&Claims>,
+    ) -> bool {
         match self {
+            Condition::Claim { claim, test } => {
+                let value = claims.and_then(|claims| claims.text(claim));
+                match test {
+                    HeaderTest::Present(present) => value.is_some() == *present,
+                    HeaderTest::OneOf(values) => value
+                        .is_some_and(|value| values.iter().any(|wanted| wanted == value.as_str())),
+                }
+            }
             Condition::Header { name, test } => match test {
                 HeaderTest::Present(present) => headers.contains_key(name) == *present,
                 HeaderTest::OneOf(values) => headers.get_all(name).iter().any(|value| {
@@ -65,16 +87,19 @@ impl Condition {
             ConfigError::invalid(file, Position::from(spanned), field, message.to_owned())
         };
         let kinds = [
+            config.jwt.is_some(),
             config.header.is_some(),
             config.method.is_some(),
             config.host.is_some(),
         ];
         if kinds.iter().filter(|given| **given).count() != 1 {
             return Err(invalid(
-                "a condition names exactly one of `header`, `method` or `host`",
+                "a condition names exactly one of `header`, `jwt`, `method` or `host`",
             ));
         }
-        if let Some(name) = &config.header {
+        let named = config.header.as_ref().map(|h| Ok(h.0.clone()));
+        let claim = config.jwt.as_ref().map(|c| Err(c.clone()));
+        if let Some(name) = named.or(claim) {
             let test = match (&config.equals, &config.one_of, config.present) {
                 (Some(value), None, None) => HeaderTest::OneOf(vec![value.clone()]),
                 (None, Some(values), None) if !values.is_empty() => {
@@ -82,18 +107,22 @@ impl Condition {
                 }
                 (None, None, Some(present)) => HeaderTest::Present(present),
                 _ => {
-                    return Err(invalid(
-                        "a header condition has exactly one of `equals`, `one_of` (not empty) or `present`",
-                    ))
+                    let kind = if name.is_ok() { "header" } else { "jwt" };
+                    return Err(invalid(&format!(
+                        "a {kind} condition has exactly one of `equals`, `one_of` (not empty) or `present`"
+                    )));
                 }
             };
-            return Ok(Condition::Header {
-                name: name.0.clone(),
-                test,
+            return Ok(match name {
+                Ok(name) => Condition::Header { name, test },
+                Err(claim) if claim.is_empty() => return Err(invalid("`jwt` names a claim")),
+                Err(claim) => Condition::Claim { claim, test },
             });
         }
         if config.equals.is_some() || config.one_of.is_some() || config.present.is_some() {
-            return Err(invalid("`equals`, `one_of` and `present` go with `header`"));
+            return Err(invalid(
+                "`equals`, `one_of` and `present` go with `header` or `jwt`",
+            ));
         }
         if let Some(methods) = &config.method {
             return Ok(Condition::Method(super::matcher::with_head(
@@ -140,7 +169,7 @@ mod tests {
                 HeaderValue::from_str(value).unwrap(),
             );
         }
-        condition.holds(&Method::GET, &"/".parse().unwrap(), &map)
+        condition.holds(&Method::GET, &"/".parse().unwrap(), &map, None)
     }
 
     #[test]
@@ -159,6 +188,43 @@ mod tests {
         };
         assert!(holds(&absent, &[]));
         assert!(!holds(&absent, &[("x-plan", "paid")]));
+    }
+
+    #[test]
+    fn claim_tests_read_verified_claims_only() {
+        let paid = Condition::Claim {
+            claim: "plan".to_owned(),
+            test: HeaderTest::OneOf(vec!["paid".to_owned(), "7".to_owned()]),
+        };
+        let claims = |value: serde_json::Value| {
+            let mut map = serde_json::Map::new();
+            map.insert("plan".to_owned(), value);
+            Claims::new(map)
+        };
+        let at = |claims: Option<&Claims>| {
+            let mut headers = HeaderMap::new();
+            headers.insert("plan", HeaderValue::from_static("paid"));
+            paid.holds(&Method::GET, &"/".parse().unwrap(), &headers, claims)
+        };
+        assert!(at(Some(&claims("paid".into()))));
+        assert!(at(Some(&claims(7.into()))), "a number is its decimal text");
+        assert!(
+            !at(Some(&claims(serde_json::json!(["paid"])))),
+            "an array is no value"
+        );
+        assert!(!at(None), "a header of the same name is not a claim");
+        let absent = Condition::Claim {
+            claim: "plan".to_owned(),
+            test: HeaderTest::Present(false),
+        };
+        let empty = HeaderMap::new();
+        assert!(absent.holds(&Method::GET, &"/".parse().unwrap(), &empty, None));
+        assert!(!absent.holds(
+            &Method::GET,
+            &"/".parse().unwrap(),
+            &empty,
+            Some(&claims("x".into()))
+        ));
     }
 
     #[test]

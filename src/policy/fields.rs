@@ -46,14 +46,19 @@ pub fn read_by<M: Metering>(limits: &[Limit<M>]) -> Vec<Field> {
                 KeyPart::Query(name) => add(Field::Query(name.clone())),
                 KeyPart::Cookie(name) => add(Field::Cookie(name.clone())),
                 KeyPart::Host => add(Field::Header(HOST)),
-                KeyPart::ClientIp | KeyPart::Method | KeyPart::Path | KeyPart::Param(_) => {}
+                // The token's field is the route's, added with its verifier.
+                KeyPart::ClientIp
+                | KeyPart::Method
+                | KeyPart::Path
+                | KeyPart::Param(_)
+                | KeyPart::Jwt(_) => {}
             }
         }
         for condition in &limit.when {
             match condition {
                 Condition::Header { name, .. } => add(Field::Header(name.clone())),
                 Condition::Host(_) => add(Field::Header(HOST)),
-                Condition::Method(_) => {}
+                Condition::Method(_) | Condition::Claim { .. } => {}
             }
         }
     }

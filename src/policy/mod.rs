@@ -32,6 +32,7 @@ use crate::config::{
     OnStoreError, Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_IPV4_PREFIX,
     DEFAULT_IPV6_PREFIX, DEFAULT_MAX_DELAYED, MAX_MAX_DELAY_MS,
 };
+use crate::identity::{Claims, OnInvalid, Verifier, Verifiers};
 use crate::limiter::calendar::Quota;
 use crate::limiter::{Algorithm, Check, Spec};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
@@ -152,7 +153,17 @@ pub struct Route<M: Metering = Metered> {
     /// The `RateLimit-Policy` field describing every limit of the route; `None` without limits
     /// or when some limit has conditions (the field then lists what applied to a request).
     pub rate_limit_policy: Option<HeaderValue>,
+    /// `jwt:`: the verifier of the request's token and what an invalid one gets; `None`:
+    /// no token is read.
+    pub jwt: Option<RouteJwt>,
     pub metrics: M::Route,
+}
+
+/// A route's `jwt:`, its verifier resolved.
+#[derive(Debug, Clone)]
+pub struct RouteJwt {
+    pub verifier: Arc<Verifier>,
+    pub on_invalid: OnInvalid,
 }
 
 /// How fast a request body must arrive, so that a client trickling bytes cannot hold an
@@ -250,10 +261,16 @@ impl<M: Metering> Limit<M> {
     }
 
     /// Whether this limit applies to the request.
-    pub fn applies(&self, method: &Method, uri: &http::Uri, headers: &http::HeaderMap) -> bool {
+    pub fn applies(
+        &self,
+        method: &Method,
+        uri: &http::Uri,
+        headers: &http::HeaderMap,
+        claims: Option<&Claims>,
+    ) -> bool {
         self.when
             .iter()
-            .all(|condition| condition.holds(method, uri, headers))
+            .all(|condition| condition.holds(method, uri, headers, claims))
     }
 }
 
@@ -277,11 +294,23 @@ pub struct Upstream {
 impl Compiled {
     /// Checks the config as a whole and builds the policy. `file` names the source in errors;
     /// `tls` holds the settings of every https upstream, read from their files by the caller
-    /// (`UpstreamTlsSet::load`).
+    /// (`UpstreamTlsSet::load`). A config with JWT verifiers compiles with
+    /// [`Compiled::compile_with`].
     pub fn compile(
         config: &Config,
         file: &Path,
         tls: &UpstreamTlsSet,
+    ) -> Result<Compiled, ConfigError> {
+        Compiled::compile_with(config, file, tls, &Verifiers::default())
+    }
+
+    /// `compile`, with the JWT verifiers of `config.jwt`, their keys read from their files by
+    /// the caller (`Verifiers::load`).
+    pub fn compile_with(
+        config: &Config,
+        file: &Path,
+        tls: &UpstreamTlsSet,
+        verifiers: &Verifiers,
     ) -> Result<Compiled, ConfigError> {
         if config.listen == config.admin_listen.value {
             return Err(ConfigError::invalid(
@@ -310,6 +339,7 @@ impl Compiled {
         let mut seen: HashMap<&Name, Position> = HashMap::new();
         let mut actions = Vec::with_capacity(config.routes.len());
         let mut conditions = Vec::with_capacity(config.routes.len());
+        let mut jwts = Vec::with_capacity(config.routes.len());
         for (index, route) in config.routes.iter().enumerate() {
             let field = format!("routes[{index}]");
             if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
@@ -325,14 +355,23 @@ impl Compiled {
             }
             actions.push(compile_action(route, &upstreams, file, &field)?);
             conditions.push(check_limits(route, file, &field)?);
+            jwts.push(route_jwt(route, verifiers, file, &field)?);
         }
         let routes: Vec<Route<Unmetered>> = config
             .routes
             .iter()
             .zip(actions)
             .zip(conditions)
-            .map(|((route, action), conditions)| {
+            .zip(jwts)
+            .map(|(((route, action), conditions), jwt)| {
                 let limits = build_limits(config, route, conditions);
+                let mut fields = fields::read_by(&limits);
+                // The token is read once too: two of its fields would be two readings.
+                if let Some(field) = jwt.as_ref().and_then(|jwt| token_field(&jwt.verifier)) {
+                    if !fields.contains(&field) {
+                        fields.push(field);
+                    }
+                }
                 Route {
                     name: route.name.value.clone(),
                     matcher: Matcher::new(&route.matcher),
@@ -354,8 +393,9 @@ impl Compiled {
                     } else {
                         rate_limit_policy(limits.iter())
                     },
-                    fields: fields::read_by(&limits),
+                    fields,
                     limits,
+                    jwt,
                     metrics: (),
                 }
             })
@@ -419,6 +459,7 @@ impl Compiled {
                     response_headers: route.response_headers,
                     max_delayed: route.max_delayed,
                     rate_limit_policy: route.rate_limit_policy,
+                    jwt: route.jwt,
                 }
             })
             .collect();
@@ -554,6 +595,77 @@ fn compile_action(
             "a route needs `upstream` (forward) or `respond` (direct response)",
         )),
     }
+}
+
+/// The field a verifier reads the token from.
+fn token_field(verifier: &Verifier) -> Option<Field> {
+    Some(match &verifier.from {
+        crate::config::TokenFrom::Header(name) => Field::Header(name.clone()),
+        crate::config::TokenFrom::Cookie(name) => Field::Cookie(name.clone()),
+    })
+}
+
+/// A route's `jwt:` with its verifier; a `jwt:` key part or condition needs one.
+fn route_jwt(
+    route: &RouteConfig,
+    verifiers: &Verifiers,
+    file: &Path,
+    field: &str,
+) -> Result<Option<RouteJwt>, ConfigError> {
+    let Some(jwt) = &route.jwt else {
+        for (index, limit) in route.limits.iter().enumerate() {
+            let field = format!("{field}.limits[{index}]");
+            if let Some(at) = limit
+                .key
+                .value
+                .iter()
+                .position(|p| matches!(p, KeyPart::Jwt(_)))
+            {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(&limit.key),
+                    format!("{field}.key[{at}]"),
+                    "a `jwt:` key part needs a verified token: give the route `jwt: { verifier: NAME }`",
+                ));
+            }
+            if let Some((at, when)) = limit
+                .when
+                .iter()
+                .enumerate()
+                .find(|(_, when)| when.value.jwt.is_some())
+            {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(when),
+                    format!("{field}.when[{at}].jwt"),
+                    "a `jwt` condition needs a verified token: give the route `jwt: { verifier: NAME }`",
+                ));
+            }
+        }
+        return Ok(None);
+    };
+    let name = &jwt.value.verifier;
+    let verifier = verifiers.get(&name.value).ok_or_else(|| {
+        let known = verifiers.names();
+        ConfigError::invalid(
+            file,
+            Position::from(name),
+            format!("{field}.jwt.verifier"),
+            format!(
+                "unknown verifier `{}` (defined under `jwt:`: {})",
+                name.value,
+                if known.is_empty() {
+                    "none".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            ),
+        )
+    })?;
+    Ok(Some(RouteJwt {
+        verifier: Arc::clone(verifier),
+        on_invalid: jwt.value.on_invalid,
+    }))
 }
 
 /// The checks of a route's limits that the YAML types cannot make alone.

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use http::header::{HeaderValue, RETRY_AFTER};
+use http::header::{HeaderValue, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Response, StatusCode};
 use prometheus::{IntCounter, IntCounterVec};
 
@@ -151,6 +151,11 @@ impl Finisher {
                 )
             }
         };
+        if let Stop::Unauthenticated(invalid) = stop {
+            response
+                .headers_mut()
+                .insert(WWW_AUTHENTICATE, www_authenticate(*invalid));
+        }
         if let Some(seconds) = retry_after {
             let headers = response.headers_mut();
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
@@ -269,4 +274,18 @@ fn too_many_requests(
             ("retry_after", retry_after.into()),
         ],
     )
+}
+
+/// RFC 6750 §3: `Bearer error="invalid_token"` with a description; a request without any
+/// token gets the bare challenge (§3.1: no error code when no credentials were sent).
+fn www_authenticate(invalid: crate::identity::Invalid) -> HeaderValue {
+    if invalid == crate::identity::Invalid::Missing {
+        return HeaderValue::from_static("Bearer");
+    }
+    let value = format!(
+        "Bearer error=\"invalid_token\", error_description=\"{}\"",
+        invalid.detail().replace(['"', '\\'], "'")
+    );
+    HeaderValue::from_str(&value)
+        .unwrap_or(HeaderValue::from_static("Bearer error=\"invalid_token\""))
 }

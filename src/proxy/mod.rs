@@ -1,6 +1,7 @@
 //! The gateway's request path, as a fixed sequence of phases, one file each:
-//! `head` (limits, canonical path, one reading of the request) → `route` → `plan`
-//! (`crate::plan`: client address and checks) → `decide` (one store call) → `hold`
+//! `head` (limits, canonical path, one reading of the request) → `route` → `identify` (the
+//! route's `jwt:`: a verified token's claims, or its `on_invalid`) → `plan` (`crate::plan`:
+//! client address and checks, claims included) → `decide` (one store call) → `hold`
 //! (`on_exceed: delay`) → act (`forward` to the upstream, or the route's direct response) →
 //! `settle` (give back what `count:` does not keep) → `finish`. A phase that cannot go on
 //! returns a `Stop`; `finish` completes every answer, sluice's own and the upstream's, in one
@@ -17,6 +18,7 @@ mod grpc;
 mod head;
 mod headers;
 mod hold;
+mod identify;
 mod request_body;
 mod request_id;
 mod route;
@@ -41,6 +43,7 @@ pub use self::finish::Answered;
 use self::finish::Finisher;
 use self::forward::{ForwardError, UpstreamClient};
 pub use self::head::{read as read_head, HeadLimits};
+pub use self::identify::identify;
 use self::request_body::{BodyFault, BodyRefusals, ClientBody};
 use self::request_id::{RequestIds, X_REQUEST_ID};
 pub use self::route::{refuse, route};
@@ -84,6 +87,8 @@ pub struct Gateway {
     /// body fails.
     body_refusals: Arc<BodyRefusals>,
     request_ids: RequestIds,
+    /// `sluice_jwt_invalid_total`, counted by the identify phase.
+    jwt_invalid: prometheus::IntCounterVec,
     finisher: Finisher,
 }
 
@@ -103,6 +108,7 @@ impl Gateway {
             head_limits,
             body_refusals: Arc::new(BodyRefusals::new(&metrics.refused)),
             request_ids: RequestIds::new(),
+            jwt_invalid: metrics.jwt_invalid.clone(),
             finisher: Finisher::new(metrics),
         }
     }
@@ -166,7 +172,14 @@ impl Gateway {
         let route = route::route(&active.policy, &head)?;
         exchange.route = Some(route);
         route::refuse(route, &head, body.size_hint().lower())?;
-        let mut plan = plan::plan(&active.policy, route, &head, peer.ip());
+        let claims = identify::identify(
+            route,
+            &head.headers,
+            std::time::SystemTime::now(),
+            &self.jwt_invalid,
+        )?;
+        let mut plan =
+            plan::plan_identified(&active.policy, route, &head, peer.ip(), claims.as_ref());
         // Boxed, like the token settlement below: only routes with a token budget take
         // these steps, and inline their futures would make every request's as large.
         let body = match tokens::read_limit(route, &plan) {

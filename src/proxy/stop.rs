@@ -38,6 +38,8 @@ pub enum Stop {
     },
     /// No route matches (404).
     NoRoute,
+    /// The route's `jwt:` rejects a missing or invalid token (401, `WWW-Authenticate`).
+    Unauthenticated(crate::identity::Invalid),
     /// The request body broke a bound of the route while it streamed; counted where it broke.
     Body(BodyFault),
     /// A limit has no room: the request's decision says which and for how long (429).
@@ -58,9 +60,11 @@ pub enum Stop {
 impl Stop {
     pub fn fault(&self) -> Fault {
         match self {
-            Stop::Refused { .. } | Stop::NoRoute | Stop::Body(_) | Stop::Unreservable { .. } => {
-                Fault::Client
-            }
+            Stop::Refused { .. }
+            | Stop::NoRoute
+            | Stop::Body(_)
+            | Stop::Unauthenticated(_)
+            | Stop::Unreservable { .. } => Fault::Client,
             Stop::Limited | Stop::TooManyHeld { .. } => Fault::Limit,
             Stop::StoreUnavailable => Fault::Store,
             Stop::Upstream { .. } => Fault::Upstream,
@@ -72,6 +76,7 @@ impl Stop {
         match self {
             Stop::Refused { status, .. } | Stop::Unreservable { status, .. } => *status,
             Stop::NoRoute => StatusCode::NOT_FOUND,
+            Stop::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
             Stop::Body(BodyFault::TooLarge) => StatusCode::PAYLOAD_TOO_LARGE,
             Stop::Body(BodyFault::TooSlow) => StatusCode::REQUEST_TIMEOUT,
             Stop::Body(BodyFault::Malformed) => StatusCode::BAD_REQUEST,
@@ -112,6 +117,7 @@ impl Stop {
         match self {
             Stop::Refused { detail, .. } | Stop::Unreservable { detail, .. } => detail.clone(),
             Stop::NoRoute => "no route matches this request".to_owned(),
+            Stop::Unauthenticated(invalid) => invalid.detail().to_owned(),
             Stop::Body(fault) => body_detail(*fault, route),
             Stop::Limited => "a limit of this route is exhausted".to_owned(),
             Stop::TooManyHeld { delay } => format!(

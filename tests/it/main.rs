@@ -32,6 +32,7 @@ mod grpc;
 mod hostile_requests;
 mod identities;
 mod ipv6_prefixes;
+mod jwt_identities;
 mod limits;
 mod local_store;
 mod logs;

@@ -1,0 +1,208 @@
+//! Verifying one compact JWS token (RFC 7515/7519) against a verifier: size, shape, the key
+//! its header names, the algorithm that key is pinned to, the signature, then the time
+//! claims, the issuer and the audience. Only a token that passed all of them yields claims.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use ring::{hmac, signature};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use super::keys::{Key, Material};
+use super::{Claims, Invalid, Verifier};
+use crate::config::JwtAlgorithm;
+
+/// Longest token verified, in bytes: longer ones are `malformed` before any decoding or
+/// crypto. Above the 16 KB that large claim sets reach, below the default
+/// `server.max_header_bytes` (32 KiB), so a token that fits the head is judged by its
+/// content and never by this cap alone.
+pub const MAX_TOKEN_BYTES: usize = 24 * 1024;
+
+#[derive(Deserialize)]
+struct Header {
+    alg: String,
+    kid: Option<String>,
+}
+
+/// The claims of `token` once every check passed, at time `now`.
+pub fn verify(verifier: &Verifier, token: &str, now: SystemTime) -> Result<Claims, Invalid> {
+    if token.len() > MAX_TOKEN_BYTES {
+        return Err(Invalid::Malformed);
+    }
+    let mut parts = token.split('.');
+    let (Some(header), Some(payload), Some(signature), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(Invalid::Malformed);
+    };
+    let header: Header = base64url(header.as_bytes())
+        .and_then(|json| serde_json::from_slice(&json).ok())
+        .ok_or(Invalid::Malformed)?;
+    let key = select_key(verifier, header.kid.as_deref())?;
+    // The key fixes the algorithm: `none`, or HS256 "signed" with a public key, never reach
+    // a verification.
+    if header.alg != key.algorithm.name() {
+        return Err(Invalid::Algorithm);
+    }
+    let signature = base64url(signature.as_bytes()).ok_or(Invalid::Malformed)?;
+    let signed = &token[..header_and_payload_len(token)];
+    check_signature(key, signed.as_bytes(), &signature)?;
+    let claims: Map<String, Value> = base64url(payload.as_bytes())
+        .and_then(|json| serde_json::from_slice(&json).ok())
+        .ok_or(Invalid::Malformed)?;
+    check_claims(verifier, &claims, now)?;
+    Ok(Claims::new(claims))
+}
+
+/// The length of `header.payload`, the signed part.
+fn header_and_payload_len(token: &str) -> usize {
+    token.rfind('.').unwrap_or(0)
+}
+
+fn select_key<'v>(verifier: &'v Verifier, kid: Option<&str>) -> Result<&'v Key, Invalid> {
+    match kid {
+        Some(kid) => verifier
+            .keys
+            .iter()
+            .find(|key| key.kid.as_deref() == Some(kid))
+            .ok_or(Invalid::UnknownKey),
+        None => match verifier.keys.as_slice() {
+            [only] => Ok(only),
+            _ => Err(Invalid::UnknownKey),
+        },
+    }
+}
+
+fn check_signature(key: &Key, signed: &[u8], sig: &[u8]) -> Result<(), Invalid> {
+    let verified = match (&key.material, key.algorithm) {
+        (Material::Hmac(secret), JwtAlgorithm::HS256) => hmac::verify(secret, signed, sig).is_ok(),
+        (Material::RsaParts { n, e }, JwtAlgorithm::RS256) => signature::RsaPublicKeyComponents {
+            n: n.as_slice(),
+            e: e.as_slice(),
+        }
+        .verify(&signature::RSA_PKCS1_2048_8192_SHA256, signed, sig)
+        .is_ok(),
+        (Material::Public(public), algorithm) => {
+            let algorithm: &dyn signature::VerificationAlgorithm = match algorithm {
+                JwtAlgorithm::RS256 => &signature::RSA_PKCS1_2048_8192_SHA256,
+                JwtAlgorithm::ES256 => &signature::ECDSA_P256_SHA256_FIXED,
+                JwtAlgorithm::EdDSA => &signature::ED25519,
+                JwtAlgorithm::HS256 => return Err(Invalid::Algorithm),
+            };
+            signature::UnparsedPublicKey::new(algorithm, public)
+                .verify(signed, sig)
+                .is_ok()
+        }
+        // Material and algorithm are paired when the key is read; anything else is refused.
+        _ => false,
+    };
+    if verified {
+        Ok(())
+    } else {
+        Err(Invalid::Signature)
+    }
+}
+
+/// `exp` (required), `nbf` and `iat` against `now` with the verifier's skew; `iss` equal to
+/// the issuer; `aud` (a string or an array) naming one of the audiences.
+fn check_claims(
+    verifier: &Verifier,
+    claims: &Map<String, Value>,
+    now: SystemTime,
+) -> Result<(), Invalid> {
+    let now = now
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |since| since.as_secs_f64());
+    let skew = verifier.clock_skew.as_secs_f64();
+    let time = |name: &str| -> Result<Option<f64>, Invalid> {
+        match claims.get(name) {
+            None => Ok(None),
+            Some(value) => value.as_f64().map(Some).ok_or(Invalid::Malformed),
+        }
+    };
+    let exp = time("exp")?.ok_or(Invalid::Malformed)?;
+    if now > exp + skew {
+        return Err(Invalid::Expired);
+    }
+    for name in ["nbf", "iat"] {
+        if time(name)?.is_some_and(|at| at > now + skew) {
+            return Err(Invalid::NotYetValid);
+        }
+    }
+    if claims.get("iss").and_then(Value::as_str) != Some(verifier.issuer.as_str()) {
+        return Err(Invalid::Issuer);
+    }
+    let wanted = |aud: &str| verifier.audiences.iter().any(|a| a == aud);
+    let audience = match claims.get("aud") {
+        Some(Value::String(aud)) => wanted(aud),
+        Some(Value::Array(auds)) => auds.iter().filter_map(Value::as_str).any(wanted),
+        _ => false,
+    };
+    if !audience {
+        return Err(Invalid::Audience);
+    }
+    Ok(())
+}
+
+/// Decodes unpadded base64url (RFC 7515 §2); `None` on any other character, on padding,
+/// or on a length no encoding produces.
+pub fn base64url(text: &[u8]) -> Option<Vec<u8>> {
+    let value = |c: u8| -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'-' => 62,
+            b'_' => 63,
+            _ => return None,
+        } as u32)
+    };
+    if text.len() % 4 == 1 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    for chunk in text.chunks(4) {
+        let mut bits = 0u32;
+        for &c in chunk {
+            bits = (bits << 6) | value(c)?;
+        }
+        let bytes = bits.to_be_bytes();
+        match chunk.len() {
+            4 => out.extend_from_slice(&bytes[1..4]),
+            // 18 bits: two bytes and two zero bits.
+            3 => {
+                if bits & 0x3 != 0 {
+                    return None;
+                }
+                out.extend_from_slice(&(bits >> 2).to_be_bytes()[2..4]);
+            }
+            // 12 bits: one byte and four zero bits.
+            _ => {
+                if bits & 0xF != 0 {
+                    return None;
+                }
+                out.push((bits >> 4) as u8);
+            }
+        }
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64url_decodes_what_rfc_4648_encodes() {
+        assert_eq!(base64url(b"").as_deref(), Some(&b""[..]));
+        assert_eq!(base64url(b"Zg").as_deref(), Some(&b"f"[..]));
+        assert_eq!(base64url(b"Zm8").as_deref(), Some(&b"fo"[..]));
+        assert_eq!(base64url(b"Zm9v").as_deref(), Some(&b"foo"[..]));
+        assert_eq!(base64url(b"Zm9vYg").as_deref(), Some(&b"foob"[..]));
+        assert_eq!(base64url(b"-_8").as_deref(), Some(&[0xfb, 0xff][..]));
+        assert_eq!(base64url(b"Zm9v="), None, "padding");
+        assert_eq!(base64url(b"Zm+v"), None, "not the URL alphabet");
+        assert_eq!(base64url(b"Zh"), None, "non-zero trailing bits");
+        assert_eq!(base64url(b"Z"), None);
+    }
+}
