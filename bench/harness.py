@@ -1315,6 +1315,105 @@ def features(opts: Options, servers: Servers, state: Path, redis: Redis, up_port
     return out
 
 
+# The streamed-token scenario: a paced event stream (like a fast model's tokens) read
+# directly from the fake LLM API (bench/loadgen serve-sse) and through sluice with a token
+# budget on Redis that reserves each request and settles it from the stream's usage event.
+TOKEN_EVENTS = 200          # events per answer
+TOKEN_EVENT_BYTES = 64      # text bytes per event
+TOKEN_INTERVAL_US = 1000    # one event a millisecond
+TOKEN_USAGE = 300           # tokens each answer reports
+TOKEN_CONCURRENCY = 20
+
+
+def tokens_yaml(port: int, admin: int, up_port: int, redis: Redis) -> str:
+    return f"""listen: 127.0.0.1:{port}
+admin_listen: 127.0.0.1:{admin}
+store: {redis_store(redis)}
+upstreams:
+  llm: {{ url: "http://127.0.0.1:{up_port}", timeout: 60s }}
+routes:
+  - name: chat
+    match: {{ path_prefix: / }}
+    upstream: llm
+    limits:
+      - name: tokens
+        key: [header:x-api-key]
+        tokens: 100000000
+        window: 1m
+        reserve: {{ default_output: 1000, max_output: 1000 }}
+"""
+
+
+def tokens_settled(admin: int) -> float:
+    _, body = http_get(admin, "/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+               if line.startswith("sluice_tokens_settled_total{"))
+
+
+def token_streams(opts: Options, servers: Servers, state: Path, redis: Redis) -> dict:
+    """Streamed tokens: per-event delivery directly and through sluice (the difference is
+    sluice's overhead per event), sluice's CPU per MB streamed, and tokens settled per second."""
+    streams = 20 if opts.smoke else 400
+    progress(f"streamed tokens: {streams} answers of {TOKEN_EVENTS} events x "
+             f"{TOKEN_EVENT_BYTES} B, one every {TOKEN_INTERVAL_US} us, {TOKEN_CONCURRENCY} at "
+             "a time; directly, then through sluice (token budget on Redis)")
+    up_port = free_port()
+    upstream = servers.start("llm-sse", [
+        str(LOADGEN_BIN), "serve-sse", "--port", str(up_port), "--events", str(TOKEN_EVENTS),
+        "--event-bytes", str(TOKEN_EVENT_BYTES), "--interval-us", str(TOKEN_INTERVAL_US),
+        "--usage", str(TOKEN_USAGE)])
+    wait_until("llm-sse", lambda: socket.create_connection(("127.0.0.1", up_port), 1).close()
+               is None, upstream)
+    port, admin = free_port(), free_port()
+    conf = state / "sluice-tokens.yaml"
+    conf.write_text(tokens_yaml(port, admin, up_port, redis))
+    server = servers.start("sluice-tokens", [str(SLUICE_BIN), "run", "--config", str(conf)],
+                           {"RUST_LOG": "warn"})
+    wait_until("sluice-tokens", lambda: http_get(admin, "/readyz")[0] == 200, server)
+
+    def stream(to_port: int) -> dict:
+        argv = [str(LOADGEN_BIN), "stream", "--url", f"http://127.0.0.1:{to_port}/v1/chat",
+                "--streams", str(streams), "--concurrency", str(TOKEN_CONCURRENCY)]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if out.returncode != 0 or not out.stdout.strip():
+            raise HarnessError(f"streamed tokens: loadgen gave no numbers (exit "
+                               f"{out.returncode}): {out.stderr.strip()[-500:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        if r["statuses"] != {"200": streams}:
+            raise HarnessError(f"streamed tokens: statuses {r['statuses']}")
+        return r
+
+    result = {"streams": streams, "direct": stream(up_port)}
+    pids = process_tree(server.popen.pid)
+    cpu0, settled0 = cpu_seconds(pids), tokens_settled(admin)
+    result["sluice"] = stream(port)
+    result["cpu_s"] = cpu_seconds(pids) - cpu0
+    result["settled"] = tokens_settled(admin) - settled0
+    servers.stop(server)
+    servers.stop(upstream)
+    progress("  " + token_streams_text(result).replace("\n", "\n  "))
+    return result
+
+
+def token_streams_text(r: dict) -> str:
+    direct, through = r["direct"], r["sluice"]
+    mb = through["bytes"] / 1e6
+    overhead = through["delivery_p50_us"] - direct["delivery_p50_us"]
+    return (
+        f"{r['streams']} streamed answers of {TOKEN_EVENTS} events ({TOKEN_EVENT_BYTES} B of text "
+        f"each, one every {TOKEN_INTERVAL_US} us), {TOKEN_CONCURRENCY} at a time, a token budget "
+        f"on Redis reserving each and settling it from the usage event.\n"
+        f"Per event, write to read: directly p50 {direct['delivery_p50_us']} us / p99 "
+        f"{direct['delivery_p99_us']} us; through sluice p50 {through['delivery_p50_us']} us / "
+        f"p99 {through['delivery_p99_us']} us: {overhead} us added at the median.\n"
+        f"sluice's CPU: {r['cpu_s']:.2f} s for {mb:.1f} MB streamed, "
+        f"{r['cpu_s'] / mb * 1000 if mb else 0:.0f} ms per MB (request handling, reservation and "
+        f"settlement included).\n"
+        f"Tokens settled: {r['settled']:,.0f} in {through['elapsed_s']:.1f} s, "
+        f"{r['settled'] / through['elapsed_s']:,.0f} per second "
+        f"({through['answers'] / through['elapsed_s']:,.0f} answers/s).")
+
+
 LOG_COST_TARGET = 0.95  # flood throughput at the default log level, as a share of RUST_LOG=warn
 
 
@@ -1604,7 +1703,8 @@ def write_results(path: Path, opts: Options, state: Path, started: dict, finishe
                   servers_seen: list[tuple[str, list[str]]], rows: list[Row], results: dict,
                   lines: list[str], mem: dict | None, note: str, rates: dict,
                   feat: dict | None = None, cost: dict | None = None,
-                  pinned_rows: list[Row] | None = None, pinned: Layout | None = None) -> None:
+                  pinned_rows: list[Row] | None = None, pinned: Layout | None = None,
+                  toks: dict | None = None) -> None:
     m = machine()
     n = workers()
     commands = "\n".join(
@@ -1773,6 +1873,10 @@ cmds* are per decision, inside Redis:
 
 {log_cost_text(cost) if cost else 'Not measured in this run.'}
 
+## Streamed LLM tokens
+
+{token_streams_text(toks) if toks else 'Not measured in this run.'}
+
 ## Caveats
 
 - In the main table everything shares {m['nproc']} cores over loopback: wrk ({opts.wrk_threads}
@@ -1826,6 +1930,10 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
                    help="skip the log-cost step (flood at the default log level against warn)")
     p.add_argument("--log-cost-only", action="store_true",
                    help="only the log-cost step")
+    p.add_argument("--no-tokens", action="store_true",
+                   help="skip the streamed-token step")
+    p.add_argument("--tokens-only", action="store_true",
+                   help="only the streamed-token step")
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md",
                    help="where a full run writes its report (default bench/RESULTS.md)")
     p.add_argument("--note", default="", help="a paragraph to put at the top of RESULTS.md")
@@ -1853,7 +1961,7 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
     if a.duration < 1 or a.rounds < 1:
         p.error("--duration and --rounds must be at least 1")
     only = re.compile(a.only) if a.only else None
-    if a.memory_only or a.features_only or a.log_cost_only or a.ab:
+    if a.memory_only or a.features_only or a.log_cost_only or a.tokens_only or a.ab:
         # No target; the memory, features, log-cost and A/B steps start their own.
         scenarios, only = [], re.compile("(?!)")
     opts = Options(
@@ -1887,7 +1995,7 @@ def main(argv: list[str]) -> int:
     results: dict = {}
     pinned_results: dict = {}
     rates: dict = {}
-    mem = feat = cost = ab_result = self_ab = None
+    mem = feat = cost = toks = ab_result = self_ab = None
     try:
         progress(f"starting servers (state in {state})")
         redis = Redis(servers, state)
@@ -1936,13 +2044,16 @@ def main(argv: list[str]) -> int:
             for t in pinned_targets:
                 servers.stop(t.server)
 
-        one_step = a.memory_only or a.features_only or a.log_cost_only or a.ab
+        one_step = (a.memory_only or a.features_only or a.log_cost_only or a.tokens_only
+                    or a.ab)
         if a.memory_only or (not a.no_memory and not one_step and opts.only is None):
             mem = memory(opts, servers, state, redis, up_port)
         if a.features_only or (not a.no_features and not one_step and opts.only is None):
             feat = features(opts, servers, state, redis, up_port)
         if a.log_cost_only or (not a.no_log_cost and not one_step and opts.only is None):
             cost = log_cost(opts, servers, state, redis, up_port)
+        if a.tokens_only or (not a.no_tokens and not one_step and opts.only is None):
+            toks = token_streams(opts, servers, state, redis)
         if opts.smoke and not one_step and opts.only is None:
             # The A/B mode's own code, checked with this binary against itself.
             self_ab = ab(opts, servers, state, redis, up_port, upstream, SLUICE_BIN, SLUICE_BIN,
@@ -1989,6 +2100,9 @@ def main(argv: list[str]) -> int:
     if cost:
         print()
         print(log_cost_text(cost))
+    if toks:
+        print()
+        print(token_streams_text(toks))
     for result in (ab_result, self_ab):
         if result:
             print()
@@ -2003,7 +2117,7 @@ def main(argv: list[str]) -> int:
             and not a.ab)
     if full:
         write_results(a.results, opts, state, started, finished, servers_seen, rows, results,
-                      lines, mem, a.note, rates, feat, cost, pinned_rows, pinned)
+                      lines, mem, a.note, rates, feat, cost, pinned_rows, pinned, toks)
         progress(f"bench: wrote {a.results}")
     return 0
 

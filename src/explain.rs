@@ -234,6 +234,11 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
                 listed.join(", ")
             ));
         }
+        let unit = if limit.tokens.is_some() {
+            " tokens"
+        } else {
+            ""
+        };
         // A calendar quota: its period and zone, and when the one holding now ends.
         let per = match &limit.quota {
             Some(quota) => format!(
@@ -246,13 +251,16 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         };
         let _ = writeln!(
             out,
-            "  {}: {} per {} ({}), key [{}]",
+            "  {}: {}{unit} per {} ({}), key [{}]",
             limit.name,
             limit.spec.requests,
             per,
             extras.join(", "),
             parts.join(", ")
         );
+        if let Some(budget) = &limit.tokens {
+            let _ = writeln!(out, "    {}", crate::llm::describe(budget));
+        }
         if let Some(missing) = keys::missing_part(limit, &request) {
             let _ = writeln!(
                 out,

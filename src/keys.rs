@@ -460,6 +460,7 @@ pub(crate) mod tests {
             when: Vec::new(),
             quota: None,
             client_prefix: ClientPrefix::default(),
+            tokens: None,
             metrics: metrics.for_limit("r", "l"),
         }
     }

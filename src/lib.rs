@@ -5,7 +5,7 @@
 //! `one_request`: one reading of the request for the router, the limiter and the upstream) →
 //! `route` (on the `policy`) → `plan` (the client address and the `keys` of each limit) →
 //! `decide` (the `limiter`, one store call) → `hold` → forward to the upstream or answer
-//! directly → `settle` → `finish`, the one place an answer is completed (`response` spells
+//! directly → `settle` (a token budget's reservation, bounded and settled by `llm`) → `finish`, the one place an answer is completed (`response` spells
 //! sluice's own answers, `body` carries them). `metrics` observe each step and `admin` serves
 //! them with the admin API; `log` writes lines that never block a request. `config` reads
 //! the policy file; `app` loads one version of it (for `run`, `check`, a reload and
@@ -26,6 +26,7 @@ pub mod file_watch;
 pub mod identity;
 pub mod keys;
 pub mod limiter;
+pub mod llm;
 pub mod log;
 pub mod metrics;
 pub mod one_request;

@@ -216,6 +216,10 @@ pub struct Metrics {
     pub tls_handshake_errors: IntCounter,
     pub delay: HistogramVec,
     pub held: IntGaugeVec,
+    pub tokens_reserved: IntCounterVec,
+    pub tokens_settled: IntCounterVec,
+    pub tokens_returned: IntCounterVec,
+    pub token_overruns: IntCounterVec,
 }
 
 /// Buckets for whole requests: from a fast local answer to a slow upstream.
@@ -373,6 +377,24 @@ impl Metrics {
             ),
             &["route"],
         )?;
+        let token_counter =
+            |name: &str, help: &str| IntCounterVec::new(Opts::new(name, help), &["route", "limit"]);
+        let tokens_reserved = token_counter(
+            "sluice_tokens_reserved_total",
+            "Token budgets: tokens reserved by admitted requests (the upper bound from the request body), by route and limit.",
+        )?;
+        let tokens_settled = token_counter(
+            "sluice_tokens_settled_total",
+            "Token budgets: tokens the reservations were settled to (the response's usage; the whole reservation when the response gave no figure), by route and limit.",
+        )?;
+        let tokens_returned = token_counter(
+            "sluice_tokens_returned_total",
+            "Token budgets: tokens reserved but not used, given back to the limit, by route and limit.",
+        )?;
+        let token_overruns = token_counter(
+            "sluice_token_overruns_total",
+            "Token budgets: responses that reported more tokens than were reserved (the reservation is kept, not exceeded), by route and limit.",
+        )?;
         let log_lines_dropped = LogLinesDropped {
             counter: IntCounter::new(
                 "sluice_log_lines_dropped_total",
@@ -409,6 +431,10 @@ impl Metrics {
         registry.register(Box::new(tls_handshake_errors.clone()))?;
         registry.register(Box::new(delay.clone()))?;
         registry.register(Box::new(held.clone()))?;
+        registry.register(Box::new(tokens_reserved.clone()))?;
+        registry.register(Box::new(tokens_settled.clone()))?;
+        registry.register(Box::new(tokens_returned.clone()))?;
+        registry.register(Box::new(token_overruns.clone()))?;
         registry.register(Box::new(log_lines_dropped))?;
         Ok(Metrics {
             registry,
@@ -434,6 +460,10 @@ impl Metrics {
             tls_handshake_errors,
             delay,
             held,
+            tokens_reserved,
+            tokens_settled,
+            tokens_returned,
+            token_overruns,
         })
     }
 
@@ -468,6 +498,17 @@ impl Metrics {
             shadow_rejected: counter(LimitDecision::ShadowRejected),
             delayed: counter(LimitDecision::Delayed),
             released: counter(LimitDecision::Released),
+            tokens: None,
+        }
+    }
+
+    /// The token counters of a limit counted in tokens (only those get the series).
+    pub fn for_token_limit(&self, route: &str, limit: &str) -> TokenMetrics {
+        TokenMetrics {
+            reserved: self.tokens_reserved.with_label_values(&[route, limit]),
+            settled: self.tokens_settled.with_label_values(&[route, limit]),
+            returned: self.tokens_returned.with_label_values(&[route, limit]),
+            overruns: self.token_overruns.with_label_values(&[route, limit]),
         }
     }
 
@@ -544,4 +585,20 @@ pub struct LimitMetrics {
     pub shadow_rejected: IntCounter,
     pub delayed: IntCounter,
     pub released: IntCounter,
+    /// A limit counted in tokens: its token counters.
+    pub tokens: Option<TokenMetrics>,
+}
+
+/// The counters of a token budget, in tokens, by route and limit.
+#[derive(Clone)]
+pub struct TokenMetrics {
+    /// `sluice_tokens_reserved_total`: reserved by admitted requests.
+    pub reserved: IntCounter,
+    /// `sluice_tokens_settled_total`: what the reservations were settled to (kept whole when
+    /// the answer gave no figure).
+    pub settled: IntCounter,
+    /// `sluice_tokens_returned_total`: reserved but not used, given back.
+    pub returned: IntCounter,
+    /// `sluice_token_overruns_total`: answers that reported more than was reserved.
+    pub overruns: IntCounter,
 }

@@ -245,6 +245,7 @@ impl Admin {
             "window": rule.spec.window.as_secs_f64(),
             "burst": rule.spec.burst,
             "cost": rule.spec.cost,
+            "unit": if rule.tokens.is_some() { "tokens" } else { "requests" },
         });
         if let Some(quota) = &rule.quota {
             merge(

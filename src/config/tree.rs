@@ -406,8 +406,13 @@ pub struct LimitConfig {
     pub name: Spanned<Name>,
     #[schemars(with = "Vec<KeyPart>")]
     pub key: Spanned<Vec<KeyPart>>,
-    #[schemars(with = "Positive")]
-    pub requests: Spanned<Positive>,
+    /// The limit in requests; a token budget says `tokens:` instead (exactly one of the two).
+    #[schemars(with = "Option<Positive>")]
+    pub requests: Option<Spanned<Positive>>,
+    /// The limit in LLM tokens instead of requests: each request reserves an upper bound of
+    /// what it can consume (`reserve:`) and is settled to what it did (`settle:`).
+    #[schemars(with = "Option<Positive>")]
+    pub tokens: Option<Spanned<Positive>>,
     /// The length of a rolling window; a limit has either this or a calendar `quota`.
     pub window: Option<ConfigDuration>,
     /// A calendar quota instead of a `window`: `requests` per `day`, `week` (ISO, from
@@ -418,7 +423,8 @@ pub struct LimitConfig {
     /// default.
     #[schemars(with = "Option<String>")]
     pub time_zone: Option<Spanned<String>>,
-    /// How the limit counts; `sliding_log` (exact) by default.
+    /// How the limit counts; `sliding_log` (exact) by default, `weighted_log` (exact, one
+    /// entry per request) for a token budget.
     #[schemars(with = "Option<AlgorithmConfig>")]
     pub algorithm: Option<Spanned<AlgorithmConfig>>,
     /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
@@ -453,15 +459,91 @@ pub struct LimitConfig {
     #[serde(default)]
     #[schemars(schema_with = "schema::prefix_within::<1, 32>")]
     pub ipv4_prefix: Option<Spanned<u32>>,
+    /// With `tokens:`: how a request's reservation is bounded from its body.
+    #[schemars(with = "Option<ReserveConfig>")]
+    pub reserve: Option<Spanned<ReserveConfig>>,
+    /// With `tokens:`: where the real count is read from the response.
+    #[schemars(with = "Option<SettleConfig>")]
+    pub settle: Option<Spanned<SettleConfig>>,
+}
+
+/// Default output cap reserved for a request that names none.
+pub const DEFAULT_RESERVE_OUTPUT: u32 = 1024;
+/// Default largest output cap a request may name.
+pub const DEFAULT_RESERVE_MAX_OUTPUT: u32 = 4096;
+/// Default charge for a part that is not text: about the most one image costs (Anthropic
+/// documents about 1,600 tokens for its largest image; OpenAI's high detail is less).
+pub const DEFAULT_PER_NON_TEXT_PART: u32 = 1600;
+/// Default largest request body read to reserve for it.
+pub const DEFAULT_RESERVE_MAX_BODY: u64 = 1024 * 1024;
+
+/// A token limit's `reserve:`: the upper bound a request reserves before it is forwarded.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReserveConfig {
+    /// Output tokens reserved when the request names no cap (`max_tokens`,
+    /// `max_completion_tokens`, `max_output_tokens`); 1024 by default.
+    #[serde(default = "default_reserve_output")]
+    pub default_output: Positive,
+    /// A request naming a larger output cap is refused (413); 4096 by default.
+    #[serde(default = "default_reserve_max_output")]
+    pub max_output: Positive,
+    /// Charged for each image, file, audio or document part (its tokens are not bounded by
+    /// its bytes); 1600 by default.
+    #[serde(default = "default_per_non_text_part")]
+    pub per_non_text_part: u32,
+    /// Charged once per request, for what the provider adds that is not in the body (a
+    /// system prompt of its own); 0 by default.
+    #[serde(default)]
+    pub per_request: u32,
+    /// Largest request body read to reserve for it (the body is read whole before the
+    /// decision); 1MiB by default. A larger body gets 413.
+    #[serde(default = "default_reserve_max_body")]
+    pub max_body: ByteSize,
+}
+
+/// A token limit's `settle:`: where the real count comes from.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SettleConfig {
+    /// `usage` (the JSON body's `usage`, or the usage events of a streamed answer; the
+    /// default) or `header` (a response header naming the tokens used).
+    #[serde(default)]
+    pub from: SettleFrom,
+    /// With `from: header`: the header's name.
+    pub header: Option<FieldName>,
+}
+
+/// Where a token limit's real count is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SettleFrom {
+    #[default]
+    Usage,
+    Header,
+}
+
+fn default_reserve_output() -> Positive {
+    Positive(DEFAULT_RESERVE_OUTPUT)
+}
+fn default_reserve_max_output() -> Positive {
+    Positive(DEFAULT_RESERVE_MAX_OUTPUT)
+}
+fn default_per_non_text_part() -> u32 {
+    DEFAULT_PER_NON_TEXT_PART
+}
+fn default_reserve_max_body() -> ByteSize {
+    ByteSize(DEFAULT_RESERVE_MAX_BODY)
 }
 
 impl LimitConfig {
     /// The algorithm this limit counts with, as the limiter names it.
     pub fn algorithm(&self) -> crate::limiter::Algorithm {
-        match (&self.quota, &self.algorithm) {
-            (Some(_), _) => crate::limiter::Algorithm::Calendar,
-            (None, Some(algorithm)) => algorithm.value.into(),
-            (None, None) => crate::limiter::Algorithm::default(),
+        match (&self.quota, &self.algorithm, &self.tokens) {
+            (Some(_), _, _) => crate::limiter::Algorithm::Calendar,
+            (None, Some(algorithm), _) => algorithm.value.into(),
+            (None, None, Some(_)) => crate::limiter::Algorithm::WeightedLog,
+            (None, None, None) => crate::limiter::Algorithm::default(),
         }
     }
 }

@@ -346,6 +346,9 @@ pub enum AlgorithmConfig {
     FixedWindow,
     /// A token bucket kept as one timestamp: O(1), exact, with bursts of `burst`.
     Gcra,
+    /// Exact like `sliding_log`, one entry per request weighted by its cost: the default of
+    /// a token budget, whose requests cost thousands of tokens each.
+    WeightedLog,
 }
 
 impl From<AlgorithmConfig> for Algorithm {
@@ -355,6 +358,7 @@ impl From<AlgorithmConfig> for Algorithm {
             AlgorithmConfig::SlidingWindow => Algorithm::SlidingWindow,
             AlgorithmConfig::FixedWindow => Algorithm::FixedWindow,
             AlgorithmConfig::Gcra => Algorithm::Gcra,
+            AlgorithmConfig::WeightedLog => Algorithm::WeightedLog,
         }
     }
 }

@@ -36,7 +36,7 @@ use crate::identity::{Claims, OnInvalid, Verifier, Verifiers};
 use crate::limiter::calendar::Quota;
 use crate::limiter::{Algorithm, Check, Spec};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
-use crate::ratelimit_field::{ceil_seconds, limit_items};
+use crate::ratelimit_field::{ceil_seconds, limit_items_in};
 use crate::tls::{UpstreamTls, UpstreamTlsSet};
 
 /// What a policy's routes and limits carry to count into: nothing once compiled
@@ -229,6 +229,9 @@ pub struct Limit<M: Metering = Metered> {
     pub quota: Option<Quota>,
     /// How client addresses are grouped in this limit's keys.
     pub client_prefix: ClientPrefix,
+    /// `tokens:`: the limit counts LLM tokens, reserved from the request body and settled
+    /// from the response; `None`: it counts requests.
+    pub tokens: Option<Box<crate::llm::TokenBudget>>,
     pub metrics: M::Limit,
 }
 
@@ -424,7 +427,14 @@ impl Compiled {
                     .limits
                     .into_iter()
                     .map(|limit| Limit {
-                        metrics: metrics.for_limit(route.name.as_str(), limit.name.as_str()),
+                        metrics: {
+                            let (route, name) = (route.name.as_str(), limit.name.as_str());
+                            let mut counters = metrics.for_limit(route, name);
+                            if limit.tokens.is_some() {
+                                counters.tokens = Some(metrics.for_token_limit(route, name));
+                            }
+                            counters
+                        },
                         name: limit.name,
                         key: limit.key,
                         spec: limit.spec,
@@ -433,6 +443,7 @@ impl Compiled {
                         when: limit.when,
                         quota: limit.quota,
                         client_prefix: limit.client_prefix,
+                        tokens: limit.tokens,
                     })
                     .collect();
                 Route {
@@ -495,12 +506,12 @@ pub fn rate_limit_policy<'a, M: Metering>(
     if limits.len() == 0 {
         return None;
     }
-    limit_items(limits.map(|limit| {
+    limit_items_in(limits.map(|limit| {
         let params = [
             ('q', u64::from(limit.spec.requests)),
             ('w', ceil_seconds(limit.spec.window)),
         ];
-        (&limit.name, params)
+        (&limit.name, params, limit.tokens.as_ref().map(|_| "tokens"))
     }))
 }
 
@@ -679,6 +690,7 @@ fn check_limits(
                 ),
             ));
         }
+        crate::llm::config::check(limit, file, &field)?;
         check_quota(limit, file, &field)?;
         check_cost(limit, file, &field)?;
         check_params(route, limit, file, &field)?;
@@ -873,7 +885,7 @@ fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Confi
     };
     let (most, what) = match (&limit.burst, limit.algorithm()) {
         (Some(burst), Algorithm::Gcra) => (burst.value.0, "burst"),
-        _ => (limit.requests.value.0, "requests"),
+        _ => (crate::llm::config::quota(limit), "requests"),
     };
     if cost.value.0 > most {
         return Err(ConfigError::invalid(
@@ -960,7 +972,7 @@ fn check_quota(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Conf
             format!(
                 "a limit has either a rolling `window` or a calendar `quota`, not both: remove \
                  `window` for {} requests per {period}",
-                limit.requests.value.0
+                crate::llm::config::quota(limit)
             ),
         );
     }
@@ -1039,7 +1051,7 @@ fn build_limits(
             key: limit.key.value.clone(),
             spec: Spec {
                 algorithm: limit.algorithm(),
-                requests: limit.requests.value.0,
+                requests: crate::llm::config::quota(limit),
                 window: match (&limit.window, quota_of(limit)) {
                     (Some(window), _) => window.0,
                     (None, Some(quota)) => quota.period.nominal(),
@@ -1048,15 +1060,17 @@ fn build_limits(
                 burst: limit
                     .burst
                     .as_ref()
-                    .map_or(limit.requests.value.0, |b| b.value.0),
+                    .map_or(crate::llm::config::quota(limit), |b| b.value.0),
                 cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
                 shadow: limit.shadow,
                 max_delay: match (delays(limit), &limit.max_delay) {
                     (true, Some(max_delay)) => max_delay.value.0,
                     _ => Duration::ZERO,
                 },
-                returnable: limit.count.is_some(),
+                // A token budget gives back what a request did not use.
+                returnable: limit.count.is_some() || limit.tokens.is_some(),
             },
+            tokens: crate::llm::config::budget(limit).map(Box::new),
             count: limit
                 .count
                 .as_ref()

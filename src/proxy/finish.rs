@@ -246,11 +246,23 @@ fn too_many_requests(
             retry_after,
         );
     }
+    let unit = match limit {
+        Some(limit) if limit.tokens.is_some() => "tokens",
+        _ => "requests",
+    };
     let limit = limit.map_or("", |limit| limit.name.as_str());
-    let detail = format!(
-        "route `{}`: limit `{limit}` is exhausted; retry in {retry_after} s",
-        route.name
-    );
+    let detail = if unit == "tokens" {
+        format!(
+            "route `{}`: limit `{limit}` has no room for this request's reserved tokens; retry \
+             in {retry_after} s",
+            route.name
+        )
+    } else {
+        format!(
+            "route `{}`: limit `{limit}` is exhausted; retry in {retry_after} s",
+            route.name
+        )
+    };
     response::problem_with(
         StatusCode::TOO_MANY_REQUESTS,
         &detail,
@@ -258,6 +270,7 @@ fn too_many_requests(
         [
             ("route", route.name.as_str().into()),
             ("limit", limit.into()),
+            ("unit", unit.into()),
             ("retry_after", retry_after.into()),
         ],
     )

@@ -23,7 +23,7 @@ use self::pool::Connector;
 pub use self::pool::UpstreamBody;
 
 use super::headers;
-use super::request_body::{BodyFault, BodyRefusals, RequestBody};
+use super::request_body::{BodyFault, BodyRefusals, ClientBody, RequestBody};
 use super::tunnel;
 use crate::metrics::UpstreamErrorKind;
 use crate::policy::{Route, Upstream};
@@ -103,7 +103,7 @@ impl UpstreamErrors {
 pub async fn forward(
     upstream: &Upstream,
     client: &UpstreamClient,
-    mut request: Request<Incoming>,
+    mut request: Request<ClientBody<Incoming>>,
     peer: SocketAddr,
     route: &Route,
     refusals: &Arc<BodyRefusals>,

@@ -24,6 +24,7 @@ mod request_id;
 mod route;
 mod settle;
 mod stop;
+mod tokens;
 mod tunnel;
 mod upstreams;
 
@@ -43,7 +44,7 @@ use self::finish::Finisher;
 use self::forward::{ForwardError, UpstreamClient};
 pub use self::head::{read as read_head, HeadLimits};
 pub use self::identify::identify;
-use self::request_body::BodyRefusals;
+use self::request_body::{BodyFault, BodyRefusals, ClientBody};
 use self::request_id::{RequestIds, X_REQUEST_ID};
 pub use self::route::{refuse, route};
 pub use self::stop::{Fault, Stop};
@@ -54,7 +55,8 @@ use crate::limiter::Store;
 use crate::log::RequestLog;
 use crate::metrics::{Metrics, Outcome};
 use crate::plan;
-use crate::policy::{Action, DirectResponse, Policy, Route, Upstream};
+use crate::policy::{Action, BodyPace, DirectResponse, Policy, Route, Upstream};
+use bytes::Bytes;
 
 /// The policy in force and the client of each upstream it forwards to: swapped together, in
 /// one step, on reload. A request holds an `Arc` of it from routing to its response, so it
@@ -176,12 +178,29 @@ impl Gateway {
             std::time::SystemTime::now(),
             &self.jwt_invalid,
         )?;
-        let plan = plan::plan_identified(&active.policy, route, &head, peer.ip(), claims.as_ref());
+        let mut plan =
+            plan::plan_identified(&active.policy, route, &head, peer.ip(), claims.as_ref());
+        // Boxed, like the token settlement below: only routes with a token budget take
+        // these steps, and inline their futures would make every request's as large.
+        let body = match tokens::read_limit(route, &plan) {
+            None => ClientBody::Streaming(body),
+            Some(limit) => {
+                Box::pin(tokens::read_body(
+                    route,
+                    limit,
+                    &mut head,
+                    body,
+                    &self.body_refusals,
+                ))
+                .await?
+            }
+        };
+        tokens::reserve(&mut plan, &body)?;
         decide::decide(&self.store, &self.finisher.log, route, plan, exchange).await?;
         if let Some(decided) = &exchange.decided {
             hold::hold(&self.store, route, decided).await?;
         }
-        let acted = self
+        let mut acted = self
             .act(active, route, Request::from_parts(head, body), peer)
             .await;
         if let Some(decided) = &exchange.decided {
@@ -190,6 +209,9 @@ impl Gateway {
                 Err(stop) => stop.status(),
             };
             settle::give_back_uncounted(&self.store, route, decided, status).await;
+            if route.limits.iter().any(|limit| limit.tokens.is_some()) {
+                acted = Box::pin(tokens::settle(&self.store, decided, acted)).await;
+            }
         }
         acted
     }
@@ -199,7 +221,7 @@ impl Gateway {
         &self,
         active: &Active,
         route: &Route,
-        request: Request<B>,
+        request: Request<ClientBody<B>>,
         peer: SocketAddr,
     ) -> Result<Answered, Stop> {
         let upstream = match &route.action {
@@ -240,24 +262,42 @@ pub trait ForwardBody: http_body::Body + Send + Sized + 'static {
     fn forward<'a>(
         upstream: &'a Upstream,
         client: &'a UpstreamClient,
-        request: Request<Self>,
+        request: Request<ClientBody<Self>>,
         peer: SocketAddr,
         route: &'a Route,
         refusals: &'a Arc<BodyRefusals>,
     ) -> impl Future<Output = Result<Response<ProxyBody>, ForwardError>> + Send + 'a;
+
+    /// Reads the body whole, within `limit` bytes and `pace` (a fault counted in
+    /// `refusals`), for a route that must see it before deciding.
+    fn read_whole(
+        self,
+        limit: u64,
+        pace: BodyPace,
+        refusals: Arc<BodyRefusals>,
+    ) -> impl Future<Output = Result<Bytes, BodyFault>> + Send;
 }
 
 impl ForwardBody for Incoming {
     async fn forward<'a>(
         upstream: &'a Upstream,
         client: &'a UpstreamClient,
-        request: Request<Incoming>,
+        request: Request<ClientBody<Incoming>>,
         peer: SocketAddr,
         route: &'a Route,
         refusals: &'a Arc<BodyRefusals>,
     ) -> Result<Response<ProxyBody>, ForwardError> {
         let response = forward::forward(upstream, client, request, peer, route, refusals).await?;
         Ok(response.map(ProxyBody::stream))
+    }
+
+    async fn read_whole(
+        self,
+        limit: u64,
+        pace: BodyPace,
+        refusals: Arc<BodyRefusals>,
+    ) -> Result<Bytes, BodyFault> {
+        request_body::read_whole(self, limit, pace, refusals).await
     }
 }
 

@@ -62,11 +62,25 @@ impl BodyRefusals {
     }
 }
 
+/// A client's body as the act phase gets it: still to stream, or already read whole (a route
+/// with a token budget reads it to reserve for it, and forwards exactly those bytes).
+pub enum ClientBody<B> {
+    Streaming(B),
+    Read(Bytes),
+}
+
+/// Where a forwarded body's bytes come from.
+enum Source {
+    Streaming(Incoming),
+    /// Read whole before the decision, within the route's bounds: sent as one frame.
+    Read(Option<Bytes>),
+}
+
 /// A client's request body on its way to the upstream, counted as it streams so that it can
 /// be cut at the route's `max_body` or when it falls behind the route's pace, and remembering
 /// a fault for the gateway to answer.
 pub struct RequestBody {
-    inner: Incoming,
+    inner: Source,
     limit: u64,
     received: u64,
     pace: BodyPace,
@@ -83,12 +97,16 @@ impl RequestBody {
     /// `limit`: the most bytes forwarded (`u64::MAX` for no limit). The returned cell is set
     /// if the body fails, and tells the gateway why the forward failed.
     pub fn new(
-        inner: Incoming,
+        inner: ClientBody<Incoming>,
         limit: u64,
         pace: BodyPace,
         refusals: Arc<BodyRefusals>,
     ) -> (RequestBody, Arc<OnceLock<BodyFault>>) {
         let fault = Arc::new(OnceLock::new());
+        let inner = match inner {
+            ClientBody::Streaming(incoming) => Source::Streaming(incoming),
+            ClientBody::Read(bytes) => Source::Read(Some(bytes).filter(|b| !b.is_empty())),
+        };
         let body = RequestBody {
             inner,
             limit,
@@ -135,8 +153,12 @@ impl Body for RequestBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyFault>>> {
         let this = self.get_mut();
+        let incoming = match &mut this.inner {
+            Source::Streaming(incoming) => incoming,
+            Source::Read(bytes) => return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+        };
         let started = *this.started.get_or_insert_with(Instant::now);
-        match Pin::new(&mut this.inner).poll_frame(cx) {
+        match Pin::new(incoming).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     this.received = this.received.saturating_add(data.len() as u64);
@@ -154,10 +176,34 @@ impl Body for RequestBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        match &self.inner {
+            Source::Streaming(incoming) => incoming.is_end_stream(),
+            Source::Read(bytes) => bytes.is_none(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match &self.inner {
+            Source::Streaming(incoming) => incoming.size_hint(),
+            Source::Read(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+        }
+    }
+}
+
+/// Reads a client's body whole, held to `limit` bytes and to `pace`, for a route that must
+/// see it before deciding (a token budget). A fault is counted, as when it streams.
+pub async fn read_whole(
+    body: Incoming,
+    limit: u64,
+    pace: BodyPace,
+    refusals: Arc<BodyRefusals>,
+) -> Result<Bytes, BodyFault> {
+    use http_body_util::BodyExt;
+    let (body, fault) = RequestBody::new(ClientBody::Streaming(body), limit, pace, refusals);
+    match body.collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(err) => Err(fault.get().copied().unwrap_or(err)),
     }
 }

@@ -52,14 +52,19 @@ pub enum Stop {
     Upstream { error: ForwardError, upstream: Name },
     /// sluice has no way to act on an admitted request.
     Internal(&'static str),
+    /// A token budget cannot reserve for the request's body (400), or the reservation can
+    /// never fit (413).
+    Unreservable { status: StatusCode, detail: String },
 }
 
 impl Stop {
     pub fn fault(&self) -> Fault {
         match self {
-            Stop::Refused { .. } | Stop::NoRoute | Stop::Body(_) | Stop::Unauthenticated(_) => {
-                Fault::Client
-            }
+            Stop::Refused { .. }
+            | Stop::NoRoute
+            | Stop::Body(_)
+            | Stop::Unauthenticated(_)
+            | Stop::Unreservable { .. } => Fault::Client,
             Stop::Limited | Stop::TooManyHeld { .. } => Fault::Limit,
             Stop::StoreUnavailable => Fault::Store,
             Stop::Upstream { .. } => Fault::Upstream,
@@ -69,7 +74,7 @@ impl Stop {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            Stop::Refused { status, .. } => *status,
+            Stop::Refused { status, .. } | Stop::Unreservable { status, .. } => *status,
             Stop::NoRoute => StatusCode::NOT_FOUND,
             Stop::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
             Stop::Body(BodyFault::TooLarge) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -110,7 +115,7 @@ impl Stop {
     /// `finish`, which holds the decision.
     pub fn detail(&self, route: Option<&Route>) -> String {
         match self {
-            Stop::Refused { detail, .. } => detail.clone(),
+            Stop::Refused { detail, .. } | Stop::Unreservable { detail, .. } => detail.clone(),
             Stop::NoRoute => "no route matches this request".to_owned(),
             Stop::Unauthenticated(invalid) => invalid.detail().to_owned(),
             Stop::Body(fault) => body_detail(*fault, route),

@@ -20,7 +20,7 @@ impl ForwardBody for Empty<Bytes> {
     async fn forward<'a>(
         _: &'a Upstream,
         _: &'a UpstreamClient,
-        _: Request<Self>,
+        _: Request<ClientBody<Self>>,
         _: SocketAddr,
         _: &'a Route,
         _: &'a Arc<BodyRefusals>,
@@ -28,6 +28,15 @@ impl ForwardBody for Empty<Bytes> {
         Err(ForwardError::Other(
             "no upstream in an in-process test".to_owned(),
         ))
+    }
+
+    async fn read_whole(
+        self,
+        _: u64,
+        _: BodyPace,
+        _: Arc<BodyRefusals>,
+    ) -> Result<Bytes, BodyFault> {
+        Ok(Bytes::new())
     }
 }
 

@@ -40,8 +40,19 @@ const MAX_WAITING: usize = 100_000;
 
 type Sender = SendRequest<Empty<Bytes>>;
 
+mod stream;
+
 fn main() -> ExitCode {
-    let args = match Args::parse(std::env::args().skip(1)) {
+    let mut argv = std::env::args().skip(1).peekable();
+    if let Some(mode) = argv
+        .peek()
+        .filter(|m| *m == "serve-sse" || *m == "stream")
+        .cloned()
+    {
+        argv.next();
+        return streamed(&mode, argv);
+    }
+    let args = match Args::parse(argv) {
         Ok(args) => args,
         Err(message) => {
             eprintln!("sluice-loadgen: {message}");
@@ -57,6 +68,69 @@ fn main() -> ExitCode {
             println!("{}", report.json());
             ExitCode::SUCCESS
         }
+        Err(message) => {
+            eprintln!("sluice-loadgen: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The streamed-token scenario's two modes (see `stream`).
+fn streamed(mode: &str, mut args: impl Iterator<Item = String>) -> ExitCode {
+    let mut flags = BTreeMap::new();
+    while let Some(flag) = args.next() {
+        match args.next() {
+            Some(value) => {
+                flags.insert(flag, value);
+            }
+            None => {
+                eprintln!("sluice-loadgen: {flag} needs a value");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let get = |name: &str, default: u64| -> Result<u64, String> {
+        flags.get(name).map_or(Ok(default), |v| number(name, v))
+    };
+    let result = (|| -> Result<Option<String>, String> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        if mode == "serve-sse" {
+            let settings = stream::Serve {
+                port: u16::try_from(get("--port", 0)?).map_err(|e| e.to_string())?,
+                events: get("--events", 200)? as u32,
+                event_bytes: get("--event-bytes", 64)? as usize,
+                interval: Duration::from_micros(get("--interval-us", 1000)?),
+                usage: get("--usage", 300)?,
+            };
+            runtime.block_on(stream::serve(settings))?;
+            return Ok(None);
+        }
+        let url = flags.get("--url").ok_or("--url is required")?;
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or("--url must start with http://")?;
+        let (authority, path) = match rest.find('/') {
+            Some(i) => (rest[..i].to_string(), rest[i..].to_string()),
+            None => (rest.to_string(), "/".to_string()),
+        };
+        let client = stream::Client {
+            authority,
+            path,
+            streams: get("--streams", 100)? as u32,
+            concurrency: get("--concurrency", 10)?.max(1) as u32,
+            max_tokens: get("--max-tokens", 1000)? as u32,
+        };
+        runtime.block_on(stream::run(client)).map(Some)
+    })();
+    match result {
+        Ok(Some(line)) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Ok(None) => ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("sluice-loadgen: {message}");
             ExitCode::FAILURE

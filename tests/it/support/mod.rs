@@ -17,6 +17,7 @@
 pub mod certs;
 pub mod cluster;
 pub mod grpc;
+pub mod llm_upstream;
 pub mod metrics;
 pub mod ratelimit_fields;
 pub mod redis_server;
@@ -27,6 +28,7 @@ pub mod websocket;
 pub mod wire;
 
 pub use cluster::*;
+pub use llm_upstream::{chat_body, LlmUpstream};
 pub use metrics::*;
 pub use ratelimit_fields::*;
 pub use redis_server::*;
