@@ -1332,6 +1332,9 @@ store: {redis_store(redis)}
 upstreams:
   llm: {{ url: "http://127.0.0.1:{up_port}", timeout: 60s }}
 routes:
+  - name: plain
+    match: {{ path_prefix: /plain }}
+    upstream: llm
   - name: chat
     match: {{ path_prefix: / }}
     upstream: llm
@@ -1371,8 +1374,9 @@ def token_streams(opts: Options, servers: Servers, state: Path, redis: Redis) ->
                            {"RUST_LOG": "warn"})
     wait_until("sluice-tokens", lambda: http_get(admin, "/readyz")[0] == 200, server)
 
-    def stream(to_port: int) -> dict:
-        argv = [str(LOADGEN_BIN), "stream", "--url", f"http://127.0.0.1:{to_port}/v1/chat",
+    def stream(to_port: int, prefix: str = "") -> dict:
+        argv = [str(LOADGEN_BIN), "stream", "--url",
+                f"http://127.0.0.1:{to_port}{prefix}/v1/chat",
                 "--streams", str(streams), "--concurrency", str(TOKEN_CONCURRENCY)]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         if out.returncode != 0 or not out.stdout.strip():
@@ -1385,6 +1389,10 @@ def token_streams(opts: Options, servers: Servers, state: Path, redis: Redis) ->
 
     result = {"streams": streams, "direct": stream(up_port)}
     pids = process_tree(server.popen.pid)
+    # The same streams on a route without a budget: what the budget itself costs.
+    cpu0 = cpu_seconds(pids)
+    result["plain"] = stream(port, "/plain")
+    result["plain_cpu_s"] = cpu_seconds(pids) - cpu0
     cpu0, settled0 = cpu_seconds(pids), tokens_settled(admin)
     result["sluice"] = stream(port)
     result["cpu_s"] = cpu_seconds(pids) - cpu0
@@ -1396,8 +1404,9 @@ def token_streams(opts: Options, servers: Servers, state: Path, redis: Redis) ->
 
 
 def token_streams_text(r: dict) -> str:
-    direct, through = r["direct"], r["sluice"]
+    direct, through, plain = r["direct"], r["sluice"], r["plain"]
     mb = through["bytes"] / 1e6
+    plain_mb = plain["bytes"] / 1e6
     overhead = through["delivery_p50_us"] - direct["delivery_p50_us"]
     return (
         f"{r['streams']} streamed answers of {TOKEN_EVENTS} events ({TOKEN_EVENT_BYTES} B of text "
@@ -1408,7 +1417,9 @@ def token_streams_text(r: dict) -> str:
         f"p99 {through['delivery_p99_us']} us: {overhead} us added at the median.\n"
         f"sluice's CPU: {r['cpu_s']:.2f} s for {mb:.1f} MB streamed, "
         f"{r['cpu_s'] / mb * 1000 if mb else 0:.0f} ms per MB (request handling, reservation and "
-        f"settlement included).\n"
+        f"settlement included); on a route without a budget, {r['plain_cpu_s']:.2f} s, "
+        f"{r['plain_cpu_s'] / plain_mb * 1000 if plain_mb else 0:.0f} ms per MB, and per event "
+        f"p50 {plain['delivery_p50_us']} us / p99 {plain['delivery_p99_us']} us.\n"
         f"Tokens settled: {r['settled']:,.0f} in {through['elapsed_s']:.1f} s, "
         f"{r['settled'] / through['elapsed_s']:,.0f} per second "
         f"({through['answers'] / through['elapsed_s']:,.0f} answers/s).")
