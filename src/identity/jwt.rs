@@ -8,6 +8,7 @@ use ring::{hmac, signature};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use super::base64url::base64url;
 use super::keys::{Key, Material};
 use super::{Claims, Invalid, Verifier};
 use crate::config::JwtAlgorithm;
@@ -142,67 +143,4 @@ fn check_claims(
         return Err(Invalid::Audience);
     }
     Ok(())
-}
-
-/// Decodes unpadded base64url (RFC 7515 §2); `None` on any other character, on padding,
-/// or on a length no encoding produces.
-pub fn base64url(text: &[u8]) -> Option<Vec<u8>> {
-    let value = |c: u8| -> Option<u32> {
-        Some(match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'-' => 62,
-            b'_' => 63,
-            _ => return None,
-        } as u32)
-    };
-    if text.len() % 4 == 1 {
-        return None;
-    }
-    let mut out = Vec::with_capacity(text.len() * 3 / 4);
-    for chunk in text.chunks(4) {
-        let mut bits = 0u32;
-        for &c in chunk {
-            bits = (bits << 6) | value(c)?;
-        }
-        let bytes = bits.to_be_bytes();
-        match chunk.len() {
-            4 => out.extend_from_slice(&bytes[1..4]),
-            // 18 bits: two bytes and two zero bits.
-            3 => {
-                if bits & 0x3 != 0 {
-                    return None;
-                }
-                out.extend_from_slice(&(bits >> 2).to_be_bytes()[2..4]);
-            }
-            // 12 bits: one byte and four zero bits.
-            _ => {
-                if bits & 0xF != 0 {
-                    return None;
-                }
-                out.push((bits >> 4) as u8);
-            }
-        }
-    }
-    Some(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn base64url_decodes_what_rfc_4648_encodes() {
-        assert_eq!(base64url(b"").as_deref(), Some(&b""[..]));
-        assert_eq!(base64url(b"Zg").as_deref(), Some(&b"f"[..]));
-        assert_eq!(base64url(b"Zm8").as_deref(), Some(&b"fo"[..]));
-        assert_eq!(base64url(b"Zm9v").as_deref(), Some(&b"foo"[..]));
-        assert_eq!(base64url(b"Zm9vYg").as_deref(), Some(&b"foob"[..]));
-        assert_eq!(base64url(b"-_8").as_deref(), Some(&[0xfb, 0xff][..]));
-        assert_eq!(base64url(b"Zm9v="), None, "padding");
-        assert_eq!(base64url(b"Zm+v"), None, "not the URL alphabet");
-        assert_eq!(base64url(b"Zh"), None, "non-zero trailing bits");
-        assert_eq!(base64url(b"Z"), None);
-    }
 }

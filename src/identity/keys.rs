@@ -325,7 +325,8 @@ fn jwk_key(jwk: &Value) -> Result<Key, String> {
     let text = |name: &str| jwk.get(name).and_then(Value::as_str);
     let bytes = |name: &str| -> Result<Vec<u8>, String> {
         let value = text(name).ok_or_else(|| format!("no `{name}`"))?;
-        super::jwt::base64url(value.as_bytes()).ok_or_else(|| format!("`{name}` is not base64url"))
+        super::base64url::base64url(value.as_bytes())
+            .ok_or_else(|| format!("`{name}` is not base64url"))
     };
     if text("use").is_some_and(|u| u != "sig") {
         return Err("a key whose `use` is not `sig`".to_owned());

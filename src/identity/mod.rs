@@ -7,6 +7,7 @@
 //! reload picks up a rotated key; verifying is a pure function of the token, the verifier and
 //! the time.
 
+mod base64url;
 mod jwt;
 mod keys;
 

@@ -1,9 +1,11 @@
 //! The gateway's request path, as a fixed sequence of phases, one file each:
 //! `head` (limits, canonical path, one reading of the request) → `route` → `identify` (the
 //! route's `jwt:`: a verified token's claims, or its `on_invalid`) → `plan` (`crate::plan`:
-//! client address and checks, claims included) → `decide` (one store call) → `hold`
+//! client address and checks, claims included) → on a route with a token budget, `tokens`
+//! (read the body, reserve its upper bound) → `decide` (one store call) → `hold`
 //! (`on_exceed: delay`) → act (`forward` to the upstream, or the route's direct response) →
-//! `settle` (give back what `count:` does not keep) → `finish`. A phase that cannot go on
+//! `settle` (give back what `count:` does not keep; a token budget settles to the usage its
+//! answer reports, in `tokens`) → `finish`. A phase that cannot go on
 //! returns a `Stop`; `finish` completes every answer, sluice's own and the upstream's, in one
 //! place, and counts every request once, by route and outcome.
 //!

@@ -87,17 +87,7 @@ for i = 1, #KEYS do
       end
       released = released + 1
     end
-  elseif algorithm == 'fixed_window' then
-    local count = tonumber(redis.call('GET', key) or '0')
-    if count > 0 then
-      if count > back then
-        redis.call('DECRBY', key, back)
-      else
-        redis.call('DEL', key)
-      end
-      released = released + 1
-    end
-  elseif algorithm == 'calendar' then
+  elseif algorithm == 'fixed_window' or algorithm == 'calendar' then
     local count = tonumber(redis.call('GET', key) or '0')
     if count > 0 then
       if count > back then
