@@ -80,7 +80,8 @@ echo "== Grafana dashboard" >&2
 echo "== sluice policies" >&2
 policies=$(mktemp -d)
 trap 'rm -rf "$policies"' EXIT
-cp config/*.yaml deploy/sluice.container.yaml "$policies/"
+# With the key files the policies name beside them (public-api.yaml's JWK set).
+cp config/*.yaml config/*.jwks.json deploy/sluice.container.yaml "$policies/"
 # The policies inside the ConfigMaps, and the README's complete examples (a YAML block with
 # top-level `listen:` and `routes:`), each written out as a file of its own.
 "$tools/bin/python" - "$policies" "${manifests[@]}" <<'PY'
