@@ -17,7 +17,7 @@ use crate::config::{ConfigError, KeyPart};
 use crate::keys::{self, RequestParts};
 use crate::metrics::Metrics;
 use crate::plan;
-use crate::policy::Action;
+use crate::policy::{Action, Route};
 use crate::proxy::{self, HeadLimits};
 
 /// The request to explain, as given on the command line.
@@ -76,7 +76,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     // The gateway's own phases, up to the decision: what is refused here is refused there.
     let head_limits = HeadLimits::new(&source.config.server);
     if let Err(stop) = proxy::read_head(&mut head, &head_limits, &policy) {
-        let _ = writeln!(out, "refused:    {}: {}", stop.status(), stop.detail(None));
+        write_refusal(&mut out, &stop, None);
         return Ok(out);
     }
     let canonical = head.uri.path();
@@ -98,12 +98,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         route.name
     );
     if let Err(stop) = proxy::refuse(route, &head, 0) {
-        let _ = writeln!(
-            out,
-            "refused:    {}: {}",
-            stop.status(),
-            stop.detail(Some(route))
-        );
+        write_refusal(&mut out, &stop, Some(route));
         return Ok(out);
     }
     match &route.action {
@@ -137,12 +132,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     ) {
         Ok(claims) => claims,
         Err(stop) => {
-            let _ = writeln!(
-                out,
-                "refused:    {}: {}",
-                stop.status(),
-                stop.detail(Some(route))
-            );
+            write_refusal(&mut out, &stop, Some(route));
             return Ok(out);
         }
     };
@@ -294,6 +284,11 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         route.on_store_error.label()
     );
     Ok(out)
+}
+
+/// The line for a request a phase refused: what the gateway would answer instead.
+fn write_refusal(out: &mut String, stop: &proxy::Stop, route: Option<&Route>) {
+    let _ = writeln!(out, "refused:    {}: {}", stop.status(), stop.detail(route));
 }
 
 fn parse_headers(lines: &[String]) -> Result<HeaderMap, ExplainError> {
