@@ -537,6 +537,13 @@ fn default_reserve_max_body() -> ByteSize {
 }
 
 impl LimitConfig {
+    /// `on_exceed: delay`, where it is written, if the limit says so.
+    pub fn delay(&self) -> Option<&Spanned<OnExceed>> {
+        self.on_exceed
+            .as_ref()
+            .filter(|o| o.value == OnExceed::Delay)
+    }
+
     /// The algorithm this limit counts with, as the limiter names it.
     pub fn algorithm(&self) -> crate::limiter::Algorithm {
         match (&self.quota, &self.algorithm, &self.tokens) {

@@ -6,8 +6,7 @@ use std::path::Path;
 
 use super::{settles_exactly, Reserve, Settle, TokenBudget, MAX_SLIDING_LOG_TOKENS};
 use crate::config::{
-    ConfigError, LimitConfig, OnExceed, Position, ReserveConfig, SettleFrom,
-    DEFAULT_PER_NON_TEXT_PART,
+    ConfigError, LimitConfig, Position, ReserveConfig, SettleFrom, DEFAULT_PER_NON_TEXT_PART,
 };
 use crate::config::{DEFAULT_RESERVE_MAX_BODY, DEFAULT_RESERVE_MAX_OUTPUT, DEFAULT_RESERVE_OUTPUT};
 use crate::limiter::Algorithm;
@@ -96,11 +95,7 @@ pub fn check(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Config
             "a token budget's cost is its reservation (`reserve:`), not a fixed `cost:`".to_owned(),
         );
     }
-    if let Some(on_exceed) = limit
-        .on_exceed
-        .as_ref()
-        .filter(|o| o.value == OnExceed::Delay)
-    {
+    if let Some(on_exceed) = limit.delay() {
         return refuse(
             Position::from(on_exceed),
             "on_exceed",

@@ -28,9 +28,9 @@ pub use self::condition::{Condition, HeaderTest};
 pub use self::fields::Field;
 pub use self::matcher::Matcher;
 use crate::config::{
-    Config, ConfigError, ForwardedHeader, IpNet, KeyPart, LimitConfig, Name, OnExceed,
-    OnStoreError, Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_IPV4_PREFIX,
-    DEFAULT_IPV6_PREFIX, DEFAULT_MAX_DELAYED, MAX_MAX_DELAY_MS,
+    Config, ConfigError, ForwardedHeader, IpNet, KeyPart, LimitConfig, Name, OnStoreError,
+    Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_IPV4_PREFIX, DEFAULT_IPV6_PREFIX,
+    DEFAULT_MAX_DELAYED, MAX_MAX_DELAY_MS,
 };
 use crate::identity::{Claims, OnInvalid, Verifier, Verifiers};
 use crate::limiter::calendar::Quota;
@@ -720,10 +720,7 @@ fn check_limits(
 }
 
 fn delays(limit: &LimitConfig) -> bool {
-    limit
-        .on_exceed
-        .as_ref()
-        .is_some_and(|o| o.value == OnExceed::Delay)
+    limit.delay().is_some()
 }
 
 /// `on_exceed`, `max_delay` and `count`: what each needs and what it cannot go with.
@@ -736,11 +733,7 @@ fn check_shaping(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Co
             message,
         ))
     };
-    if let Some(on_exceed) = limit
-        .on_exceed
-        .as_ref()
-        .filter(|o| o.value == OnExceed::Delay)
-    {
+    if let Some(on_exceed) = limit.delay() {
         let at = Position::from(on_exceed);
         if !matches!(limit.algorithm(), Algorithm::SlidingLog | Algorithm::Gcra) {
             return refuse(
@@ -992,11 +985,7 @@ fn check_quota(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Conf
             "`burst` applies to `algorithm: gcra` only, not to a calendar `quota`".to_owned(),
         );
     }
-    if let Some(on_exceed) = limit
-        .on_exceed
-        .as_ref()
-        .filter(|o| o.value == OnExceed::Delay)
-    {
+    if let Some(on_exceed) = limit.delay() {
         return refuse(
             Position::from(on_exceed),
             "on_exceed",
