@@ -62,4 +62,39 @@ mod tests {
         assert_eq!(base64url(b"Zh"), None, "non-zero trailing bits");
         assert_eq!(base64url(b"Z"), None);
     }
+
+    /// The RFC 4648 §5 encoding, unpadded, written plainly for the property below.
+    fn encode(bytes: &[u8]) -> String {
+        const ALPHABET: &[u8; 64] =
+            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+        let mut out = String::new();
+        for chunk in bytes.chunks(3) {
+            let mut bits = 0u32;
+            for (i, &b) in chunk.iter().enumerate() {
+                bits |= u32::from(b) << (16 - 8 * i);
+            }
+            for i in 0..=chunk.len() {
+                out.push(ALPHABET[((bits >> (18 - 6 * i)) & 63) as usize] as char);
+            }
+        }
+        out
+    }
+
+    proptest::proptest! {
+        /// Whatever a client sends as a token part: every encoding decodes back to its bytes,
+        /// and a text with a character outside the URL alphabet (padding, `+`, `/`, spaces,
+        /// anything non-ASCII) is refused, never decoded to something.
+        #[test]
+        fn decodes_every_encoding_and_refuses_every_other_character(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..64),
+            noise in "[^A-Za-z0-9_-]",
+            at in 0usize..100,
+        ) {
+            let text = encode(&bytes);
+            proptest::prop_assert_eq!(base64url(text.as_bytes()), Some(bytes));
+            let mut spoiled = text.clone();
+            spoiled.insert_str(at.min(text.len()), &noise);
+            proptest::prop_assert_eq!(base64url(spoiled.as_bytes()), None);
+        }
+    }
 }
