@@ -19,7 +19,7 @@ use crate::identity::Verifiers;
 use crate::limiter::{RedisStore, Store, StoreError};
 use crate::metrics::Metrics;
 use crate::policy::Compiled;
-use crate::proxy::{self, Gateway};
+use crate::proxy::Gateway;
 use crate::reload::{Reloader, Versions};
 use crate::server;
 use crate::tls::{ListenerTls, UpstreamTlsSet};
@@ -215,12 +215,11 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         "sluice is serving"
     );
 
-    let head_limits = proxy::HeadLimits::new(&config.server);
     let settings = server::Settings::new(&config.server);
     let open = |listener: &str| metrics.open_connections.with_label_values(&[listener]);
     let (gateway_open, admin_open) = (open("gateway"), open("admin"));
     let worker_connections = metrics.worker_connections.clone();
-    let gateway = Arc::new(Gateway::new(policy, store, head_limits, &metrics));
+    let gateway = Arc::new(Gateway::new(policy, store, &config.server, &metrics));
     let request_log = gateway.request_log();
     let draining = Arc::new(AtomicBool::new(false));
     let (stop, stopping) = watch::channel(false);

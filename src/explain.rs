@@ -168,6 +168,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         uri: &head.uri,
         headers: &head.headers,
         client_ip,
+        model: None,
     };
     let cluster = source
         .config

@@ -41,6 +41,9 @@ pub struct RequestParts<'a> {
     /// The claims of the request's verified token; `None` without one (no `jwt:` on the
     /// route, or an `on_invalid: anonymous` route's missing or invalid token).
     pub claims: Option<&'a Claims>,
+    /// The `model` of the request's JSON body, normalised (`crate::model`); `None` before the
+    /// body is read, or when it names none.
+    pub model: Option<&'a str>,
 }
 
 /// The client's address: `peer`, or when `peer` is a trusted proxy, the rightmost address of
@@ -189,6 +192,7 @@ pub fn part_label(part: &KeyPart) -> Cow<'static, str> {
         KeyPart::Param(name) => Cow::Owned(format!("param:{name}=")),
         KeyPart::Path => Cow::Borrowed("p="),
         KeyPart::Jwt(claim) => Cow::Owned(format!("jwt:{claim}=")),
+        KeyPart::Model => Cow::Borrowed("model="),
     }
 }
 
@@ -245,6 +249,7 @@ fn present(part: &KeyPart, request: &RequestParts<'_>) -> bool {
         KeyPart::Jwt(claim) => request
             .claims
             .is_some_and(|claims| claims.text(claim).is_some()),
+        KeyPart::Model => request.model.is_some(),
     }
 }
 
@@ -315,6 +320,10 @@ fn push_part(
             let _ = write!(key, "jwt:{claim}=");
             let value = request.claims.and_then(|claims| claims.text(claim));
             push_values(key, &[value.as_ref().map_or("", |v| v.as_str())]);
+        }
+        KeyPart::Model => {
+            key.push_str("model=");
+            push_values(key, &[request.model.unwrap_or_default()]);
         }
     }
 }
@@ -477,6 +486,7 @@ pub(crate) mod tests {
             headers,
             client_ip: IP,
             claims: None,
+            model: None,
         };
         let matcher = Matcher::new(&crate::config::MatchConfig {
             path_prefix: crate::config::PathPrefix("/".to_owned()),
@@ -750,6 +760,7 @@ pub(crate) mod tests {
             headers: &headers,
             client_ip: ip.parse().unwrap(),
             claims: None,
+            model: None,
         };
         let matcher = Matcher::new(&crate::config::MatchConfig {
             path_prefix: crate::config::PathPrefix("/".to_owned()),

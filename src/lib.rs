@@ -29,6 +29,7 @@ pub mod limiter;
 pub mod llm;
 pub mod log;
 pub mod metrics;
+pub mod model;
 pub mod one_request;
 pub mod path;
 pub mod plan;

@@ -89,10 +89,18 @@ pub enum Refusal {
     ConnectionField,
     /// A standard method spelled in another case, `post` for `POST` (400).
     MethodSpelling,
+    /// The process's `server.token_body_budget` of bytes held by bodies read whole is spent
+    /// (503).
+    BodyBudget,
+    /// The HTTP/2 connection already reads `server.token_bodies_per_connection` bodies whole
+    /// (503).
+    BodyStreams,
+    /// A WebSocket upgrade on a route with a token budget, whose messages nothing counts (501).
+    TokenUpgrade,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 10] = [
+    pub const ALL: [Refusal; 13] = [
         Refusal::RequestLine,
         Refusal::HeaderCount,
         Refusal::HeaderBytes,
@@ -103,6 +111,9 @@ impl Refusal {
         Refusal::RepeatedField,
         Refusal::ConnectionField,
         Refusal::MethodSpelling,
+        Refusal::BodyBudget,
+        Refusal::BodyStreams,
+        Refusal::TokenUpgrade,
     ];
 
     pub fn label(self) -> &'static str {
@@ -117,6 +128,9 @@ impl Refusal {
             Refusal::RepeatedField => "repeated_field",
             Refusal::ConnectionField => "connection_field",
             Refusal::MethodSpelling => "method_spelling",
+            Refusal::BodyBudget => "body_budget",
+            Refusal::BodyStreams => "body_streams",
+            Refusal::TokenUpgrade => "token_upgrade",
         }
     }
 }
@@ -285,7 +299,7 @@ impl Metrics {
         let refused = IntCounterVec::new(
             Opts::new(
                 "sluice_refused_requests_total",
-                "Requests sluice refused itself, by reason (request_line, header_count, header_bytes, path, body_malformed, body_too_large, body_slow, repeated_field, connection_field, method_spelling).",
+                "Requests sluice refused itself, by reason (request_line, header_count, header_bytes, path, body_malformed, body_too_large, body_slow, repeated_field, connection_field, method_spelling, body_budget, body_streams, token_upgrade).",
             ),
             &["reason"],
         )?;

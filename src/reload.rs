@@ -112,6 +112,14 @@ impl RestartOnly {
             ("shutdown_delay", old.shutdown_delay == now.shutdown_delay),
             ("shutdown_grace", old.shutdown_grace == now.shutdown_grace),
             ("workers", old.workers == now.workers),
+            (
+                "token_body_budget",
+                old.token_body_budget == now.token_body_budget,
+            ),
+            (
+                "token_bodies_per_connection",
+                old.token_bodies_per_connection == now.token_bodies_per_connection,
+            ),
         ];
         let (old, now) = (&self.store, &new.store);
         let store = [

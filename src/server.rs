@@ -226,10 +226,16 @@ pub async fn serve<H, F, B>(
                 open: open.clone(),
             }),
         };
+        // The streams of this connection reading a body whole (HTTP/2 only: an HTTP/1.1
+        // connection reads one request at a time).
+        let readers = crate::proxy::ConnectionReaders::default();
         let service = {
             let first_request = Arc::clone(&first_request);
             service_fn(move |mut request: Request<Incoming>| {
                 first_request.store(true, Ordering::Relaxed);
+                if request.version() == http::Version::HTTP_2 {
+                    request.extensions_mut().insert(readers.clone());
+                }
                 if over_tls {
                     request.extensions_mut().insert(crate::tls::ClientTls);
                 }

@@ -68,6 +68,7 @@ impl NamedIdentity {
                 "method" => named.parts.push((KeyPart::Method, value)),
                 "host" => named.parts.push((KeyPart::Host, value)),
                 "path" => named.parts.push((KeyPart::Path, value)),
+                "model" => named.parts.push((KeyPart::Model, value)),
                 _ => {
                     let part = if let Some(header) = suffix_of("header") {
                         let header = HeaderName::from_bytes(header.as_bytes())
@@ -87,7 +88,7 @@ impl NamedIdentity {
                     } else {
                         return Err(format!(
                             "unknown parameter `{name}`: use key=, or client_ip=, header.NAME=, \
-                             query.NAME=, cookie.NAME=, jwt.CLAIM=, method=, host=, path="
+                             query.NAME=, cookie.NAME=, jwt.CLAIM=, method=, host=, path=, model="
                         ));
                     };
                     named.parts.push((part, value));
@@ -146,6 +147,7 @@ fn from_parts(
     // A verified token's claims, as the operator names them: the key the gateway would
     // build for a request whose token carries them.
     let mut claims = serde_json::Map::new();
+    let mut model = None;
     for (part, value) in &named.parts {
         if !limit.key.contains(part) {
             return Err(format!("{shape}: it has no {}", part));
@@ -192,6 +194,10 @@ fn from_parts(
                     std::str::from_utf8(value).map_err(|_| format!("jwt:{claim}: not UTF-8"))?;
                 claims.insert(claim.clone(), serde_json::Value::from(text));
             }
+            KeyPart::Model => {
+                let text = std::str::from_utf8(value).map_err(|_| "model: not UTF-8".to_owned())?;
+                model = Some(crate::model::normalise(text));
+            }
             KeyPart::ClientIp | KeyPart::Param(_) => {}
         }
     }
@@ -232,6 +238,7 @@ fn from_parts(
         headers: &headers,
         client_ip: named.client_ip.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
         claims: Some(&claims),
+        model: model.as_deref(),
     };
     if named.client_ip.is_none() {
         if let Some(missing) = keys::missing_part(limit, &request) {

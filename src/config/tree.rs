@@ -49,6 +49,11 @@ pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 60_000;
 pub const DEFAULT_BODY_MIN_RATE: u64 = 1024;
 /// Default time a request body may arrive at any rate before `body_min_rate` applies.
 pub const DEFAULT_BODY_RATE_GRACE_MS: u64 = 10_000;
+/// Default most bytes of request bodies held whole at once, across the process: token routes
+/// read a body before deciding, and this is what a crowd of bodies that never end can pin.
+pub const DEFAULT_TOKEN_BODY_BUDGET: u64 = 64 * 1024 * 1024;
+/// Default most streams of one HTTP/2 connection reading a body whole at once.
+pub const DEFAULT_TOKEN_BODIES_PER_CONNECTION: u32 = 32;
 /// Default time requests in flight get to finish once the listeners have closed.
 pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 10_000;
 /// Default most keys the in-process store tracks; past it, the least recently used goes.
@@ -140,6 +145,18 @@ pub struct ServerConfig {
     /// connections: `auto` (the default) is one per available core.
     #[serde(default)]
     pub workers: Workers,
+    /// The most bytes of request bodies held whole at once across the process (a route with a
+    /// token budget reads its body before deciding); past it, a request is refused with 503.
+    #[serde(default = "default_token_body_budget")]
+    #[serde(deserialize_with = "bytes_within::<65_536, 68_719_476_736, _>")]
+    #[schemars(schema_with = "schema::bytes_within::<65_536, 68_719_476_736>")]
+    pub token_body_budget: ByteSize,
+    /// The most streams of one HTTP/2 connection reading a body whole at once; past it, the
+    /// stream is refused with 503.
+    #[serde(default = "default_token_bodies_per_connection")]
+    #[serde(deserialize_with = "count_within::<1, 10_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1, 10_000>")]
+    pub token_bodies_per_connection: Positive,
 }
 
 /// `server.workers`: `auto` or a count from 1 to [`Workers::MAX`].
@@ -211,6 +228,8 @@ impl Default for ServerConfig {
             shutdown_delay: None,
             shutdown_grace: default_shutdown_grace(),
             workers: Workers::Auto,
+            token_body_budget: default_token_body_budget(),
+            token_bodies_per_connection: default_token_bodies_per_connection(),
         }
     }
 }
@@ -597,6 +616,10 @@ pub struct ConditionConfig {
     /// A claim of the route's verified JWT (with `equals`, `one_of` or `present`); never
     /// holds without a valid token.
     pub jwt: Option<String>,
+    /// The `model` the JSON request body names is one of these (an exact name, or a prefix
+    /// ending in `*`), compared after both are normalised (`crate::model`); only on a token
+    /// limit.
+    pub model: Option<Vec<String>>,
 }
 
 /// One verifier of JSON Web Tokens: whose tokens (`issuer`), for whom (`audiences`), and
@@ -712,6 +735,12 @@ fn default_body_min_rate() -> ByteSize {
 }
 fn default_body_rate_grace() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_BODY_RATE_GRACE_MS))
+}
+fn default_token_body_budget() -> ByteSize {
+    ByteSize(DEFAULT_TOKEN_BODY_BUDGET)
+}
+fn default_token_bodies_per_connection() -> Positive {
+    Positive(DEFAULT_TOKEN_BODIES_PER_CONNECTION)
 }
 fn default_shutdown_grace() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_SHUTDOWN_GRACE_MS))

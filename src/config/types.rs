@@ -182,6 +182,9 @@ pub enum KeyPart {
     /// A claim of the request's verified JWT (the route's `jwt:` verifier); absent, or the
     /// token missing or invalid on an `on_invalid: anonymous` route → the client IP.
     Jwt(String),
+    /// The `model` the JSON request body names, normalised (`crate::model`): only on a
+    /// token limit, whose body is read before the decision anyway; absent → the client IP.
+    Model,
 }
 
 /// As written in the policy file (`FromStr` reads it back).
@@ -197,6 +200,7 @@ impl fmt::Display for KeyPart {
             KeyPart::Path => f.write_str("path"),
             KeyPart::Param(name) => write!(f, "param:{name}"),
             KeyPart::Jwt(claim) => write!(f, "jwt:{claim}"),
+            KeyPart::Model => f.write_str("model"),
         }
     }
 }
@@ -221,6 +225,7 @@ impl FromStr for KeyPart {
             "method" => return Ok(KeyPart::Method),
             "host" => return Ok(KeyPart::Host),
             "path" => return Ok(KeyPart::Path),
+            "model" => return Ok(KeyPart::Model),
             _ => {}
         }
         if let Some(name) = text.strip_prefix("header:") {
@@ -239,7 +244,7 @@ impl FromStr for KeyPart {
             return named("claim", name).map(KeyPart::Jwt);
         }
         Err(format!(
-            "expected a key part `client_ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `param:NAME`, `jwt:CLAIM`, `method`, `host` or `path`, got `{text}`"
+            "expected a key part `client_ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `param:NAME`, `jwt:CLAIM`, `method`, `host`, `path` or `model`, got `{text}`"
         ))
     }
 }

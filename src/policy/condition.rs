@@ -28,6 +28,9 @@ pub enum Condition {
         claim: String,
         test: HeaderTest,
     },
+    /// The JSON body's `model`, normalised, matches one of these (`crate::model`). Read only
+    /// once the body is (a token limit's); never holds for a body that names no model.
+    Model(Vec<crate::model::Pattern>),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,14 +42,24 @@ pub enum HeaderTest {
 }
 
 impl Condition {
+    /// Whether it reads the request body (only a token limit's may).
+    pub fn reads_body(&self) -> bool {
+        matches!(self, Condition::Model(_))
+    }
+
+    /// `model`: the body's, normalised; `None` when the body was not read or names none.
     pub fn holds(
         &self,
         method: &Method,
         uri: &Uri,
         headers: &HeaderMap,
         claims: Option<&Claims>,
+        model: Option<&str>,
     ) -> bool {
         match self {
+            Condition::Model(patterns) => {
+                model.is_some_and(|model| patterns.iter().any(|p| p.matches(model)))
+            }
             Condition::Claim { claim, test } => {
                 let value = claims.and_then(|claims| claims.text(claim));
                 match test {
@@ -91,10 +104,11 @@ impl Condition {
             config.header.is_some(),
             config.method.is_some(),
             config.host.is_some(),
+            config.model.is_some(),
         ];
         if kinds.iter().filter(|given| **given).count() != 1 {
             return Err(invalid(
-                "a condition names exactly one of `header`, `jwt`, `method` or `host`",
+                "a condition names exactly one of `header`, `jwt`, `method`, `host` or `model`",
             ));
         }
         let named = config.header.as_ref().map(|h| Ok(h.0.clone()));
@@ -123,6 +137,17 @@ impl Condition {
             return Err(invalid(
                 "`equals`, `one_of` and `present` go with `header` or `jwt`",
             ));
+        }
+        if let Some(models) = &config.model {
+            if models.is_empty() {
+                return Err(invalid("`model` lists at least one model"));
+            }
+            let patterns = models
+                .iter()
+                .map(|text| crate::model::Pattern::parse(text))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|err| invalid(&err))?;
+            return Ok(Condition::Model(patterns));
         }
         if let Some(methods) = &config.method {
             return Ok(Condition::Method(super::matcher::with_head(
@@ -169,7 +194,7 @@ mod tests {
                 HeaderValue::from_str(value).unwrap(),
             );
         }
-        condition.holds(&Method::GET, &"/".parse().unwrap(), &map, None)
+        condition.holds(&Method::GET, &"/".parse().unwrap(), &map, None, None)
     }
 
     #[test]
@@ -204,7 +229,7 @@ mod tests {
         let at = |claims: Option<&Claims>| {
             let mut headers = HeaderMap::new();
             headers.insert("plan", HeaderValue::from_static("paid"));
-            paid.holds(&Method::GET, &"/".parse().unwrap(), &headers, claims)
+            paid.holds(&Method::GET, &"/".parse().unwrap(), &headers, claims, None)
         };
         assert!(at(Some(&claims("paid".into()))));
         assert!(at(Some(&claims(7.into()))), "a number is its decimal text");
@@ -218,12 +243,13 @@ mod tests {
             test: HeaderTest::Present(false),
         };
         let empty = HeaderMap::new();
-        assert!(absent.holds(&Method::GET, &"/".parse().unwrap(), &empty, None));
+        assert!(absent.holds(&Method::GET, &"/".parse().unwrap(), &empty, None, None));
         assert!(!absent.holds(
             &Method::GET,
             &"/".parse().unwrap(),
             &empty,
-            Some(&claims("x".into()))
+            Some(&claims("x".into())),
+            None
         ));
     }
 
@@ -234,5 +260,21 @@ mod tests {
         assert!(!holds(&host, &[("host", "other.example")]));
         assert_eq!(strip_port("[::1]:80"), "[::1]");
         assert_eq!(strip_port("[::1]"), "[::1]");
+    }
+
+    #[test]
+    fn model_tests_read_the_normalised_body_model() {
+        let large = Condition::Model(vec![
+            crate::model::Pattern::parse("gpt-4o").unwrap(),
+            crate::model::Pattern::parse("gpt-4o-20*").unwrap(),
+        ]);
+        let at = |model: Option<&str>| {
+            large.holds(&Method::POST, &"/".parse().unwrap(), &HeaderMap::new(), None, model)
+        };
+        assert!(at(Some("gpt-4o")));
+        assert!(at(Some("gpt-4o-2024-08-06")));
+        assert!(!at(Some("gpt-4o-mini")));
+        assert!(!at(None), "no body model, no match");
+        assert!(large.reads_body());
     }
 }

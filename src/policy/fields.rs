@@ -51,14 +51,16 @@ pub fn read_by<M: Metering>(limits: &[Limit<M>]) -> Vec<Field> {
                 | KeyPart::Method
                 | KeyPart::Path
                 | KeyPart::Param(_)
-                | KeyPart::Jwt(_) => {}
+                | KeyPart::Jwt(_)
+                // The body's, read once (`crate::model`).
+                | KeyPart::Model => {}
             }
         }
         for condition in &limit.when {
             match condition {
                 Condition::Header { name, .. } => add(Field::Header(name.clone())),
                 Condition::Host(_) => add(Field::Header(HOST)),
-                Condition::Method(_) | Condition::Claim { .. } => {}
+                Condition::Method(_) | Condition::Claim { .. } | Condition::Model(_) => {}
             }
         }
     }

@@ -260,17 +260,39 @@ impl<M: Metering> Limit<M> {
             .is_none_or(|statuses| statuses.iter().any(|s| s.matches(status)))
     }
 
-    /// Whether this limit applies to the request.
+    /// Whether this limit applies to the request; `model`: its body's (`crate::model`), or
+    /// `None` when the body was not read or names none.
     pub fn applies(
         &self,
         method: &Method,
         uri: &http::Uri,
         headers: &http::HeaderMap,
         claims: Option<&Claims>,
+        model: Option<&str>,
     ) -> bool {
         self.when
             .iter()
-            .all(|condition| condition.holds(method, uri, headers, claims))
+            .all(|condition| condition.holds(method, uri, headers, claims, model))
+    }
+
+    /// Whether its key or a condition reads the request body's `model` (a token limit's
+    /// only): such a limit is planned once the body is read.
+    pub fn reads_body(&self) -> bool {
+        self.key.contains(&KeyPart::Model) || self.when.iter().any(Condition::reads_body)
+    }
+
+    /// Whether the conditions that read the head hold (those that read the body are left
+    /// for when it is read).
+    pub fn applies_to_head(
+        &self,
+        method: &Method,
+        uri: &http::Uri,
+        headers: &http::HeaderMap,
+        claims: Option<&Claims>,
+    ) -> bool {
+        self.when.iter().all(|condition| {
+            condition.reads_body() || condition.holds(method, uri, headers, claims, None)
+        })
     }
 }
 
@@ -696,6 +718,7 @@ fn check_limits(
         check_params(route, limit, file, &field)?;
         check_shaping(limit, file, &field)?;
         check_prefixes(limit, file, &field)?;
+        check_model(limit, file, &field)?;
         let when = limit
             .when
             .iter()
@@ -717,6 +740,39 @@ fn check_limits(
         }
     }
     Ok(conditions)
+}
+
+/// A `model` key part or condition reads the request body: only a token limit's, whose body
+/// is read before the decision anyway. (Any other limit would make every request of its route
+/// wait for its whole body.)
+fn check_model(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
+    if limit.tokens.is_some() {
+        return Ok(());
+    }
+    let why = "reads the JSON body's `model`, which only a token limit (`tokens:`) reads: its \
+               body is read before the decision anyway";
+    if let Some(at) = limit.key.value.iter().position(|p| *p == KeyPart::Model) {
+        return Err(ConfigError::invalid(
+            file,
+            Position::from(&limit.key),
+            format!("{field}.key[{at}]"),
+            format!("the key part `model` {why}"),
+        ));
+    }
+    if let Some((at, when)) = limit
+        .when
+        .iter()
+        .enumerate()
+        .find(|(_, when)| when.value.model.is_some())
+    {
+        return Err(ConfigError::invalid(
+            file,
+            Position::from(when),
+            format!("{field}.when[{at}].model"),
+            format!("a `model` condition {why}"),
+        ));
+    }
+    Ok(())
 }
 
 fn delays(limit: &LimitConfig) -> bool {

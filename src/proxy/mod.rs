@@ -13,6 +13,7 @@
 //! one (`Gateway::install`) with the clients of its upstreams from a registry that outlives
 //! reloads (`upstreams`).
 
+mod body_budget;
 mod decide;
 mod finish;
 mod forward;
@@ -46,7 +47,8 @@ use self::finish::Finisher;
 use self::forward::{ForwardError, UpstreamClient};
 pub use self::head::{read as read_head, HeadLimits};
 pub use self::identify::identify;
-use self::request_body::{BodyFault, BodyRefusals, ClientBody};
+pub use self::body_budget::ConnectionReaders;
+use self::request_body::{BodyFault, BodyRefusals, ClientBody, ReadError};
 use self::request_id::{RequestIds, X_REQUEST_ID};
 pub use self::route::{refuse, route};
 pub use self::stop::{Fault, Stop};
@@ -89,6 +91,9 @@ pub struct Gateway {
     /// body fails.
     body_refusals: Arc<BodyRefusals>,
     request_ids: RequestIds,
+    /// The bytes bodies read whole may hold, across the process, and the most streams of one
+    /// HTTP/2 connection reading one (`server.token_body_budget`, `token_bodies_per_connection`).
+    body_budget: Arc<body_budget::BodyBudget>,
     /// `sluice_jwt_invalid_total`, counted by the identify phase.
     jwt_invalid: prometheus::IntCounterVec,
     finisher: Finisher,
@@ -98,7 +103,7 @@ impl Gateway {
     pub fn new(
         policy: Policy,
         store: Store,
-        head_limits: HeadLimits,
+        server: &crate::config::ServerConfig,
         metrics: &Metrics,
     ) -> Gateway {
         let upstreams = Upstreams::new(metrics.upstream_errors.clone());
@@ -107,7 +112,11 @@ impl Gateway {
             active: ArcSwap::from_pointee(Active { policy, clients }),
             upstreams,
             store: Arc::new(store),
-            head_limits,
+            head_limits: HeadLimits::new(server),
+            body_budget: body_budget::BodyBudget::new(
+                server.token_body_budget.0,
+                server.token_bodies_per_connection.0,
+            ),
             body_refusals: Arc::new(BodyRefusals::new(&metrics.refused)),
             request_ids: RequestIds::new(),
             jwt_invalid: metrics.jwt_invalid.clone(),
@@ -187,14 +196,40 @@ impl Gateway {
         let body = match tokens::read_limit(route, &plan) {
             None => ClientBody::Streaming(body),
             Some(limit) => {
-                Box::pin(tokens::read_body(
+                // A tunnel's messages would pass uncounted.
+                if tunnel::asks_websocket(head.version, &head.headers) {
+                    return Err(Stop::Refused {
+                        status: http::StatusCode::NOT_IMPLEMENTED,
+                        detail: format!(
+                            "route `{}` counts LLM tokens, which a WebSocket's messages would \
+                             pass uncounted: upgrades are not accepted on it",
+                            route.name
+                        ),
+                        reason: crate::metrics::Refusal::TokenUpgrade,
+                    });
+                }
+                Box::pin(tokens::check_room(&self.store, &plan, exchange)).await?;
+                let body = Box::pin(tokens::read_body(
                     route,
                     limit,
                     &mut head,
                     body,
                     &self.body_refusals,
+                    &self.body_budget,
                 ))
-                .await?
+                .await?;
+                // Planned again now that the body is read: the limits on its `model`, and
+                // each calendar quota's period at the decision's time, not the head's.
+                let model = tokens::body_model(&plan, &body)?;
+                plan = plan::plan_read(
+                    &active.policy,
+                    route,
+                    &head,
+                    peer.ip(),
+                    claims.as_ref(),
+                    model.as_deref(),
+                );
+                body
             }
         };
         tokens::reserve(&mut plan, &body)?;
@@ -271,13 +306,15 @@ pub trait ForwardBody: http_body::Body + Send + Sized + 'static {
     ) -> impl Future<Output = Result<Response<ProxyBody>, ForwardError>> + Send + 'a;
 
     /// Reads the body whole, within `limit` bytes and `pace` (a fault counted in
-    /// `refusals`), for a route that must see it before deciding.
+    /// `refusals`) and the bytes `held` may grow to, for a route that must see it before
+    /// deciding.
     fn read_whole(
         self,
         limit: u64,
         pace: BodyPace,
         refusals: Arc<BodyRefusals>,
-    ) -> impl Future<Output = Result<Bytes, BodyFault>> + Send;
+        held: &mut body_budget::Held,
+    ) -> impl Future<Output = Result<Bytes, ReadError>> + Send;
 }
 
 impl ForwardBody for Incoming {
@@ -298,8 +335,9 @@ impl ForwardBody for Incoming {
         limit: u64,
         pace: BodyPace,
         refusals: Arc<BodyRefusals>,
-    ) -> Result<Bytes, BodyFault> {
-        request_body::read_whole(self, limit, pace, refusals).await
+        held: &mut body_budget::Held,
+    ) -> Result<Bytes, ReadError> {
+        request_body::read_whole(self, limit, pace, refusals, held).await
     }
 }
 

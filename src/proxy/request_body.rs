@@ -19,6 +19,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use prometheus::{IntCounter, IntCounterVec};
 
+use super::body_budget::Held;
 use crate::metrics::Refusal;
 use crate::policy::BodyPace;
 
@@ -66,14 +67,38 @@ impl BodyRefusals {
 /// with a token budget reads it to reserve for it, and forwards exactly those bytes).
 pub enum ClientBody<B> {
     Streaming(B),
-    Read(Bytes),
+    Read(ReadWhole),
+}
+
+/// A body read whole, with its share of the process's `token_body_budget`, given back when
+/// the body is dropped: once forwarded, or with a refused request.
+pub struct ReadWhole {
+    pub bytes: Bytes,
+    held: Option<Held>,
+}
+
+impl ReadWhole {
+    pub fn new(bytes: Bytes, held: Option<Held>) -> ReadWhole {
+        ReadWhole { bytes, held }
+    }
 }
 
 /// Where a forwarded body's bytes come from.
 enum Source {
     Streaming(Incoming),
-    /// Read whole before the decision, within the route's bounds: sent as one frame.
-    Read(Option<Bytes>),
+    /// Read whole before the decision, within the route's bounds: sent as one frame; its
+    /// share of the budget is held until this body is dropped.
+    Read {
+        bytes: Option<Bytes>,
+        _held: Option<Held>,
+    },
+}
+
+/// Why a body could not be read whole: its own fault, or no room left in the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadError {
+    Body(BodyFault),
+    Budget,
 }
 
 /// A client's request body on its way to the upstream, counted as it streams so that it can
@@ -105,7 +130,12 @@ impl RequestBody {
         let fault = Arc::new(OnceLock::new());
         let inner = match inner {
             ClientBody::Streaming(incoming) => Source::Streaming(incoming),
-            ClientBody::Read(bytes) => Source::Read(Some(bytes).filter(|b| !b.is_empty())),
+            ClientBody::Read(read) => {
+                Source::Read {
+                bytes: Some(read.bytes).filter(|b| !b.is_empty()),
+                _held: read.held,
+            }
+            }
         };
         let body = RequestBody {
             inner,
@@ -155,7 +185,9 @@ impl Body for RequestBody {
         let this = self.get_mut();
         let incoming = match &mut this.inner {
             Source::Streaming(incoming) => incoming,
-            Source::Read(bytes) => return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            Source::Read { bytes, .. } => {
+                return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b))))
+            }
         };
         let started = *this.started.get_or_insert_with(Instant::now);
         match Pin::new(incoming).poll_frame(cx) {
@@ -178,14 +210,14 @@ impl Body for RequestBody {
     fn is_end_stream(&self) -> bool {
         match &self.inner {
             Source::Streaming(incoming) => incoming.is_end_stream(),
-            Source::Read(bytes) => bytes.is_none(),
+            Source::Read { bytes, .. } => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
             Source::Streaming(incoming) => incoming.size_hint(),
-            Source::Read(bytes) => {
+            Source::Read { bytes, .. } => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
         }
@@ -193,17 +225,38 @@ impl Body for RequestBody {
 }
 
 /// Reads a client's body whole, held to `limit` bytes and to `pace`, for a route that must
-/// see it before deciding (a token budget). A fault is counted, as when it streams.
+/// see it before deciding (a token budget). A fault is counted, as when it streams. Each
+/// frame's bytes are taken from `held` before they are kept: when the budget has no room,
+/// the body is dropped at once (`ReadError::Budget`), so a crowd of bodies that never end
+/// pins no more than the budget.
 pub async fn read_whole(
     body: Incoming,
     limit: u64,
     pace: BodyPace,
     refusals: Arc<BodyRefusals>,
-) -> Result<Bytes, BodyFault> {
+    held: &mut Held,
+) -> Result<Bytes, ReadError> {
     use http_body_util::BodyExt;
-    let (body, fault) = RequestBody::new(ClientBody::Streaming(body), limit, pace, refusals);
-    match body.collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(err) => Err(fault.get().copied().unwrap_or(err)),
+    let (mut body, fault) = RequestBody::new(ClientBody::Streaming(body), limit, pace, refusals);
+    // The declared length, taken up front (already checked against `limit` by the caller).
+    let declared = body.size_hint().lower().min(limit);
+    if !held.grow_to(declared) {
+        return Err(ReadError::Budget);
     }
+    let mut bytes = bytes::BytesMut::with_capacity(usize::try_from(declared).unwrap_or(0));
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(err) => return Err(ReadError::Body(fault.get().copied().unwrap_or(err))),
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let total = (bytes.len() + data.len()) as u64;
+        if !held.grow_to(total) {
+            return Err(ReadError::Budget);
+        }
+        bytes.extend_from_slice(&data);
+    }
+    Ok(bytes.freeze())
 }

@@ -55,6 +55,9 @@ pub enum Stop {
     /// A token budget cannot reserve for the request's body (400), or the reservation can
     /// never fit (413).
     Unreservable { status: StatusCode, detail: String },
+    /// A bound on what sluice holds for requests being read is reached (503, `Retry-After`):
+    /// the process's budget of body bytes, or a connection's streams reading bodies whole.
+    Busy { detail: String, reason: Refusal },
 }
 
 impl Stop {
@@ -65,7 +68,7 @@ impl Stop {
             | Stop::Body(_)
             | Stop::Unauthenticated(_)
             | Stop::Unreservable { .. } => Fault::Client,
-            Stop::Limited | Stop::TooManyHeld { .. } => Fault::Limit,
+            Stop::Limited | Stop::TooManyHeld { .. } | Stop::Busy { .. } => Fault::Limit,
             Stop::StoreUnavailable => Fault::Store,
             Stop::Upstream { .. } => Fault::Upstream,
             Stop::Internal(_) => Fault::Sluice,
@@ -81,7 +84,7 @@ impl Stop {
             Stop::Body(BodyFault::TooSlow) => StatusCode::REQUEST_TIMEOUT,
             Stop::Body(BodyFault::Malformed) => StatusCode::BAD_REQUEST,
             Stop::Limited | Stop::TooManyHeld { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Stop::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Stop::StoreUnavailable | Stop::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Stop::Upstream { error, .. } => match error {
                 ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
                 _ => StatusCode::BAD_GATEWAY,
@@ -106,7 +109,7 @@ impl Stop {
     /// that are not refusals, and for a body fault, counted by the body where it happened.
     pub fn refusal(&self) -> Option<Refusal> {
         match self {
-            Stop::Refused { reason, .. } => Some(*reason),
+            Stop::Refused { reason, .. } | Stop::Busy { reason, .. } => Some(*reason),
             _ => None,
         }
     }
@@ -115,7 +118,9 @@ impl Stop {
     /// `finish`, which holds the decision.
     pub fn detail(&self, route: Option<&Route>) -> String {
         match self {
-            Stop::Refused { detail, .. } | Stop::Unreservable { detail, .. } => detail.clone(),
+            Stop::Refused { detail, .. }
+            | Stop::Unreservable { detail, .. }
+            | Stop::Busy { detail, .. } => detail.clone(),
             Stop::NoRoute => "no route matches this request".to_owned(),
             Stop::Unauthenticated(invalid) => invalid.detail().to_owned(),
             Stop::Body(fault) => body_detail(*fault, route),

@@ -35,7 +35,8 @@ impl ForwardBody for Empty<Bytes> {
         _: u64,
         _: BodyPace,
         _: Arc<BodyRefusals>,
-    ) -> Result<Bytes, BodyFault> {
+        _: &mut body_budget::Held,
+    ) -> Result<Bytes, ReadError> {
         Ok(Bytes::new())
     }
 }
@@ -50,8 +51,7 @@ fn gateway(store_yaml: &str, routes_yaml: &str, metrics: &Metrics, store: Store)
     let policy = Policy::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
         .expect("a valid policy")
         .metered(metrics);
-    let head_limits = HeadLimits::new(&config.server);
-    Gateway::new(policy, store, head_limits, metrics)
+    Gateway::new(policy, store, &config.server, metrics)
 }
 
 fn get(path: &str) -> Request<Empty<Bytes>> {

@@ -1,7 +1,10 @@
-//! The token flow of a route with a token budget (`tokens:`), around the phases: its body is
-//! read whole (within the route's bounds) after `plan`, each token limit's check costs the
-//! reservation `llm::estimate` bounds from those bytes, and the same bytes are forwarded (one
-//! request, one meaning). After the upstream answers, the reservation is settled to what the
+//! The token flow of a route with a token budget (`tokens:`), around the phases: after `plan`,
+//! the store is asked whether each token limit has any room (`check_room`: none, and the body
+//! is never read); then its body is read whole (within the route's bounds and the process's
+//! `body_budget`), the request is planned again with the body's `model` and the time of the
+//! decision (`plan::plan_read`), each token limit's check costs the reservation
+//! `llm::estimate` bounds from those bytes, and the same bytes are forwarded (one request, one
+//! meaning). After the upstream answers, the reservation is settled to what the
 //! answer says it used (`llm::usage`, or a header): the body streams through a scanner that
 //! settles before it lets the end of the answer go, so a client that reads the answer and
 //! sends its next request finds the unused tokens back.
@@ -24,26 +27,32 @@ use http::request::Parts;
 use http::{HeaderValue, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 
+use std::time::Duration;
+
+use super::body_budget::{BodyBudget, ConnectionReaders};
 use super::decide::Decided;
 use super::finish::Answered;
 use super::forward::ForwardError;
-use super::request_body::{BodyRefusals, ClientBody};
+use super::request_body::{BodyRefusals, ClientBody, ReadError, ReadWhole};
 use super::stop::Stop;
-use super::ForwardBody;
+use super::{Exchange, ForwardBody};
 use crate::body::ProxyBody;
-use crate::limiter::{Admission, Check, Store};
+use crate::limiter::{Admission, Check, Decision, LimitState, Store};
+use crate::metrics::Refusal;
 use crate::llm::{self, EstimateError, Settle, UsageScanner};
 use crate::metrics::{Outcome, TokenMetrics};
 use crate::plan::Plan;
 use crate::policy::Route;
 
 /// The most body bytes to read before deciding, when a token limit applies to the request
-/// (`plan`): the smallest of the route's `max_body` and the limits' `reserve.max_body`.
+/// (`plan`, its limits that read the body's `model` included): the smallest of the route's
+/// `max_body` and the limits' `reserve.max_body`.
 /// `None`: no token limit applies, and the body streams.
 pub fn read_limit(route: &Route, plan: &Plan<'_>) -> Option<u64> {
     let limit = plan
         .limits
         .iter()
+        .chain(&plan.deferred)
         .filter_map(|limit| limit.tokens.as_ref())
         .map(|budget| budget.reserve.max_body)
         .min()?;
@@ -51,13 +60,16 @@ pub fn read_limit(route: &Route, plan: &Plan<'_>) -> Option<u64> {
 }
 
 /// Reads the body whole, within `limit` bytes and the route's pace, and sets its
-/// `Content-Length`.
+/// `Content-Length`. The bytes held come out of `budget` as they arrive; an HTTP/2 stream
+/// also takes a place among its connection's readers (`body_budget`). Either bound reached:
+/// 503, the body dropped unread.
 pub async fn read_body<B: ForwardBody>(
     route: &Route,
     limit: u64,
     head: &mut Parts,
     body: B,
     refusals: &Arc<BodyRefusals>,
+    budget: &Arc<BodyBudget>,
 ) -> Result<ClientBody<B>, Stop> {
     let too_large = || {
         format!(
@@ -73,18 +85,44 @@ pub async fn read_body<B: ForwardBody>(
             reason: crate::metrics::Refusal::BodyTooLarge,
         });
     }
+    // Held while this stream reads; the bytes it keeps are the budget's from then on.
+    let _reader = match head.extensions.get::<ConnectionReaders>() {
+        None => None,
+        Some(readers) => Some(readers.enter(budget.per_connection()).ok_or_else(|| {
+            Stop::Busy {
+                detail: format!(
+                    "this connection already has {} requests whose bodies sluice reads whole \
+                     before deciding (server.token_bodies_per_connection); retry when one is \
+                     done",
+                    budget.per_connection()
+                ),
+                reason: Refusal::BodyStreams,
+            }
+        })?),
+    };
+    let mut held = budget.share();
     let bytes = match body
-        .read_whole(limit, route.body_pace, Arc::clone(refusals))
+        .read_whole(limit, route.body_pace, Arc::clone(refusals), &mut held)
         .await
     {
         Ok(bytes) => bytes,
-        Err(super::BodyFault::TooLarge) => {
+        Err(ReadError::Body(super::BodyFault::TooLarge)) => {
             return Err(Stop::Unreservable {
                 status: StatusCode::PAYLOAD_TOO_LARGE,
                 detail: too_large(),
             })
         }
-        Err(fault) => return Err(Stop::Body(fault)),
+        Err(ReadError::Body(fault)) => return Err(Stop::Body(fault)),
+        Err(ReadError::Budget) => {
+            return Err(Stop::Busy {
+                detail: format!(
+                    "sluice already holds {} bytes of request bodies it reads whole before \
+                     deciding (server.token_body_budget); retry shortly",
+                    budget.limit()
+                ),
+                reason: Refusal::BodyBudget,
+            })
+        }
     };
     // The upstream gets these bytes, framed by their length: whatever framing the client
     // used, and without waiting for a `100 Continue` that sluice has already answered.
@@ -92,14 +130,77 @@ pub async fn read_body<B: ForwardBody>(
     head.headers.remove(EXPECT);
     head.headers
         .insert(CONTENT_LENGTH, HeaderValue::from(bytes.len() as u64));
-    Ok(ClientBody::Read(bytes))
+    Ok(ClientBody::Read(ReadWhole::new(bytes, Some(held))))
+}
+
+/// Before a byte of the body is read: whether each token limit the plan checks (those whose
+/// key and conditions do not read the body) has any room at all, asked of the store without
+/// recording anything. One without: the request is refused here, with the RateLimit fields
+/// and `Retry-After` of a rejection, and its body is never read, so an exhausted or invented
+/// identity cannot make sluice hold its bodies. Room for one token is all this asks; the
+/// decision after the body is read stays the one atomic step that admits. A shadow limit,
+/// one that delays instead of refusing, and a store that cannot answer are left to it.
+pub async fn check_room<'r>(
+    store: &Store,
+    plan: &Plan<'r>,
+    exchange: &mut Exchange<'r>,
+) -> Result<(), Stop> {
+    let mut states: Vec<Option<LimitState>> = vec![None; plan.checks.len()];
+    let mut rejecting = vec![false; plan.checks.len()];
+    let mut retry_after = Duration::ZERO;
+    for (index, (limit, check)) in plan.limits.iter().zip(&plan.checks).enumerate() {
+        if limit.tokens.is_none() || limit.spec.shadow || !limit.spec.max_delay.is_zero() {
+            continue;
+        }
+        let Ok((peek, _)) = store.peek(check).await else {
+            continue;
+        };
+        states[index] = Some(LimitState {
+            remaining: peek.remaining,
+            reset: peek.reset,
+        });
+        if peek.remaining == 0 {
+            rejecting[index] = true;
+            retry_after = retry_after.max(peek.reset);
+        }
+    }
+    if !rejecting.contains(&true) {
+        return Ok(());
+    }
+    for (limit, _) in plan.limits.iter().zip(&rejecting).filter(|(_, r)| **r) {
+        limit.metrics.rejected.inc();
+    }
+    exchange.decided = Some(Decided {
+        limits: plan.limits.clone(),
+        checks: plan.checks.clone(),
+        decision: Decision {
+            admitted: false,
+            retry_after,
+            limits: states,
+            rejecting,
+            admission: None,
+        },
+    });
+    Err(Stop::Limited)
+}
+
+/// The `model` of a body read whole, for the limits that read it (`plan.deferred`); a body
+/// whose model has no single reading is refused (400).
+pub fn body_model(plan: &Plan<'_>, body: &ClientBody<impl Sized>) -> Result<Option<String>, Stop> {
+    let (false, ClientBody::Read(read)) = (plan.deferred.is_empty(), body) else {
+        return Ok(None);
+    };
+    crate::model::read(&read.bytes).map_err(|err| Stop::Unreservable {
+        status: StatusCode::BAD_REQUEST,
+        detail: format!("a limit of this route is per model: {err}"),
+    })
 }
 
 /// Sets the cost of each token limit's check to the reservation of `body`. Refuses a body
 /// that cannot be reserved for (400), a cap above the limit's `max_output`, and a reservation
 /// that alone exceeds the limit, which no wait could ever admit (413).
 pub fn reserve<B>(plan: &mut Plan<'_>, body: &ClientBody<B>) -> Result<(), Stop> {
-    let ClientBody::Read(bytes) = body else {
+    let ClientBody::Read(ReadWhole { bytes, .. }) = body else {
         return Ok(());
     };
     for (limit, check) in plan.limits.iter().zip(plan.checks.iter_mut()) {

@@ -20,9 +20,14 @@ use crate::server::ConnectionHold;
 /// `Connection` names `upgrade` and `Upgrade` names `websocket`. Other protocols (h2c among
 /// them) are not passed through: their `Upgrade` is removed like any hop-by-hop field.
 pub fn is_websocket_upgrade<B>(request: &Request<B>) -> bool {
-    request.version() == Version::HTTP_11
-        && has_token(request.headers(), CONNECTION, "upgrade")
-        && has_token(request.headers(), UPGRADE, "websocket")
+    asks_websocket(request.version(), request.headers())
+}
+
+/// `is_websocket_upgrade` from a request's version and header fields.
+pub fn asks_websocket(version: Version, headers: &HeaderMap) -> bool {
+    version == Version::HTTP_11
+        && has_token(headers, CONNECTION, "upgrade")
+        && has_token(headers, UPGRADE, "websocket")
 }
 
 fn has_token(headers: &HeaderMap, name: http::header::HeaderName, token: &str) -> bool {
