@@ -243,7 +243,9 @@ pub async fn read_whole(
     if !held.grow_to(declared) {
         return Err(ReadError::Budget);
     }
-    let mut bytes = bytes::BytesMut::with_capacity(usize::try_from(declared).unwrap_or(0));
+    // The budget counts the buffer's capacity, not only its bytes: grown here, by doubling,
+    // each growth taken from the budget before it is allocated.
+    let mut bytes: Vec<u8> = Vec::with_capacity(usize::try_from(declared).unwrap_or(0));
     while let Some(frame) = body.frame().await {
         let frame = match frame {
             Ok(frame) => frame,
@@ -252,11 +254,16 @@ pub async fn read_whole(
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        let total = (bytes.len() + data.len()) as u64;
-        if !held.grow_to(total) {
-            return Err(ReadError::Budget);
+        let needed = bytes.len() + data.len();
+        if needed > bytes.capacity() {
+            let most = usize::try_from(limit).unwrap_or(usize::MAX).max(needed);
+            let capacity = needed.max(bytes.capacity().saturating_mul(2)).min(most);
+            if !held.grow_to(capacity as u64) {
+                return Err(ReadError::Budget);
+            }
+            bytes.reserve_exact(capacity - bytes.len());
         }
         bytes.extend_from_slice(&data);
     }
-    Ok(bytes.freeze())
+    Ok(Bytes::from(bytes))
 }
