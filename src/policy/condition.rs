@@ -269,7 +269,13 @@ mod tests {
             crate::model::Pattern::parse("gpt-4o-20*").unwrap(),
         ]);
         let at = |model: Option<&str>| {
-            large.holds(&Method::POST, &"/".parse().unwrap(), &HeaderMap::new(), None, model)
+            large.holds(
+                &Method::POST,
+                &"/".parse().unwrap(),
+                &HeaderMap::new(),
+                None,
+                model,
+            )
         };
         assert!(at(Some("gpt-4o")));
         assert!(at(Some("gpt-4o-2024-08-06")));

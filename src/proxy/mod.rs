@@ -41,13 +41,13 @@ use http::header::{HeaderValue, CONTENT_TYPE};
 use http::{Method, Request, Response, Uri};
 use hyper::body::Incoming;
 
+pub use self::body_budget::ConnectionReaders;
 use self::decide::Decided;
 pub use self::finish::Answered;
 use self::finish::Finisher;
 use self::forward::{ForwardError, UpstreamClient};
 pub use self::head::{read as read_head, HeadLimits};
 pub use self::identify::identify;
-pub use self::body_budget::ConnectionReaders;
 use self::request_body::{BodyFault, BodyRefusals, ClientBody, ReadError};
 use self::request_id::{RequestIds, X_REQUEST_ID};
 pub use self::route::{refuse, route};

@@ -130,12 +130,10 @@ impl RequestBody {
         let fault = Arc::new(OnceLock::new());
         let inner = match inner {
             ClientBody::Streaming(incoming) => Source::Streaming(incoming),
-            ClientBody::Read(read) => {
-                Source::Read {
+            ClientBody::Read(read) => Source::Read {
                 bytes: Some(read.bytes).filter(|b| !b.is_empty()),
                 _held: read.held,
-            }
-            }
+            },
         };
         let body = RequestBody {
             inner,

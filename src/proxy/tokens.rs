@@ -38,8 +38,8 @@ use super::stop::Stop;
 use super::{Exchange, ForwardBody};
 use crate::body::ProxyBody;
 use crate::limiter::{Admission, Check, Decision, LimitState, Store};
-use crate::metrics::Refusal;
 use crate::llm::{self, EstimateError, Settle, UsageScanner};
+use crate::metrics::Refusal;
 use crate::metrics::{Outcome, TokenMetrics};
 use crate::plan::Plan;
 use crate::policy::Route;
@@ -88,17 +88,21 @@ pub async fn read_body<B: ForwardBody>(
     // Held while this stream reads; the bytes it keeps are the budget's from then on.
     let _reader = match head.extensions.get::<ConnectionReaders>() {
         None => None,
-        Some(readers) => Some(readers.enter(budget.per_connection()).ok_or_else(|| {
-            Stop::Busy {
-                detail: format!(
+        Some(readers) => {
+            Some(
+                readers
+                    .enter(budget.per_connection())
+                    .ok_or_else(|| Stop::Busy {
+                        detail: format!(
                     "this connection already has {} requests whose bodies sluice reads whole \
                      before deciding (server.token_bodies_per_connection); retry when one is \
                      done",
                     budget.per_connection()
                 ),
-                reason: Refusal::BodyStreams,
-            }
-        })?),
+                        reason: Refusal::BodyStreams,
+                    })?,
+            )
+        }
     };
     let mut held = budget.share();
     let bytes = match body

@@ -183,7 +183,11 @@ async fn attack(
         for s in 0..streams {
             let mut send = send.clone();
             let answers = answers.clone();
-            let request = post(addr, &format!("invented-{c}-{s}"), Stalled::forever(MIB as usize));
+            let request = post(
+                addr,
+                &format!("invented-{c}-{s}"),
+                Stalled::forever(MIB as usize),
+            );
             drivers.push(tokio::spawn(async move {
                 if send.ready().await.is_err() {
                     return;
@@ -217,9 +221,8 @@ async fn peak_rss(sluice: &Sluice, span: Duration) -> u64 {
 async fn stalled_bodies_hold_no_more_than_the_budget() {
     let _heavy = support::heavy().await;
     let upstream = LlmUpstream::start().await;
-    let server = format!(
-        "{ATTACK_SERVER}  token_body_budget: 16MiB\n  token_bodies_per_connection: 1000\n"
-    );
+    let server =
+        format!("{ATTACK_SERVER}  token_body_budget: 16MiB\n  token_bodies_per_connection: 1000\n");
     let sluice = Sluice::start(&policy("", &server, &upstream.url(), &[ROOMY])).await;
     let warm = send(&sluice, "k", support::chat_body(10, json!({"usage": 10}))).await;
     assert_eq!(warm.status(), 200);
@@ -244,22 +247,23 @@ async fn stalled_bodies_hold_no_more_than_the_budget() {
     let answer = answers.recv().await.expect("a refused stream's answer");
     assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.headers()["retry-after"], "1");
-    assert_eq!(
-        answer.headers()["content-type"],
-        "application/problem+json"
-    );
+    assert_eq!(answer.headers()["content-type"], "application/problem+json");
     assert!(upstream.bodies().len() == 1, "no attack body was forwarded");
 
     for driver in drivers {
         driver.abort();
     }
     // The held bodies break off with their connections and give their bytes back.
-    support::wait_for(Duration::from_secs(10), "a request served again", || async {
-        send(&sluice, "k", support::chat_body(10, json!({"usage": 10})))
-            .await
-            .status()
-            == 200
-    })
+    support::wait_for(
+        Duration::from_secs(10),
+        "a request served again",
+        || async {
+            send(&sluice, "k", support::chat_body(10, json!({"usage": 10})))
+                .await
+                .status()
+                == 200
+        },
+    )
     .await;
 }
 
@@ -282,8 +286,17 @@ async fn one_connection_cannot_take_the_budget() {
         refused(&sluice, "body_streams").await >= 284.0
     })
     .await;
-    let during = send(&sluice, "legit", support::chat_body(10, json!({"usage": 10}))).await;
-    assert_eq!(during.status(), 200, "a legitimate request during the attack");
+    let during = send(
+        &sluice,
+        "legit",
+        support::chat_body(10, json!({"usage": 10})),
+    )
+    .await;
+    assert_eq!(
+        during.status(),
+        200,
+        "a legitimate request during the attack"
+    );
     let peak = peak_rss(&sluice, Duration::from_secs(2))
         .await
         .max(sluice.rss_kb());
@@ -386,9 +399,11 @@ async fn period_is_the_decisions(kind: StoreKind) {
         &[limit],
     );
     let spawned = Instant::now();
-    let sluice =
-        Sluice::start_with_env(&yaml, &[("SLUICE_TEST_CLOCK_START", "2026-03-10T23:59:50Z")])
-            .await;
+    let sluice = Sluice::start_with_env(
+        &yaml,
+        &[("SLUICE_TEST_CLOCK_START", "2026-03-10T23:59:50Z")],
+    )
+    .await;
     let ready = Instant::now();
 
     // 100 bytes of leading whitespace (valid JSON) before midnight, the object after it:
@@ -410,7 +425,10 @@ async fn period_is_the_decisions(kind: StoreKind) {
         spawned.elapsed()
     );
     // Sluice's clock is past midnight once LEAD has passed since it was ready.
-    tokio::time::sleep((ready + LEAD + Duration::from_secs(1)).saturating_duration_since(Instant::now())).await;
+    tokio::time::sleep(
+        (ready + LEAD + Duration::from_secs(1)).saturating_duration_since(Instant::now()),
+    )
+    .await;
     rest.send(Bytes::from(body)).expect("the body's end");
     let answer = tokio::time::timeout(Duration::from_secs(10), answer)
         .await
@@ -418,7 +436,26 @@ async fn period_is_the_decisions(kind: StoreKind) {
         .expect("the task")
         .expect("a response");
     assert_eq!(answer.status(), 200);
-    let t: u64 = answer.headers()["ratelimit"]
+    let window = answer;
+    driver.abort();
+
+    let after = send(
+        &sluice,
+        "k",
+        body_reserving("fake-1", 500, &json!({"usage": 500})),
+    )
+    .await;
+    let spent: u64 = upstream.answers().iter().map(|a| a.usage).sum();
+    assert!(
+        spent <= 1000,
+        "the upstream spent {spent} of 1,000 in the new day"
+    );
+    assert_eq!(
+        after.status(),
+        429,
+        "the new day has 400 tokens left; the upstream has spent {spent} today"
+    );
+    let t: u64 = window.headers()["ratelimit"]
         .to_str()
         .unwrap()
         .split(';')
@@ -429,16 +466,6 @@ async fn period_is_the_decisions(kind: StoreKind) {
         t > 86_000,
         "the straddling request's window is the new day's ({t} s left), not the old one's"
     );
-    driver.abort();
-
-    let after = send(&sluice, "k", body_reserving("fake-1", 500, &json!({"usage": 500}))).await;
-    let spent: u64 = upstream.answers().iter().map(|a| a.usage).sum();
-    assert_eq!(
-        after.status(),
-        429,
-        "the new day has 400 tokens left; the upstream has spent {spent} today"
-    );
-    assert!(spent <= 1000, "the upstream spent {spent} of 1,000 in the new day");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -469,8 +496,8 @@ async fn websocket_upgrade_on_a_token_route_is_refused() {
         other => panic!("expected an HTTP refusal, got {:?}", other.map(|(_, r)| r)),
     };
     assert_eq!(refused_with.status(), 501);
-    let body = String::from_utf8_lossy(refused_with.body().as_deref().unwrap_or_default())
-        .into_owned();
+    let body =
+        String::from_utf8_lossy(refused_with.body().as_deref().unwrap_or_default()).into_owned();
     assert!(body.contains("WebSocket"), "{body}");
     assert!(echo.upgrades().is_empty(), "the upstream saw no upgrade");
     assert_eq!(refused(&sluice, "token_upgrade").await, 1.0);
@@ -552,7 +579,11 @@ async fn limits_per_model(kind: StoreKind) {
             .zip(&answers[route_first..route_end])
             .filter(|(body, _)| {
                 let body: Value = serde_json::from_slice(body).expect("JSON");
-                let model = body["model"].as_str().unwrap_or_default().trim().to_lowercase();
+                let model = body["model"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .trim()
+                    .to_lowercase();
                 model.starts_with(prefix)
             })
             .map(|(_, answer)| answer.usage)
