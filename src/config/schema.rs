@@ -81,11 +81,12 @@ string_schema!(
 string_schema!(
     KeyPart,
     "KeyPart",
-    r"^(client_ip|method|host|path|header:[!#$%&'*+.^_`|~0-9A-Za-z-]+|(query|cookie|param|jwt):[!-~]+)$",
+    r"^(client_ip|method|host|path|model|header:[!#$%&'*+.^_`|~0-9A-Za-z-]+|(query|cookie|param|jwt):[!-~]+)$",
     "Where in the request the identity comes from: `client_ip`, `header:NAME`, \
      `query:NAME`, `cookie:NAME`, `param:NAME` (a `{NAME}` segment of the path prefix), \
-     `jwt:CLAIM` (a claim of the route's verified JWT), `method`, `host` or `path`. An absent \
-     header, query parameter, cookie or claim falls back to the client IP.",
+     `jwt:CLAIM` (a claim of the route's verified JWT), `method`, `host`, `path` or `model` \
+     (the JSON body's `model`, normalised; token limits only). An absent header, query \
+     parameter, cookie, claim or model falls back to the client IP.",
     [
         "client_ip",
         "header:x-api-key",

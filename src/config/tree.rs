@@ -601,8 +601,9 @@ pub struct CountConfig {
     pub status: Vec<StatusMatch>,
 }
 
-/// One condition of a limit's `when:`: exactly one of `header` (with one of `equals`,
-/// `one_of`, `present`), `method` or `host`. Checked, with its position, in `policy`.
+/// One condition of a limit's `when:`: exactly one of `header` or `jwt` (with one of
+/// `equals`, `one_of`, `present`), `method`, `host` or `model`. Checked, with its position,
+/// in `policy`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ConditionConfig {
