@@ -190,6 +190,15 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     }
     for limit in &route.limits {
         let Some(at) = plan.limits.iter().position(|l| std::ptr::eq(*l, limit)) else {
+            if plan.deferred.iter().any(|l| std::ptr::eq(*l, limit)) {
+                let _ = writeln!(
+                    out,
+                    "  {}: reads the body's `model`: planned once the body is read (explain \
+                     reads no body)",
+                    limit.name
+                );
+                continue;
+            }
             let _ = writeln!(
                 out,
                 "  {}: does not apply (its `when` does not hold)",
