@@ -4,9 +4,11 @@
 //! idle timeouts) → `proxy`, the request's phases: `head` (head limits, the canonical `path`,
 //! `one_request`: one reading of the request for the router, the limiter and the upstream) →
 //! `route` (on the `policy`) → `plan` (the client address and the `keys` of each limit) →
-//! `decide` (the `limiter`, one store call) → `hold` → forward to the upstream or answer
-//! directly → `settle` (a token budget's reservation, bounded and settled by `llm`) → `finish`, the one place an answer is completed (`response` spells
-//! sluice's own answers, `body` carries them). `metrics` observe each step and `admin` serves
+//! on a token route, the body read whole and planned again with its `model` → `decide` (the
+//! `limiter`, one store call) → `hold` → forward to the upstream or answer directly →
+//! `settle` (a token budget's reservation, bounded and settled by `llm`) → `finish`, the one
+//! place an answer is completed (`response` spells sluice's own answers, `body` carries
+//! them). `metrics` observe each step and `admin` serves
 //! them with the admin API; `log` writes lines that never block a request. `config` reads
 //! the policy file; `app` loads one version of it (for `run`, `check`, a reload and
 //! `explain` alike) and wires the running process; `reload` watches it (`file_watch`, shared

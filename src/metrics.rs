@@ -23,7 +23,8 @@ pub enum Outcome {
     Forwarded,
     /// Admitted and answered by the route's direct response.
     Responded,
-    /// Rejected with 429.
+    /// Rejected with 429; or 503 when a bound on bodies read whole is reached
+    /// (`Refusal::BodyBudget`, `BodyStreams`): sluice limiting, not a fault.
     Limited,
     /// Admitted, but the upstream could not be reached or timed out.
     UpstreamError,
