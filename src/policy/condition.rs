@@ -1,7 +1,9 @@
 //! `when:` conditions on a limit: which requests it applies to. Tiers are built from them:
 //! the same key limited differently when `x-plan` is `free` or `paid` (a header an
 //! authentication layer in front sets), or better, when a claim of the request's verified
-//! JWT is (`jwt: plan`), which the client cannot write.
+//! JWT is (`jwt: plan`), which the client cannot write. A `model` condition reads the JSON
+//! body's `model` (`crate::model`): allowed on a token limit only, whose body is read before
+//! the decision, and so held until the body is read (`plan::plan_read`).
 
 use std::path::Path;
 
