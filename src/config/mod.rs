@@ -28,7 +28,7 @@ mod types;
 
 pub use serde_saphyr::Spanned;
 
-pub use admin::{AdminConfig, EnvName};
+pub use admin::{split_host_port, AdminConfig, AdminHost, EnvName};
 pub use duration::ConfigDuration;
 pub use error::{ConfigError, Position};
 pub use load::{from_bytes, load, parse, read_error, to_json, Source};
