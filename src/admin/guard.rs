@@ -82,18 +82,27 @@ impl Guard {
         local: Option<SocketAddr>,
     ) -> Result<(), Refusal> {
         let mut fields = headers.get_all(HOST).iter();
-        let given = match (fields.next(), fields.next()) {
+        let field = match (fields.next(), fields.next()) {
             (Some(_), Some(_)) => return Err(misdirected("two `Host` fields")),
-            (Some(host), None) => host
-                .to_str()
-                .map_err(|_| misdirected("a `Host` that is not text"))?,
-            // HTTP/2 names the host in `:authority`; HTTP/1.0 may name none, which no browser
-            // does (rebinding needs the page's name in it).
-            (None, _) => match uri.authority() {
-                Some(authority) => authority.as_str(),
-                None => return Ok(()),
-            },
+            (Some(host), None) => Some(
+                host.to_str()
+                    .map_err(|_| misdirected("a `Host` that is not text"))?,
+            ),
+            (None, _) => None,
         };
+        // HTTP/2's `:authority`, or an HTTP/1.1 absolute-form target, names the host too (and
+        // wins over the field, RFC 9112 §3.2.2): both must name this listener. HTTP/1.0 may
+        // name none, which no browser does (rebinding needs the page's name in it).
+        for given in [field, uri.authority().map(|a| a.as_str())]
+            .into_iter()
+            .flatten()
+        {
+            self.names_host(given, local)?;
+        }
+        Ok(())
+    }
+
+    fn names_host(&self, given: &str, local: Option<SocketAddr>) -> Result<(), Refusal> {
         let accepted = split_host_port(given)
             .is_some_and(|(host, port)| self.names_listener(host, port, local, false));
         if accepted {
@@ -264,6 +273,21 @@ mod tests {
             assert_eq!(get("127.0.0.1:9090", host), Some(421), "{host}");
         }
         assert_eq!(get("10.1.2.3:9090", "10.1.2.3:9091"), Some(421));
+        let absolute = |target: &'static str| {
+            let local: SocketAddr = "127.0.0.1:9090".parse().expect("an address");
+            let fields = headers(&[("host", "localhost:9090")]);
+            guard
+                .api(
+                    &Method::GET,
+                    &Uri::from_static(target),
+                    &fields,
+                    Some(local),
+                )
+                .err()
+                .map(|r| r.status.as_u16())
+        };
+        assert_eq!(absolute("http://evil.example/admin/v1/config"), Some(421));
+        assert_eq!(absolute("http://localhost:9090/admin/v1/config"), None);
         assert_eq!(
             api(
                 &guard,

@@ -1,6 +1,7 @@
 //! `admin:`: who may use the admin API on `admin_listen` (`/admin/v1/*`). The token itself is
 //! never in the file (a policy file is committed, mounted from ConfigMaps, printed by
-//! `/admin/v1/config`): the file names the environment variable that holds it.
+//! `/admin/v1/config`): the file names the environment variable that holds it. `hosts` adds
+//! names the admin listener answers to (`admin::guard` refuses every other `Host`).
 
 use std::fmt;
 use std::net::SocketAddr;

@@ -114,6 +114,8 @@ async fn a_web_page_cannot_reset_a_quota_or_reload() {
         (format!("{reload}\r\nHost: 127.0.0.1:{port}\r\nOrigin: http://evil.example\r\nContent-Type: text/plain"), 403, "another origin"),
         (format!("{reload}\r\nHost: 127.0.0.1:{port}\r\nContent-Type: text/plain"), 403, "X-Sluice-Admin: 1"),
         (format!("{reset}\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"), 403, "X-Sluice-Admin: 1"),
+        // An absolute-form target names the host too, and wins over the field.
+        (format!("POST http://evil.example:{port}/admin/v1/reload HTTP/1.1\r\nHost: localhost:{port}\r\nX-Sluice-Admin: 1"), 421, "evil.example"),
         // A read of the policy by a rebinding page.
         (format!("GET /admin/v1/config HTTP/1.1\r\nHost: evil.example:{port}"), 421, "evil.example"),
     ];
