@@ -163,6 +163,11 @@ impl FileWatch {
         })
     }
 
+    /// Whether a new version is waiting to settle.
+    pub fn settling(&self) -> bool {
+        self.pending.is_some()
+    }
+
     /// Records `files` as the version last seen, however it was read (a reload asked for
     /// by SIGHUP reads the file itself); `false` if it was already. A version waiting to
     /// settle with the same bytes waits no more.

@@ -313,7 +313,10 @@ impl<V: Versions> Reloader<V> {
                     Some(bytes) => {
                         let _ = self.reload(bytes);
                     }
-                    None => self.poll_key_files(now),
+                    // A key file's change reloads the config file as it is: not while
+                    // that is being written.
+                    None if !self.watched.settling() => self.poll_key_files(now),
+                    None => {}
                 }
             }
             Err(err) => {
