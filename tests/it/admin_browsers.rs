@@ -5,7 +5,8 @@
 //! `text/plain` post), gets `403`; none of them changes anything. The listener's own names
 //! and addresses, with the right port, are served; `/metrics`, `/healthz` and `/readyz`
 //! answer whatever the `Host` (scrapes and probes name the listener as they reach it).
-//! Requests are written byte for byte, so the `Host` is exactly the one under test.
+//! Requests are written byte for byte, so the `Host` is exactly the one under test; over
+//! HTTP/2 the `:authority` is checked the same way.
 
 use crate::support;
 
@@ -239,4 +240,41 @@ async fn on_a_wildcard_listener_the_address_connected_to_is_its_own() {
     assert_eq!(status, 200, "a kubelet probe: {body}");
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// Over HTTP/2 the host is the `:authority`: a rebinding name there is refused as in `Host`,
+/// the listener's own address is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_http2_the_authority_must_name_the_listener() {
+    use http_body_util::{BodyExt, Empty};
+    let sluice = Sluice::start(ROUTES).await;
+    let admin = admin_addr(&sluice);
+    let mut h2 = support::grpc::h2c_client(admin).await;
+    for (authority, want) in [
+        (format!("evil.example:{}", admin.port()), 421),
+        (admin.to_string(), 200),
+        (format!("localhost:{}", admin.port()), 200),
+    ] {
+        let request = http::Request::post(format!("http://{authority}/admin/v1/reload"))
+            .header("x-sluice-admin", "1")
+            .body(Empty::new().map_err(|never| match never {}).boxed_unsync())
+            .expect("a request");
+        let response = tokio::time::timeout(Duration::from_secs(10), h2.send_request(request))
+            .await
+            .expect("an answer within 10 s")
+            .expect("an h2 answer");
+        let status = response.status().as_u16();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("the body")
+            .to_bytes();
+        assert_eq!(
+            status,
+            want,
+            ":authority {authority}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
 }
