@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::admin::{Admin, Api, Token, TokenError};
+use crate::admin::{Admin, Api, Guard, Token, TokenError};
 use crate::config::{self, ConfigError, Source};
 use crate::identity::Verifiers;
 use crate::limiter::{RedisStore, Store, StoreError};
@@ -174,6 +174,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         None
     };
     let admin_api = config.admin.api;
+    let admin_hosts = config.admin.hosts.clone();
     let metrics = Arc::new(Metrics::new()?);
     let policy = policy.metered(&metrics);
     let store = match (&config.store.redis, &config.store.topology) {
@@ -252,6 +253,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
             token,
             reload: reloader.handle(),
         }),
+        guard: Guard::new(admin_hosts),
     });
     tokio::spawn(reloader.run(stopping.clone()));
     tokio::spawn(async move {
@@ -325,6 +327,8 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         stopping.clone(),
     );
     let admin_slots = server::slots(&settings);
+    let mut settings = settings;
+    settings.local_addr = true;
     let serve_admin = server::serve(
         admin_listener,
         move |request, _peer| {

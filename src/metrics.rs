@@ -227,6 +227,9 @@ pub struct Metrics {
     pub store_fallback_decisions: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub config_hash: IntGauge,
+    /// `sluice_config_versions_skipped_total`: versions of the config (or a key file) that
+    /// changed again before they settled, never applied.
+    pub config_versions_skipped: IntCounter,
     pub tls_cert_reloads: IntCounterVec,
     pub tls_handshake_errors: IntCounter,
     pub delay: HistogramVec,
@@ -362,6 +365,10 @@ impl Metrics {
             ),
             &["result"],
         )?;
+        let config_versions_skipped = IntCounter::new(
+            "sluice_config_versions_skipped_total",
+            "Versions of the config file, or of a JWT key file it names, that changed again within reload.settle of being read: never applied (a file written in several steps; write a temp file and rename it over the path).",
+        )?;
         let config_hash = IntGauge::new(
             "sluice_config_hash",
             "The config file serving now: the first 52 bits of its SHA-256 as an integer (exact in a float64), e.g. compare with `sha256sum FILE | cut -c1-13` read as hex.",
@@ -442,6 +449,7 @@ impl Metrics {
         registry.register(Box::new(upstream_errors.clone()))?;
         registry.register(Box::new(config_reloads.clone()))?;
         registry.register(Box::new(config_hash.clone()))?;
+        registry.register(Box::new(config_versions_skipped.clone()))?;
         registry.register(Box::new(tls_cert_reloads.clone()))?;
         registry.register(Box::new(tls_handshake_errors.clone()))?;
         registry.register(Box::new(delay.clone()))?;
@@ -471,6 +479,7 @@ impl Metrics {
             store_fallback_decisions,
             config_reloads,
             config_hash,
+            config_versions_skipped,
             tls_cert_reloads,
             tls_handshake_errors,
             delay,

@@ -1,6 +1,7 @@
 //! Hot reload: sluice watches its config file (`file_watch`) and the JWT key files it names
-//! (an edit of a JWKS file alone reloads it), and also reloads on SIGHUP and on the admin
-//! API's request. A new file is loaded completely, by the same function as at
+//! (an edit of a JWKS file alone reloads it), applying a change once it has stopped changing
+//! (`reload.settle`; a version overwritten before that is counted and logged, never applied),
+//! and also reloads on SIGHUP and on the admin API's request, at once. A new file is loaded completely, by the same function as at
 //! start-up, before its policy replaces the running one in one atomic step; a file that is
 //! invalid, or that changes what only a restart can apply (the listeners, the `server:` and
 //! `store:` sections), is refused whole, logged with its position, counted, and the old
@@ -11,6 +12,7 @@ use arc_swap::ArcSwap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::config::{
@@ -216,6 +218,9 @@ pub struct Reloader<V: Versions> {
     watched: FileWatch,
     /// The JWT key files the file in force names: a new version of one reloads the file.
     key_files: FileWatch,
+    /// How long a changed file must read the same before it is applied (`reload.settle` of
+    /// the file in force).
+    settle: Duration,
     #[cfg(unix)]
     hangup: Option<tokio::signal::unix::Signal>,
     serving: Arc<ArcSwap<Serving>>,
@@ -240,6 +245,7 @@ impl<V: Versions> Reloader<V> {
         // Reloads asked for over the admin API wait their turn; a few queued is plenty.
         let (sender, requests) = mpsc::channel(4);
         let config = started.config;
+        let settle = config.reload.settle.0;
         #[cfg(unix)]
         let hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
             Ok(signal) => Some(signal),
@@ -263,6 +269,7 @@ impl<V: Versions> Reloader<V> {
             },
             watched,
             key_files,
+            settle,
             #[cfg(unix)]
             hangup,
             serving,
@@ -301,33 +308,60 @@ impl<V: Versions> Reloader<V> {
         }
     }
 
-    /// Reloads if the file's bytes differ from the ones last tried.
+    /// Reloads once the file's bytes differ from the ones last tried and have stopped
+    /// changing (`reload.settle`).
     fn poll(&mut self) {
-        match self.watched.changed() {
-            Ok(Some(files)) => {
-                if let Some(bytes) = files.first() {
-                    let _ = self.reload(bytes);
+        let now = Instant::now();
+        match self.watched.settled(self.settle, now) {
+            Ok(look) => {
+                if look.skipped {
+                    self.skipped("the config file");
+                }
+                match look.settled.as_ref().and_then(|files| files.first()) {
+                    Some(bytes) => {
+                        let _ = self.reload(bytes);
+                    }
+                    // A key file's change reloads the config file as it is: not while
+                    // that is being written.
+                    None if !self.watched.settling() => self.poll_key_files(now),
+                    None => {}
                 }
             }
-            Ok(None) => self.poll_key_files(),
             Err(err) => {
                 tracing::debug!(error = %err, "cannot read the config file");
             }
         }
     }
 
-    /// Reloads the config file when a key file it names has a new version.
-    fn poll_key_files(&mut self) {
-        match self.key_files.changed() {
-            Ok(Some(_)) => {
-                tracing::info!(file = %self.file.display(), "a JWT key file changed: reloading the config file");
-                let _ = self.reload_file();
+    /// Reloads the config file when a key file it names has a new version that has settled.
+    fn poll_key_files(&mut self, now: Instant) {
+        match self.key_files.settled(self.settle, now) {
+            Ok(look) => {
+                if look.skipped {
+                    self.skipped("a JWT key file");
+                }
+                if look.settled.is_some() {
+                    tracing::info!(file = %self.file.display(), "a JWT key file changed: reloading the config file");
+                    let _ = self.reload_file();
+                }
             }
-            Ok(None) => {}
             Err(err) => {
                 tracing::debug!(error = %err, "cannot read a JWT key file");
             }
         }
+    }
+
+    /// A version of `what` that changed again before it settled: counted and logged, never
+    /// applied.
+    fn skipped(&self, what: &str) {
+        self.metrics.config_versions_skipped.inc();
+        tracing::warn!(
+            file = %self.file.display(),
+            settle = ?self.settle,
+            "{what} changed again within reload.settle of being read: the version read before \
+             was not applied (still being written?). Write a temp file and rename it over the \
+             path, so that each version appears whole"
+        );
     }
 
     async fn hangup(&mut self) {
@@ -390,6 +424,7 @@ impl<V: Versions> Reloader<V> {
         }
         let (source, routes) = self.versions.put_in_force(version);
         self.key_files = key_watch(&self.file, &source.config);
+        self.settle = source.config.reload.settle.0;
         let config_hash = hash_value(&source.digest);
         self.metrics.config_hash.set(config_hash);
         let serving = Serving {

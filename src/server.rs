@@ -105,7 +105,16 @@ pub struct Settings {
     pub parser_max_headers: usize,
     /// TLS on this listener; `None`: cleartext.
     pub tls: Option<ServerTls>,
+    /// Give each request the connection's own address (`LocalAddr`): the admin listener's
+    /// guard compares the `Host` with it. Off on the gateway, whose requests need not carry
+    /// the extension's allocation.
+    pub local_addr: bool,
 }
+
+/// The local end of the connection a request came on: the address the client connected to,
+/// a concrete one even when the listener is bound to `0.0.0.0` or `[::]`.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalAddr(pub SocketAddr);
 
 /// A listener's TLS: the acceptor (its certificate may rotate underneath) and the counter of
 /// handshakes that failed or timed out.
@@ -137,6 +146,7 @@ impl Settings {
             parser_max_head_bytes: usize::try_from(head).unwrap_or(usize::MAX).max(8192),
             parser_max_headers: config.max_headers.0 as usize * 2,
             tls: None,
+            local_addr: false,
         }
     }
 }
@@ -218,6 +228,11 @@ pub async fn serve<H, F, B>(
         let handler = handler.clone();
         let first_request = Arc::new(AtomicBool::new(false));
         let over_tls = settings.tls.is_some();
+        let local = settings
+            .local_addr
+            .then(|| stream.local_addr().ok())
+            .flatten()
+            .map(LocalAddr);
         open.inc();
         let hold = ConnectionHold {
             idle_timeout: settings.idle_timeout,
@@ -238,6 +253,9 @@ pub async fn serve<H, F, B>(
                 }
                 if over_tls {
                     request.extensions_mut().insert(crate::tls::ClientTls);
+                }
+                if let Some(local) = local {
+                    request.extensions_mut().insert(local);
                 }
                 if request.headers().contains_key(http::header::UPGRADE) {
                     request.extensions_mut().insert(hold.clone());

@@ -2,10 +2,12 @@
 //! (this instance should get traffic) for orchestrators — open, so scrapers and probes need
 //! no credentials — and the admin API under `/admin/v1/`, behind a bearer token: one
 //! identity's quota (`limits`), the policy in force (`config`), a reload (`reload`). Kept on
-//! its own address so it is never exposed through the gateway's routes.
+//! its own address so it is never exposed through the gateway's routes; `guard` refuses what
+//! a web page could send it (DNS rebinding, cross-site posts) before anything else.
 
 mod auth;
 mod config_view;
+mod guard;
 mod limits;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,11 +19,13 @@ use http::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
 pub use self::auth::{Token, TokenError};
+pub use self::guard::Guard;
 use crate::config::ConfigError;
 use crate::metrics::Metrics;
 use crate::proxy::{Gateway, ProxyBody};
 use crate::reload::{ReloadError, ReloadHandle};
 use crate::response::{problem, problem_with};
+use crate::server::LocalAddr;
 
 pub struct Admin {
     pub gateway: Arc<Gateway>,
@@ -30,6 +34,9 @@ pub struct Admin {
     pub draining: Arc<AtomicBool>,
     /// `None` with `admin: { api: false }`: `/admin/v1/*` is not served.
     pub api: Option<Api>,
+    /// Refuses what a web page sends: foreign `Host`s and `Origin`s, changes without
+    /// `X-Sluice-Admin`.
+    pub guard: Guard,
 }
 
 /// What the admin API needs beyond the open endpoints.
@@ -43,6 +50,23 @@ const API_PREFIX: &str = "/admin/v1/";
 
 impl Admin {
     pub async fn handle<B>(&self, request: Request<B>) -> Response<ProxyBody> {
+        let local = request.extensions().get::<LocalAddr>().map(|l| l.0);
+        let path = request.uri().path();
+        let guarded = if path.starts_with(API_PREFIX) && self.api.is_some() {
+            self.guard
+                .api(request.method(), request.uri(), request.headers(), local)
+        } else {
+            self.guard.open(request.headers(), local)
+        };
+        if let Err(refusal) = guarded {
+            tracing::warn!(
+                path,
+                status = refusal.status.as_u16(),
+                "admin listener: {}",
+                refusal.detail
+            );
+            return problem(refusal.status, &refusal.detail, path, &[]);
+        }
         if request.uri().path().starts_with(API_PREFIX) {
             return match &self.api {
                 Some(api) => self.api(api, &request).await,

@@ -28,7 +28,7 @@ mod types;
 
 pub use serde_saphyr::Spanned;
 
-pub use admin::{AdminConfig, EnvName};
+pub use admin::{split_host_port, AdminConfig, AdminHost, EnvName};
 pub use duration::ConfigDuration;
 pub use error::{ConfigError, Position};
 pub use load::{from_bytes, load, parse, read_error, to_json, Source};
@@ -36,8 +36,8 @@ pub use schema::json_schema;
 pub use tree::{
     ClusterConfig, ConditionConfig, Config, CountConfig, JwtAlgorithm, JwtConfig, JwtKeyConfig,
     LimitConfig, ListenerTlsConfig, LocalConfig, MatchConfig, OnInvalid, QuotaPeriod, RedisConfig,
-    RespondConfig, RouteConfig, RouteJwtConfig, SentinelConfig, ServerConfig, StoreConfig,
-    UpstreamConfig, Workers,
+    ReloadConfig, RespondConfig, RouteConfig, RouteJwtConfig, SentinelConfig, ServerConfig,
+    StoreConfig, UpstreamConfig, Workers,
 };
 pub use tree::{
     ReserveConfig, SettleConfig, SettleFrom, DEFAULT_PER_NON_TEXT_PART, DEFAULT_RESERVE_MAX_BODY,
@@ -48,9 +48,9 @@ pub use tree::{
     DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_HEADER_READ_TIMEOUT_MS, DEFAULT_IDLE_TIMEOUT_MS,
     DEFAULT_IPV4_PREFIX, DEFAULT_IPV6_PREFIX, DEFAULT_KEY_PREFIX, DEFAULT_LOCAL_MAX_KEYS,
     DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_DELAYED, DEFAULT_MAX_HEADERS, DEFAULT_MAX_HEADER_BYTES,
-    DEFAULT_MAX_REQUEST_LINE, DEFAULT_POOL_SIZE, DEFAULT_SHUTDOWN_GRACE_MS,
-    DEFAULT_STORE_TIMEOUT_MS, DEFAULT_TOKEN_BODIES_PER_CONNECTION, DEFAULT_TOKEN_BODY_BUDGET,
-    DEFAULT_UPSTREAM_TIMEOUT_MS, MAX_MAX_DELAY_MS,
+    DEFAULT_MAX_REQUEST_LINE, DEFAULT_POOL_SIZE, DEFAULT_RELOAD_SETTLE_MS,
+    DEFAULT_SHUTDOWN_GRACE_MS, DEFAULT_STORE_TIMEOUT_MS, DEFAULT_TOKEN_BODIES_PER_CONNECTION,
+    DEFAULT_TOKEN_BODY_BUDGET, DEFAULT_UPSTREAM_TIMEOUT_MS, MAX_MAX_DELAY_MS,
 };
 pub use types::TokenFrom;
 pub use types::{

@@ -71,6 +71,15 @@ string_schema!(
     ["SLUICE_ADMIN_TOKEN"]
 );
 string_schema!(
+    super::admin::AdminHost,
+    "AdminHost",
+    r"^([A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?$",
+    "A name the admin API answers to (in the request's `Host` and `Origin`) besides its own \
+     address and `localhost`, `127.0.0.1`, `[::1]`: `name` (with no port or the listener's \
+     port) or `name:port` (that port only).",
+    ["sluice-admin.monitoring.svc", "localhost:19090"]
+);
+string_schema!(
     Name,
     "Name",
     r"^[A-Za-z0-9._-]{1,64}$",

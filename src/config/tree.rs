@@ -56,6 +56,8 @@ pub const DEFAULT_TOKEN_BODY_BUDGET: u64 = 64 * 1024 * 1024;
 pub const DEFAULT_TOKEN_BODIES_PER_CONNECTION: u32 = 32;
 /// Default time requests in flight get to finish once the listeners have closed.
 pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 10_000;
+/// Default time a changed config file must read the same before it is applied: two polls.
+pub const DEFAULT_RELOAD_SETTLE_MS: u64 = 500;
 /// Default most keys the in-process store tracks; past it, the least recently used goes.
 pub const DEFAULT_LOCAL_MAX_KEYS: u32 = 100_000;
 /// Default time allowed to open a TCP connection to an upstream.
@@ -88,6 +90,9 @@ pub struct Config {
     /// Which rate-limit fields responses carry, unless a route says otherwise.
     #[serde(default)]
     pub response_headers: ResponseHeaders,
+    /// How a changed config file is applied (hot reload).
+    #[serde(default)]
+    pub reload: ReloadConfig,
     /// `text` or `json` lines on standard error (applied at start; a reload cannot change it).
     #[serde(default)]
     pub log_format: LogFormat,
@@ -97,6 +102,25 @@ pub struct Config {
     #[serde(default)]
     pub jwt: Vec<JwtConfig>,
     pub routes: Vec<RouteConfig>,
+}
+
+/// How a change of the config file (or of a JWT key file it names) is applied.
+#[derive(Debug, Clone, PartialEq, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReloadConfig {
+    /// A changed file is applied only once it has read the same (contents, size and
+    /// modification time) for this long, over at least two polls: a file still being written
+    /// is never applied half-way. Applies from the next change after the file that sets it.
+    #[serde(default = "default_reload_settle")]
+    pub settle: ConfigDuration,
+}
+
+impl Default for ReloadConfig {
+    fn default() -> Self {
+        ReloadConfig {
+            settle: default_reload_settle(),
+        }
+    }
 }
 
 /// What the listeners accept: sizes of the request head and body, connections, timeouts.
@@ -724,6 +748,9 @@ fn default_header_read_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(
         DEFAULT_HEADER_READ_TIMEOUT_MS,
     ))
+}
+fn default_reload_settle() -> ConfigDuration {
+    ConfigDuration(std::time::Duration::from_millis(DEFAULT_RELOAD_SETTLE_MS))
 }
 fn default_idle_timeout() -> ConfigDuration {
     ConfigDuration(std::time::Duration::from_millis(DEFAULT_IDLE_TIMEOUT_MS))

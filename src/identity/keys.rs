@@ -77,7 +77,19 @@ pub fn verifier(config: &JwtConfig, file: &Path, field: &str) -> Result<Verifier
         keys.extend(jwks_file(jwks, file, &format!("{field}.jwks_file"))?);
     }
     for (index, key) in config.keys.iter().enumerate() {
-        keys.push(key_file(key, file, &format!("{field}.keys[{index}]"))?);
+        let read = key_file(key, file, &format!("{field}.keys[{index}]"))?;
+        if let Some(kid) = read.kid.as_deref().filter(|kid| kid_taken(&keys, kid)) {
+            return Err(invalid(
+                Position::from(key),
+                &format!("keys[{index}].kid"),
+                format!(
+                    "the `kid` `{kid}` is already the kid of another key of this verifier \
+                     (in `jwks_file` or an earlier `keys` entry): a token naming it could be \
+                     checked against either; give each key its own kid"
+                ),
+            ));
+        }
+        keys.push(read);
     }
     if keys.is_empty() {
         return Err(invalid(
@@ -121,6 +133,11 @@ fn read(
             format!("cannot read {}: {err}", resolved.display()),
         )
     })
+}
+
+/// Whether one of `keys` already has the kid `kid`.
+fn kid_taken(keys: &[Key], kid: &str) -> bool {
+    keys.iter().any(|key| key.kid.as_deref() == Some(kid))
 }
 
 /// A PEM public key or an HS256 secret, pinned to its configured algorithm.
@@ -310,9 +327,20 @@ fn jwks_file(
         .get("keys")
         .and_then(Value::as_array)
         .ok_or_else(|| unusable("a JWK set is an object with a `keys` array".to_owned()))?;
-    let mut parsed = Vec::with_capacity(keys.len());
+    let mut parsed: Vec<Key> = Vec::with_capacity(keys.len());
     for (index, jwk) in keys.iter().enumerate() {
         let key = jwk_key(jwk).map_err(|message| unusable(format!("keys[{index}]: {message}")))?;
+        // Two keys of one kid: a rotation that reused the kid would leave the first (usually
+        // the old) key verifying every token that names it, the new one never.
+        if let Some(kid) = key.kid.as_deref() {
+            if let Some(first) = parsed.iter().position(|k| k.kid.as_deref() == Some(kid)) {
+                return Err(unusable(format!(
+                    "keys[{first}] and keys[{index}] both have the `kid` `{kid}`: a token naming \
+                     it could be checked against either; give each key its own kid (the last \
+                     good keys keep serving)"
+                )));
+            }
+        }
         parsed.push(key);
     }
     if parsed.is_empty() {

@@ -66,6 +66,7 @@ async fn admin(
     let r = c
         .request(method, format!("{}{path_and_query}", sluice.admin_url()))
         .bearer_auth(TOKEN)
+        .header("x-sluice-admin", "1")
         .send()
         .await
         .expect("admin API call");
@@ -522,6 +523,7 @@ async fn the_admin_api_needs_the_token_and_the_probes_do_not() {
             .await
             .expect("other scheme"),
         c.post(format!("{}/admin/v1/reload", sluice.admin_url()))
+            .header("x-sluice-admin", "1")
             .send()
             .await
             .expect("reload without a token"),
@@ -529,6 +531,7 @@ async fn the_admin_api_needs_the_token_and_the_probes_do_not() {
             "{}/admin/v1/limits/gcra/per-key?key=ip=1.2.3.4",
             sluice.admin_url()
         ))
+        .header("x-sluice-admin", "1")
         .send()
         .await
         .expect("reset without a token"),
@@ -775,6 +778,7 @@ async fn wrong_methods_get_405_with_allow_and_unknown_paths_404() {
         let r = c
             .request(method.clone(), format!("{}{path}", sluice.admin_url()))
             .bearer_auth(TOKEN)
+            .header("x-sluice-admin", "1")
             .send()
             .await
             .expect("admin API call");

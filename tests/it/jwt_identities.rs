@@ -628,6 +628,55 @@ async fn a_key_rotated_in_the_jwks_file_takes_effect_without_restart() {
     );
 }
 
+/// A rotation that reuses a kid: the JWK set then holds two keys of the kid `ec`, the new one
+/// first. The set is refused whole, the error naming the kid and the file, counted as a
+/// refused reload; the last good keys keep serving (the old `ec` key verifies, the new one
+/// does not: with the first of two keys winning, the new one would).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jwk_set_with_two_keys_of_one_kid_is_refused_and_the_last_good_keys_serve() {
+    let keys = Keys::new();
+    let sluice = Sluice::start(&keys.yaml("")).await;
+    let old = keys.ec.token(&claims(json!("kid-old")));
+    assert_eq!(status(&sluice, "/api/k", Some(&old)).await, 200);
+    let reused = Signer::ec("ec");
+    let new = reused.token(&claims(json!("kid-new")));
+    keys.write_jwks(&[&keys.rsa, &reused, &keys.ec, &keys.ed]);
+    support::wait_for(
+        Duration::from_secs(15),
+        "the JWK set with a repeated kid to be refused",
+        || async {
+            let metrics = parse_metrics(&sluice.metrics().await);
+            metric_sum(
+                &metrics,
+                "sluice_config_reloads_total",
+                &[("result", "error")],
+            ) >= 1.0
+        },
+    )
+    .await;
+    let metrics = parse_metrics(&sluice.metrics().await);
+    assert_eq!(
+        metric_sum(&metrics, "sluice_config_reloads_total", &[("result", "ok")]),
+        0.0,
+        "nothing was applied"
+    );
+    assert_eq!(
+        status(&sluice, "/api/k", Some(&new)).await,
+        401,
+        "the new key of the reused kid is not in force"
+    );
+    assert_eq!(
+        status(&sluice, "/api/k", Some(&old)).await,
+        200,
+        "the last good keys serve"
+    );
+    let log = sluice.log();
+    assert!(
+        log.contains("keys[1] and keys[2] both have the `kid` `ec`") && log.contains("jwks.json"),
+        "the refusal names the kid and the file:\n{log}"
+    );
+}
+
 /// `sluice check` names the file, the line and the field of each mistake.
 #[test]
 fn check_refuses_bad_verifiers_with_their_position() {
@@ -637,6 +686,8 @@ fn check_refuses_bad_verifiers_with_their_position() {
     std::fs::write(keys.path("short.secret"), "too short").expect("write");
     let secret = keys.path("hs.secret").display().to_string();
     let short = keys.path("short.secret").display().to_string();
+    let twice = json!({"keys": [keys.rsa.jwk(), keys.ec.jwk(), Signer::rsa("rsa", 2).jwk()]});
+    std::fs::write(keys.path("twice.json"), twice.to_string()).expect("write");
     let cases: Vec<(String, &str, &str)> = vec![
         (good.replace("verifier: auth }\n    limits:\n      - { name: per-user, key: [\"jwt:sub\"], requests: 2",
                       "verifier: nobody }\n    limits:\n      - { name: per-user, key: [\"jwt:sub\"], requests: 2"),
@@ -648,6 +699,8 @@ fn check_refuses_bad_verifiers_with_their_position() {
         (good.replace(&secret, &short), "jwt[0].keys[0].secret_file", "at least 32 bytes"),
         (good.replace("algorithm: HS256", "algorithm: HS512"), "jwt[0].keys[0]", "HS512"),
         (good.replace("algorithm: RS256", "algorithm: ES256"), "jwt[0].keys[1].pem_file", "P-256"),
+        (good.replace("jwks.json", "twice.json"), "jwt[0].jwks_file", "keys[0] and keys[2] both have the `kid` `rsa`"),
+        (good.replace("kid: rsa-pem", "kid: ed"), "jwt[0].keys[1].kid", "the `kid` `ed` is already"),
     ];
     for (yaml, field, message) in cases {
         assert_ne!(yaml, good, "the case changed nothing: {field}");

@@ -16,6 +16,7 @@ mod support;
 
 mod admin;
 mod admin_api;
+mod admin_browsers;
 mod algorithms;
 mod calendar_quotas;
 mod check_cli;

@@ -537,3 +537,85 @@ async fn a_request_in_flight_keeps_its_policy() {
         3
     );
 }
+
+/// The `q` of the `per-ip` item of a response's RateLimit-Policy; `None` when it has none
+/// (the route is not limited).
+fn q_of(r: &reqwest::Response) -> Option<i64> {
+    let policy = r.headers().get("ratelimit-policy")?.to_str().ok()?;
+    parse_limit_field(policy)
+        .first()
+        .map(|item| item.param("q"))
+}
+
+/// (Issue 27, hole 3.) A file written in two steps, with a pause shorter than
+/// `reload.settle` between them: the first step alone is a valid policy (the route cut
+/// before its limits, which `sluice check` accepts) that would serve the route unlimited.
+/// It is never applied — every request during the pause still sees the old limit — and
+/// it is counted and logged as skipped; the whole file is applied once it has settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_written_file_is_never_applied() {
+    let settle = "reload: { settle: 3s }\n";
+    let sluice = Sluice::start(&format!("{settle}{}", limited(1, "1d"))).await;
+    let c = client();
+    let full = format!("{}{settle}{}", head(&sluice), limited(3, "1d"));
+    let (first, rest) = full.split_at(full.find("    limits:").expect("the limits"));
+    let alone = support::write_config(first);
+    let (status, stdout, stderr) = support::sluice_check(alone.path());
+    assert!(
+        status.success(),
+        "the first part alone is a valid policy: {stdout}{stderr}"
+    );
+
+    std::fs::write(sluice.config_path(), first).expect("write the first part");
+    let written = Instant::now();
+    let mut probes = 0;
+    while written.elapsed() < Duration::from_millis(1500) {
+        let r = c
+            .get(format!("{}/api", sluice.url()))
+            .send()
+            .await
+            .expect("GET /api");
+        assert_eq!(
+            q_of(&r),
+            Some(1),
+            "{:?} after the first part was written, the route is not under its old limit \
+             (the half-written file was applied)\nlog:\n{}",
+            written.elapsed(),
+            sluice.log()
+        );
+        probes += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(probes >= 5, "only {probes} requests during the pause");
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(sluice.config_path())
+        .expect("open the config to append");
+    std::io::Write::write_all(&mut file, rest.as_bytes()).expect("write the rest");
+    drop(file);
+    support::wait_for(
+        Duration::from_secs(15),
+        "the whole file to serve",
+        || async {
+            let r = c.get(format!("{}/api", sluice.url())).send().await;
+            r.is_ok_and(|r| q_of(&r) == Some(3))
+        },
+    )
+    .await;
+    assert_eq!(
+        reloads(&sluice, "ok").await,
+        1.0,
+        "only the whole file was applied"
+    );
+    assert_eq!(reloads(&sluice, "error").await, 0.0);
+    assert!(
+        metric(&sluice, "sluice_config_versions_skipped_total", &[]).await >= 1.0,
+        "the first part is counted as skipped"
+    );
+    assert_eq!(config_hash(&sluice).await, expected_hash(&full));
+    let log = sluice.log();
+    assert!(
+        log.contains("the version read before was not applied"),
+        "the skipped version is logged:\n{log}"
+    );
+}
