@@ -31,6 +31,12 @@ pub struct Usage {
     pub input: Option<u64>,
     pub output: Option<u64>,
     pub total: Option<u64>,
+    /// Of `input`, read from the provider's cache (OpenAI `*_tokens_details.cached_tokens`,
+    /// Anthropic `cache_read_input_tokens`): priced at `cached_input`.
+    pub cached: Option<u64>,
+    /// Of `input`, written to the cache (Anthropic `cache_creation_input_tokens`): priced at
+    /// `cache_write`.
+    pub cache_write: Option<u64>,
 }
 
 impl Usage {
@@ -46,10 +52,30 @@ impl Usage {
         }
     }
 
+    /// What the figures cost at `prices`, in micro-currency rounded up: each part at its
+    /// price, and whatever the total says beyond input and output at the highest price.
+    pub fn priced(&self, prices: &super::Prices) -> Option<u64> {
+        let used = self.used()?;
+        let (input, output) = (self.input.unwrap_or(0), self.output.unwrap_or(0));
+        let cached = self.cached.unwrap_or(0).min(input);
+        let written = self.cache_write.unwrap_or(0).min(input - cached);
+        let plain = input - cached - written;
+        let unknown = used.saturating_sub(input.saturating_add(output));
+        let highest = prices.input.max(prices.output).max(prices.cache_write);
+        let pico = u128::from(plain) * u128::from(prices.input)
+            + u128::from(cached) * u128::from(prices.cached_input)
+            + u128::from(written) * u128::from(prices.cache_write)
+            + u128::from(output) * u128::from(prices.output)
+            + u128::from(unknown) * u128::from(highest);
+        Some(u64::try_from(pico.div_ceil(1_000_000)).unwrap_or(u64::MAX))
+    }
+
     fn merge(&mut self, newer: Usage) {
         self.input = newer.input.or(self.input);
         self.output = newer.output.or(self.output);
         self.total = newer.total.or(self.total);
+        self.cached = newer.cached.or(self.cached);
+        self.cache_write = newer.cache_write.or(self.cache_write);
     }
 }
 
@@ -63,6 +89,14 @@ struct RawUsage {
     completion_tokens: Option<u64>,
     cache_creation_input_tokens: Option<u64>,
     cache_read_input_tokens: Option<u64>,
+    prompt_tokens_details: Option<Details>,
+    input_tokens_details: Option<Details>,
+}
+
+/// OpenAI's `prompt_tokens_details` / `input_tokens_details`.
+#[derive(Deserialize)]
+struct Details {
+    cached_tokens: Option<u64>,
 }
 
 impl RawUsage {
@@ -83,10 +117,18 @@ impl RawUsage {
         } else {
             self.prompt_tokens
         };
+        let details = self
+            .prompt_tokens_details
+            .as_ref()
+            .or(self.input_tokens_details.as_ref());
         Usage {
             input,
             output: self.output_tokens.or(self.completion_tokens),
             total: self.total_tokens,
+            cached: self
+                .cache_read_input_tokens
+                .or(details.and_then(|d| d.cached_tokens)),
+            cache_write: self.cache_creation_input_tokens,
         }
     }
 }
