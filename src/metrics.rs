@@ -377,8 +377,9 @@ impl Metrics {
             ),
             &["route"],
         )?;
-        let token_counter =
-            |name: &str, help: &str| IntCounterVec::new(Opts::new(name, help), &["route", "limit", "unit"]);
+        let token_counter = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["route", "limit", "unit"])
+        };
         let tokens_reserved = token_counter(
             "sluice_tokens_reserved_total",
             "Token budgets: tokens (or micro-currency, `unit` says) reserved by admitted requests (the upper bound from the request body), by route, limit and unit.",
@@ -505,9 +506,13 @@ impl Metrics {
     /// The token counters of a limit counted in tokens (only those get the series).
     pub fn for_token_limit(&self, route: &str, limit: &str, unit: &str) -> TokenMetrics {
         TokenMetrics {
-            reserved: self.tokens_reserved.with_label_values(&[route, limit, unit]),
+            reserved: self
+                .tokens_reserved
+                .with_label_values(&[route, limit, unit]),
             settled: self.tokens_settled.with_label_values(&[route, limit, unit]),
-            returned: self.tokens_returned.with_label_values(&[route, limit, unit]),
+            returned: self
+                .tokens_returned
+                .with_label_values(&[route, limit, unit]),
             overruns: self.token_overruns.with_label_values(&[route, limit, unit]),
         }
     }

@@ -49,10 +49,7 @@ fn micro_amount(amount: f64) -> Option<u32> {
 pub fn models(config: &Config, file: &Path) -> Result<Arc<Models>, ConfigError> {
     let mut entries = Vec::with_capacity(config.models.len());
     for (index, model) in config.models.iter().enumerate() {
-        entries.push((
-            model.pattern.value.clone(),
-            facts_of(model, file, index)?,
-        ));
+        entries.push((model.pattern.value.clone(), facts_of(model, file, index)?));
     }
     Ok(Arc::new(Models::new(entries)))
 }
@@ -286,7 +283,10 @@ pub fn check(
             ),
         );
     }
-    if reserve.default_output.is_some_and(|d| d > reserve.max_output) {
+    if reserve
+        .default_output
+        .is_some_and(|d| d > reserve.max_output)
+    {
         return refuse(
             reserve_at,
             "reserve.default_output",

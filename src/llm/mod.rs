@@ -38,7 +38,10 @@ pub struct TokenBudget {
 pub enum Unit {
     Tokens,
     /// Micro-units of `currency` (`label`: `microUSD`), priced at the models' prices.
-    Money { currency: String, label: String },
+    Money {
+        currency: String,
+        label: String,
+    },
 }
 
 impl Unit {

@@ -432,11 +432,8 @@ impl Compiled {
                             let (route, name) = (route.name.as_str(), limit.name.as_str());
                             let mut counters = metrics.for_limit(route, name);
                             if let Some(budget) = &limit.tokens {
-                                counters.tokens = Some(metrics.for_token_limit(
-                                    route,
-                                    name,
-                                    budget.unit.label(),
-                                ));
+                                counters.tokens =
+                                    Some(metrics.for_token_limit(route, name, budget.unit.label()));
                             }
                             counters
                         },
@@ -516,7 +513,11 @@ pub fn rate_limit_policy<'a, M: Metering>(
             ('q', u64::from(limit.spec.requests)),
             ('w', ceil_seconds(limit.spec.window)),
         ];
-        (&limit.name, params, limit.tokens.as_ref().map(|b| b.unit.label()))
+        (
+            &limit.name,
+            params,
+            limit.tokens.as_ref().map(|b| b.unit.label()),
+        )
     }))
 }
 

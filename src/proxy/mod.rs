@@ -212,8 +212,8 @@ impl Gateway {
             };
             settle::give_back_uncounted(&self.store, route, decided, status).await;
             if route.limits.iter().any(|limit| limit.tokens.is_some()) {
-                acted = Box::pin(tokens::settle(&self.store, decided, acted, prices.as_ref()))
-                    .await;
+                acted =
+                    Box::pin(tokens::settle(&self.store, decided, acted, prices.as_ref())).await;
             }
         }
         acted

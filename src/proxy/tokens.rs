@@ -126,8 +126,14 @@ pub fn reserve<B>(
         let Some(budget) = &limit.tokens else {
             continue;
         };
-        let r = llm::estimate(api, &fields, bytes.len() as u64, &budget.reserve, &budget.models)
-            .map_err(|err| refuse(limit.name.as_str(), err))?;
+        let r = llm::estimate(
+            api,
+            &fields,
+            bytes.len() as u64,
+            &budget.reserve,
+            &budget.models,
+        )
+        .map_err(|err| refuse(limit.name.as_str(), err))?;
         if let Some(field) = r.write_cap {
             write = Some((field, write.map_or(r.cap, |(_, cap)| cap.min(r.cap))));
         }
@@ -146,9 +152,14 @@ pub fn reserve<B>(
         let Some(budget) = &limit.tokens else {
             continue;
         };
-        let reservation =
-            llm::estimate(api, &fields, bytes.len() as u64, &budget.reserve, &budget.models)
-                .map_err(|err| refuse(limit.name.as_str(), err))?;
+        let reservation = llm::estimate(
+            api,
+            &fields,
+            bytes.len() as u64,
+            &budget.reserve,
+            &budget.models,
+        )
+        .map_err(|err| refuse(limit.name.as_str(), err))?;
         let total = match &budget.unit {
             Unit::Tokens => reservation.total,
             Unit::Money { currency, .. } => {

@@ -51,6 +51,7 @@ mod shutdown;
 mod slow_bodies;
 mod streaming;
 mod tls;
+mod token_bounds;
 mod token_budgets;
 mod websocket;
 mod weighted_log;

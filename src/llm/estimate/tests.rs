@@ -19,7 +19,13 @@ const RESERVE: Reserve = Reserve {
 fn run(api: Api, body: &Value, reserve: &Reserve) -> Result<Reservation, EstimateError> {
     let bytes = serde_json::to_vec(body).unwrap();
     let fields = parse(&bytes)?;
-    estimate(api, &fields, bytes.len() as u64, reserve, &Models::default())
+    estimate(
+        api,
+        &fields,
+        bytes.len() as u64,
+        reserve,
+        &Models::default(),
+    )
 }
 
 fn len(body: &Value) -> u64 {
@@ -56,19 +62,44 @@ fn the_bound_is_bytes_plus_the_output_cap() {
 #[test]
 fn completions_multiply_the_cap_for_each_api() {
     let chat = json!({"messages":[],"max_completion_tokens":100,"n":16});
-    assert_eq!(run(Api::ChatCompletions, &chat, &RESERVE).unwrap().output, 1600);
+    assert_eq!(
+        run(Api::ChatCompletions, &chat, &RESERVE).unwrap().output,
+        1600
+    );
     let legacy = json!({"prompt":"x","max_tokens":100,"n":2,"best_of":5});
-    assert_eq!(run(Api::Completions, &legacy, &RESERVE).unwrap().output, 500);
+    assert_eq!(
+        run(Api::Completions, &legacy, &RESERVE).unwrap().output,
+        500
+    );
     let prompts = json!({"prompt":["a","b","c"],"max_tokens":100,"n":2});
-    assert_eq!(run(Api::Completions, &prompts, &RESERVE).unwrap().output, 600);
+    assert_eq!(
+        run(Api::Completions, &prompts, &RESERVE).unwrap().output,
+        600
+    );
     let token_prompts = json!({"prompt":[[1,2],[3]],"max_tokens":100});
-    assert_eq!(run(Api::Completions, &token_prompts, &RESERVE).unwrap().output, 200);
+    assert_eq!(
+        run(Api::Completions, &token_prompts, &RESERVE)
+            .unwrap()
+            .output,
+        200
+    );
     let one_token_prompt = json!({"prompt":[1,2,3],"max_tokens":100});
-    assert_eq!(run(Api::Completions, &one_token_prompt, &RESERVE).unwrap().output, 100);
+    assert_eq!(
+        run(Api::Completions, &one_token_prompt, &RESERVE)
+            .unwrap()
+            .output,
+        100
+    );
     // `n` means nothing to Responses or Anthropic: they generate one.
     let responses = json!({"input":"x","max_output_tokens":100,"n":5});
-    assert_eq!(run(Api::Responses, &responses, &RESERVE).unwrap().output, 100);
-    for bad in [json!({"n":0,"max_tokens":1}), json!({"n":"2","max_tokens":1})] {
+    assert_eq!(
+        run(Api::Responses, &responses, &RESERVE).unwrap().output,
+        100
+    );
+    for bad in [
+        json!({"n":0,"max_tokens":1}),
+        json!({"n":"2","max_tokens":1}),
+    ] {
         assert_eq!(
             run(Api::ChatCompletions, &bad, &RESERVE),
             Err(EstimateError::BadCount { field: "n" })
@@ -115,8 +146,12 @@ fn without_a_cap_the_cap_to_write_is_named_for_each_api() {
     );
     // The written body names the cap and keeps everything else.
     let fields = parse(br#"{"model":"m","input":"x","max_output_tokens":null}"#).unwrap();
-    let written: Value = serde_json::from_slice(&with_cap(fields, "max_output_tokens", 77)).unwrap();
-    assert_eq!(written, json!({"model":"m","input":"x","max_output_tokens":77}));
+    let written: Value =
+        serde_json::from_slice(&with_cap(fields, "max_output_tokens", 77)).unwrap();
+    assert_eq!(
+        written,
+        json!({"model":"m","input":"x","max_output_tokens":77})
+    );
 }
 
 #[test]
@@ -131,10 +166,16 @@ fn a_cap_above_the_maximum_or_not_a_count_is_refused() {
         }
     );
     assert_eq!(err.status(), 413);
-    for bad in [json!({"max_tokens":-1}), json!({"max_tokens":"5"}), json!({"max_tokens":1.5})] {
+    for bad in [
+        json!({"max_tokens":-1}),
+        json!({"max_tokens":"5"}),
+        json!({"max_tokens":1.5}),
+    ] {
         assert_eq!(
             run(Api::ChatCompletions, &bad, &RESERVE),
-            Err(EstimateError::BadCap { field: "max_tokens" })
+            Err(EstimateError::BadCap {
+                field: "max_tokens"
+            })
         );
     }
     assert!(matches!(parse(b"{"), Err(EstimateError::NotJson(_))));
@@ -189,16 +230,27 @@ fn the_tool_prompt_and_per_request_are_added_once() {
     assert_eq!(r.overhead, 400 + 530);
     assert_eq!(r.total, len(&body) + 400 + 530 + 1);
     let none = json!({"max_tokens":1,"tools":[]});
-    assert_eq!(run(Api::AnthropicMessages, &none, &reserve).unwrap().overhead, 400);
+    assert_eq!(
+        run(Api::AnthropicMessages, &none, &reserve)
+            .unwrap()
+            .overhead,
+        400
+    );
 }
 
 #[test]
 fn stored_state_is_refused_unless_the_route_charges_it() {
     for (body, field) in [
-        (json!({"input":"x","previous_response_id":"resp_1"}), "previous_response_id"),
+        (
+            json!({"input":"x","previous_response_id":"resp_1"}),
+            "previous_response_id",
+        ),
         (json!({"input":"x","conversation":"conv_1"}), "conversation"),
         (json!({"prompt":{"id":"pmpt_1"}}), "prompt"),
-        (json!({"input":[{"type":"item_reference","id":"msg_1"}]}), "input"),
+        (
+            json!({"input":[{"type":"item_reference","id":"msg_1"}]}),
+            "input",
+        ),
     ] {
         let err = run(Api::Responses, &body, &RESERVE).unwrap_err();
         assert_eq!(err, EstimateError::StoredState { field }, "{body}");
@@ -208,7 +260,10 @@ fn stored_state_is_refused_unless_the_route_charges_it() {
             stored_state: Some(StoredState::Context),
             ..RESERVE
         };
-        assert_eq!(run(Api::Responses, &body, &context).unwrap().stored, 2_097_152);
+        assert_eq!(
+            run(Api::Responses, &body, &context).unwrap().stored,
+            2_097_152
+        );
         let figure = Reserve {
             stored_state: Some(StoredState::Tokens(50_000)),
             ..RESERVE
@@ -224,16 +279,56 @@ fn stored_state_is_refused_unless_the_route_charges_it() {
 #[test]
 fn server_tools_are_refused_unless_the_route_charges_each() {
     for (api, body, kind) in [
-        (Api::Responses, json!({"tools":[{"type":"web_search"}]}), "web_search"),
-        (Api::Responses, json!({"tools":[{"type":"file_search","vector_store_ids":["v"]}]}), "file_search"),
-        (Api::Responses, json!({"tools":[{"type":"mcp","server_url":"u"}]}), "mcp"),
-        (Api::Responses, json!({"tools":[{"type":"code_interpreter"}]}), "code_interpreter"),
-        (Api::Responses, json!({"tools":[{"type":"image_generation"}]}), "image_generation"),
-        (Api::AnthropicMessages, json!({"tools":[{"type":"web_search_20250305","name":"web_search"}]}), "web_search_20250305"),
-        (Api::AnthropicMessages, json!({"tools":[{"type":"web_fetch_20250910","name":"web_fetch"}]}), "web_fetch_20250910"),
-        (Api::AnthropicMessages, json!({"tools":[{"type":"code_execution_20250825","name":"c"}]}), "code_execution_20250825"),
-        (Api::ChatCompletions, json!({"web_search_options":{}}), "web_search"),
-        (Api::AnthropicMessages, json!({"mcp_servers":[{"type":"url","url":"u"}]}), "mcp"),
+        (
+            Api::Responses,
+            json!({"tools":[{"type":"web_search"}]}),
+            "web_search",
+        ),
+        (
+            Api::Responses,
+            json!({"tools":[{"type":"file_search","vector_store_ids":["v"]}]}),
+            "file_search",
+        ),
+        (
+            Api::Responses,
+            json!({"tools":[{"type":"mcp","server_url":"u"}]}),
+            "mcp",
+        ),
+        (
+            Api::Responses,
+            json!({"tools":[{"type":"code_interpreter"}]}),
+            "code_interpreter",
+        ),
+        (
+            Api::Responses,
+            json!({"tools":[{"type":"image_generation"}]}),
+            "image_generation",
+        ),
+        (
+            Api::AnthropicMessages,
+            json!({"tools":[{"type":"web_search_20250305","name":"web_search"}]}),
+            "web_search_20250305",
+        ),
+        (
+            Api::AnthropicMessages,
+            json!({"tools":[{"type":"web_fetch_20250910","name":"web_fetch"}]}),
+            "web_fetch_20250910",
+        ),
+        (
+            Api::AnthropicMessages,
+            json!({"tools":[{"type":"code_execution_20250825","name":"c"}]}),
+            "code_execution_20250825",
+        ),
+        (
+            Api::ChatCompletions,
+            json!({"web_search_options":{}}),
+            "web_search",
+        ),
+        (
+            Api::AnthropicMessages,
+            json!({"mcp_servers":[{"type":"url","url":"u"}]}),
+            "mcp",
+        ),
     ] {
         let mut body = body;
         body["max_tokens"] = json!(10);
@@ -248,7 +343,11 @@ fn server_tools_are_refused_unless_the_route_charges_each() {
             ..RESERVE
         };
         let r = run(api, &body, &charged).unwrap();
-        assert_eq!((r.server_tools, r.server_tool_tokens), (1, 20_000), "{body}");
+        assert_eq!(
+            (r.server_tools, r.server_tool_tokens),
+            (1, 20_000),
+            "{body}"
+        );
     }
     assert_eq!(
         run(Api::Unbounded, &json!({}), &RESERVE),
