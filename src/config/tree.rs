@@ -619,11 +619,12 @@ impl LimitConfig {
 
     /// The algorithm this limit counts with, as the limiter names it.
     pub fn algorithm(&self) -> crate::limiter::Algorithm {
-        match (&self.quota, &self.algorithm, &self.tokens) {
+        let budget = self.tokens.is_some() || self.money.is_some();
+        match (&self.quota, &self.algorithm, budget) {
             (Some(_), _, _) => crate::limiter::Algorithm::Calendar,
             (None, Some(algorithm), _) => algorithm.value.into(),
-            (None, None, Some(_)) => crate::limiter::Algorithm::WeightedLog,
-            (None, None, None) => crate::limiter::Algorithm::default(),
+            (None, None, true) => crate::limiter::Algorithm::WeightedLog,
+            (None, None, false) => crate::limiter::Algorithm::default(),
         }
     }
 }

@@ -236,8 +236,8 @@ pub fn check(
             at,
             unit,
             format!(
-                "at most {MAX_SLIDING_LOG_TOKENS} units on a sliding_log (here {unit} on a sliding_log: its log keeps one \
-                 entry per token; leave `algorithm:` out for `weighted_log` (one entry per \
+                "at most {MAX_SLIDING_LOG_TOKENS} ({unit}) on a sliding_log: its log keeps one \
+                 entry per token (or micro-unit of money); leave `algorithm:` out for `weighted_log` (one entry per \
                  request), or use a calendar quota"
             ),
         );
@@ -396,6 +396,99 @@ mod tests {
         let config = crate::config::parse(&yaml, Path::new("p.yaml")).map_err(|e| e.to_string())?;
         Policy::compile(&config, Path::new("p.yaml"), &UpstreamTlsSet::default())
             .map_err(|e| e.to_string())
+    }
+
+    /// A policy with `models` (the section's lines) before its one route.
+    fn compile_models(models: &str, limit: &str) -> Result<crate::policy::Compiled, String> {
+        let yaml = format!(
+            "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{models}routes:\n  - name: chat\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n      - name: spend\n        key: []\n        window: 1m\n{limit}"
+        );
+        let config = crate::config::parse(&yaml, Path::new("p.yaml")).map_err(|e| e.to_string())?;
+        Policy::compile(&config, Path::new("p.yaml"), &UpstreamTlsSet::default())
+            .map_err(|e| e.to_string())
+    }
+
+    const PRICED: &str = "models:\n  - match: \"m-*\"\n    per_image: { low: 10, high: 20 }\n    max_output: 1000\n    prices: { currency: USD, input: 0.15, output: 0.6 }\n";
+
+    #[test]
+    fn a_money_limit_counts_micro_currency_at_the_models_prices() {
+        let compiled =
+            compile_models(PRICED, "        money: 12.5\n        currency: USD\n").unwrap();
+        let limit = &compiled.routes[0].limits[0];
+        assert_eq!(limit.spec.requests, 12_500_000);
+        assert_eq!(limit.spec.algorithm, Algorithm::WeightedLog);
+        assert!(limit.spec.returnable);
+        let budget = limit.tokens.as_ref().unwrap();
+        assert_eq!(budget.unit.label(), "microUSD");
+        let facts = budget.models.lookup(Some("m-1"));
+        assert_eq!(
+            (facts.image_low, facts.image_high, facts.max_output),
+            (10, 20, 1000)
+        );
+        let prices = facts.prices.as_ref().unwrap();
+        // Per million tokens × 10⁶: pico-USD per token; cached defaults to input, cache
+        // writes to twice it.
+        assert_eq!(
+            (
+                prices.input,
+                prices.cached_input,
+                prices.cache_write,
+                prices.output
+            ),
+            (150_000, 150_000, 300_000, 600_000)
+        );
+        assert_eq!(budget.models.lookup(Some("other")).prices, None);
+    }
+
+    #[test]
+    fn what_a_money_limit_or_a_model_cannot_be_is_refused_with_its_position() {
+        let err = |models: &str, limit: &str| {
+            compile_models(models, limit)
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {limit}"))
+        };
+        let e = err(PRICED, "        money: 5\n");
+        assert!(
+            e.contains("limits[0].currency") && e.contains("needs `currency:`"),
+            "{e}"
+        );
+        let e = err(PRICED, "        tokens: 5000\n        currency: USD\n");
+        assert!(e.contains("limits[0].currency"), "{e}");
+        let e = err(
+            PRICED,
+            "        tokens: 5000\n        money: 5\n        currency: USD\n",
+        );
+        assert!(e.contains("limits[0].money") && e.contains("one of"), "{e}");
+        for amount in ["5000", "0", "0.0000001", "-1"] {
+            let e = err(
+                PRICED,
+                &format!("        money: {amount}\n        currency: USD\n"),
+            );
+            assert!(
+                e.contains("limits[0].money") && e.contains("32 bits"),
+                "{amount}: {e}"
+            );
+        }
+        let e = err(PRICED, "        money: 5\n        currency: EUR\n");
+        assert!(
+            e.contains("p.yaml:17:") && e.contains("no entry of `models:` has `prices` in EUR"),
+            "{e}"
+        );
+        let e = err("models:\n  - match: \"\"\n", "        tokens: 5000\n");
+        assert!(
+            e.contains("p.yaml:4:") && e.contains("models[0].match"),
+            "{e}"
+        );
+        let e = err(
+            "models:\n  - match: m\n    prices: { currency: USD, input: -1, output: 1 }\n",
+            "        tokens: 5000\n",
+        );
+        assert!(e.contains("models[0].prices.input"), "{e}");
+        let e = err(
+            "models:\n  - match: m\n    per_image: 5\n",
+            "        tokens: 5000\n",
+        );
+        assert!(e.contains("per_image"), "{e}");
     }
 
     fn refused(limit: &str, field: &str, line: usize) -> String {
