@@ -425,11 +425,12 @@ async fn a_money_budget_holds_at_the_models_prices(kind: StoreKind) {
         spent <= 50_000.0,
         "the upstream spent {spent} µUSD in one window; the limit is 50,000"
     );
-    let refused = answers.iter().find(|(s, _)| *s == 429);
-    if let Some((_, problem)) = refused {
-        let problem: Value = serde_json::from_str(problem).expect("a problem");
-        assert_eq!(problem["unit"], "microUSD", "{problem}");
-    }
+    let (_, refused) = answers
+        .iter()
+        .find(|(s, _)| *s == 429)
+        .expect("the second wave finds the budget spent");
+    let problem: Value = serde_json::from_str(refused).expect("a problem");
+    assert_eq!(problem["unit"], "microUSD", "{problem}");
     let before = gw.upstream.bodies().len();
     let unpriced = gw
         .send_all(vec![("/v1/chat/completions", chat("gpt-4o", "Hi"))])
