@@ -69,7 +69,7 @@ fn facts_of(model: &ModelConfig, file: &Path, index: usize) -> Result<ModelFacts
         None => None,
         Some(prices) => {
             let price = |name: &str, per_million: f64| {
-                if per_million.is_finite() && per_million >= 0.0 && per_million < 1e9 {
+                if (0.0..1e9).contains(&per_million) {
                     // Per million tokens × 10⁶ = pico-currency per token, rounded up.
                     Ok((per_million * MICRO).ceil() as u64)
                 } else {
