@@ -431,6 +431,13 @@ async fn a_money_budget_holds_at_the_models_prices(kind: StoreKind) {
         .expect("the second wave finds the budget spent");
     let problem: Value = serde_json::from_str(refused).expect("a problem");
     assert_eq!(problem["unit"], "microUSD", "{problem}");
+    let metrics = support::parse_metrics(&gw.sluices[0].metrics().await);
+    let reserved = support::metric_sum(
+        &metrics,
+        "sluice_tokens_reserved_total",
+        &[("limit", "budget"), ("unit", "microUSD")],
+    );
+    assert!(reserved > 0.0, "the metrics count micro-USD under unit=\"microUSD\"");
     let before = gw.upstream.bodies().len();
     let unpriced = gw
         .send_all(vec![("/v1/chat/completions", chat("gpt-4o", "Hi"))])
