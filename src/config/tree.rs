@@ -436,7 +436,7 @@ pub struct LimitConfig {
     #[schemars(with = "Option<String>")]
     pub time_zone: Option<Spanned<String>>,
     /// How the limit counts; `sliding_log` (exact) by default, `weighted_log` (exact, one
-    /// entry per request) for a token budget.
+    /// entry per request) for a token or money budget.
     #[schemars(with = "Option<AlgorithmConfig>")]
     pub algorithm: Option<Spanned<AlgorithmConfig>>,
     /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh

@@ -28,8 +28,9 @@
 //!   `max_output`, never above the route's `reserve.max_output`. A cap above
 //!   `reserve.max_output` is refused, not lowered. `completions` is what the API generates
 //!   per request: Chat Completions `n`; legacy Completions `max(n, best_of)` times the number
-//!   of prompts when `prompt` is an array of texts or of token arrays; 1 elsewhere;
-//!   Embeddings generate nothing (output 0).
+//!   of prompts when `prompt` is an array of texts or of token arrays; Responses and
+//!   Anthropic Messages 1; an unknown API `max(n, best_of)`; Embeddings generate nothing
+//!   (output 0).
 //! - What the body cannot bound is refused (422, the field named), unless the route says how
 //!   to charge it: references to state the provider holds (`previous_response_id`,
 //!   `conversation`, a stored `prompt` object, `item_reference` input items) unless

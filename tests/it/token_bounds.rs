@@ -437,7 +437,10 @@ async fn a_money_budget_holds_at_the_models_prices(kind: StoreKind) {
         "sluice_tokens_reserved_total",
         &[("limit", "budget"), ("unit", "microUSD")],
     );
-    assert!(reserved > 0.0, "the metrics count micro-USD under unit=\"microUSD\"");
+    assert!(
+        reserved > 0.0,
+        "the metrics count micro-USD under unit=\"microUSD\""
+    );
     let before = gw.upstream.bodies().len();
     let unpriced = gw
         .send_all(vec![("/v1/chat/completions", chat("gpt-4o", "Hi"))])
