@@ -489,6 +489,45 @@ mod tests {
     const RESPONSES_SSE: &str = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"usage\":null}}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"output\":[{\"usage\":{\"total_tokens\":1}}],\"usage\":{\"input_tokens\":8,\"output_tokens\":9,\"total_tokens\":17}}}\n\n";
 
     #[test]
+    fn cached_and_written_input_are_kept_apart_and_priced_each_at_its_price() {
+        let prices = crate::llm::Prices {
+            currency: "USD".into(),
+            input: 3_000_000,
+            cached_input: 300_000,
+            cache_write: 6_000_000,
+            output: 15_000_000,
+        };
+        // Anthropic: 10 uncached + 5 read + 20 written, 7 out.
+        let anthropic = json(
+            r#"{"usage":{"input_tokens":10,"cache_read_input_tokens":5,"cache_creation_input_tokens":20,"output_tokens":7}}"#,
+        );
+        assert_eq!(
+            (anthropic.input, anthropic.cached, anthropic.cache_write),
+            (Some(35), Some(5), Some(20))
+        );
+        // 10 × 3 + 5 × 0.3 + 20 × 6 + 7 × 15 = 30 + 1.5 + 120 + 105 = 256.5 → 257 µ.
+        assert_eq!(anthropic.priced(&prices), Some(257));
+        // OpenAI: the cached tokens are part of the prompt's.
+        let openai = json(
+            r#"{"usage":{"prompt_tokens":100,"completion_tokens":10,"total_tokens":110,"prompt_tokens_details":{"cached_tokens":60}}}"#,
+        );
+        assert_eq!(openai.cached, Some(60));
+        // 40 × 3 + 60 × 0.3 + 10 × 15 = 120 + 18 + 150 = 288.
+        assert_eq!(openai.priced(&prices), Some(288));
+        let responses = json(
+            r#"{"usage":{"input_tokens":100,"output_tokens":10,"total_tokens":110,"input_tokens_details":{"cached_tokens":100}}}"#,
+        );
+        assert_eq!(responses.priced(&prices), Some(30 + 150));
+        // A total beyond the parts, or a total alone, at the highest price.
+        let total = Usage {
+            total: Some(10),
+            ..Usage::default()
+        };
+        assert_eq!(total.priced(&prices), Some(150));
+        assert_eq!(Usage::default().priced(&prices), None);
+    }
+
+    #[test]
     fn json_answers_in_each_spelling() {
         assert_eq!(json(OPENAI_JSON).used(), Some(42));
         assert_eq!(json(ANTHROPIC_JSON).used(), Some(22));
