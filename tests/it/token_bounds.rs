@@ -296,6 +296,41 @@ async fn input_held_by_the_provider_is_refused_or_charged(kind: StoreKind) {
     );
 }
 
+/// `stored_state: context` charges the model's context window from `models:`: a chain on a
+/// stored response larger than the window stays within the budget.
+async fn stored_state_charged_at_the_context_window(kind: StoreKind) {
+    let models = "models:\n  - { match: \"gpt-4o*\", per_image: { low: 85, high: 1445 }, context: 128000 }\n";
+    let gw = Gateway::start(
+        kind,
+        "tokens: 300000",
+        "{ max_output: 2000, stored_state: context }",
+        models,
+    )
+    .await;
+    gw.upstream.store("resp_huge", 1_000_000);
+    let requests = (0..6)
+        .map(|_| {
+            (
+                "/v1/responses",
+                json!({"model": "gpt-4o", "input": "Go on.", "previous_response_id": "resp_huge", "max_output_tokens": 1000}),
+            )
+        })
+        .collect();
+    let answers = gw.send_all(requests).await;
+    let spent = gw.assert_within(&answers, 300_000, "stored state at the context");
+    assert!(spent > 128_000, "two chained requests fit: {spent}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_state_charged_at_the_context_window_redis() {
+    stored_state_charged_at_the_context_window(StoreKind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_state_charged_at_the_context_window_memory() {
+    stored_state_charged_at_the_context_window(StoreKind::Memory).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn input_held_by_the_provider_is_refused_or_charged_redis() {
     input_held_by_the_provider_is_refused_or_charged(StoreKind::Redis).await;

@@ -169,6 +169,9 @@ struct Model {
     tool_prompt: u64,
     /// The model's own largest output.
     max_output: u64,
+    /// The context window: the most of the stored context one call can read (the API
+    /// truncates the oldest turns, or refuses, beyond it).
+    context: u64,
     price_in: f64,
     price_out: f64,
 }
@@ -186,6 +189,7 @@ fn model(name: &str) -> Model {
             image_high: 2_833 + 8 * 5_667,
             tool_prompt: 0,
             max_output: 16_384,
+            context: 128_000,
             price_in: 0.15,
             price_out: 0.60,
         }
@@ -195,6 +199,7 @@ fn model(name: &str) -> Model {
             image_high: 85 + 8 * 170,
             tool_prompt: 0,
             max_output: 16_384,
+            context: 128_000,
             price_in: 2.50,
             price_out: 10.00,
         }
@@ -204,6 +209,7 @@ fn model(name: &str) -> Model {
             image_high: 1_600,
             tool_prompt: 530,
             max_output: 4_096,
+            context: 200_000,
             price_in: 15.0,
             price_out: 75.0,
         }
@@ -213,6 +219,7 @@ fn model(name: &str) -> Model {
             image_high: 1_600,
             tool_prompt: 346,
             max_output: 64_000,
+            context: 200_000,
             price_in: 3.0,
             price_out: 15.0,
         }
@@ -222,6 +229,7 @@ fn model(name: &str) -> Model {
             image_high: 2_833 + 8 * 5_667,
             tool_prompt: 530,
             max_output: 128_000,
+            context: 2_097_152,
             price_in: 15.0,
             price_out: 75.0,
         }
@@ -272,10 +280,11 @@ fn charge(path: &str, body: &Value, stored: &HashMap<String, u64>) -> Result<Cha
     input += server_tools * SERVER_TOOL;
     for field in ["previous_response_id", "conversation"] {
         if let Some(id) = body[field].as_str() {
-            input += stored
+            let held = stored
                 .get(id)
                 .copied()
                 .ok_or(format!("no {field} `{id}`"))?;
+            input += held.min(m.context);
         }
     }
     if body["prompt"].is_object() {
