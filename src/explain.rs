@@ -234,11 +234,10 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
                 listed.join(", ")
             ));
         }
-        let unit = if limit.tokens.is_some() {
-            " tokens"
-        } else {
-            ""
-        };
+        let unit = limit
+            .tokens
+            .as_ref()
+            .map_or(String::new(), |b| format!(" {}", b.unit.label()));
         // A calendar quota: its period and zone, and when the one holding now ends.
         let per = match &limit.quota {
             Some(quota) => format!(

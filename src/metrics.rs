@@ -399,23 +399,24 @@ impl Metrics {
             ),
             &["route"],
         )?;
-        let token_counter =
-            |name: &str, help: &str| IntCounterVec::new(Opts::new(name, help), &["route", "limit"]);
+        let token_counter = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["route", "limit", "unit"])
+        };
         let tokens_reserved = token_counter(
             "sluice_tokens_reserved_total",
-            "Token budgets: tokens reserved by admitted requests (the upper bound from the request body), by route and limit.",
+            "Token budgets: tokens (or micro-currency, `unit` says) reserved by admitted requests (the upper bound from the request body), by route, limit and unit.",
         )?;
         let tokens_settled = token_counter(
             "sluice_tokens_settled_total",
-            "Token budgets: tokens the reservations were settled to (the response's usage; the whole reservation when the response gave no figure), by route and limit.",
+            "Token budgets: tokens (or micro-currency) the reservations were settled to (the response's usage; the whole reservation when the response gave no figure), by route, limit and unit.",
         )?;
         let tokens_returned = token_counter(
             "sluice_tokens_returned_total",
-            "Token budgets: tokens reserved but not used, given back to the limit, by route and limit.",
+            "Token budgets: tokens (or micro-currency) reserved but not used, given back to the limit, by route, limit and unit.",
         )?;
         let token_overruns = token_counter(
             "sluice_token_overruns_total",
-            "Token budgets: responses that reported more tokens than were reserved (the reservation is kept, not exceeded), by route and limit.",
+            "Token budgets: responses that reported more tokens than were reserved (the reservation is kept, not exceeded), by route, limit and unit.",
         )?;
         let log_lines_dropped = LogLinesDropped {
             counter: IntCounter::new(
@@ -527,12 +528,16 @@ impl Metrics {
     }
 
     /// The token counters of a limit counted in tokens (only those get the series).
-    pub fn for_token_limit(&self, route: &str, limit: &str) -> TokenMetrics {
+    pub fn for_token_limit(&self, route: &str, limit: &str, unit: &str) -> TokenMetrics {
         TokenMetrics {
-            reserved: self.tokens_reserved.with_label_values(&[route, limit]),
-            settled: self.tokens_settled.with_label_values(&[route, limit]),
-            returned: self.tokens_returned.with_label_values(&[route, limit]),
-            overruns: self.token_overruns.with_label_values(&[route, limit]),
+            reserved: self
+                .tokens_reserved
+                .with_label_values(&[route, limit, unit]),
+            settled: self.tokens_settled.with_label_values(&[route, limit, unit]),
+            returned: self
+                .tokens_returned
+                .with_label_values(&[route, limit, unit]),
+            overruns: self.token_overruns.with_label_values(&[route, limit, unit]),
         }
     }
 

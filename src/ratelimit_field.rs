@@ -25,7 +25,7 @@ pub fn limit_items<'a>(
 /// `limit_items` with a quota unit per item (`qu`, `"requests"` when absent): a token
 /// budget's policy item says `qu="tokens"`.
 pub fn limit_items_in<'a>(
-    items: impl Iterator<Item = (&'a Name, [(char, u64); 2], Option<&'static str>)>,
+    items: impl Iterator<Item = (&'a Name, [(char, u64); 2], Option<&'a str>)>,
 ) -> Option<HeaderValue> {
     // Written by hand and handed over without a copy: this runs for every limited answer,
     // and `write!` showed at 0.7 % of the proxy's CPU.

@@ -47,7 +47,7 @@ pub fn view(serving: &Serving, policy: &Policy) -> Value {
                         "conditional": !limit.when.is_empty(),
                         "key": limit.key.iter().map(KeyPart::to_string).collect::<Vec<_>>(),
                         "key_prefix": limit.key_prefix,
-                        "unit": if limit.tokens.is_some() { "tokens" } else { "requests" },
+                        "unit": limit.tokens.as_ref().map_or("requests", |b| b.unit.label()),
                         "quota": limit.quota.as_ref().map(|q| q.period.label()),
                         "time_zone": limit.quota.as_ref().map(|q| q.zone_name.as_str()),
                     })

@@ -269,7 +269,7 @@ impl Admin {
             "window": rule.spec.window.as_secs_f64(),
             "burst": rule.spec.burst,
             "cost": rule.spec.cost,
-            "unit": if rule.tokens.is_some() { "tokens" } else { "requests" },
+            "unit": rule.tokens.as_ref().map_or("requests", |b| b.unit.label()),
         });
         if let Some(quota) = &rule.quota {
             merge(

@@ -40,8 +40,8 @@ pub use tree::{
     StoreConfig, UpstreamConfig, Workers,
 };
 pub use tree::{
-    ReserveConfig, SettleConfig, SettleFrom, DEFAULT_PER_NON_TEXT_PART, DEFAULT_RESERVE_MAX_BODY,
-    DEFAULT_RESERVE_MAX_OUTPUT, DEFAULT_RESERVE_OUTPUT,
+    ContextWord, ModelConfig, PerImageConfig, PricesConfig, ReserveConfig, SettleConfig,
+    SettleFrom, StoredStateConfig, DEFAULT_RESERVE_MAX_BODY, DEFAULT_RESERVE_MAX_OUTPUT,
 };
 pub use tree::{
     DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_RATE_GRACE_MS, DEFAULT_BODY_TIMEOUT_MS,

@@ -101,6 +101,10 @@ pub struct Config {
     /// Verifiers of JSON Web Tokens, by name: routes name one in their `jwt:`.
     #[serde(default)]
     pub jwt: Vec<JwtConfig>,
+    /// Facts about LLM models that token and money budgets need and a body cannot say,
+    /// matched in order against the body's `model`; a model none matches gets safe defaults.
+    #[serde(default)]
+    pub models: Vec<ModelConfig>,
     pub routes: Vec<RouteConfig>,
 }
 
@@ -456,6 +460,14 @@ pub struct LimitConfig {
     /// what it can consume (`reserve:`) and is settled to what it did (`settle:`).
     #[schemars(with = "Option<Positive>")]
     pub tokens: Option<Spanned<Positive>>,
+    /// The limit in money instead of requests or tokens (an amount of `currency`, up to 6
+    /// decimals): a token budget whose reservation and settlement are priced at the model's
+    /// `prices` from `models:`.
+    #[schemars(with = "Option<f64>")]
+    pub money: Option<Spanned<f64>>,
+    /// With `money:`: the currency its amount and the models' prices are in (`USD`).
+    #[schemars(with = "Option<String>")]
+    pub currency: Option<Spanned<String>>,
     /// The length of a rolling window; a limit has either this or a calendar `quota`.
     pub window: Option<ConfigDuration>,
     /// A calendar quota instead of a `window`: `requests` per `day`, `week` (ISO, from
@@ -467,7 +479,7 @@ pub struct LimitConfig {
     #[schemars(with = "Option<String>")]
     pub time_zone: Option<Spanned<String>>,
     /// How the limit counts; `sliding_log` (exact) by default, `weighted_log` (exact, one
-    /// entry per request) for a token budget.
+    /// entry per request) for a token or money budget.
     #[schemars(with = "Option<AlgorithmConfig>")]
     pub algorithm: Option<Spanned<AlgorithmConfig>>,
     /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
@@ -510,13 +522,8 @@ pub struct LimitConfig {
     pub settle: Option<Spanned<SettleConfig>>,
 }
 
-/// Default output cap reserved for a request that names none.
-pub const DEFAULT_RESERVE_OUTPUT: u32 = 1024;
 /// Default largest output cap a request may name.
 pub const DEFAULT_RESERVE_MAX_OUTPUT: u32 = 4096;
-/// Default charge for a part that is not text: about the most one image costs (Anthropic
-/// documents about 1,600 tokens for its largest image; OpenAI's high detail is less).
-pub const DEFAULT_PER_NON_TEXT_PART: u32 = 1600;
 /// Default largest request body read to reserve for it.
 pub const DEFAULT_RESERVE_MAX_BODY: u64 = 1024 * 1024;
 
@@ -524,25 +531,97 @@ pub const DEFAULT_RESERVE_MAX_BODY: u64 = 1024 * 1024;
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReserveConfig {
-    /// Output tokens reserved when the request names no cap (`max_tokens`,
-    /// `max_completion_tokens`, `max_output_tokens`); 1024 by default.
-    #[serde(default = "default_reserve_output")]
-    pub default_output: Positive,
+    /// Output cap written into the forwarded body and reserved when the request names none
+    /// (`max_tokens`, `max_completion_tokens`, `max_output_tokens`); by default the model's
+    /// `max_output` (from `models:`), within `max_output` below.
+    pub default_output: Option<Positive>,
     /// A request naming a larger output cap is refused (413); 4096 by default.
     #[serde(default = "default_reserve_max_output")]
     pub max_output: Positive,
-    /// Charged for each image, file, audio or document part (its tokens are not bounded by
-    /// its bytes); 1600 by default.
-    #[serde(default = "default_per_non_text_part")]
-    pub per_non_text_part: u32,
-    /// Charged once per request, for what the provider adds that is not in the body (a
-    /// system prompt of its own); 0 by default.
+    /// Charged for each file, audio, video or document part when larger than the model's
+    /// `per_non_text_part`; by default the model's.
+    pub per_non_text_part: Option<u32>,
+    /// Added once per request to the model's `per_request`, for what this route's upstream
+    /// adds that is not in the body; 0 by default.
     #[serde(default)]
     pub per_request: u32,
     /// Largest request body read to reserve for it (the body is read whole before the
     /// decision); 1MiB by default. A larger body gets 413.
     #[serde(default = "default_reserve_max_body")]
     pub max_body: ByteSize,
+    /// What a reference to state the provider holds (`previous_response_id`, `conversation`,
+    /// a stored `prompt`, `item_reference` items) is charged: `context` (the model's context
+    /// window) or a number of tokens. Absent: such a request is refused (422).
+    #[schemars(with = "Option<StoredStateConfig>")]
+    pub stored_state: Option<Spanned<StoredStateConfig>>,
+    /// Tokens charged for each tool the provider runs itself (Responses `web_search`,
+    /// `file_search`, `mcp` …; Anthropic `web_search_*`, `code_execution_*` …). Absent: such
+    /// a request is refused (422).
+    pub server_tool: Option<u32>,
+}
+
+/// `reserve.stored_state`: the model's context window, or a figure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+#[serde(untagged)]
+pub enum StoredStateConfig {
+    Tokens(u32),
+    Word(ContextWord),
+}
+
+/// The word `context`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ContextWord {
+    Context,
+}
+
+/// One entry of `models:`: facts about the models whose name `match` matches (`*` matches
+/// any run of characters). Each fact left out takes the default for an unknown model (README,
+/// "Models").
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// A model name, or a pattern with `*`.
+    #[serde(rename = "match")]
+    #[schemars(with = "String")]
+    pub pattern: Spanned<String>,
+    /// Tokens one image part costs, by detail (`low`; `high` for any other).
+    pub per_image: Option<PerImageConfig>,
+    /// Tokens one file, audio, video or document part costs at most.
+    pub per_non_text_part: Option<u32>,
+    /// Tokens the provider adds to every request.
+    pub per_request: Option<u32>,
+    /// Tokens the provider adds when the request gives `tools` (its tool-use system prompt).
+    pub tool_prompt: Option<u32>,
+    /// The context window, in tokens.
+    pub context: Option<Positive>,
+    /// The most the model outputs when the request names no cap.
+    pub max_output: Option<Positive>,
+    /// Prices per million tokens, for money limits.
+    #[schemars(with = "Option<PricesConfig>")]
+    pub prices: Option<Spanned<PricesConfig>>,
+}
+
+/// `models[].per_image`.
+#[derive(Debug, Clone, Copy, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PerImageConfig {
+    pub low: u32,
+    pub high: u32,
+}
+
+/// `models[].prices`: per million tokens, in `currency`.
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PricesConfig {
+    pub currency: String,
+    pub input: f64,
+    /// Input read from the provider's cache; the input price by default.
+    pub cached_input: Option<f64>,
+    /// Input written to the provider's cache (Anthropic's `cache_creation_input_tokens`);
+    /// twice the input price by default (Anthropic's 1-hour cache write).
+    pub cache_write: Option<f64>,
+    pub output: f64,
 }
 
 /// A token limit's `settle:`: where the real count comes from.
@@ -566,14 +645,8 @@ pub enum SettleFrom {
     Header,
 }
 
-fn default_reserve_output() -> Positive {
-    Positive(DEFAULT_RESERVE_OUTPUT)
-}
 fn default_reserve_max_output() -> Positive {
     Positive(DEFAULT_RESERVE_MAX_OUTPUT)
-}
-fn default_per_non_text_part() -> u32 {
-    DEFAULT_PER_NON_TEXT_PART
 }
 fn default_reserve_max_body() -> ByteSize {
     ByteSize(DEFAULT_RESERVE_MAX_BODY)
@@ -589,11 +662,12 @@ impl LimitConfig {
 
     /// The algorithm this limit counts with, as the limiter names it.
     pub fn algorithm(&self) -> crate::limiter::Algorithm {
-        match (&self.quota, &self.algorithm, &self.tokens) {
+        let budget = self.tokens.is_some() || self.money.is_some();
+        match (&self.quota, &self.algorithm, budget) {
             (Some(_), _, _) => crate::limiter::Algorithm::Calendar,
             (None, Some(algorithm), _) => algorithm.value.into(),
-            (None, None, Some(_)) => crate::limiter::Algorithm::WeightedLog,
-            (None, None, None) => crate::limiter::Algorithm::default(),
+            (None, None, true) => crate::limiter::Algorithm::WeightedLog,
+            (None, None, false) => crate::limiter::Algorithm::default(),
         }
     }
 }

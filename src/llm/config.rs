@@ -1,19 +1,30 @@
-//! The checks of a limit's `tokens:`, `reserve:` and `settle:` that the YAML types cannot
-//! make alone, with their positions, and the token budget they compile to. Called by
-//! `policy` for each limit.
+//! The checks of a limit's `tokens:`, `money:`, `reserve:` and `settle:`, and of the
+//! policy's `models:` table, that the YAML types cannot make alone, with their positions, and
+//! the token budget and model table they compile to. Called by `policy`.
 
 use std::path::Path;
+use std::sync::Arc;
 
-use super::{settles_exactly, Reserve, Settle, TokenBudget, MAX_SLIDING_LOG_TOKENS};
+use super::estimate::StoredState;
+use super::models::{ModelFacts, Models, Prices};
+use super::{settles_exactly, Reserve, Settle, TokenBudget, Unit, MAX_SLIDING_LOG_TOKENS};
 use crate::config::{
-    ConfigError, LimitConfig, Position, ReserveConfig, SettleFrom, DEFAULT_PER_NON_TEXT_PART,
+    Config, ConfigError, ContextWord, LimitConfig, ModelConfig, Position, ReserveConfig,
+    SettleFrom, StoredStateConfig,
 };
-use crate::config::{DEFAULT_RESERVE_MAX_BODY, DEFAULT_RESERVE_MAX_OUTPUT, DEFAULT_RESERVE_OUTPUT};
+use crate::config::{DEFAULT_RESERVE_MAX_BODY, DEFAULT_RESERVE_MAX_OUTPUT};
 use crate::limiter::Algorithm;
 
-/// The limit's quota, in its unit: `requests` or `tokens` (0 only for a limit `check`
-/// refused).
+/// Micro-units of a currency in one unit: a money limit counts micro-currency, so that the
+/// store's integer costs (a `u32` per check) hold up to 4,294.967295 of it.
+pub const MICRO: f64 = 1_000_000.0;
+
+/// The limit's quota, in its unit: `requests`, `tokens` or micro-currency (0 only for a limit
+/// `check` refused).
 pub fn quota(limit: &LimitConfig) -> u32 {
+    if let Some(money) = &limit.money {
+        return micro_amount(money.value).unwrap_or(0);
+    }
     limit
         .requests
         .as_ref()
@@ -21,8 +32,91 @@ pub fn quota(limit: &LimitConfig) -> u32 {
         .map_or(0, |quota| quota.value.0)
 }
 
+/// An amount in micro-units, if it is positive, has at most 6 decimals and fits a `u32`.
+fn micro_amount(amount: f64) -> Option<u32> {
+    let micro = amount * MICRO;
+    let rounded = micro.round();
+    if !micro.is_finite() || rounded < 1.0 || (micro - rounded).abs() > 1e-6 * micro.max(1.0) {
+        return None;
+    }
+    if rounded > f64::from(u32::MAX) {
+        return None;
+    }
+    Some(rounded as u32)
+}
+
+/// The policy's `models:` table, checked: non-empty patterns, prices finite and not negative.
+pub fn models(config: &Config, file: &Path) -> Result<Arc<Models>, ConfigError> {
+    let mut entries = Vec::with_capacity(config.models.len());
+    for (index, model) in config.models.iter().enumerate() {
+        entries.push((model.pattern.value.clone(), facts_of(model, file, index)?));
+    }
+    Ok(Arc::new(Models::new(entries)))
+}
+
+fn facts_of(model: &ModelConfig, file: &Path, index: usize) -> Result<ModelFacts, ConfigError> {
+    let field = format!("models[{index}]");
+    if model.pattern.value.is_empty() {
+        return Err(ConfigError::invalid(
+            file,
+            Position::from(&model.pattern),
+            format!("{field}.match"),
+            "an empty pattern matches no model: name one, or `*` for every model",
+        ));
+    }
+    let unknown = ModelFacts::UNKNOWN;
+    let prices = match &model.prices {
+        None => None,
+        Some(prices) => {
+            let price = |name: &str, per_million: f64| {
+                if (0.0..1e9).contains(&per_million) {
+                    // Per million tokens × 10⁶ = pico-currency per token, rounded up.
+                    Ok((per_million * MICRO).ceil() as u64)
+                } else {
+                    Err(ConfigError::invalid(
+                        file,
+                        Position::from(prices),
+                        format!("{field}.prices.{name}"),
+                        format!("a price per million tokens is a number from 0, got {per_million}"),
+                    ))
+                }
+            };
+            let input = price("input", prices.value.input)?;
+            Some(Prices {
+                currency: prices.value.currency.clone(),
+                input,
+                cached_input: prices
+                    .value
+                    .cached_input
+                    .map_or(Ok(input), |c| price("cached_input", c))?,
+                // Anthropic bills a cache write at up to 2× the input price (1-hour cache).
+                cache_write: prices
+                    .value
+                    .cache_write
+                    .map_or(Ok(input.saturating_mul(2)), |c| price("cache_write", c))?,
+                output: price("output", prices.value.output)?,
+            })
+        }
+    };
+    Ok(ModelFacts {
+        image_low: model.per_image.map_or(unknown.image_low, |i| i.low),
+        image_high: model.per_image.map_or(unknown.image_high, |i| i.high),
+        per_non_text_part: model.per_non_text_part.unwrap_or(unknown.per_non_text_part),
+        per_request: model.per_request.unwrap_or(unknown.per_request),
+        tool_prompt: model.tool_prompt.unwrap_or(unknown.tool_prompt),
+        context: model.context.map_or(unknown.context, |c| c.0),
+        max_output: model.max_output.map_or(unknown.max_output, |c| c.0),
+        prices,
+    })
+}
+
 /// Refuses what cannot go with a token budget, or a token budget's parts without one.
-pub fn check(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
+pub fn check(
+    limit: &LimitConfig,
+    models: &Models,
+    file: &Path,
+    field: &str,
+) -> Result<(), ConfigError> {
     let refuse = |position: Position, name: &str, message: String| {
         Err(ConfigError::invalid(
             file,
@@ -31,19 +125,80 @@ pub fn check(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Config
             message,
         ))
     };
-    let tokens = match (&limit.requests, &limit.tokens) {
-        (Some(_), Some(tokens)) => {
+    if let Some(money) = &limit.money {
+        let other = limit
+            .requests
+            .as_ref()
+            .or(limit.tokens.as_ref())
+            .map(Position::from);
+        if let Some(position) = other {
             return refuse(
-                Position::from(tokens),
-                "tokens",
-                "a limit counts `requests` or `tokens`, not both".to_owned(),
+                position,
+                "money",
+                "a limit counts one of `requests`, `tokens` or `money`".to_owned(),
+            );
+        }
+        if micro_amount(money.value).is_none() {
+            return refuse(
+                Position::from(money),
+                "money",
+                format!(
+                    "an amount from 0.000001 to 4294.967295 with at most 6 decimals (the store \
+                     counts micro-units in 32 bits), got {}",
+                    money.value
+                ),
+            );
+        }
+        let Some(currency) = &limit.currency else {
+            return refuse(
+                Position::from(money),
+                "currency",
+                "`money:` needs `currency:` (the currency of the models' `prices`)".to_owned(),
+            );
+        };
+        if !models.priced_in(&currency.value) {
+            return refuse(
+                Position::from(currency),
+                "currency",
+                format!(
+                    "no entry of `models:` has `prices` in {}: a money limit prices each \
+                     request at its model's prices",
+                    currency.value
+                ),
+            );
+        }
+    } else if let Some(currency) = &limit.currency {
+        return refuse(
+            Position::from(currency),
+            "currency",
+            "`currency:` belongs to a money limit (`money:`)".to_owned(),
+        );
+    }
+    let tokens_or_money = limit
+        .tokens
+        .as_ref()
+        .map(|t| (Position::from(t), t.value.0, "tokens"))
+        .or_else(|| {
+            limit
+                .money
+                .as_ref()
+                .map(|m| (Position::from(m), quota(limit), "money"))
+        });
+    let (at, most, unit) = match (&limit.requests, tokens_or_money) {
+        (Some(_), Some((at, _, unit))) => {
+            return refuse(
+                at,
+                unit,
+                format!("a limit counts `requests` or `{unit}`, not both"),
             )
         }
         (None, None) => {
             return refuse(
                 Position::from(&limit.name),
                 "requests",
-                "a limit needs `requests:` (or `tokens:` for an LLM token budget)".to_owned(),
+                "a limit needs `requests:` (or `tokens:` for an LLM token budget, `money:` for \
+                 one in money)"
+                    .to_owned(),
             )
         }
         (Some(_), None) => {
@@ -61,14 +216,13 @@ pub fn check(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Config
             }
             return Ok(());
         }
-        (None, Some(tokens)) => tokens,
+        (None, Some(found)) => found,
     };
-    let at = Position::from(tokens);
     let algorithm = limit.algorithm();
     if !settles_exactly(algorithm) {
         return refuse(
             at,
-            "tokens",
+            unit,
             format!(
                 "a token budget gives back what a request did not use, which `{}` cannot do \
                  exactly: use `weighted_log` (the default of a token budget), `sliding_log` or \
@@ -77,13 +231,13 @@ pub fn check(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Config
             ),
         );
     }
-    if algorithm == Algorithm::SlidingLog && tokens.value.0 > MAX_SLIDING_LOG_TOKENS {
+    if algorithm == Algorithm::SlidingLog && most > MAX_SLIDING_LOG_TOKENS {
         return refuse(
             at,
-            "tokens",
+            unit,
             format!(
-                "at most {MAX_SLIDING_LOG_TOKENS} tokens on a sliding_log: its log keeps one \
-                 entry per token; leave `algorithm:` out for `weighted_log` (one entry per \
+                "at most {MAX_SLIDING_LOG_TOKENS} ({unit}) on a sliding_log: its log keeps one \
+                 entry per token (or micro-unit of money); leave `algorithm:` out for `weighted_log` (one entry per \
                  request), or use a calendar quota"
             ),
         );
@@ -116,19 +270,23 @@ pub fn check(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Config
         .as_ref()
         .map_or_else(default_reserve, |r| reserve_of(&r.value));
     let reserve_at = limit.reserve.as_ref().map_or(at, Position::from);
-    let smallest = u64::from(reserve.per_request) + u64::from(reserve.default_output);
-    if smallest > u64::from(tokens.value.0) {
+    let written = reserve.default_output.unwrap_or(reserve.max_output);
+    let smallest = u64::from(reserve.per_request) + u64::from(written);
+    if unit == "tokens" && smallest > u64::from(most) {
         return refuse(
             reserve_at,
             "reserve",
             format!(
-                "`per_request` plus `default_output` ({smallest}) is above `tokens` ({}): \
-                 no request naming no cap could ever fit",
-                tokens.value.0
+                "`per_request` plus the output cap written when a request names none \
+                 (`default_output`, else `max_output`: {smallest}) is above `tokens` ({most}): \
+                 no request naming no cap could ever fit"
             ),
         );
     }
-    if reserve.default_output > reserve.max_output {
+    if reserve
+        .default_output
+        .is_some_and(|d| d > reserve.max_output)
+    {
         return refuse(
             reserve_at,
             "reserve.default_output",
@@ -162,8 +320,15 @@ pub fn check(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Config
 }
 
 /// The token budget of a limit `check` accepted; `None` for a limit counted in requests.
-pub fn budget(limit: &LimitConfig) -> Option<TokenBudget> {
-    limit.tokens.as_ref()?;
+pub fn budget(limit: &LimitConfig, models: &Arc<Models>) -> Option<TokenBudget> {
+    let unit = match (&limit.tokens, &limit.money, &limit.currency) {
+        (Some(_), _, _) => Unit::Tokens,
+        (None, Some(_), Some(currency)) => Unit::Money {
+            currency: currency.value.clone(),
+            label: format!("micro{}", currency.value),
+        },
+        _ => return None,
+    };
     let reserve = limit
         .reserve
         .as_ref()
@@ -176,26 +341,38 @@ pub fn budget(limit: &LimitConfig) -> Option<TokenBudget> {
         Some((SettleFrom::Header, Some(header))) => Settle::Header(header.0.clone()),
         _ => Settle::Usage,
     };
-    Some(TokenBudget { reserve, settle })
+    Some(TokenBudget {
+        reserve,
+        settle,
+        unit,
+        models: Arc::clone(models),
+    })
 }
 
 fn reserve_of(config: &ReserveConfig) -> Reserve {
     Reserve {
-        default_output: config.default_output.0,
+        default_output: config.default_output.map(|d| d.0),
         max_output: config.max_output.0,
         per_non_text_part: config.per_non_text_part,
         per_request: config.per_request,
         max_body: config.max_body.0,
+        stored_state: config.stored_state.as_ref().map(|s| match s.value {
+            StoredStateConfig::Tokens(n) => StoredState::Tokens(n),
+            StoredStateConfig::Word(ContextWord::Context) => StoredState::Context,
+        }),
+        server_tool: config.server_tool,
     }
 }
 
 fn default_reserve() -> Reserve {
     Reserve {
-        default_output: DEFAULT_RESERVE_OUTPUT,
+        default_output: None,
         max_output: DEFAULT_RESERVE_MAX_OUTPUT,
-        per_non_text_part: DEFAULT_PER_NON_TEXT_PART,
+        per_non_text_part: None,
         per_request: 0,
         max_body: DEFAULT_RESERVE_MAX_BODY,
+        stored_state: None,
+        server_tool: None,
     }
 }
 
@@ -221,6 +398,99 @@ mod tests {
             .map_err(|e| e.to_string())
     }
 
+    /// A policy with `models` (the section's lines) before its one route.
+    fn compile_models(models: &str, limit: &str) -> Result<crate::policy::Compiled, String> {
+        let yaml = format!(
+            "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{models}routes:\n  - name: chat\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n      - name: spend\n        key: []\n        window: 1m\n{limit}"
+        );
+        let config = crate::config::parse(&yaml, Path::new("p.yaml")).map_err(|e| e.to_string())?;
+        Policy::compile(&config, Path::new("p.yaml"), &UpstreamTlsSet::default())
+            .map_err(|e| e.to_string())
+    }
+
+    const PRICED: &str = "models:\n  - match: \"m-*\"\n    per_image: { low: 10, high: 20 }\n    max_output: 1000\n    prices: { currency: USD, input: 0.15, output: 0.6 }\n";
+
+    #[test]
+    fn a_money_limit_counts_micro_currency_at_the_models_prices() {
+        let compiled =
+            compile_models(PRICED, "        money: 12.5\n        currency: USD\n").unwrap();
+        let limit = &compiled.routes[0].limits[0];
+        assert_eq!(limit.spec.requests, 12_500_000);
+        assert_eq!(limit.spec.algorithm, Algorithm::WeightedLog);
+        assert!(limit.spec.returnable);
+        let budget = limit.tokens.as_ref().unwrap();
+        assert_eq!(budget.unit.label(), "microUSD");
+        let facts = budget.models.lookup(Some("m-1"));
+        assert_eq!(
+            (facts.image_low, facts.image_high, facts.max_output),
+            (10, 20, 1000)
+        );
+        let prices = facts.prices.as_ref().unwrap();
+        // Per million tokens × 10⁶: pico-USD per token; cached defaults to input, cache
+        // writes to twice it.
+        assert_eq!(
+            (
+                prices.input,
+                prices.cached_input,
+                prices.cache_write,
+                prices.output
+            ),
+            (150_000, 150_000, 300_000, 600_000)
+        );
+        assert_eq!(budget.models.lookup(Some("other")).prices, None);
+    }
+
+    #[test]
+    fn what_a_money_limit_or_a_model_cannot_be_is_refused_with_its_position() {
+        let err = |models: &str, limit: &str| {
+            compile_models(models, limit)
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {limit}"))
+        };
+        let e = err(PRICED, "        money: 5\n");
+        assert!(
+            e.contains("limits[0].currency") && e.contains("needs `currency:`"),
+            "{e}"
+        );
+        let e = err(PRICED, "        tokens: 5000\n        currency: USD\n");
+        assert!(e.contains("limits[0].currency"), "{e}");
+        let e = err(
+            PRICED,
+            "        tokens: 5000\n        money: 5\n        currency: USD\n",
+        );
+        assert!(e.contains("limits[0].money") && e.contains("one of"), "{e}");
+        for amount in ["5000", "0", "0.0000001", "-1"] {
+            let e = err(
+                PRICED,
+                &format!("        money: {amount}\n        currency: USD\n"),
+            );
+            assert!(
+                e.contains("limits[0].money") && e.contains("32 bits"),
+                "{amount}: {e}"
+            );
+        }
+        let e = err(PRICED, "        money: 5\n        currency: EUR\n");
+        assert!(
+            e.contains("p.yaml:17:") && e.contains("no entry of `models:` has `prices` in EUR"),
+            "{e}"
+        );
+        let e = err("models:\n  - match: \"\"\n", "        tokens: 5000\n");
+        assert!(
+            e.contains("p.yaml:4:") && e.contains("models[0].match"),
+            "{e}"
+        );
+        let e = err(
+            "models:\n  - match: m\n    prices: { currency: USD, input: -1, output: 1 }\n",
+            "        tokens: 5000\n",
+        );
+        assert!(e.contains("models[0].prices.input"), "{e}");
+        let e = err(
+            "models:\n  - match: m\n    per_image: 5\n",
+            "        tokens: 5000\n",
+        );
+        assert!(e.contains("per_image"), "{e}");
+    }
+
     fn refused(limit: &str, field: &str, line: usize) -> String {
         let err = compile(limit)
             .err()
@@ -241,7 +511,7 @@ mod tests {
         assert_eq!(limit.spec.requests, 40000);
         assert!(limit.spec.returnable);
         let budget = limit.tokens.as_ref().unwrap();
-        assert_eq!(budget.reserve.default_output, 512);
+        assert_eq!(budget.reserve.default_output, Some(512));
         assert_eq!(budget.reserve.per_request, 100);
         assert_eq!(budget.reserve.max_output, 4096);
         assert_eq!(

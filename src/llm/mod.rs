@@ -1,16 +1,21 @@
-//! LLM token budgets: a limit counted in tokens instead of requests. Before the request is
-//! decided, `estimate` bounds from the buffered request body what it can consume at most
-//! (the reservation, the check's cost); after the upstream answers, `usage` reads what it
-//! did consume from the response as it streams, and the difference is given back
+//! LLM token budgets: a limit counted in tokens (or in money: tokens priced at the model's
+//! prices) instead of requests. Before the request is decided, `estimate` bounds from the
+//! buffered request body, its API and its model's facts (`models`) what it can consume at
+//! most (the reservation, the check's cost); after the upstream answers, `usage` reads what
+//! it did consume from the response as it streams, and the difference is given back
 //! (`Store::settle`). Reserving the upper bound atomically and only ever settling down is
 //! what keeps settled plus reserved tokens inside the limit at every instant.
 
 pub mod config;
 pub mod estimate;
+pub mod models;
 pub mod usage;
 
-pub use self::estimate::{estimate, EstimateError, Reservation, Reserve};
+pub use self::estimate::{estimate, Api, EstimateError, Reservation, Reserve, StoredState};
+pub use self::models::{ModelFacts, Models, Prices};
 pub use self::usage::{Usage, UsageScanner};
+
+use std::sync::Arc;
 
 use http::HeaderName;
 
@@ -18,11 +23,35 @@ use http::HeaderName;
 /// (`weighted_log`, the default of a token budget, keeps one per request).
 pub const MAX_SLIDING_LOG_TOKENS: u32 = 1_000_000;
 
-/// A limit counted in tokens: how each request reserves, and how it is settled.
+/// A limit counted in tokens or money: how each request reserves, how it is settled, in
+/// which unit, with which model facts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenBudget {
     pub reserve: Reserve,
     pub settle: Settle,
+    pub unit: Unit,
+    pub models: Arc<Models>,
+}
+
+/// What a budget counts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unit {
+    Tokens,
+    /// Micro-units of `currency` (`label`: `microUSD`), priced at the models' prices.
+    Money {
+        currency: String,
+        label: String,
+    },
+}
+
+impl Unit {
+    /// The unit's name in RateLimit fields (`qu=`), problem bodies, metrics and `explain`.
+    pub fn label(&self) -> &str {
+        match self {
+            Unit::Tokens => "tokens",
+            Unit::Money { label, .. } => label,
+        }
+    }
 }
 
 /// Where a token limit reads the real count.
@@ -54,10 +83,30 @@ pub fn describe(budget: &TokenBudget) -> String {
         }
         Settle::Header(name) => format!("the answer's `{name}` header"),
     };
+    let default = r
+        .default_output
+        .map_or("the model's max_output".to_owned(), |d| d.to_string());
+    let priced = match &budget.unit {
+        Unit::Tokens => String::new(),
+        Unit::Money { currency, label } => {
+            format!(" priced at the model's prices in {currency} and counted in {label}")
+        }
+    };
+    let stored = match r.stored_state {
+        None => "refused".to_owned(),
+        Some(StoredState::Context) => "charged the model's context".to_owned(),
+        Some(StoredState::Tokens(n)) => format!("charged {n}"),
+    };
+    let tools = r
+        .server_tool
+        .map_or("refused".to_owned(), |n| format!("charged {n} each"));
     format!(
-        "reserves body bytes + output cap (default {}, at most {}) + {} per non-text part + {} \
-         per request, body read whole up to {} bytes; settles to {settle}; without a figure, \
-         keeps the reservation (gives it all back when the upstream cannot be reached)",
-        r.default_output, r.max_output, r.per_non_text_part, r.per_request, r.max_body
+        "reserves body bytes + images and other non-text parts at the model's figures + \
+         per_request ({} here + the model's) + the model's tool prompt when tools are given + \
+         output cap × completions (cap written when none: {default}, at most {}){priced}; \
+         stored state {stored}; server tools {tools}; body read whole up to {} bytes; settles \
+         to {settle}; without a figure, keeps the reservation (gives it all back when the \
+         upstream cannot be reached)",
+        r.per_request, r.max_output, r.max_body
     )
 }

@@ -31,6 +31,12 @@ pub struct Usage {
     pub input: Option<u64>,
     pub output: Option<u64>,
     pub total: Option<u64>,
+    /// Of `input`, read from the provider's cache (OpenAI `*_tokens_details.cached_tokens`,
+    /// Anthropic `cache_read_input_tokens`): priced at `cached_input`.
+    pub cached: Option<u64>,
+    /// Of `input`, written to the cache (Anthropic `cache_creation_input_tokens`): priced at
+    /// `cache_write`.
+    pub cache_write: Option<u64>,
 }
 
 impl Usage {
@@ -46,10 +52,30 @@ impl Usage {
         }
     }
 
+    /// What the figures cost at `prices`, in micro-currency rounded up: each part at its
+    /// price, and whatever the total says beyond input and output at the highest price.
+    pub fn priced(&self, prices: &super::Prices) -> Option<u64> {
+        let used = self.used()?;
+        let (input, output) = (self.input.unwrap_or(0), self.output.unwrap_or(0));
+        let cached = self.cached.unwrap_or(0).min(input);
+        let written = self.cache_write.unwrap_or(0).min(input - cached);
+        let plain = input - cached - written;
+        let unknown = used.saturating_sub(input.saturating_add(output));
+        let highest = prices.input.max(prices.output).max(prices.cache_write);
+        let pico = u128::from(plain) * u128::from(prices.input)
+            + u128::from(cached) * u128::from(prices.cached_input)
+            + u128::from(written) * u128::from(prices.cache_write)
+            + u128::from(output) * u128::from(prices.output)
+            + u128::from(unknown) * u128::from(highest);
+        Some(u64::try_from(pico.div_ceil(1_000_000)).unwrap_or(u64::MAX))
+    }
+
     fn merge(&mut self, newer: Usage) {
         self.input = newer.input.or(self.input);
         self.output = newer.output.or(self.output);
         self.total = newer.total.or(self.total);
+        self.cached = newer.cached.or(self.cached);
+        self.cache_write = newer.cache_write.or(self.cache_write);
     }
 }
 
@@ -63,6 +89,14 @@ struct RawUsage {
     completion_tokens: Option<u64>,
     cache_creation_input_tokens: Option<u64>,
     cache_read_input_tokens: Option<u64>,
+    prompt_tokens_details: Option<Details>,
+    input_tokens_details: Option<Details>,
+}
+
+/// OpenAI's `prompt_tokens_details` / `input_tokens_details`.
+#[derive(Deserialize)]
+struct Details {
+    cached_tokens: Option<u64>,
 }
 
 impl RawUsage {
@@ -83,10 +117,18 @@ impl RawUsage {
         } else {
             self.prompt_tokens
         };
+        let details = self
+            .prompt_tokens_details
+            .as_ref()
+            .or(self.input_tokens_details.as_ref());
         Usage {
             input,
             output: self.output_tokens.or(self.completion_tokens),
             total: self.total_tokens,
+            cached: self
+                .cache_read_input_tokens
+                .or(details.and_then(|d| d.cached_tokens)),
+            cache_write: self.cache_creation_input_tokens,
         }
     }
 }
@@ -445,6 +487,45 @@ mod tests {
     const OPENAI_SSE: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":null}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4,\"total_tokens\":7}}\n\ndata: [DONE]\n\n";
     const ANTHROPIC_SSE: &str = "event: message_start\r\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\r\n\r\nevent: content_block_delta\r\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"x\"}}\r\n\r\nevent: message_delta\r\ndata: {\"type\":\"message_delta\",\"delta\":{},\"usage\":{\"output_tokens\":15}}\r\n\r\nevent: message_stop\r\ndata: {\"type\":\"message_stop\"}\r\n\r\n";
     const RESPONSES_SSE: &str = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"usage\":null}}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"output\":[{\"usage\":{\"total_tokens\":1}}],\"usage\":{\"input_tokens\":8,\"output_tokens\":9,\"total_tokens\":17}}}\n\n";
+
+    #[test]
+    fn cached_and_written_input_are_kept_apart_and_priced_each_at_its_price() {
+        let prices = crate::llm::Prices {
+            currency: "USD".into(),
+            input: 3_000_000,
+            cached_input: 300_000,
+            cache_write: 6_000_000,
+            output: 15_000_000,
+        };
+        // Anthropic: 10 uncached + 5 read + 20 written, 7 out.
+        let anthropic = json(
+            r#"{"usage":{"input_tokens":10,"cache_read_input_tokens":5,"cache_creation_input_tokens":20,"output_tokens":7}}"#,
+        );
+        assert_eq!(
+            (anthropic.input, anthropic.cached, anthropic.cache_write),
+            (Some(35), Some(5), Some(20))
+        );
+        // 10 × 3 + 5 × 0.3 + 20 × 6 + 7 × 15 = 30 + 1.5 + 120 + 105 = 256.5 → 257 µ.
+        assert_eq!(anthropic.priced(&prices), Some(257));
+        // OpenAI: the cached tokens are part of the prompt's.
+        let openai = json(
+            r#"{"usage":{"prompt_tokens":100,"completion_tokens":10,"total_tokens":110,"prompt_tokens_details":{"cached_tokens":60}}}"#,
+        );
+        assert_eq!(openai.cached, Some(60));
+        // 40 × 3 + 60 × 0.3 + 10 × 15 = 120 + 18 + 150 = 288.
+        assert_eq!(openai.priced(&prices), Some(288));
+        let responses = json(
+            r#"{"usage":{"input_tokens":100,"output_tokens":10,"total_tokens":110,"input_tokens_details":{"cached_tokens":100}}}"#,
+        );
+        assert_eq!(responses.priced(&prices), Some(30 + 150));
+        // A total beyond the parts, or a total alone, at the highest price.
+        let total = Usage {
+            total: Some(10),
+            ..Usage::default()
+        };
+        assert_eq!(total.priced(&prices), Some(150));
+        assert_eq!(Usage::default().priced(&prices), None);
+    }
 
     #[test]
     fn json_answers_in_each_spelling() {

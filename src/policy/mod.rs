@@ -362,6 +362,7 @@ impl Compiled {
         let mut actions = Vec::with_capacity(config.routes.len());
         let mut conditions = Vec::with_capacity(config.routes.len());
         let mut jwts = Vec::with_capacity(config.routes.len());
+        let models = crate::llm::config::models(config, file)?;
         for (index, route) in config.routes.iter().enumerate() {
             let field = format!("routes[{index}]");
             if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
@@ -376,7 +377,7 @@ impl Compiled {
                 ));
             }
             actions.push(compile_action(route, &upstreams, file, &field)?);
-            conditions.push(check_limits(route, file, &field)?);
+            conditions.push(check_limits(route, &models, file, &field)?);
             jwts.push(route_jwt(route, verifiers, file, &field)?);
         }
         let routes: Vec<Route<Unmetered>> = config
@@ -386,7 +387,7 @@ impl Compiled {
             .zip(conditions)
             .zip(jwts)
             .map(|(((route, action), conditions), jwt)| {
-                let limits = build_limits(config, route, conditions);
+                let limits = build_limits(config, route, conditions, &models);
                 let mut fields = fields::read_by(&limits);
                 // The token is read once too: two of its fields would be two readings.
                 if let Some(field) = jwt.as_ref().and_then(|jwt| token_field(&jwt.verifier)) {
@@ -452,8 +453,9 @@ impl Compiled {
                         metrics: {
                             let (route, name) = (route.name.as_str(), limit.name.as_str());
                             let mut counters = metrics.for_limit(route, name);
-                            if limit.tokens.is_some() {
-                                counters.tokens = Some(metrics.for_token_limit(route, name));
+                            if let Some(budget) = &limit.tokens {
+                                counters.tokens =
+                                    Some(metrics.for_token_limit(route, name, budget.unit.label()));
                             }
                             counters
                         },
@@ -533,7 +535,11 @@ pub fn rate_limit_policy<'a, M: Metering>(
             ('q', u64::from(limit.spec.requests)),
             ('w', ceil_seconds(limit.spec.window)),
         ];
-        (&limit.name, params, limit.tokens.as_ref().map(|_| "tokens"))
+        (
+            &limit.name,
+            params,
+            limit.tokens.as_ref().map(|b| b.unit.label()),
+        )
     }))
 }
 
@@ -694,6 +700,7 @@ fn route_jwt(
 /// compiled conditions.
 fn check_limits(
     route: &RouteConfig,
+    models: &crate::llm::Models,
     file: &Path,
     field: &str,
 ) -> Result<Vec<Vec<Condition>>, ConfigError> {
@@ -712,7 +719,7 @@ fn check_limits(
                 ),
             ));
         }
-        crate::llm::config::check(limit, file, &field)?;
+        crate::llm::config::check(limit, models, file, &field)?;
         check_quota(limit, file, &field)?;
         check_cost(limit, file, &field)?;
         check_params(route, limit, file, &field)?;
@@ -746,11 +753,11 @@ fn check_limits(
 /// is read before the decision anyway. (Any other limit would make every request of its route
 /// wait for its whole body.)
 fn check_model(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
-    if limit.tokens.is_some() {
+    if limit.tokens.is_some() || limit.money.is_some() {
         return Ok(());
     }
-    let why = "reads the JSON body's `model`, which only a token limit (`tokens:`) reads: its \
-               body is read before the decision anyway";
+    let why = "reads the JSON body's `model`, which only a token or money limit (`tokens:`, \
+               `money:`) reads: its body is read before the decision anyway";
     if let Some(at) = limit.key.value.iter().position(|p| *p == KeyPart::Model) {
         return Err(ConfigError::invalid(
             file,
@@ -1086,6 +1093,7 @@ fn build_limits(
     config: &Config,
     route: &RouteConfig,
     conditions: Vec<Vec<Condition>>,
+    models: &Arc<crate::llm::Models>,
 ) -> Vec<Limit<Unmetered>> {
     route
         .limits
@@ -1113,9 +1121,11 @@ fn build_limits(
                     _ => Duration::ZERO,
                 },
                 // A token budget gives back what a request did not use.
-                returnable: limit.count.is_some() || limit.tokens.is_some(),
+                returnable: limit.count.is_some()
+                    || limit.tokens.is_some()
+                    || limit.money.is_some(),
             },
-            tokens: crate::llm::config::budget(limit).map(Box::new),
+            tokens: crate::llm::config::budget(limit, models).map(Box::new),
             count: limit
                 .count
                 .as_ref()

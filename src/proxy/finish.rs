@@ -246,14 +246,13 @@ fn too_many_requests(
             retry_after,
         );
     }
-    let unit = match limit {
-        Some(limit) if limit.tokens.is_some() => "tokens",
-        _ => "requests",
-    };
+    let unit = limit
+        .and_then(|limit| limit.tokens.as_ref())
+        .map_or("requests", |b| b.unit.label());
     let limit = limit.map_or("", |limit| limit.name.as_str());
-    let detail = if unit == "tokens" {
+    let detail = if unit != "requests" {
         format!(
-            "route `{}`: limit `{limit}` has no room for this request's reserved tokens; retry \
+            "route `{}`: limit `{limit}` has no room for this request's reserved {unit}; retry \
              in {retry_after} s",
             route.name
         )

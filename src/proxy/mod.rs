@@ -193,7 +193,7 @@ impl Gateway {
             plan::plan_identified(&active.policy, route, &head, peer.ip(), claims.as_ref());
         // Boxed, like the token settlement below: only routes with a token budget take
         // these steps, and inline their futures would make every request's as large.
-        let body = match tokens::read_limit(route, &plan) {
+        let mut body = match tokens::read_limit(route, &plan) {
             None => ClientBody::Streaming(body),
             Some(limit) => {
                 // A tunnel's messages would pass uncounted.
@@ -232,7 +232,7 @@ impl Gateway {
                 body
             }
         };
-        tokens::reserve(&mut plan, &body)?;
+        let prices = tokens::reserve(&mut plan, &mut head, &mut body)?;
         decide::decide(&self.store, &self.finisher.log, route, plan, exchange).await?;
         if let Some(decided) = &exchange.decided {
             hold::hold(&self.store, route, decided).await?;
@@ -247,7 +247,8 @@ impl Gateway {
             };
             settle::give_back_uncounted(&self.store, route, decided, status).await;
             if route.limits.iter().any(|limit| limit.tokens.is_some()) {
-                acted = Box::pin(tokens::settle(&self.store, decided, acted)).await;
+                acted =
+                    Box::pin(tokens::settle(&self.store, decided, acted, prices.as_ref())).await;
             }
         }
         acted

@@ -38,7 +38,7 @@ use super::stop::Stop;
 use super::{Exchange, ForwardBody};
 use crate::body::ProxyBody;
 use crate::limiter::{Admission, Check, Decision, LimitState, Store};
-use crate::llm::{self, EstimateError, Settle, UsageScanner};
+use crate::llm::{self, estimate, Api, EstimateError, Prices, Settle, Unit, Usage, UsageScanner};
 use crate::metrics::Refusal;
 use crate::metrics::{Outcome, TokenMetrics};
 use crate::plan::Plan;
@@ -200,57 +200,154 @@ pub fn body_model(plan: &Plan<'_>, body: &ClientBody<impl Sized>) -> Result<Opti
     })
 }
 
-/// Sets the cost of each token limit's check to the reservation of `body`. Refuses a body
-/// that cannot be reserved for (400), a cap above the limit's `max_output`, and a reservation
-/// that alone exceeds the limit, which no wait could ever admit (413).
-pub fn reserve<B>(plan: &mut Plan<'_>, body: &ClientBody<B>) -> Result<(), Stop> {
+/// Sets the cost of each token limit's check to the reservation of `body` (`llm::estimate`,
+/// the API read from the request's path), in the limit's unit: tokens, or micro-currency at
+/// the prices of the body's model. When the request names no output cap, writes the smallest
+/// cap the limits reserve into the body (and its `Content-Length`), so the upstream cannot
+/// generate more than was reserved. Refuses a body that cannot be reserved for (400, 413 or
+/// 422 by `EstimateError::status`), a model a money limit cannot price (422), and a
+/// reservation that alone exceeds the limit, which no wait could ever admit (413). Returns the
+/// model's prices when a money limit applies, for the settlement.
+pub fn reserve<B>(
+    plan: &mut Plan<'_>,
+    head: &mut Parts,
+    body: &mut ClientBody<B>,
+) -> Result<Option<Prices>, Stop> {
     let ClientBody::Read(ReadWhole { bytes, .. }) = body else {
-        return Ok(());
+        return Ok(None);
     };
+    let Some(first) = plan.limits.iter().find(|limit| limit.tokens.is_some()) else {
+        return Ok(None);
+    };
+    let api = Api::of_path(head.uri.path());
+    let refuse = |name: &str, err: EstimateError| Stop::Unreservable {
+        status: err.status(),
+        detail: format!("limit `{name}`: {err}"),
+    };
+    let mut fields = estimate::parse(bytes).map_err(|err| refuse(first.name.as_str(), err))?;
+    // The cap to write when the request names none: the smallest any limit would reserve.
+    let mut write: Option<(&'static str, u64)> = None;
+    for limit in &plan.limits {
+        let Some(budget) = &limit.tokens else {
+            continue;
+        };
+        let r = llm::estimate(
+            api,
+            &fields,
+            bytes.len() as u64,
+            &budget.reserve,
+            &budget.models,
+        )
+        .map_err(|err| refuse(limit.name.as_str(), err))?;
+        if let Some(field) = r.write_cap {
+            write = Some((field, write.map_or(r.cap, |(_, cap)| cap.min(r.cap))));
+        }
+    }
+    if let Some((field, cap)) = write {
+        let written = Bytes::from(estimate::with_cap(fields, field, cap));
+        head.headers
+            .insert(CONTENT_LENGTH, HeaderValue::from(written.len() as u64));
+        *bytes = written;
+        fields = estimate::parse(bytes).map_err(|err| refuse(first.name.as_str(), err))?;
+    }
+    let model = estimate::model_of(&fields);
+    let caches = estimate::asks_caching(bytes);
+    let mut priced = None;
     for (limit, check) in plan.limits.iter().zip(plan.checks.iter_mut()) {
         let Some(budget) = &limit.tokens else {
             continue;
         };
-        let reservation = llm::estimate(bytes, &budget.reserve).map_err(|err| {
-            let status = match err {
-                EstimateError::CapTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-                _ => StatusCode::BAD_REQUEST,
-            };
-            Stop::Unreservable {
-                status,
-                detail: format!("limit `{}`: {err}", limit.name),
+        let reservation = llm::estimate(
+            api,
+            &fields,
+            bytes.len() as u64,
+            &budget.reserve,
+            &budget.models,
+        )
+        .map_err(|err| refuse(limit.name.as_str(), err))?;
+        let total = match &budget.unit {
+            Unit::Tokens => reservation.total,
+            Unit::Money { currency, .. } => {
+                let prices = budget
+                    .models
+                    .lookup(model)
+                    .prices
+                    .as_ref()
+                    .filter(|p| &p.currency == currency)
+                    .ok_or_else(|| Stop::Unreservable {
+                        status: StatusCode::UNPROCESSABLE_ENTITY,
+                        detail: format!(
+                            "limit `{}` counts {currency} and `models:` gives no prices in \
+                             {currency} for model `{}`: this request cannot be priced",
+                            limit.name,
+                            model.unwrap_or("(none named)")
+                        ),
+                    })?;
+                priced = Some(prices.clone());
+                reservation.price(prices, caches)
             }
-        })?;
-        let cost = u32::try_from(reservation.total).unwrap_or(u32::MAX);
+        };
+        let cost = u32::try_from(total).unwrap_or(u32::MAX);
         if cost > check.spec.requests {
             return Err(Stop::Unreservable {
                 status: StatusCode::PAYLOAD_TOO_LARGE,
-                detail: format!(
-                    "limit `{}` allows {} tokens per {} s and this request reserves {} \
-                     ({} of body bytes bounding the prompt, {} for {} non-text parts, {} of \
-                     output cap, {} per request): it can never fit; send a smaller request or \
-                     a lower output cap",
-                    limit.name,
-                    check.spec.requests,
-                    check.spec.window.as_secs(),
-                    reservation.total,
-                    reservation.prompt,
-                    reservation.non_text_parts * u64::from(budget.reserve.per_non_text_part),
-                    reservation.non_text_parts,
-                    reservation.output,
-                    budget.reserve.per_request,
-                ),
+                detail: too_large(limit, check, budget, &reservation, total),
             });
         }
         check.spec.cost = cost;
     }
-    Ok(())
+    Ok(priced)
 }
 
-/// One token limit of an admitted request: its check (its cost the reservation) and counters.
+/// The detail of a reservation that can never fit its limit: each term of the bound.
+fn too_large(
+    limit: &crate::policy::Limit,
+    check: &Check,
+    budget: &llm::TokenBudget,
+    r: &llm::Reservation,
+    total: u64,
+) -> String {
+    let unit = budget.unit.label();
+    format!(
+        "limit `{}` allows {} {unit} per {} s and this request reserves {total} {unit} ({} \
+         tokens: {} of body bytes bounding the prompt, {} for {} images, {} for {} other \
+         non-text parts, {} per request and tool prompt, {} of stored state, {} for {} server \
+         tools, {} of output cap × {} completions): it can never fit; send a smaller request \
+         or a lower output cap",
+        limit.name,
+        check.spec.requests,
+        check.spec.window.as_secs(),
+        r.total,
+        r.prompt,
+        r.image_tokens,
+        r.images,
+        r.part_tokens,
+        r.parts,
+        r.overhead,
+        r.stored,
+        r.server_tool_tokens,
+        r.server_tools,
+        r.cap,
+        r.completions,
+    )
+}
+
+/// One token limit of an admitted request: its check (its cost the reservation), counters,
+/// and for a money limit the prices its figure is settled at.
 struct Reserved {
     check: Check,
     metrics: Option<TokenMetrics>,
+    prices: Option<Prices>,
+}
+
+impl Reserved {
+    /// What `usage` comes to in this limit's unit: tokens, or micro-currency at its prices.
+    fn figure(&self, usage: &Usage) -> Option<u64> {
+        match &self.prices {
+            None => usage.used(),
+            Some(prices) => usage.priced(prices),
+        }
+    }
 }
 
 /// The reservations of the request's token limits that settle the same way.
@@ -261,15 +358,20 @@ struct Settlement {
 }
 
 impl Settlement {
-    /// Settles every reservation to `used` tokens (`None`: no figure, keep them all).
-    async fn settle(self, used: Option<u64>) {
-        let Some(used) = used else {
-            self.keep();
-            return;
-        };
-        let used = u32::try_from(used).unwrap_or(u32::MAX);
+    /// Settles every reservation to what `usage` comes to in its unit (`None`, or no figure:
+    /// keep it whole).
+    async fn settle(self, usage: Option<Usage>) {
+        // Checks settled to the same figure go to the store together.
+        let mut by_figure: Vec<(u32, Vec<Check>)> = Vec::new();
         for reserved in &self.reserved {
             let cost = reserved.check.spec.cost;
+            let Some(used) = usage.as_ref().and_then(|usage| reserved.figure(usage)) else {
+                if let Some(metrics) = &reserved.metrics {
+                    metrics.settled.inc_by(u64::from(cost));
+                }
+                continue;
+            };
+            let used = u32::try_from(used).unwrap_or(u32::MAX);
             let settled = used.min(cost);
             if let Some(metrics) = &reserved.metrics {
                 metrics.settled.inc_by(u64::from(settled));
@@ -278,20 +380,19 @@ impl Settlement {
                     metrics.overruns.inc();
                 }
             }
+            if used < cost {
+                match by_figure.iter_mut().find(|(figure, _)| *figure == used) {
+                    Some((_, checks)) => checks.push(reserved.check.clone()),
+                    None => by_figure.push((used, vec![reserved.check.clone()])),
+                }
+            }
         }
-        let checks: Vec<Check> = self
-            .reserved
-            .iter()
-            .filter(|r| used < r.check.spec.cost)
-            .map(|r| r.check.clone())
-            .collect();
-        if checks.is_empty() {
-            return;
-        }
-        if let Err(err) = self.store.settle(&checks, &self.admission, used).await {
-            // The tokens stay reserved until they leave the window: the limit under-admits
-            // meanwhile, never over-admits.
-            tracing::debug!(store = self.store.name(), error = %err, "cannot settle a token reservation");
+        for (used, checks) in by_figure {
+            if let Err(err) = self.store.settle(&checks, &self.admission, used).await {
+                // The tokens stay reserved until they leave the window: the limit
+                // under-admits meanwhile, never over-admits.
+                tracing::debug!(store = self.store.name(), error = %err, "cannot settle a token reservation");
+            }
         }
     }
 
@@ -305,12 +406,22 @@ impl Settlement {
     }
 }
 
+/// Nothing was spent.
+const NOTHING: Usage = Usage {
+    input: Some(0),
+    output: Some(0),
+    total: Some(0),
+    cached: None,
+    cache_write: None,
+};
+
 /// Settles the request's token reservations by what `acted` says: at once for a connect
 /// error, a direct response or a header figure; as the body ends for a usage figure.
 pub async fn settle(
     store: &Arc<Store>,
     decided: &Decided<'_>,
     acted: Result<Answered, Stop>,
+    prices: Option<&Prices>,
 ) -> Result<Answered, Stop> {
     let Some(admission) = decided.decision.admission.as_ref() else {
         return acted;
@@ -328,6 +439,10 @@ pub async fn settle(
         let reserved = Reserved {
             check: check.clone(),
             metrics,
+            prices: match budget.unit {
+                Unit::Tokens => None,
+                Unit::Money { .. } => prices.cloned(),
+            },
         };
         match &budget.settle {
             Settle::Header(name) => by_header.push((reserved, name)),
@@ -345,14 +460,13 @@ pub async fn settle(
     let all = || {
         by_header
             .iter()
-            .map(|(r, _)| Reserved {
+            .map(|(r, _)| r)
+            .chain(by_usage.iter())
+            .map(|r| Reserved {
                 check: r.check.clone(),
                 metrics: r.metrics.clone(),
+                prices: r.prices.clone(),
             })
-            .chain(by_usage.iter().map(|r| Reserved {
-                check: r.check.clone(),
-                metrics: r.metrics.clone(),
-            }))
             .collect::<Vec<_>>()
     };
     let mut answered = match acted {
@@ -360,7 +474,7 @@ pub async fn settle(
         // No upstream was asked (a direct response), or it could not be reached: nothing
         // was spent.
         Ok(answered) => {
-            settlement(all()).settle(Some(0)).await;
+            settlement(all()).settle(Some(NOTHING)).await;
             return Ok(answered);
         }
         Err(stop) => {
@@ -373,7 +487,7 @@ pub async fn settle(
             );
             let settlement = settlement(all());
             if spent_nothing {
-                settlement.settle(Some(0)).await;
+                settlement.settle(Some(NOTHING)).await;
             } else {
                 settlement.keep();
             }
@@ -386,7 +500,11 @@ pub async fn settle(
             .headers()
             .get(name)
             .and_then(|value| value.to_str().ok())
-            .and_then(|text| text.trim().parse::<u64>().ok());
+            .and_then(|text| text.trim().parse::<u64>().ok())
+            .map(|total| Usage {
+                total: Some(total),
+                ..Usage::default()
+            });
         settlement(vec![reserved]).settle(used).await;
     }
     if !by_usage.is_empty() {
@@ -428,8 +546,8 @@ struct SettlingBody {
 impl SettlingBody {
     fn start_settling(&mut self) {
         if let Some(settlement) = self.settlement.take() {
-            let used = self.scanner.usage().used();
-            self.settling = Some(Box::pin(settlement.settle(used)));
+            let usage = self.scanner.usage();
+            self.settling = Some(Box::pin(settlement.settle(Some(usage))));
         }
     }
 }

@@ -129,3 +129,48 @@ routes:
         assert!(out.stdout.contains(line), "missing {line:?} in\n{}", out.stdout);
     }
 }
+
+/// A money budget is explained in its unit, micro-units of its currency, with how its
+/// reservation is priced.
+#[test]
+fn explains_a_money_budget_in_its_unit() {
+    let yaml = r#"listen: 127.0.0.1:1
+admin_listen: 127.0.0.1:2
+upstreams:
+  llm: { url: "http://127.0.0.1:3000" }
+models:
+  - { match: "gpt-4o-mini*", prices: { currency: USD, input: 0.15, output: 0.6 } }
+routes:
+  - name: chat
+    match: { path_prefix: /v1/ }
+    upstream: llm
+    limits:
+      - { name: dollars, key: [header:x-api-key], money: 2.5, currency: USD, window: 1h }
+"#;
+    let config = write_config(yaml);
+    let path = config.path().to_str().unwrap().to_owned();
+    let out = run_sluice(
+        &[
+            "explain",
+            "--config",
+            &path,
+            "POST",
+            "/v1/chat/completions",
+            "-H",
+            "x-api-key: k",
+        ],
+        Duration::from_secs(10),
+    );
+    assert!(out.status.success(), "{}", out.stderr);
+    for line in [
+        "  dollars: 2500000 microUSD per 1h (weighted_log), key [header:x-api-key]",
+        "priced at the model's prices in USD and counted in microUSD",
+        "stored state refused; server tools refused",
+    ] {
+        assert!(
+            out.stdout.contains(line),
+            "missing {line:?} in\n{}",
+            out.stdout
+        );
+    }
+}

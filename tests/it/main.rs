@@ -53,6 +53,7 @@ mod slow_bodies;
 mod streaming;
 mod tls;
 mod token_bodies;
+mod token_bounds;
 mod token_budgets;
 mod websocket;
 mod weighted_log;
