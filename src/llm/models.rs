@@ -78,18 +78,26 @@ pub struct Models {
 }
 
 impl Models {
+    /// The table, its patterns normalised like every reading of a body's model
+    /// (`crate::model::normalise`): a key, a condition and this table read one name.
     pub fn new(entries: Vec<(String, ModelFacts)>) -> Models {
+        let entries = entries
+            .into_iter()
+            .map(|(pattern, facts)| (crate::model::normalise(&pattern), facts))
+            .collect();
         Models { entries }
     }
 
-    /// The facts of the first entry whose pattern matches `model`; [`ModelFacts::UNKNOWN`]
-    /// when none does or the body names no model.
+    /// The facts of the first entry whose pattern matches `model` (normalised: a respelling
+    /// the upstream may accept finds the same entry); [`ModelFacts::UNKNOWN`] when none does
+    /// or the body names no model.
     pub fn lookup(&self, model: Option<&str>) -> &ModelFacts {
         model
+            .map(crate::model::normalise)
             .and_then(|model| {
                 self.entries
                     .iter()
-                    .find(|(pattern, _)| glob_matches(pattern, model))
+                    .find(|(pattern, _)| glob_matches(pattern, &model))
             })
             .map_or(&ModelFacts::UNKNOWN, |(_, facts)| facts)
     }
@@ -106,7 +114,7 @@ impl Models {
 }
 
 /// `pattern` against `name`: `*` matches any run of characters (none included), every other
-/// character itself. Case-sensitive, like the providers' model names.
+/// character itself; both sides already normalised by [`Models`].
 pub fn glob_matches(pattern: &str, name: &str) -> bool {
     let mut parts = pattern.split('*');
     let first = parts.next().unwrap_or_default();
@@ -156,5 +164,17 @@ mod tests {
         assert_eq!(models.lookup(Some("m-small-1")).image_high, 1);
         assert_eq!(models.lookup(Some("m-large")), &ModelFacts::UNKNOWN);
         assert_eq!(models.lookup(None), &ModelFacts::UNKNOWN);
+    }
+
+    #[test]
+    fn a_respelled_name_finds_its_entry() {
+        let small = ModelFacts {
+            image_high: 1,
+            ..ModelFacts::UNKNOWN
+        };
+        let models = Models::new(vec![("GPT-4o-mini*".into(), small)]);
+        for name in ["gpt-4o-mini", "GPT-4O-MINI", " gpt-4o-mini-2024-07-18 "] {
+            assert_eq!(models.lookup(Some(name)).image_high, 1, "{name}");
+        }
     }
 }

@@ -627,7 +627,9 @@ fn check_refuses_model_outside_token_limits() {
         let (status, _, stderr) = sluice_check(file.path());
         assert!(!status.success(), "{limit}");
         assert!(
-            stderr.contains(field) && stderr.contains(":10:") && stderr.contains("token or money limit"),
+            stderr.contains(field)
+                && stderr.contains(":10:")
+                && stderr.contains("token or money limit"),
             "{stderr}"
         );
     }
