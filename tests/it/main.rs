@@ -55,6 +55,7 @@ mod tls;
 mod token_bodies;
 mod token_bounds;
 mod token_budgets;
+mod token_mix;
 mod websocket;
 mod weighted_log;
 mod workers;

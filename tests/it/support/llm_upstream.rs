@@ -13,7 +13,8 @@
 //! results of each server-side tool; output = the cap (the API's own default or the model's
 //! own maximum when the body names none) × completions (`n`, `best_of`, array `prompt`). An
 //! Anthropic request without `max_tokens` is refused (400, nothing spent), as Anthropic does.
-//! The usage it reports is what it spent. Figures and their sources are in `MODELS`.
+//! A request header `x-fake-finish: P` stops the output at P % of that (an answer that ends
+//! before its cap). The usage it reports is what it spent. Figures and their sources are in `MODELS`.
 //!
 //! A body with a `sim` object asks for a usage instead (older tests of the settlement):
 //! - `usage`: the tokens the answer reports (default 10);
@@ -158,6 +159,10 @@ pub fn chat_body(max_tokens: u64, sim: Value) -> String {
     })
     .to_string()
 }
+
+/// A request header asking a charged answer to stop at this percentage of the output it may
+/// generate (a model that finishes before its cap, as most answers do); 100 without it.
+pub const FINISH_HEADER: &str = "x-fake-finish";
 
 /// What a model bills, as its provider publishes it. `image_low`/`image_high`: one image at
 /// low detail, and at high detail with the most tiles an image can have (8 tiles of 512 px:
@@ -411,6 +416,12 @@ async fn answer(
 ) -> Result<Response<Body>, Infallible> {
     let arrived = Instant::now();
     let path = request.uri().path().to_owned();
+    let finish = request
+        .headers()
+        .get(FINISH_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(100, |percent| percent.min(100));
     let body = request
         .into_body()
         .collect()
@@ -420,7 +431,7 @@ async fn answer(
     state.bodies.lock().expect("bodies").push(body.clone());
     let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     if request.get("sim").is_none() {
-        return Ok(charged(&path, &request, arrived, &state));
+        return Ok(charged(&path, &request, finish, arrived, &state));
     }
     let sim = &request["sim"];
     let usage = sim["usage"].as_u64().unwrap_or(10);
@@ -533,14 +544,21 @@ async fn answer(
 
 /// The answer to a request without `sim`: charged like the real API, its usage reported in
 /// the API's own shape (JSON, or the API's events when it asks to `stream`).
-fn charged(path: &str, request: &Value, arrived: Instant, state: &State) -> Response<Body> {
+fn charged(
+    path: &str,
+    request: &Value,
+    finish: u64,
+    arrived: Instant,
+    state: &State,
+) -> Response<Body> {
     let stored = state.stored.lock().expect("stored").clone();
     let charge = match charge(path, request, &stored) {
         Ok(charge) => charge,
         Err(message) => return refusal(message),
     };
     let m = model(&charge.model);
-    let (input, output) = (charge.input, charge.output);
+    // A model that finishes its answer before the cap generates less than the most allowed.
+    let (input, output) = (charge.input, charge.output * finish / 100);
     let micro_usd = input as f64 * m.price_in + output as f64 * m.price_out;
     let id = {
         let mut answers = state.answers.lock().expect("answers");
