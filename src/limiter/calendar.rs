@@ -188,6 +188,19 @@ pub fn record(counter: &mut Counter, spec: &Spec, now: u64) -> LimitState {
     state(counter.count, spec)
 }
 
+/// Charges `units` more to an admission that used more than it reserved (an overrun), within
+/// its period; nothing once the period has ended or the counter was reset.
+pub fn charge(counter: Counter, units: u32, now: u64) -> Counter {
+    let counter = counter.at(now);
+    if counter.count == 0 {
+        return counter;
+    }
+    Counter {
+        count: counter.count + u64::from(units),
+        ..counter
+    }
+}
+
 /// Gives back `units` of an admission: exact within the period. The key is the period's, so a
 /// give-back after the period ended lands on a key that no longer counts.
 pub fn release(counter: Counter, units: u32, now: u64) -> Counter {

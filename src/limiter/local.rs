@@ -135,6 +135,21 @@ impl Cell {
     }
 }
 
+impl Cell {
+    /// Charges `extra` units more to an admitted request that used more than it reserved
+    /// (see `Store::settle`), where it is still recorded; the algorithms a token budget does
+    /// not run on charge nothing (as in `release.lua`).
+    fn charge(&mut self, spec: &Spec, extra: u32, admission: &Admission, now: u64) {
+        self.advance(spec.window_us(), now);
+        match self {
+            Cell::Log(times) => sliding_log::charge(times, spec, extra, admission.at_us),
+            Cell::Weighted(log) => log.charge(extra, admission.at_us),
+            Cell::Quota(counter) => *counter = calendar::charge(*counter, extra, now),
+            Cell::Window(_) | Cell::Counter(_) | Cell::Tat(_) => {}
+        }
+    }
+}
+
 struct Log {
     cell: Cell,
     window_us: u64,
@@ -293,24 +308,33 @@ impl LocalStore {
         }
     }
 
-    /// Gives back what an admitted request recorded under `checks` beyond `keep` units of
-    /// each (see `Store::settle`; `Store::release` keeps none).
+    /// Settles what an admitted request recorded under `checks` to `keep` units of each:
+    /// gives back the rest, or charges the excess when `keep` is above a check's cost (see
+    /// `Store::settle`; `Store::release` keeps none).
     pub fn release(&self, checks: &[Check], admission: &Admission, keep: u32) {
         let (mut guards, slot) = self.lock_all(checks);
         let now = micros_since(self.epoch);
         for (check, &slot) in checks.iter().zip(&slot) {
-            // The algorithms give back a whole cost: what is not kept is the part given back.
-            let spec = Spec {
-                cost: check.spec.cost.saturating_sub(keep),
-                ..check.spec
-            };
-            if spec.cost == 0 {
+            let cost = check.spec.cost;
+            if keep == cost {
                 continue;
             }
-            if let Some(log) = guards[slot].peek_mut(check.key.as_str()) {
-                if log.cell.algorithm() == spec.algorithm {
-                    log.cell.release(&spec, admission, now);
-                }
+            let Some(log) = guards[slot].peek_mut(check.key.as_str()) else {
+                continue;
+            };
+            if log.cell.algorithm() != check.spec.algorithm {
+                continue;
+            }
+            if keep > cost {
+                log.cell.charge(&check.spec, keep - cost, admission, now);
+            } else {
+                // The algorithms give back a whole cost: what is not kept is the part given
+                // back.
+                let spec = Spec {
+                    cost: cost - keep,
+                    ..check.spec
+                };
+                log.cell.release(&spec, admission, now);
             }
         }
     }

@@ -109,6 +109,18 @@ impl Log {
         self.state(spec, now)
     }
 
+    /// Charges `units` more to a request recorded at `at` that used more than it reserved
+    /// (an overrun): an entry of that time, if one is still there, grows by them (entries of
+    /// the same time leave together, so which one does not matter).
+    pub fn charge(&mut self, units: u32, at: u64) {
+        let index = self.entries.partition_point(|entry| entry.at < at);
+        if let Some(entry) = self.entries.get_mut(index).filter(|entry| entry.at == at) {
+            let added = units.min(u32::MAX - entry.weight);
+            entry.weight += added;
+            self.total += u64::from(added);
+        }
+    }
+
     /// Gives back `units` of a request recorded at `at`: its entry keeps its time with the
     /// rest of its weight, and goes at zero. Entries of the same time leave the window
     /// together, so which of them gives the units back does not matter.

@@ -10,8 +10,9 @@
 //! connect error), or no upstream at all (a direct response) → everything is given back, the
 //! upstream spent nothing; the upstream answered (any status) but gave no figure, the client
 //! left before the end, the body failed, the upstream timed out → the whole reservation is
-//! kept, since the upstream may have spent it. A figure above the reservation keeps the
-//! reservation (taking more would break the limit) and counts an overrun.
+//! kept, since the upstream may have spent it. A figure above the reservation is charged:
+//! the request's entry grows to it (`Store::settle`), so the window makes that identity wait
+//! for what the upstream really spent, and the overrun and its excess tokens are counted.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -165,19 +166,22 @@ impl Settlement {
         let used = u32::try_from(used).unwrap_or(u32::MAX);
         for reserved in &self.reserved {
             let cost = reserved.check.spec.cost;
-            let settled = used.min(cost);
             if let Some(metrics) = &reserved.metrics {
-                metrics.settled.inc_by(u64::from(settled));
-                metrics.returned.inc_by(u64::from(cost - settled));
+                metrics.settled.inc_by(u64::from(used));
+                metrics
+                    .returned
+                    .inc_by(u64::from(cost.saturating_sub(used)));
                 if used > cost {
                     metrics.overruns.inc();
+                    metrics.overrun_tokens.inc_by(u64::from(used - cost));
                 }
             }
         }
+        // Less than reserved is given back, more is charged (an overrun).
         let checks: Vec<Check> = self
             .reserved
             .iter()
-            .filter(|r| used < r.check.spec.cost)
+            .filter(|r| used != r.check.spec.cost)
             .map(|r| r.check.clone())
             .collect();
         if checks.is_empty() {
