@@ -4,7 +4,9 @@
 //! request, one meaning). After the upstream answers, the reservation is settled to what the
 //! answer says it used (`llm::usage`, or a header): the body streams through a scanner that
 //! settles before it lets the end of the answer go, so a client that reads the answer and
-//! sends its next request finds the unused tokens back.
+//! sends its next request finds the unused tokens back. A compressed answer
+//! (`Content-Encoding`) is scanned through a decoder, bounded as `llm::usage::DecodingScanner`
+//! says; the client gets the upstream's bytes unchanged.
 //!
 //! Without a usage figure: no answer from the upstream because it could not be reached (a
 //! connect error), or no upstream at all (a direct response) → everything is given back, the
@@ -20,7 +22,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE, EXPECT, TRANSFER_ENCODING};
+use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, EXPECT, TRANSFER_ENCODING};
 use http::request::Parts;
 use http::{HeaderValue, StatusCode};
 use http_body::{Body, Frame, SizeHint};
@@ -33,7 +35,8 @@ use super::stop::Stop;
 use super::ForwardBody;
 use crate::body::ProxyBody;
 use crate::limiter::{Admission, Check, Store};
-use crate::llm::{self, EstimateError, Settle, UsageScanner};
+use crate::llm::usage::DecodingScanner;
+use crate::llm::{self, EstimateError, Settle};
 use crate::metrics::{Outcome, TokenMetrics};
 use crate::plan::Plan;
 use crate::policy::Route;
@@ -289,12 +292,11 @@ pub async fn settle(
         settlement(vec![reserved]).settle(used).await;
     }
     if !by_usage.is_empty() {
-        let scanner = UsageScanner::for_content_type(
-            answered
-                .response
-                .headers()
-                .get(CONTENT_TYPE)
-                .map(HeaderValue::as_bytes),
+        // A compressed answer is read through a decoder; the client gets its bytes as sent.
+        let headers = answered.response.headers();
+        let scanner = DecodingScanner::new(
+            headers.get(CONTENT_TYPE).map(HeaderValue::as_bytes),
+            headers.get(CONTENT_ENCODING).map(HeaderValue::as_bytes),
         );
         let settlement = settlement(by_usage);
         let body = std::mem::replace(answered.response.body_mut(), ProxyBody::full(Bytes::new()));
@@ -315,7 +317,7 @@ pub async fn settle(
 /// (or, when the end is only known after it, the end of the stream) goes to the client.
 struct SettlingBody {
     inner: ProxyBody,
-    scanner: UsageScanner,
+    scanner: DecodingScanner,
     /// Until the body ends; dropped unsettled (client gone, body failed): kept whole.
     settlement: Option<Settlement>,
     settling: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
@@ -327,7 +329,7 @@ struct SettlingBody {
 impl SettlingBody {
     fn start_settling(&mut self) {
         if let Some(settlement) = self.settlement.take() {
-            let used = self.scanner.usage().used();
+            let used = self.scanner.used();
             self.settling = Some(Box::pin(settlement.settle(used)));
         }
     }

@@ -542,3 +542,115 @@ async fn a_daily_token_quota_settles_too() {
         "500 settled + a kept reservation leave no room"
     );
 }
+
+/// The client's copy of a compressed answer, decoded as `encoding` says.
+fn decoded(encoding: &str, bytes: &[u8]) -> Vec<u8> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    match encoding {
+        "gzip" => flate2::read::MultiGzDecoder::new(bytes).read_to_end(&mut out),
+        "deflate" => flate2::read::ZlibDecoder::new(bytes).read_to_end(&mut out),
+        "deflate-raw" => flate2::read::DeflateDecoder::new(bytes).read_to_end(&mut out),
+        "br" => brotli::Decompressor::new(bytes, 4096).read_to_end(&mut out),
+        "zstd" => ruzstd::decoding::StreamingDecoder::new(bytes)
+            .expect("a zstd frame")
+            .read_to_end(&mut out),
+        other => panic!("no decoder for {other}"),
+    }
+    .unwrap_or_else(|e| panic!("{encoding}: the client's bytes do not decode: {e}"));
+    out
+}
+
+/// A compressed answer (each coding the scanner decodes, JSON and both event streams, sent
+/// in 64-byte frames) settles to exactly the usage it reports, as a plain one does: three
+/// requests reserving about 4,150 of 6,000 tokens each all fit. The client gets the bytes
+/// the upstream sent, unchanged, and they decode to the answer with its usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_answers_settle_to_their_usage() {
+    let upstream = LlmUpstream::start().await;
+    let sluice = Sluice::start(&policy("", &upstream.url(), 6000, "1m", USAGE)).await;
+    let mut answers = 0;
+    for encoding in ["gzip", "deflate", "deflate-raw", "br", "zstd"] {
+        for mode in ["json", "sse", "anthropic"] {
+            let key = format!("{encoding}-{mode}");
+            for n in 0..3 {
+                let body = chat_body(
+                    4000,
+                    json!({"usage": 100, "mode": mode, "encoding": encoding}),
+                );
+                let answer = client()
+                    .post(format!("{}/v1/chat/completions", sluice.url()))
+                    .header("x-api-key", &key)
+                    .header("accept-encoding", "gzip, deflate, br, zstd")
+                    .body(body)
+                    .send()
+                    .await
+                    .expect("an answer");
+                assert_eq!(answer.status(), 200, "{key} request {n}: settled to 100");
+                let coding = if encoding == "deflate-raw" {
+                    "deflate"
+                } else {
+                    encoding
+                };
+                assert_eq!(support::header(&answer, "content-encoding"), coding);
+                let bytes = answer.bytes().await.expect("the whole answer");
+                answers += 1;
+                let sent = upstream.sent();
+                assert_eq!(sent.len(), answers);
+                assert_eq!(
+                    bytes,
+                    sent[answers - 1],
+                    "{key}: the client's bytes are the upstream's"
+                );
+                let text = String::from_utf8(decoded(encoding, &bytes)).expect("text");
+                let usage = if mode == "anthropic" {
+                    "\"output_tokens\":67"
+                } else {
+                    "\"total_tokens\":100"
+                };
+                assert!(text.contains(usage), "{key}: {text}");
+            }
+        }
+    }
+    let metrics = sluice.metrics().await;
+    assert_eq!(
+        metric(&metrics, "sluice_tokens_settled_total"),
+        (answers * 100) as f64
+    );
+}
+
+/// A decompression bomb (about 1 MB on the wire that gzip-decodes to 1 GiB, its usage at the
+/// very start): sluice stops decoding at its bound, keeps the whole reservation (the next
+/// request does not fit), passes the bytes unchanged, and its memory stays flat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decompression_bomb_keeps_the_reservation_in_bounded_memory() {
+    let _heavy = support::heavy().await;
+    let upstream = LlmUpstream::start().await;
+    let sluice = Sluice::start(&policy("", &upstream.url(), 6000, "1m", USAGE)).await;
+    let warm = send(&sluice, "warm", chat_body(100, json!({"encoding": "gzip"}))).await;
+    warm.bytes().await.expect("the warm-up answer");
+    let peak_before = sluice.peak_rss_kb();
+    let answer = client()
+        .post(format!("{}/v1/chat/completions", sluice.url()))
+        .header("x-api-key", "k")
+        .header("accept-encoding", "gzip")
+        .body(chat_body(
+            4000,
+            json!({"usage": 100, "encoding": "gzip", "bomb_mb": 1024, "frame_bytes": 16384}),
+        ))
+        .send()
+        .await
+        .expect("an answer");
+    assert_eq!(answer.status(), 200);
+    let bytes = answer.bytes().await.expect("the whole answer");
+    assert_eq!(bytes, upstream.sent()[1], "the bomb's bytes pass unchanged");
+    assert!(bytes.len() < 4 << 20, "{} bytes on the wire", bytes.len());
+    let growth_kb = sluice.peak_rss_kb().saturating_sub(peak_before);
+    assert!(
+        growth_kb < 8 * 1024,
+        "sluice grew by {growth_kb} kB decoding a bomb"
+    );
+    // Decoded whole, its usage (1 token) would have settled it: the next one would fit.
+    let next = send(&sluice, "k", chat_body(4000, json!({}))).await;
+    assert_eq!(next.status(), 429, "the bomb's reservation is kept");
+}
