@@ -238,6 +238,21 @@ mod tests {
     }
 
     #[test]
+    fn an_overrun_is_charged_within_its_period_only() {
+        let counter = Counter {
+            count: 5,
+            until_us: 100,
+        };
+        assert_eq!(charge(counter, 7, 50).count, 12);
+        assert_eq!(
+            charge(counter, 7, 100),
+            Counter::default(),
+            "the period ended"
+        );
+        assert_eq!(charge(Counter::default(), 7, 50).count, 0, "reset");
+    }
+
+    #[test]
     fn months_end_on_their_last_day_whatever_their_length() {
         let jan = span(Period::Month, "UTC", "2027-01-31T23:59:59Z");
         assert_eq!(jan.to_string(), "2027-01");

@@ -116,6 +116,35 @@ mod tests {
     const SECOND: u64 = 1_000_000;
 
     #[test]
+    fn an_overrun_adds_entries_at_its_time_up_to_the_limit() {
+        let spec = Spec {
+            requests: 10,
+            window: Duration::from_secs(60),
+            cost: 2,
+            ..Spec::default()
+        };
+        let mut times = VecDeque::from([SECOND, 2 * SECOND, 2 * SECOND, 3 * SECOND]);
+        charge(&mut times, &spec, 3, 2 * SECOND);
+        assert_eq!(
+            times,
+            [
+                SECOND,
+                2 * SECOND,
+                2 * SECOND,
+                2 * SECOND,
+                2 * SECOND,
+                2 * SECOND,
+                3 * SECOND
+            ]
+        );
+        // More than the limit adds the limit's worth; a time no longer there, nothing.
+        charge(&mut times, &spec, 1000, SECOND);
+        assert_eq!(times.len(), 17);
+        charge(&mut times, &spec, 5, 9 * SECOND);
+        assert_eq!(times.len(), 17);
+    }
+
+    #[test]
     fn an_entry_leaves_exactly_one_window_later() {
         let mut times = VecDeque::from([10 * SECOND]);
         prune(&mut times, 60 * SECOND, 70 * SECOND - 1);

@@ -197,6 +197,24 @@ mod tests {
         assert_eq!(log.total(), 0);
     }
 
+    #[test]
+    fn an_overrun_grows_its_entry_at_its_time() {
+        let mut log = Log::default();
+        log.record(&spec(100, 20), SECOND, SECOND);
+        log.record(&spec(100, 10), 2 * SECOND, 2 * SECOND);
+        log.charge(70, SECOND);
+        assert_eq!(log.total(), 100);
+        // Full until the first entry (now 90) leaves, at 61 s.
+        let room = log.check(&spec(100, 5), 3 * SECOND);
+        assert!(!room.admits);
+        assert_eq!(room.wait, 58 * SECOND);
+        // Past the limit is recorded too; an entry no longer there is not charged.
+        log.charge(50, 2 * SECOND);
+        assert_eq!(log.total(), 150);
+        log.charge(50, 5 * SECOND);
+        assert_eq!(log.total(), 150);
+    }
+
     proptest! {
         /// Whatever the requests, their costs and settlements, no window of the limit's length
         /// ever holds more than the limit's units, counting each request at its settled
