@@ -79,6 +79,9 @@ pub struct DecodingScanner {
     compressed: u64,
 }
 
+// The plain scanner is the common case and stays inline (no allocation per answer); the
+// whole state lives in the answer's boxed body anyway.
+#[allow(clippy::large_enum_variant)]
 enum State {
     Plain(UsageScanner),
     /// Boxed: only a compressed answer pays for a decoder's size.
