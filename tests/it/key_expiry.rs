@@ -135,7 +135,16 @@ async fn every_key_expires_after_every_path() {
         // A fresh identity whose key the reset deletes, and which is then admitted again.
         assert_eq!(get(&url, "reset").await, 200);
         let reset = peek.replace("=k", "=reset");
-        assert_eq!(client().delete(&reset).send().await.unwrap().status(), 200);
+        assert_eq!(
+            client()
+                .delete(&reset)
+                .header("x-sluice-admin", "1")
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
         assert_eq!(get(&url, "reset").await, 200, "{algorithm}");
     }
 
