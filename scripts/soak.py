@@ -291,6 +291,7 @@ ROUTES = {
         dict(name="per-key", key="key", alg="sliding_log", n=8, window=4),
         dict(name="global", key="global", alg="fixed_window", n=30, window=4)]),
 }
+SEED_BUG = None  # --seed-bug: a policy the checker must fail, to show that it can
 SLOG_LIMITS = (20, 12)  # the reload fault alternates /slog's limit between these
 UPSTREAM_TIMEOUT = 2.0
 
@@ -329,7 +330,10 @@ def policy(inst, listen, admin, upstream_port, sentinel_nodes, slog_limit, inval
         nodes = ", ".join(f'"{n}"' for n in sentinel_nodes)
         y.append(f"  redis:\n    sentinel: {{ master_name: mymaster, nodes: [{nodes}] }}\n"
                  "    timeout: 200ms\n    pool_size: 2\n")
-    y.append("  key_prefix: soak\n")
+    # --seed-bug split-prefix: C counts under keys of its own, so the three instances no
+    # longer share their limits (the checker must see the redis group over its limits).
+    prefix = "soakc" if SEED_BUG == "split-prefix" and inst == "C" else "soak"
+    y.append(f"  key_prefix: {prefix}\n")
     y.append(f'upstreams:\n  up: {{ url: "http://127.0.0.1:{upstream_port}/{inst}", '
              f"timeout: {int(UPSTREAM_TIMEOUT)}s }}\n")
     y.append("routes:\n")
@@ -337,7 +341,10 @@ def policy(inst, listen, admin, upstream_port, sentinel_nodes, slog_limit, inval
         path = "/v1/chat" if name == "chat" else f"/{name}"
         y.append(f"  - name: {name}\n    match: {{ path_prefix: {path} }}\n    upstream: up\n")
         if sentinel_nodes:
-            y.append(f"    on_store_error: {r['ose']}\n")
+            # --seed-bug local-for-deny: the deny routes decide locally when Redis fails,
+            # while the checker holds them to deny's bound.
+            ose = "local" if SEED_BUG == "local-for-deny" else r["ose"]
+            y.append(f"    on_store_error: {ose}\n")
         if name == "shaped":
             y.append("    max_delayed: 200\n")
         y.append("    limits:\n")
@@ -731,6 +738,30 @@ class Load:
             if t_next < now() - 1.0:
                 t_next = now()  # do not build a backlog behind a slow answer
 
+    async def one(self, inst, route, ident, prompt=None, keepalive=False):
+        """One request outside the workers' schedule (the faults' own)."""
+        rng = random.Random(self.seq)
+        method, path, headers, body = make_request(route, ident, rng)
+        if prompt is not None and body:
+            req = json.loads(body)
+            req["messages"][0]["content"] = prompt
+            body = json.dumps(req).encode()
+        rid = self.rid()
+        headers["x-request-id"] = rid
+        rec = dict(t0=now(), t1=None, inst=inst, route=route, ident=ident, rid=rid,
+                   status=None, err=None, proto="h1")
+        self.records.append(rec)
+        conn = H1Conn(self.instances[inst].listen)
+        try:
+            rec["status"] = await asyncio.wait_for(
+                conn.request(method, path, headers, body, keepalive), self.args.client_timeout)
+        except ClientError as e:
+            rec["err"] = str(e)
+        except asyncio.TimeoutError:
+            rec["err"] = "timeout"
+        conn.close()
+        rec["t1"] = now()
+
     async def h2_worker(self, wid, route, group, idents, batch, period):
         """HTTP/2 (h2c, prior knowledge; the `h2` package): `batch` concurrent streams on one
         connection, then the connection is closed. (curl 7.88, Debian 12's, fails a second
@@ -996,7 +1027,15 @@ class Faults:
         self.record("sluice_kill", t0, now(), "B SIGKILLed, restarted")
 
     async def sluice_term(self):
+        # Requests in flight at the SIGTERM: long streamed answers (about 6 s, within the
+        # 10 s shutdown grace) started on C half a second before. Each must end with its 200.
+        inflight = [asyncio.create_task(self.load.one("C", "chat", f"rchat-rare-term{i}",
+                                                      prompt="Tell a long story.",
+                                                      keepalive=True))
+                    for i in range(3)]
+        await asyncio.sleep(0.5)
         t0, t_exit = await self.restart("C", signal.SIGTERM)
+        await asyncio.gather(*inflight)
         self.record("sluice_term", t0, now(), f"C SIGTERMed, exited after {t_exit - t0:.2f} s")
 
     async def upstream_episode(self, mode, p):
@@ -1166,7 +1205,9 @@ class Checker:
                       f"max use outside Redis faults {agg['max_use']} vs limit "
                       f"{'20/12 (reloaded)' if lim['n'] == 'SLOG' else lim['n']}; worst "
                       f"{agg['worst']:.2f} of its bound ({agg['worst_fig']}); windows over "
-                      f"bound: {agg['viol']}")
+                      f"bound: {agg['viol']}" + (
+                          f"; max in windows touching a Redis fault {agg['max_fault_use']}"
+                          if agg["fault_windows"] else ""))
 
     def in_intervals(self, t, intervals, margin=0.0):
         return any(a - margin <= t <= (b if b is not None else 1e18) + margin
@@ -1198,13 +1239,18 @@ class Checker:
                         cause = "instance down: connection refused"
                     elif kill:
                         cause = "instance SIGKILLed: connection lost"
-                    elif err.endswith("_reused") and rec["inst"] == "C":
-                        # A request sent on a kept-alive connection as SIGTERM closes it: the
-                        # keep-alive race every HTTP/1.1 server has; nothing was processed.
-                        up = by_rid.get(rec["rid"])
-                        cause = None if up else "SIGTERM: kept-alive connection closed"
-                    elif rec["t0"] >= inst.down[-1][0] - 0.05 and not by_rid.get(rec["rid"]):
-                        cause = "SIGTERM: new connection reset as the listener closed"
+                    else:
+                        # SIGTERM: requests in flight must finish. Only a request sent at or
+                        # after the signal may fail, unprocessed: on a kept-alive connection
+                        # closed after its last answer (the keep-alive race every HTTP/1.1
+                        # server has), or a new connection reset as the listener closed.
+                        term = next((d[0] for d in inst.down
+                                     if d[0] - 0.05 <= rec["t1"] <= (d[1] or 1e18) + 0.05), None)
+                        if term is not None and rec["t0"] >= term - 0.01 \
+                                and not by_rid.get(rec["rid"]):
+                            cause = ("SIGTERM: request on a kept-alive connection being closed"
+                                     if err.endswith("_reused") else
+                                     "SIGTERM: new connection reset as the listener closed")
             elif st is not None and st >= 500:
                 up = by_rid.get(rec["rid"])
                 group = "local" if rec["inst"] == "L" else "redis"
@@ -1441,7 +1487,11 @@ def main():
     ap.add_argument("--client-timeout", type=float, default=15.0)
     ap.add_argument("--history", help="write the whole history as JSON here")
     ap.add_argument("--keep", action="store_true", help="keep the state directory (logs)")
+    ap.add_argument("--seed-bug", choices=["split-prefix", "local-for-deny"],
+                    help="run a policy the checker must fail (to check the checker)")
     args = ap.parse_args()
+    global SEED_BUG
+    SEED_BUG = args.seed_bug
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
     # SIGTERM stops the run like Ctrl-C: every process started is stopped on the way out.
