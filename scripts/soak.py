@@ -1422,7 +1422,15 @@ async def main_async(args):
         jobs = [asyncio.create_task(t) for t in tasks]
         fjob = asyncio.create_task(faults.run(start + warm, load.stop_at - quiet))
         rjob = asyncio.create_task(sample_resources(instances, samples, load.stop_at))
+
+        async def scan_under_load():
+            # Keys with a TTL vanish once idle: scan while every route is still busy too.
+            await asyncio.sleep(max(0.0, load.stop_at - 2.0 - now()))
+            return await asyncio.to_thread(scan_ttls, await asyncio.to_thread(redis.master_port))
+
+        sjob = asyncio.create_task(scan_under_load())
         await asyncio.gather(*jobs, rjob)
+        ttl_busy = await sjob
         log(f"load done: {len(load.records)} requests")
         # Every key written so far, at once (keys with a TTL vanish as time passes).
         m = await asyncio.to_thread(redis.master_port)
@@ -1437,8 +1445,11 @@ async def main_async(args):
         await asyncio.sleep(0.5)
         m = await asyncio.to_thread(redis.master_port)
         ttl_result = await asyncio.to_thread(scan_ttls, m)
-        ttl_result = (ttl_result[0] or ttl_early[0], max(ttl_result[1], ttl_early[1]),
-                      {**ttl_early[2], **ttl_result[2]})
+        # Keys without a TTL never leave, so the last scan finds them all; the count of keys
+        # seen is the busiest scan's.
+        ttl_result = (ttl_result[0] or ttl_early[0] or ttl_busy[0],
+                      max(ttl_result[1], ttl_early[1], ttl_busy[1]),
+                      {**ttl_busy[2], **ttl_early[2], **ttl_result[2]})
         checker = Checker(args, faults, upstream, load, instances)
         fault_counts = collections.Counter(f["kind"] for f in faults.log)
         checker.line(not faults.problems and all(fault_counts[k] for k in Faults.KINDS)
@@ -1464,7 +1475,7 @@ async def main_async(args):
         for line in checker.lines:
             print(line)
         print(f"soak: {'FAILED, ' + str(checker.violations) + ' check(s)' if checker.violations else 'passed'}"
-              f" (seed {args.seed}; logs in {state})", flush=True)
+              f" (seed {args.seed}" + (f"; logs in {state})" if args.keep else ")"), flush=True)
         return 1 if checker.violations else 0
     finally:
         for s in instances.values():
