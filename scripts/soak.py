@@ -203,6 +203,38 @@ class RedisGroup:
     def sentinel_nodes(self):
         return [f"127.0.0.1:{s.port}" for s in self.sentinels]
 
+    # The interface the faults use (shared with ClusterGroup).
+    def store_yaml(self):
+        nodes = ", ".join(f'"{n}"' for n in self.sentinel_nodes())
+        return (f"  redis:\n    sentinel: {{ master_name: mymaster, nodes: [{nodes}] }}\n"
+                "    timeout: 200ms\n    pool_size: 2\n")
+
+    def describe(self):
+        return (f"Redis master :{self.ports[0]}, replica :{self.ports[1]}, sentinels "
+                f"{self.sentinel_nodes()}")
+
+    def named(self):
+        return self.master_port()
+
+    def serving(self, named):
+        if named is None:
+            return False
+        role = try_redis(named, "ROLE", timeout=0.5)
+        return isinstance(role, list) and bool(role) and role[0] == "master"
+
+    def victim(self, rng):
+        return self.master_port()
+
+    def failover(self, rng):
+        old = self.master_port()
+        s = rng.choice(self.sentinels)
+        r = try_redis(s.port, "SENTINEL", "FAILOVER", "mymaster")
+        return old, f"SENTINEL FAILOVER: {r}", r == "OK"
+
+    def script_flush(self):
+        m = self.master_port()
+        return f"on :{m}: {try_redis(m, 'SCRIPT', 'FLUSH')}"
+
     def master_port(self):
         for s in self.sentinels:
             r = try_redis(s.port, "SENTINEL", "get-master-addr-by-name", "mymaster")
@@ -260,6 +292,129 @@ class RedisGroup:
 
     def stop(self):
         for p in self.sentinels + list(self.servers.values()):
+            p.stop()
+
+
+class ClusterGroup:
+    """A Redis Cluster of three masters with a replica each, like tests/it/support/cluster.rs
+    (`redis-cli --cluster create`, `cluster-node-timeout 2000`)."""
+
+    def __init__(self, state):
+        self.state = state
+        # The cluster bus listens on port + 10000: ports up to 55535 only.
+        self.ports = []
+        while len(self.ports) < 6:
+            p = free_port()
+            if p <= 55535 and p not in self.ports:
+                self.ports.append(p)
+        self.servers = {}
+        self.why = None
+
+    def server_argv(self, port):
+        return ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", self.state, "--dbfilename", f"dump-{port}.rdb",
+                "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                "--cluster-node-timeout", "2000", "--repl-diskless-sync-delay", "0"]
+
+    def start_server(self, port, replicaof=None):
+        # A restarted node keeps its nodes-PORT.conf: it rejoins the cluster, empty.
+        p = Proc(f"redis-{port}", self.server_argv(port),
+                 os.path.join(self.state, f"redis-{port}.log"))
+        p.start()
+        self.servers[port] = p
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if try_redis(port, "PING") == "PONG":
+                return
+            time.sleep(0.05)
+        raise SystemExit(f"redis-server on {port} did not answer PING")
+
+    def start(self):
+        for port in self.ports:
+            self.start_server(port)
+        r = subprocess.run(["redis-cli", "--cluster", "create",
+                            *[f"127.0.0.1:{p}" for p in self.ports],
+                            "--cluster-replicas", "1", "--cluster-yes"],
+                           capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if r.returncode != 0:
+            raise SystemExit(f"redis-cli --cluster create failed: {r.stdout}{r.stderr}")
+        if not self.wait_healthy(40):
+            raise SystemExit(f"the cluster did not become healthy in 40 s: {self.why}")
+
+    def store_yaml(self):
+        nodes = ", ".join(f'"127.0.0.1:{p}"' for p in self.ports)
+        return f"  redis:\n    cluster: {{ nodes: [{nodes}] }}\n    timeout: 1s\n"
+
+    def describe(self):
+        return f"Redis Cluster, 3 masters and 3 replicas on {self.ports}"
+
+    def named(self):
+        """The slot map as (start, end, master port), from the first node that answers."""
+        for port in self.ports:
+            r = try_redis(port, "CLUSTER", "SLOTS", timeout=0.5)
+            if isinstance(r, list) and r:
+                return tuple(sorted((x[0], x[1], int(x[2][1])) for x in r))
+        return None
+
+    def masters(self):
+        named = self.named()
+        return sorted({m for _, _, m in named}) if named else []
+
+    def serving(self, named):
+        if not named or sum(b - a + 1 for a, b, _ in named) != 16384:
+            return False
+        for m in {m for _, _, m in named}:
+            role = try_redis(m, "ROLE", timeout=0.5)
+            if not (isinstance(role, list) and role and role[0] == "master"):
+                return False
+        return True
+
+    def healthy(self):
+        self.why = "slot map incomplete or a master not answering"
+        named = self.named()
+        if not self.serving(named):
+            return False
+        for port in self.ports:
+            info = try_redis(port, "CLUSTER", "INFO", timeout=0.5)
+            self.why = f"node :{port} not in an ok cluster"
+            if not (isinstance(info, str) and "cluster_state:ok" in info):
+                return False
+        for m in {m for _, _, m in named}:
+            role = try_redis(m, "ROLE", timeout=0.5)
+            self.why = f"master :{m} without a connected replica"
+            if not (isinstance(role, list) and len(role) > 2 and role[2]):
+                return False
+            for rep in role[2]:
+                info = try_redis(int(rep[1]), "INFO", "replication", timeout=0.5)
+                self.why = f"replica :{rep[1]} of :{m} not linked"
+                if not (isinstance(info, str) and "master_link_status:up" in info):
+                    return False
+        self.why = None
+        return True
+
+    def wait_healthy(self, seconds):
+        return RedisGroup.wait_healthy(self, seconds)
+
+    def victim(self, rng):
+        masters = self.masters()
+        return rng.choice(masters) if masters else self.ports[0]
+
+    def failover(self, rng):
+        old = self.named()
+        m = rng.choice(self.masters())
+        role = try_redis(m, "ROLE")
+        reps = role[2] if isinstance(role, list) and len(role) > 2 else []
+        if not reps:
+            return old, f"no replica of :{m}", False
+        rep = int(reps[0][1])
+        r = try_redis(rep, "CLUSTER", "FAILOVER")
+        return old, f"CLUSTER FAILOVER on :{rep} (replica of :{m}): {r}", r == "OK"
+
+    def script_flush(self):
+        return ", ".join(f":{m} {try_redis(m, 'SCRIPT', 'FLUSH')}" for m in self.masters())
+
+    def stop(self):
+        for p in self.servers.values():
             p.stop()
 
 
@@ -322,14 +477,12 @@ def limit_yaml(lim, slog_limit, invalid):
     return "      - { " + ", ".join(parts) + " }\n"
 
 
-def policy(inst, listen, admin, upstream_port, sentinel_nodes, slog_limit, invalid=False):
+def policy(inst, listen, admin, upstream_port, store, slog_limit, invalid=False):
     y = [f"listen: 127.0.0.1:{listen}\n", f"admin_listen: 127.0.0.1:{admin}\n",
          "trusted_proxies: [127.0.0.1/32]\n",
          "server: { workers: 1, shutdown_grace: 10s }\n", "store:\n"]
-    if sentinel_nodes:
-        nodes = ", ".join(f'"{n}"' for n in sentinel_nodes)
-        y.append(f"  redis:\n    sentinel: {{ master_name: mymaster, nodes: [{nodes}] }}\n"
-                 "    timeout: 200ms\n    pool_size: 2\n")
+    if store:
+        y.append(store.store_yaml())
     # --seed-bug split-prefix: C counts under keys of its own, so the three instances no
     # longer share their limits (the checker must see the redis group over its limits).
     prefix = "soakc" if SEED_BUG == "split-prefix" and inst == "C" else "soak"
@@ -340,7 +493,7 @@ def policy(inst, listen, admin, upstream_port, sentinel_nodes, slog_limit, inval
     for name, r in ROUTES.items():
         path = "/v1/chat" if name == "chat" else f"/{name}"
         y.append(f"  - name: {name}\n    match: {{ path_prefix: {path} }}\n    upstream: up\n")
-        if sentinel_nodes:
+        if store:
             # --seed-bug local-for-deny: the deny routes decide locally when Redis fails,
             # while the checker holds them to deny's bound.
             ose = "local" if SEED_BUG == "local-for-deny" else r["ose"]
@@ -354,11 +507,11 @@ def policy(inst, listen, admin, upstream_port, sentinel_nodes, slog_limit, inval
 
 
 class Sluice:
-    def __init__(self, name, binary, state, upstream_port, sentinel_nodes):
+    def __init__(self, name, binary, state, upstream_port, store):
         self.name = name
         self.binary = binary
         self.listen, self.admin = free_port(), free_port()
-        self.upstream_port, self.sentinel_nodes = upstream_port, sentinel_nodes
+        self.upstream_port, self.store = upstream_port, store
         self.config = os.path.join(state, f"sluice-{name}.yaml")
         self.proc = Proc(f"sluice-{name}", [binary, "run", "--config", self.config],
                          os.path.join(state, f"sluice-{name}.log"))
@@ -368,7 +521,7 @@ class Sluice:
 
     def write_policy(self, slog_limit, invalid=False):
         text = policy(self.name, self.listen, self.admin, self.upstream_port,
-                      self.sentinel_nodes, slog_limit, invalid)
+                      self.store, slog_limit, invalid)
         tmp = self.config + ".tmp"
         with open(tmp, "w") as f:
             f.write(text)
@@ -706,6 +859,8 @@ class Load:
         t_next = now()
         while now() < self.stop_at:
             t_next += rng.expovariate(rate)
+            if t_next >= self.stop_at:
+                break
             delay = t_next - now()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -772,6 +927,8 @@ class Load:
         rng = random.Random(self.args.seed * 1000 + wid)
         while now() < self.stop_at:
             await asyncio.sleep(rng.uniform(0.5, 1.5) * period)
+            if now() >= self.stop_at:
+                break
             inst = rng.choice(group)
             recs = {}
             try:
@@ -905,21 +1062,20 @@ class Faults:
 
     async def wait_redis(self, what, t0, old_master=None):
         """Waits until the group is healthy again (30 s at most) and returns when the fault's
-        effect on decisions ended: the last moment the sentinels' master changed, or the first
-        moment the named master answered as one (after a change from `old_master`, when given),
-        whichever is later."""
+        effect on decisions ended: the last moment the master (Sentinel) or slot map
+        (Cluster) changed, or the first moment it was served by answering masters (after a
+        change from `old_master`, when given), whichever is later."""
         deadline = now() + 30
         last_named, last_change, ok_at = None, t0, None
         while now() < deadline:
-            m = await asyncio.to_thread(self.redis.master_port)
-            if m != last_named:
+            named = await asyncio.to_thread(self.redis.named)
+            if named != last_named:
                 if last_named is not None:
                     last_change = now()
-                last_named = m
-            if ok_at is None and m is not None and (old_master is None or m != old_master):
-                role = await asyncio.to_thread(try_redis, m, "ROLE", timeout=0.5)
-                if isinstance(role, list) and role and role[0] == "master":
-                    ok_at = now()
+                last_named = named
+            if ok_at is None and (old_master is None or named != old_master) \
+                    and await asyncio.to_thread(self.redis.serving, named):
+                ok_at = now()
             if ok_at is not None and await asyncio.to_thread(self.redis.healthy):
                 return max(ok_at, last_change)
             await asyncio.sleep(0.1)
@@ -945,7 +1101,7 @@ class Faults:
             await asyncio.sleep(self.rng.uniform(0.5, 1.5) * gap)
 
     async def redis_kill(self):
-        m = await asyncio.to_thread(self.redis.master_port)
+        m = await asyncio.to_thread(self.redis.victim, self.rng)
         t0 = now()
         self.redis.servers[m].signal(signal.SIGKILL)
         self.redis.servers[m].p.wait()
@@ -959,7 +1115,7 @@ class Faults:
         self.record("redis_kill", t0, now(), f"master :{m} down {down:.1f} s", end)
 
     async def redis_stop(self):
-        m = await asyncio.to_thread(self.redis.master_port)
+        m = await asyncio.to_thread(self.redis.victim, self.rng)
         t0 = now()
         self.redis.servers[m].signal(signal.SIGSTOP)
         pause = self.rng.uniform(0.3, 3.0)
@@ -969,18 +1125,15 @@ class Faults:
         self.record("redis_stop", t0, now(), f"master :{m} stopped {pause:.1f} s", end)
 
     async def failover(self):
-        old = await asyncio.to_thread(self.redis.master_port)
         t0 = now()
-        s = self.rng.choice(self.redis.sentinels)
-        r = await asyncio.to_thread(try_redis, s.port, "SENTINEL", "FAILOVER", "mymaster")
-        end = await self.wait_redis("failover", t0, old_master=old if r == "OK" else None)
-        self.record("failover", t0, now(), f"SENTINEL FAILOVER: {r}", end)
+        old, detail, ok = await asyncio.to_thread(self.redis.failover, self.rng)
+        end = await self.wait_redis("failover", t0, old_master=old if ok else None)
+        self.record("failover", t0, now(), detail, end)
 
     async def script_flush(self):
-        m = await asyncio.to_thread(self.redis.master_port)
         t0 = now()
-        r = await asyncio.to_thread(try_redis, m, "SCRIPT", "FLUSH")
-        self.record("script_flush", t0, now(), f"on :{m}: {r}")
+        detail = await asyncio.to_thread(self.redis.script_flush)
+        self.record("script_flush", t0, now(), detail)
 
     def live(self):
         return [s for s in self.instances.values() if s.proc.alive()]
@@ -1361,6 +1514,18 @@ class Checker:
                   "; ".join(figs))
 
 
+def scan_all(group):
+    """scan_ttls over every master (one for Sentinel, three for a Cluster)."""
+    masters = group.masters() if isinstance(group, ClusterGroup) else [group.master_port()]
+    no_ttl, total, samples = collections.Counter(), 0, {}
+    for m in masters:
+        n, t, s = scan_ttls(m)
+        no_ttl.update(n)
+        total += t
+        samples.update(s)
+    return dict(no_ttl), total, samples
+
+
 def scan_ttls(port):
     try:
         return scan_ttls_once(port)
@@ -1397,15 +1562,13 @@ async def main_async(args):
     log(f"seed {args.seed}, duration {args.duration} s, state in {state}")
     upstream = Upstream(args.seed)
     await upstream.start()
-    redis = RedisGroup(state)
+    redis = ClusterGroup(state) if args.mode == "cluster" else RedisGroup(state)
     instances = {}
     try:
         await asyncio.to_thread(redis.start)
-        log(f"Redis master :{redis.ports[0]}, replica :{redis.ports[1]}, sentinels "
-            f"{redis.sentinel_nodes()}")
+        log(redis.describe())
         for name in ("A", "B", "C", "L"):
-            nodes = redis.sentinel_nodes() if name != "L" else None
-            s = Sluice(name, args.binary, state, upstream.port, nodes)
+            s = Sluice(name, args.binary, state, upstream.port, redis if name != "L" else None)
             s.write_policy(SLOG_LIMITS[0])
             await asyncio.to_thread(s.start)
             instances[name] = s
@@ -1426,15 +1589,14 @@ async def main_async(args):
         async def scan_under_load():
             # Keys with a TTL vanish once idle: scan while every route is still busy too.
             await asyncio.sleep(max(0.0, load.stop_at - 2.0 - now()))
-            return await asyncio.to_thread(scan_ttls, await asyncio.to_thread(redis.master_port))
+            return await asyncio.to_thread(scan_all, redis)
 
         sjob = asyncio.create_task(scan_under_load())
         await asyncio.gather(*jobs, rjob)
         ttl_busy = await sjob
         log(f"load done: {len(load.records)} requests")
         # Every key written so far, at once (keys with a TTL vanish as time passes).
-        m = await asyncio.to_thread(redis.master_port)
-        ttl_early = await asyncio.to_thread(scan_ttls, m)
+        ttl_early = await asyncio.to_thread(scan_all, redis)
         await fjob
         log(f"{len(faults.log)} faults")
         metrics = {}
@@ -1443,8 +1605,7 @@ async def main_async(args):
                 http_get_body, instances[name].admin, "/metrics"))
         # Let the last held and slow answers finish, then scan Redis.
         await asyncio.sleep(0.5)
-        m = await asyncio.to_thread(redis.master_port)
-        ttl_result = await asyncio.to_thread(scan_ttls, m)
+        ttl_result = await asyncio.to_thread(scan_all, redis)
         # Keys without a TTL never leave, so the last scan finds them all; the count of keys
         # seen is the busiest scan's.
         ttl_result = (ttl_result[0] or ttl_early[0] or ttl_busy[0],
@@ -1471,7 +1632,7 @@ async def main_async(args):
             with open(args.history, "w") as f:
                 json.dump(dict(seed=args.seed, faults=faults.log, upstream=upstream.records,
                                clients=load.records, samples=samples), f)
-        print(f"soak: seed {args.seed}, {args.duration} s")
+        print(f"soak: seed {args.seed}, {args.duration} s, {args.mode}")
         for line in checker.lines:
             print(line)
         print(f"soak: {'FAILED, ' + str(checker.violations) + ' check(s)' if checker.violations else 'passed'}"
@@ -1489,6 +1650,9 @@ async def main_async(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=600)
+    ap.add_argument("--mode", choices=["sentinel", "cluster"], default="sentinel",
+                    help="the Redis behind A, B and C: Sentinel (master, replica, three "
+                         "sentinels) or a Cluster (three masters, a replica each)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--binary", required=True)
     ap.add_argument("--rate", type=float, default=1.0, help="load multiplier")
