@@ -4,8 +4,9 @@
 Run by scripts/soak.sh (which installs Redis and builds sluice). Python 3.11 standard library
 only, and the `h2` package for the HTTP/2 clients (soak.sh installs it in a venv).
 
-Topology: a Redis master, a replica and three sentinels; sluice A, B and C on that Redis through
-Sentinel, sluice L on its in-process store; one upstream HTTP server in this process that
+Topology: a Redis master, a replica and three sentinels (or, with --mode cluster, a Redis
+Cluster of three masters with a replica each); sluice A, B and C on that Redis, sluice L on its
+in-process store; one upstream HTTP server in this process that
 records every request it receives (time, instance, route, identity, what it answered, tokens
 it reported). That record is the ground truth of every check.
 

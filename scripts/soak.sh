@@ -6,6 +6,7 @@
 #   bash scripts/soak.sh                      10 minutes, a random seed (printed)
 #   bash scripts/soak.sh --duration 60        the CI run
 #   bash scripts/soak.sh --seed 42            replay a schedule of faults and load
+#   bash scripts/soak.sh --mode cluster       A, B and C on a Redis Cluster instead of Sentinel
 #   bash scripts/soak.sh --binary PATH        use this sluice instead of building one
 #   bash scripts/soak.sh --keep               keep the state directory (every process's log)
 #   bash scripts/soak.sh --history FILE       write the whole history (JSON) for a closer look
