@@ -666,7 +666,13 @@ class Upstream:
             writer.transport.abort()
             return False
         if fault == "slow":
+            # Past sluice's upstream timeout: the client has had its 504 by the time this
+            # answer leaves, so the answer is recorded as late, not as a status the client got
+            # (a 401 here is no counted failure: sluice gave the place back on its 504).
             await asyncio.sleep(UPSTREAM_TIMEOUT + 1.0)
+            rec["status"] = "late"
+            self.send(writer, 200, b"late\n")
+            return True
         if fault == "error":
             rec["status"] = 500
             self.send(writer, 500, b"injected error\n")
