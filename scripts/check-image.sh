@@ -6,7 +6,8 @@
 #      applied as written (the build stage's /src/target/release/* is our target/release/*,
 #      stripped as the build stage strips it), plus what the distroless cc base holds for this
 #      binary: the libraries `ldd` names and the loader, Debian's CA certificates, /etc/passwd
-#      and /etc/group with `nonroot` (65532), /home/nonroot and a world-writable /tmp. USER,
+#      and /etc/group with `nonroot` (65532), /etc/nsswitch.conf, /home/nonroot (the working
+#      directory) and a world-writable /tmp. USER,
 #      EXPOSE, ENTRYPOINT and CMD are read from the Dockerfile, so the two cannot drift;
 #   3. the image is written as an OCI layout (`buildah push ... oci:`), and its config blob
 #      must say what the Dockerfile says (user, ports, entrypoint, command);
@@ -19,7 +20,8 @@
 #      exit 0 within the policy's shutdown grace.
 # Not a container: no namespaces, cgroups, seccomp or capability drops (starting one is refused
 # in this sandbox: crun cannot set rlimits or cgroups), and the distroless base is not pulled.
-# Needs root (buildah's storage, chroot); installs buildah, binutils and jq with apt-get.
+# Needs root (buildah's storage, chroot; re-runs itself with sudo otherwise); installs buildah,
+# binutils (strip), jq and curl with apt-get when missing. About 2-3 s once those are installed.
 # Keeps its buildah storage in target/image-check and removes it when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -98,8 +100,11 @@ for line in lines:
         # Docker's default protocol is tcp, and its image config names it.
         stage["expose"] += [p if "/" in p else p + "/tcp" for p in words[1:]]
     elif op in ("ENTRYPOINT", "CMD"):
-        value = json.loads(rest)  # exec form only: a shell form would need /bin/sh, absent
-        stage[op.lower()] = value
+        # The exec form only: the shell form runs /bin/sh, which the distroless base lacks.
+        try:
+            stage[op.lower()] = json.loads(rest)
+        except json.JSONDecodeError:
+            sys.exit(f"{op} {rest}: the shell form needs /bin/sh, which the image lacks; use a JSON array")
     elif op in ("WORKDIR", "ENV", "RUN", "VOLUME", "LABEL", "ARG", "HEALTHCHECK", "STOPSIGNAL"):
         stage.setdefault("unhandled", []).append(op)
 for key in ("user", "entrypoint", "cmd"):
@@ -153,7 +158,8 @@ binary=$rootfs${entrypoint[0]}
 
 # What distroless/cc-debian12:nonroot provides for this binary. Its libraries, at the paths
 # `ldd` resolves them to (the loader at the path the binary's PT_INTERP names).
-ldd "$binary" | awk '/=> \// {print $3} /^\t\// {print $1}' | while read -r lib; do
+# (A static binary has none: ldd then says so and fails.)
+{ ldd "$binary" || true; } | awk '/=> \// {print $3} /^\t\// {print $1}' | while read -r lib; do
   mkdir -p "$rootfs$(dirname "$lib")"
   cp -L "$lib" "$rootfs$lib"
 done
@@ -169,6 +175,9 @@ root:x:0:
 nobody:x:65534:
 nonroot:x:65532:
 EOF
+# Names from files first, then DNS, as Debian's default (a runtime mounts /etc/hosts and
+# /etc/resolv.conf into a container).
+printf 'passwd: files\ngroup: files\nhosts: files dns\n' >"$rootfs/etc/nsswitch.conf"
 chown 65532:65532 "$rootfs/home/nonroot"
 chmod 1777 "$rootfs/tmp"
 "${buildah[@]}" umount "$container" >/dev/null
@@ -226,8 +235,14 @@ admin_port=$(free_port)
 upstream_port=$(free_port)
 limit=3
 grace=5
-python3 -m http.server --bind 127.0.0.1 "$upstream_port" --directory "$work" 2>"$work/upstream.log" >/dev/null &
+python3 -m http.server --bind 127.0.0.1 "$upstream_port" --directory "$work" 2>>"$work/upstream.log" >/dev/null &
 pids+=($!)
+for _ in $(seq 100); do
+  curl -fsS -o /dev/null "http://127.0.0.1:$upstream_port/" 2>/dev/null && break
+  sleep 0.1
+done
+# The upstream's log counts from here: the request above was ours, not sluice's.
+: >"$work/upstream.log"
 # The test policy replaces the image's, as a user mounts theirs over it. A container listens
 # on 0.0.0.0; here, with no network namespace, it listens on loopback on free ports instead.
 cat >"$root$config_path" <<EOF
@@ -270,7 +285,10 @@ for _ in $(seq $((limit + 1))); do
   codes+=("$(curl -sS -o /dev/null -w '%{http_code}' "http://127.0.0.1:$listen_port/")")
 done
 expected="$(printf '200 %.0s' $(seq "$limit"))429"
-[ "${codes[*]}" = "$expected" ] || fail "answers were ${codes[*]}, expected $expected"
+[ "${codes[*]}" = "$expected" ] || {
+  tail -n 5 "$work/sluice.log" "$work/upstream.log" >&2
+  fail "answers were ${codes[*]}, expected $expected"
+}
 seen=$(grep -c '"GET / HTTP/1.1"' "$work/upstream.log" || true)
 [ "$seen" -eq "$limit" ] || fail "the upstream received $seen requests, expected $limit"
 echo "   answers ${codes[*]}; the upstream received $seen; /readyz and /healthz 200" >&2
