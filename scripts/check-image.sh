@@ -7,17 +7,17 @@
 #      stripped as the build stage strips it), plus what the distroless cc base holds for this
 #      binary: the libraries `ldd` names and the loader, Debian's CA certificates, /etc/passwd
 #      and /etc/group with `nonroot` (65532), /etc/nsswitch.conf, /home/nonroot (the working
-#      directory) and a world-writable /tmp. USER,
-#      EXPOSE, ENTRYPOINT and CMD are read from the Dockerfile, so the two cannot drift;
+#      directory) and a world-writable /tmp. USER, EXPOSE, ENTRYPOINT and CMD are read from
+#      the Dockerfile, so the two cannot drift;
 #   3. the image is written as an OCI layout (`buildah push ... oci:`), and its config blob
 #      must say what the Dockerfile says (user, ports, entrypoint, command);
 #   4. its layers are unpacked into a root filesystem, where: the user is 65532 in
-#      /etc/passwd; the config file the command names exists and `sluice check` accepts it run
-#      as 65532:65532 under chroot; then, with a test policy in its place (loopback addresses,
-#      a route limited to N requests in front of an upstream this script runs), the image's
-#      own entrypoint and command run as 65532:65532 from that root: N requests get 200, the
-#      next 429, the upstream saw exactly N, /healthz and /readyz answer, and SIGTERM makes it
-#      exit 0 within the policy's shutdown grace.
+#      /etc/passwd; the config file the command names exists, listens on 0.0.0.0 on exposed
+#      ports, and `sluice check` accepts it run as 65532:65532 under chroot; then, with a test
+#      policy in its place (loopback addresses, a route limited to N requests in front of an
+#      upstream this script runs), the image's own entrypoint and command run as 65532:65532
+#      from that root: N requests get 200, the next 429, the upstream saw exactly N, /healthz
+#      and /readyz answer, and SIGTERM makes it exit 0 within the policy's shutdown grace.
 # Not a container: no namespaces, cgroups, seccomp or capability drops (starting one is refused
 # in this sandbox: crun cannot set rlimits or cgroups), and the distroless base is not pulled.
 # Needs root (buildah's storage, chroot; re-runs itself with sudo otherwise); installs buildah,
@@ -41,8 +41,9 @@ fail() { echo "check-image: $*" >&2; exit 1; }
 
 # The binary first, as the invoking user (CI's soak and bench reuse it).
 echo "== release binary" >&2
-cargo build --release --locked --quiet
+if [ -z "${CHECK_IMAGE_AS_ROOT:-}" ]; then cargo build --release --locked --quiet; fi
 if [ "$(id -u)" -ne 0 ]; then
+  export CHECK_IMAGE_AS_ROOT=1
   # buildah's storage and chroot need root; the rest of the script runs under sudo.
   exec sudo -E bash "$repo/scripts/check-image.sh" "$@"
 fi
@@ -222,6 +223,17 @@ awk -F: -v gid="$gid" '$3 == gid {found = 1} END {exit !found}' "$root/etc/group
   fail "gid $gid has no entry in the image's /etc/group"
 echo "   user $uid:$gid is $name in the image's /etc/passwd" >&2
 [ -f "$root$config_path" ] || fail "the config path $config_path is not a file in the image"
+# The baked policy listens where a container is reached: on every address, on the ports the
+# image exposes.
+for field in listen admin_listen; do
+  address=$(awk -v f="$field:" '$1 == f {print $2}' "$root$config_path")
+  case "$address" in
+    0.0.0.0:* | "[::]:"*) ;;
+    *) fail "the image's $config_path has $field: ${address:-nothing}, not 0.0.0.0 or [::]" ;;
+  esac
+  jq -e --arg p "${address##*:}/tcp" '.expose | index($p)' "$work/stage.json" >/dev/null ||
+    fail "the image's $config_path has $field: $address, a port the Dockerfile does not EXPOSE"
+done
 as_user=(env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/home/nonroot
   chroot --userspec="$uid:$gid" "$root")
 # The policy baked into the image, read by the image's binary as the image's user.
