@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body::Frame;
+use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
@@ -37,8 +38,10 @@ enum Mode {
     Stall,
     /// 200 with a body that is not a JWK set.
     Garbage,
-    /// 200 with a body of 2 MiB (a valid JSON string, no `Content-Length`: chunked).
+    /// 200 with a body of 2 MiB (a valid JSON string) in 64 KiB chunks, no `Content-Length`.
     Oversize,
+    /// The same body with its `Content-Length`.
+    OversizeDeclared,
 }
 
 /// An HTTPS server of JWK sets, with a count of the requests it received.
@@ -89,8 +92,23 @@ impl JwksServer {
                                     unreachable!()
                                 }
                                 Mode::Garbage => (200, "<html>not json".to_owned(), "max-age=5"),
-                                Mode::Oversize => {
+                                Mode::OversizeDeclared => {
                                     (200, format!("\"{}\"", "a".repeat(2 << 20)), "max-age=5")
+                                }
+                                Mode::Oversize => {
+                                    let chunks = (0..32).map(|_| {
+                                        Ok::<_, Infallible>(Frame::data(Bytes::from(vec![
+                                            b' ';
+                                            64 << 10
+                                        ])))
+                                    });
+                                    let body = StreamBody::new(futures_util::stream::iter(chunks));
+                                    return Ok::<_, Infallible>(
+                                        Response::builder()
+                                            .status(200)
+                                            .body(BodyExt::boxed(body))
+                                            .unwrap(),
+                                    );
                                 }
                             };
                             Ok::<_, Infallible>(
@@ -98,7 +116,7 @@ impl JwksServer {
                                     .status(status)
                                     .header("content-type", "application/json")
                                     .header("cache-control", cache)
-                                    .body(Full::new(Bytes::from(body)))
+                                    .body(BodyExt::boxed(Full::new(Bytes::from(body))))
                                     .unwrap(),
                             )
                         }
@@ -289,6 +307,7 @@ async fn a_jwks_url_verifier_follows_rotation_and_keeps_its_keys_through_failure
         (Mode::Garbage, "bad_set"),
         (Mode::Serve(repeated, "max-age=5"), "bad_set"),
         (Mode::Oversize, "too_large"),
+        (Mode::OversizeDeclared, "too_large"),
         (Mode::Stall, "timeout"),
     ] {
         let counted = fetches(&sluice, outcome).await;
