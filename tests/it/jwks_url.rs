@@ -446,3 +446,79 @@ routes:
         1.0
     );
 }
+
+/// `sluice check` accepts a `jwks_url` verifier without fetching it (the URL points at a
+/// closed port) and names the field of each mistake.
+#[test]
+fn check_takes_a_jwks_url_without_fetching_and_refuses_bad_ones() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = Ca::new("check CA");
+    let ca_path = dir.path().join("ca.pem");
+    std::fs::write(&ca_path, ca.pem()).expect("write");
+    std::fs::write(dir.path().join("jwks.json"), set(&[&Signer::rsa("k1", 1)])).expect("write");
+    let good = format!(
+        r#"listen: 127.0.0.1:1
+admin_listen: 127.0.0.1:2
+jwt:
+  - name: auth
+    issuer: "{ISSUER}"
+    audiences: [{AUDIENCE}]
+    jwks_url: "https://127.0.0.1:{port}/jwks"
+    jwks_ca_file: {ca}
+    min_refresh: 2s
+routes:
+  - name: api
+    match: {{ path_prefix: /api }}
+    respond: {{ status: 200, body: ok }}
+    jwt: {{ verifier: auth }}
+"#,
+        port = support::closed_port(),
+        ca = ca_path.display()
+    );
+    let path = dir.path().join("policy.yaml");
+    std::fs::write(&path, &good).expect("write");
+    let (status, stdout, stderr) = support::sluice_check(&path);
+    assert!(status.success(), "{stdout}{stderr}");
+    let cases: Vec<(String, &str, &str)> = vec![
+        (
+            good.replace("https://127", "http://127"),
+            "jwt[0].jwks_url",
+            "https://",
+        ),
+        (
+            good.replace(
+                "    min_refresh: 2s\n",
+                "    min_refresh: 2s\n    jwks_file: jwks.json\n",
+            ),
+            "jwt[0].jwks_url",
+            "exclusive",
+        ),
+        (
+            good.replace("min_refresh: 2s", "min_refresh: 2s\n    max_refresh: 1s"),
+            "jwt[0].min_refresh",
+            "at most max_refresh",
+        ),
+        (
+            good.replace("ca.pem", "missing.pem"),
+            "jwt[0].jwks_ca_file",
+            "missing.pem",
+        ),
+        (
+            good.replace(
+                "    jwks_url: \"https://127.0.0.1",
+                "    jwks_file: jwks.json\n    #",
+            ),
+            "jwt[0].jwks_ca_file",
+            "a setting of `jwks_url`",
+        ),
+    ];
+    for (yaml, field, message) in cases {
+        assert_ne!(yaml, good, "the case changed nothing: {field}");
+        std::fs::write(&path, &yaml).expect("write");
+        let (status, _, stderr) = support::sluice_check(&path);
+        assert!(!status.success(), "{field}: accepted");
+        assert!(stderr.contains(field), "{field}: {stderr}");
+        assert!(stderr.contains(message), "{message}: {stderr}");
+        assert!(stderr.contains("policy.yaml:"), "names the file: {stderr}");
+    }
+}
