@@ -522,3 +522,57 @@ routes:
         assert!(stderr.contains("policy.yaml:"), "names the file: {stderr}");
     }
 }
+
+/// A reload that keeps the verifier's URL and settings keeps its fetcher and its keys: the
+/// server stalls from then on, and tokens are still accepted at once after the reload (no
+/// 503 while a new fetcher would wait for its first keys). A reload that changes a fetch
+/// setting starts a new fetcher, whose routes answer 503 until it has keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_the_fetched_keys() {
+    let key = Signer::rsa("k1", 1);
+    let server = JwksServer::start(Mode::Serve(set(&[&key]), "max-age=3600")).await;
+    let sluice = Sluice::start(&server.yaml("    min_refresh: 1s\n")).await;
+    let token = key.token(&claims(json!("alice")));
+    support::wait_for(Duration::from_secs(5), "the first fetch", || async {
+        status(&sluice, &token).await == 200
+    })
+    .await;
+    server.set_mode(Mode::Stall);
+    let text = std::fs::read_to_string(sluice.config_path()).expect("read the config");
+    let added = text.replace(
+        "routes:\n",
+        "routes:\n  - name: other\n    match: { path_prefix: /other }\n    respond: { status: 204 }\n",
+    );
+    support::replace_file(sluice.config_path(), &added);
+    support::wait_for(Duration::from_secs(10), "the reload", || async {
+        reloads_ok(&sluice).await >= 1.0
+    })
+    .await;
+    assert_eq!(status(&sluice, &token).await, 200, "the keys were kept");
+    let fresh = key.token(&with(claims(json!("bob")), "jti", json!("after")));
+    assert_eq!(
+        status(&sluice, &fresh).await,
+        200,
+        "verified with the kept keys"
+    );
+
+    let changed = added.replace("min_refresh: 1s", "min_refresh: 2s");
+    support::replace_file(sluice.config_path(), &changed);
+    support::wait_for(Duration::from_secs(10), "the second reload", || async {
+        reloads_ok(&sluice).await >= 2.0
+    })
+    .await;
+    assert_eq!(
+        status(&sluice, &token).await,
+        503,
+        "a new fetcher (min_refresh changed) has no keys while the server stalls"
+    );
+}
+
+async fn reloads_ok(sluice: &Sluice) -> f64 {
+    metric_sum(
+        &parse_metrics(&sluice.metrics().await),
+        "sluice_config_reloads_total",
+        &[("result", "ok")],
+    )
+}
