@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::pin::pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -149,8 +149,6 @@ pub struct Jwks {
     /// Woken by a request whose token names an unknown kid.
     kick: Notify,
     started: AtomicBool,
-    /// Unknown-kid wake-ups, for tests and logs.
-    kicks: AtomicU64,
 }
 
 impl std::fmt::Debug for Jwks {
@@ -278,7 +276,6 @@ impl Jwks {
             current: ArcSwapOption::empty(),
             kick: Notify::new(),
             started: AtomicBool::new(false),
-            kicks: AtomicU64::new(0),
         });
         registry.insert(id, Arc::downgrade(&jwks));
         Ok(jwks)
@@ -292,7 +289,6 @@ impl Jwks {
     /// A token named a kid that is not among the keys at hand: the fetch task is woken (it
     /// decides whether `min_refresh` allows a refetch now). Never waits.
     pub fn unknown_kid(&self) {
-        self.kicks.fetch_add(1, Ordering::Relaxed);
         self.kick.notify_one();
     }
 

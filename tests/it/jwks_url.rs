@@ -47,7 +47,6 @@ enum Mode {
 /// An HTTPS server of JWK sets, with a count of the requests it received.
 struct JwksServer {
     port: u16,
-    ca: Ca,
     mode: Arc<Mutex<Mode>>,
     hits: Arc<AtomicUsize>,
     _dir: tempfile::TempDir,
@@ -132,7 +131,6 @@ impl JwksServer {
         std::fs::write(&ca_path, ca.pem()).expect("write CA");
         JwksServer {
             port,
-            ca,
             mode,
             hits,
             _dir: dir,
@@ -150,7 +148,6 @@ impl JwksServer {
 
     /// The `jwt:` section and one route `/api` (401 on an invalid token, no limits).
     fn yaml(&self, extra: &str) -> String {
-        let _ = &self.ca;
         format!(
             r#"jwt:
   - name: auth
