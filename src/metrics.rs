@@ -329,7 +329,7 @@ impl Metrics {
         let jwks_fetches = IntCounterVec::new(
             Opts::new(
                 "sluice_jwks_fetches_total",
-                "Fetches of a verifier's jwks_url, by verifier and outcome (ok; status, too_large, timeout, bad_set, network: refused, the last good keys keep serving).",
+                "Fetches of a verifier's jwks_url, by verifier and outcome (ok; status, too_large, timeout, bad_set, network: refused, the last good keys keep serving; bad_set: not a JWK set, no usable key, or a repeated kid).",
             ),
             &["verifier", "outcome"],
         )?;

@@ -8,8 +8,10 @@
 //! max-age` (or `Expires`) gives, held within `min_refresh`..`max_refresh`; an unknown kid
 //! brings the next fetch forward, but never closer than `min_refresh` to the previous one.
 //! A fetch that fails (connection, TLS, a status other than 200, over [`MAX_JWKS_BYTES`],
-//! over `fetch_timeout`, not a usable JWK set, a repeated kid) changes nothing: the last
-//! good set keeps serving, and the failure is logged and counted. Until a first fetch has
+//! over `fetch_timeout`, not a JWK set, no usable key, a repeated kid) changes nothing: the last
+//! good set keeps serving, and the failure is logged and counted. Keys of the set sluice
+//! cannot verify with (an encryption key, another type or curve) are left out, not refused:
+//! the set is the provider's, published for every kind of client. Until a first fetch has
 //! succeeded the verifier has no keys and its routes answer 503 (see `proxy::identify`).
 //!
 //! A reload that keeps a verifier's URL and settings keeps its fetcher (and so its keys):
@@ -38,7 +40,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio_rustls::TlsConnector;
 
-use super::keys::parse_jwk_set;
+use super::keys::{parse_jwk_set, Unusable};
 use super::KeySet;
 use crate::config::{ConfigError, JwtConfig, Position, Spanned};
 
@@ -459,17 +461,19 @@ async fn run(jwks: Weak<Jwks>, counters: Vec<IntCounter>, age: Gauge) {
                 if last_hash == Some(hash) {
                     return Ok((None, lifetime));
                 }
-                let keys = parse_jwk_set(&body).map_err(FetchError::BadSet)?;
-                Ok((Some((keys, hash)), lifetime))
+                let (keys, skipped) =
+                    parse_jwk_set(&body, Unusable::Skip).map_err(FetchError::BadSet)?;
+                Ok((Some((keys, skipped, hash)), lifetime))
             });
             let outcome = match fetched {
                 Ok((changed, lifetime)) => {
-                    if let Some((keys, hash)) = changed {
+                    if let Some((keys, skipped, hash)) = changed {
                         generation += 1;
                         tracing::info!(
                             verifier = %jwks.verifier,
                             url = %jwks.url,
                             keys = keys.len(),
+                            left_out = %skipped.join("; "),
                             generation,
                             "JWK set fetched"
                         );

@@ -361,13 +361,29 @@ fn jwks_file(
             format!("{}: {message}", resolved.display()),
         )
     };
-    parse_jwk_set(&bytes).map_err(unusable)
+    parse_jwk_set(&bytes, Unusable::Refuse)
+        .map(|(keys, _)| keys)
+        .map_err(unusable)
 }
 
-/// Every key of the JWK set in `bytes`, or what is wrong with it: not JSON, no `keys`, a key
-/// sluice cannot use, two keys of one kid, no key at all. The same reading for a file and
-/// for a set fetched from a URL.
-pub fn parse_jwk_set(bytes: &[u8]) -> Result<Vec<Key>, String> {
+/// What a JWK set does with a key sluice cannot verify with (another `use`, type, curve or
+/// `alg`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unusable {
+    /// A file's set is refused whole: its operator rotated in a key sluice cannot use and
+    /// hears it at once.
+    Refuse,
+    /// A URL's set is the identity provider's, published for every client: an encryption
+    /// key (Keycloak publishes an `RSA-OAEP` one beside its signing keys) or a type sluice
+    /// does not verify is left out, and the set is refused only if no key is left.
+    Skip,
+}
+
+/// Every key of the JWK set in `bytes`, and the keys left out (`Unusable::Skip`: their
+/// index and why), or what is wrong with it: not JSON, no `keys`, a key sluice cannot use
+/// (`Unusable::Refuse`), two keys of one kid, no usable key. The same reading for a file
+/// and for a set fetched from a URL.
+pub fn parse_jwk_set(bytes: &[u8], unusable: Unusable) -> Result<(Vec<Key>, Vec<String>), String> {
     let set: Value =
         serde_json::from_slice(bytes).map_err(|err| format!("not a JSON JWK set: {err}"))?;
     let keys = set
@@ -375,23 +391,41 @@ pub fn parse_jwk_set(bytes: &[u8]) -> Result<Vec<Key>, String> {
         .and_then(Value::as_array)
         .ok_or_else(|| "a JWK set is an object with a `keys` array".to_owned())?;
     let mut parsed: Vec<Key> = Vec::with_capacity(keys.len());
+    let mut skipped = Vec::new();
+    // The index in `keys` of each parsed key, for the message of a repeated kid.
+    let mut indices: Vec<usize> = Vec::with_capacity(keys.len());
     for (index, jwk) in keys.iter().enumerate() {
-        let key = jwk_key(jwk).map_err(|message| format!("keys[{index}]: {message}"))?;
+        let key = match (jwk_key(jwk), unusable) {
+            (Ok(key), _) => key,
+            (Err(message), Unusable::Skip) => {
+                skipped.push(format!("keys[{index}]: {message}"));
+                continue;
+            }
+            (Err(message), Unusable::Refuse) => return Err(format!("keys[{index}]: {message}")),
+        };
         // Two keys of one kid: a rotation that reused the kid would leave the first (usually
         // the old) key verifying every token that names it, the new one never.
         if let Some(kid) = key.kid.as_deref() {
             if let Some(first) = parsed.iter().position(|k| k.kid.as_deref() == Some(kid)) {
                 return Err(format!(
-                    "keys[{first}] and keys[{index}] both have the `kid` `{kid}`: a token naming \
+                    "keys[{}] and keys[{index}] both have the `kid` `{kid}`: a token naming \
                      it could be checked against either; give each key its own kid (the last \
-                     good keys keep serving)"
+                     good keys keep serving)",
+                    indices[first]
                 ));
             }
         }
+        indices.push(index);
         parsed.push(key);
     }
     if parsed.is_empty() {
-        return Err("the JWK set has no keys".to_owned());
+        return Err(match skipped.as_slice() {
+            [] => "the JWK set has no keys".to_owned(),
+            _ => format!(
+                "the JWK set has no key sluice can verify with ({})",
+                skipped.join("; ")
+            ),
+        });
     }
     if parsed.len() > 1 && parsed.iter().any(|key| key.kid.is_none()) {
         return Err(
@@ -399,7 +433,7 @@ pub fn parse_jwk_set(bytes: &[u8]) -> Result<Vec<Key>, String> {
                 .to_owned(),
         );
     }
-    Ok(parsed)
+    Ok((parsed, skipped))
 }
 
 fn jwk_key(jwk: &Value) -> Result<Key, String> {

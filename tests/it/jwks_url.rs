@@ -299,10 +299,16 @@ async fn a_jwks_url_verifier_follows_rotation_and_keeps_its_keys_through_failure
         k2_again["n"] = k1.jwk()["n"].clone();
         json!({"keys": [k2.jwk(), k2_again]}).to_string()
     };
+    let only_enc = {
+        let mut enc = k2.jwk();
+        enc["use"] = json!("enc");
+        json!({"keys": [enc]}).to_string()
+    };
     for (mode, outcome) in [
         (Mode::Fail, "status"),
         (Mode::Garbage, "bad_set"),
         (Mode::Serve(repeated, "max-age=5"), "bad_set"),
+        (Mode::Serve(only_enc, "max-age=5"), "bad_set"),
         (Mode::Oversize, "too_large"),
         (Mode::OversizeDeclared, "too_large"),
         (Mode::Stall, "timeout"),
@@ -520,14 +526,22 @@ routes:
     }
 }
 
-/// A reload that keeps the verifier's URL and settings keeps its fetcher and its keys: the
+/// Keys of the published set sluice cannot verify with are left out, not refused. A reload
+/// that keeps the verifier's URL and settings keeps its fetcher and its keys: the
 /// server stalls from then on, and tokens are still accepted at once after the reload (no
 /// 503 while a new fetcher would wait for its first keys). A reload that changes a fetch
 /// setting starts a new fetcher, whose routes answer 503 until it has keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reload_keeps_the_fetched_keys() {
+async fn unusable_keys_are_left_out_and_a_reload_keeps_the_fetched_keys() {
     let key = Signer::rsa("k1", 1);
-    let server = JwksServer::start(Mode::Serve(set(&[&key]), "max-age=3600")).await;
+    // As Keycloak publishes: an encryption key beside the signing one, and here a curve
+    // sluice does not verify: both left out, the signing key used.
+    let mut enc = Signer::rsa("enc1", 2).jwk();
+    enc["use"] = json!("enc");
+    enc["alg"] = json!("RSA-OAEP");
+    let p384 = json!({"kty": "EC", "crv": "P-384", "kid": "p384", "x": "AA", "y": "AA"});
+    let published = json!({"keys": [enc, key.jwk(), p384]}).to_string();
+    let server = JwksServer::start(Mode::Serve(published, "max-age=3600")).await;
     let sluice = Sluice::start(&server.yaml("    min_refresh: 1s\n")).await;
     let token = key.token(&claims(json!("alice")));
     support::wait_for(Duration::from_secs(5), "the first fetch", || async {
