@@ -196,18 +196,7 @@ impl Gateway {
         let mut body = match tokens::read_limit(route, &plan) {
             None => ClientBody::Streaming(body),
             Some(limit) => {
-                // A tunnel's messages would pass uncounted.
-                if tunnel::asks_websocket(head.version, &head.headers) {
-                    return Err(Stop::Refused {
-                        status: http::StatusCode::NOT_IMPLEMENTED,
-                        detail: format!(
-                            "route `{}` counts LLM tokens, which a WebSocket's messages would \
-                             pass uncounted: upgrades are not accepted on it",
-                            route.name
-                        ),
-                        reason: crate::metrics::Refusal::TokenUpgrade,
-                    });
-                }
+                tokens::refuse_upgrade(route, &head)?;
                 Box::pin(tokens::check_room(&self.store, &plan, exchange)).await?;
                 let body = Box::pin(tokens::read_body(
                     route,

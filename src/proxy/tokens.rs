@@ -63,6 +63,23 @@ pub fn read_limit(route: &Route, plan: &Plan<'_>) -> Option<u64> {
     Some(route.max_body.map_or(limit, |max| max.min(limit)))
 }
 
+/// Refuses a WebSocket upgrade on a route whose token limits apply (501): the tunnel's
+/// messages would pass uncounted.
+pub fn refuse_upgrade(route: &Route, head: &Parts) -> Result<(), Stop> {
+    if !super::tunnel::asks_websocket(head.version, &head.headers) {
+        return Ok(());
+    }
+    Err(Stop::Refused {
+        status: StatusCode::NOT_IMPLEMENTED,
+        detail: format!(
+            "route `{}` counts LLM tokens, which a WebSocket's messages would pass uncounted: \
+             upgrades are not accepted on it",
+            route.name
+        ),
+        reason: Refusal::TokenUpgrade,
+    })
+}
+
 /// Reads the body whole, within `limit` bytes and the route's pace, and sets its
 /// `Content-Length`. The bytes held come out of `budget` as they arrive; an HTTP/2 stream
 /// also takes a place among its connection's readers (`body_budget`). Either bound reached:
