@@ -9,6 +9,7 @@
             that is not a whole policy says ```yaml,fragment and is only counted. Each example
             is checked in a folder of its own, beside copies of the files in docs/fixtures/
             (the key files an example names).
+- files:    every relative link of README.md (and the other --also files) leads to a file.
 - schema:   every field of config/sluice.schema.json appears in the policy file's reference
             page as a code span spelled like `routes[].limits[].window` or `upstreams.<name>.url`.
 
@@ -90,6 +91,22 @@ def check_links(html_root):
             elif not os.path.exists(target):
                 faults.append(f"{where}: link `{href}`: no file {os.path.relpath(target, html_root)}")
     return faults, f"links: {checked} internal links and anchors resolve ({outside} links out, not fetched)"
+
+
+def check_file_links(paths):
+    """Relative links of Markdown files read outside the book (README.md) lead to files that exist."""
+    faults, checked = [], 0
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            parts = urllib.parse.urlsplit(target)
+            if parts.scheme or not parts.path:
+                continue
+            checked += 1
+            if not os.path.exists(os.path.join(os.path.dirname(path), parts.path)):
+                faults.append(f"{path}: link `{target}`: no file {parts.path}")
+    return faults, f"files: {checked} links of {', '.join(paths)} lead to files that exist"
 
 
 def fenced_blocks(path):
@@ -237,6 +254,7 @@ def main():
         check_links(args.html),
         check_examples(sources, args.sluice, args.fixtures),
         check_schema(args.schema, args.reference),
+        check_file_links(args.also),
     ):
         faults += fault_list
         if not fault_list:
