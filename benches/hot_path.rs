@@ -1,6 +1,8 @@
 //! Micro-benchmarks of the per-request work that does not touch the network: routing among
-//! 100 routes, path normalization, building a limit's store key, and verifying a JWT with
-//! each algorithm (the identify phase's cost per request on a route with `jwt:`).
+//! 100 routes, path normalization, building a limit's store key, verifying a JWT with each
+//! algorithm (the identify phase's cost per request on a route with `jwt:`), and the
+//! in-process store's decision: for a known identity, and for a new identity in a full store
+//! (the eviction path).
 //!
 //! `cargo bench --bench hot_path`. The target from the performance issue: a route match
 //! under 1 µs with 100 routes.
@@ -87,6 +89,62 @@ fn keys(c: &mut Criterion) {
                 .len()
         })
     });
+}
+
+/// The in-process store's decision of one sliding-log limit: an identity it already tracks
+/// (the common case), and a new identity each time in a store at its `max_keys` (each one
+/// evicts another).
+fn local_store(c: &mut Criterion) {
+    use futures_util::FutureExt;
+    use sluice::limiter::{Algorithm, Check, Spec, Store};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let _entered = runtime.enter();
+    let metrics = Metrics::new().expect("metrics");
+    let max_keys = 10_000;
+    let store = Store::local(max_keys, &metrics);
+    let mut check = Check {
+        key: String::from("sluice:api:per-key:{k-0}"),
+        spec: Spec {
+            algorithm: Algorithm::SlidingLog,
+            requests: u32::MAX,
+            window: std::time::Duration::from_millis(1),
+            cost: 1,
+            ..Spec::default()
+        },
+    };
+    let mut group = c.benchmark_group("local store decide");
+    group.bench_function("known identity", |b| {
+        b.iter(|| {
+            store
+                .decide(std::slice::from_ref(black_box(&check)))
+                .now_or_never()
+                .map(|d| d.map(|d| d.admitted))
+        })
+    });
+    check.spec.window = std::time::Duration::from_secs(3600);
+    let mut n = 0u64;
+    group.bench_function("new identity, full store", |b| {
+        b.iter(|| {
+            n += 1;
+            check.key.clear();
+            let _ = std::fmt::Write::write_fmt(
+                &mut check.key,
+                format_args!("sluice:api:per-key:{{k-{n}}}"),
+            );
+            store
+                .decide(std::slice::from_ref(black_box(&check)))
+                .now_or_never()
+                .map(|d| d.map(|d| d.admitted))
+        })
+    });
+    group.finish();
+    assert!(
+        n as usize > max_keys,
+        "the full-store case filled the store: {n} identities"
+    );
 }
 
 /// A signer of bench tokens and the verifier of its public half.
@@ -199,5 +257,5 @@ fn jwt(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, routing, normalization, keys, jwt);
+criterion_group!(benches, routing, normalization, keys, jwt, local_store);
 criterion_main!(benches);

@@ -238,6 +238,7 @@ pub struct Metrics {
     pub tokens_settled: IntCounterVec,
     pub tokens_returned: IntCounterVec,
     pub token_overruns: IntCounterVec,
+    pub token_overrun_tokens: IntCounterVec,
 }
 
 /// Buckets for whole requests: from a fast local answer to a slow upstream.
@@ -408,7 +409,7 @@ impl Metrics {
         )?;
         let tokens_settled = token_counter(
             "sluice_tokens_settled_total",
-            "Token budgets: tokens (or micro-currency) the reservations were settled to (the response's usage; the whole reservation when the response gave no figure), by route, limit and unit.",
+            "Token budgets: tokens (or micro-currency) the reservations were settled to (the response's usage, above the reservation for an overrun; the whole reservation when the response gave no figure), by route, limit and unit.",
         )?;
         let tokens_returned = token_counter(
             "sluice_tokens_returned_total",
@@ -416,7 +417,11 @@ impl Metrics {
         )?;
         let token_overruns = token_counter(
             "sluice_token_overruns_total",
-            "Token budgets: responses that reported more tokens than were reserved (the reservation is kept, not exceeded), by route, limit and unit.",
+            "Token budgets: responses that reported more tokens (or micro-currency) than were reserved (the excess is charged to the limit), by route, limit and unit.",
+        )?;
+        let token_overrun_tokens = token_counter(
+            "sluice_token_overrun_tokens_total",
+            "Token budgets: tokens (or micro-currency) responses reported beyond what was reserved for them, charged to the limit, by route, limit and unit.",
         )?;
         let log_lines_dropped = LogLinesDropped {
             counter: IntCounter::new(
@@ -459,6 +464,7 @@ impl Metrics {
         registry.register(Box::new(tokens_settled.clone()))?;
         registry.register(Box::new(tokens_returned.clone()))?;
         registry.register(Box::new(token_overruns.clone()))?;
+        registry.register(Box::new(token_overrun_tokens.clone()))?;
         registry.register(Box::new(log_lines_dropped))?;
         Ok(Metrics {
             registry,
@@ -489,6 +495,7 @@ impl Metrics {
             tokens_settled,
             tokens_returned,
             token_overruns,
+            token_overrun_tokens,
         })
     }
 
@@ -538,6 +545,9 @@ impl Metrics {
                 .tokens_returned
                 .with_label_values(&[route, limit, unit]),
             overruns: self.token_overruns.with_label_values(&[route, limit, unit]),
+            overrun_tokens: self
+                .token_overrun_tokens
+                .with_label_values(&[route, limit, unit]),
         }
     }
 
@@ -623,11 +633,14 @@ pub struct LimitMetrics {
 pub struct TokenMetrics {
     /// `sluice_tokens_reserved_total`: reserved by admitted requests.
     pub reserved: IntCounter,
-    /// `sluice_tokens_settled_total`: what the reservations were settled to (kept whole when
-    /// the answer gave no figure).
+    /// `sluice_tokens_settled_total`: what the reservations were settled to (above the
+    /// reservation for an overrun; kept whole when the answer gave no figure).
     pub settled: IntCounter,
     /// `sluice_tokens_returned_total`: reserved but not used, given back.
     pub returned: IntCounter,
     /// `sluice_token_overruns_total`: answers that reported more than was reserved.
     pub overruns: IntCounter,
+    /// `sluice_token_overrun_tokens_total`: the tokens those answers reported beyond their
+    /// reservations, charged to the limit.
+    pub overrun_tokens: IntCounter,
 }

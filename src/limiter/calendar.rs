@@ -188,6 +188,19 @@ pub fn record(counter: &mut Counter, spec: &Spec, now: u64) -> LimitState {
     state(counter.count, spec)
 }
 
+/// Charges `units` more to an admission that used more than it reserved (an overrun), within
+/// its period; nothing once the period has ended or the counter was reset.
+pub fn charge(counter: Counter, units: u32, now: u64) -> Counter {
+    let counter = counter.at(now);
+    if counter.count == 0 {
+        return counter;
+    }
+    Counter {
+        count: counter.count + u64::from(units),
+        ..counter
+    }
+}
+
 /// Gives back `units` of an admission: exact within the period. The key is the period's, so a
 /// give-back after the period ended lands on a key that no longer counts.
 pub fn release(counter: Counter, units: u32, now: u64) -> Counter {
@@ -222,6 +235,21 @@ mod tests {
 
     fn span(period: Period, name: &str, at: &str) -> Span {
         span_at(period, &zone(name), ts(at)).expect("in range")
+    }
+
+    #[test]
+    fn an_overrun_is_charged_within_its_period_only() {
+        let counter = Counter {
+            count: 5,
+            until_us: 100,
+        };
+        assert_eq!(charge(counter, 7, 50).count, 12);
+        assert_eq!(
+            charge(counter, 7, 100),
+            Counter::default(),
+            "the period ended"
+        );
+        assert_eq!(charge(Counter::default(), 7, 50).count, 0, "reset");
     }
 
     #[test]

@@ -3,16 +3,23 @@
 //! (each algorithm's arithmetic lives in its own pure module); the clock is this process's
 //! monotonic clock.
 //!
-//! Memory is bounded by `store.local.max_keys`. When a new key would pass it, the least
-//! recently used key goes: if its log has emptied, nothing is lost; if not, its admissions
-//! are forgotten (counted in `sluice_local_store_evictions_total`), so that identity may be
-//! admitted up to its limit again within the window. Only an LRU key can be evicted, so that
-//! happens only when more than `max_keys` keys were used within the longest window.
+//! Memory is bounded by `store.local.max_keys`, counted over the whole store (one atomic
+//! count of the keys held, beside the shards). A key is held from its first admission until
+//! its state has emptied and the sweeper (every `SWEEP_EVERY`) drops it. Only when a new key
+//! would pass `max_keys` does one go: the least recently used key of the new key's shard
+//! (another shard's when that one is empty). If its log has emptied, nothing is lost; if
+//! not, its admissions are forgotten (counted in `sluice_local_store_evictions_total`), so
+//! that identity may be admitted up to its limit again within the window. So an identity's
+//! state is forgotten only when more than `max_keys` keys are held: more than `max_keys`
+//! identities admitted within the longest window (plus up to `SWEEP_EVERY` for emptied ones
+//! the sweeper has not dropped yet). Under that pressure the victim is the LRU of one shard,
+//! not of the whole store.
 
 use std::collections::hash_map::RandomState;
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
 use lru::LruCache;
@@ -135,20 +142,37 @@ impl Cell {
     }
 }
 
+impl Cell {
+    /// Charges `extra` units more to an admitted request that used more than it reserved
+    /// (see `Store::settle`), where it is still recorded; the algorithms a token budget does
+    /// not run on charge nothing (as in `release.lua`).
+    fn charge(&mut self, spec: &Spec, extra: u32, admission: &Admission, now: u64) {
+        self.advance(spec.window_us(), now);
+        match self {
+            Cell::Log(times) => sliding_log::charge(times, spec, extra, admission.at_us),
+            Cell::Weighted(log) => log.charge(extra, admission.at_us),
+            Cell::Quota(counter) => *counter = calendar::charge(*counter, extra, now),
+            Cell::Window(_) | Cell::Counter(_) | Cell::Tat(_) => {}
+        }
+    }
+}
+
 struct Log {
     cell: Cell,
     window_us: u64,
 }
 
 /// One shard's logs, least recently used first. Unbounded as a cache: `Shards` enforces the
-/// bound itself, because it drops an emptied log before it evicts a live one.
+/// bound over all shards together.
 type Logs = LruCache<String, Log>;
 
 struct Shards {
     shards: Vec<Mutex<Logs>>,
     hasher: RandomState,
-    /// Most keys per shard: `max_keys` spread over the shards.
-    per_shard: usize,
+    /// Most keys in all shards together.
+    max_keys: usize,
+    /// Keys in all shards together: raised before a key is inserted, lowered when one goes.
+    held: AtomicUsize,
     keys: IntGauge,
     evictions: IntCounter,
 }
@@ -158,17 +182,58 @@ impl Shards {
         (self.hasher.hash_one(key) % SHARDS as u64) as usize
     }
 
-    /// Makes room for one more key in a full shard: drops the least recently used log.
-    fn make_room(&self, logs: &mut Logs, now: u64) {
-        while logs.len() >= self.per_shard {
-            let Some((_, mut log)) = logs.pop_lru() else {
-                return;
-            };
-            self.keys.dec();
-            if !log.cell.is_empty(log.window_us, now) {
-                self.evictions.inc();
+    /// Counts a key about to be inserted into shard `shard` (whose guard is `logs`) and, if
+    /// that takes the store past `max_keys`, drops one: the least recently used log of this
+    /// shard, or of another when this one holds none. Each insert claims its own excess
+    /// (never two inserts evicting for one), so the count ends at most `max_keys`.
+    fn add_key(&self, logs: &mut Logs, shard: usize, now: u64) {
+        self.held.fetch_add(1, Ordering::AcqRel);
+        self.keys.inc();
+        let max = self.max_keys;
+        while self
+            .held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n > max).then(|| n - 1)
+            })
+            .is_ok()
+        {
+            match self.pop_victim(logs, shard) {
+                Some(mut log) => {
+                    self.keys.dec();
+                    if !log.cell.is_empty(log.window_us, now) {
+                        self.evictions.inc();
+                    }
+                }
+                None => {
+                    // Every other shard is busy: held past the bound until the next insert.
+                    self.held.fetch_add(1, Ordering::AcqRel);
+                    return;
+                }
             }
         }
+    }
+
+    /// The least recently used log of shard `shard` (held by the caller as `logs`), or of the
+    /// next shard that is free to lock and holds one. Never waits for a lock: the caller
+    /// holds some already.
+    fn pop_victim(&self, logs: &mut Logs, shard: usize) -> Option<Log> {
+        if let Some((_, log)) = logs.pop_lru() {
+            return Some(log);
+        }
+        (1..SHARDS).find_map(|step| {
+            let mut other = match self.shards[(shard + step) % SHARDS].try_lock() {
+                Ok(guard) => guard,
+                Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+                Err(TryLockError::WouldBlock) => return None,
+            };
+            other.pop_lru().map(|(_, log)| log)
+        })
+    }
+
+    /// A key left the store (swept or forgotten).
+    fn remove_keys(&self, n: usize) {
+        self.held.fetch_sub(n, Ordering::AcqRel);
+        self.keys.sub(n as i64);
     }
 }
 
@@ -178,7 +243,7 @@ impl Shards {
         let mut logs = lock(&self.shards[index]);
         let before = logs.len();
         logs.retain(|_, log| !log.cell.is_empty(log.window_us, now));
-        self.keys.sub((before - logs.len()) as i64);
+        self.remove_keys(before - logs.len());
     }
 }
 
@@ -202,7 +267,8 @@ impl LocalStore {
                 .map(|_| Mutex::new(LruCache::unbounded()))
                 .collect(),
             hasher: RandomState::new(),
-            per_shard: (max_keys / SHARDS).max(1),
+            max_keys: max_keys.max(1),
+            held: AtomicUsize::new(0),
             keys: metrics.keys,
             evictions: metrics.evictions,
         });
@@ -293,24 +359,33 @@ impl LocalStore {
         }
     }
 
-    /// Gives back what an admitted request recorded under `checks` beyond `keep` units of
-    /// each (see `Store::settle`; `Store::release` keeps none).
+    /// Settles what an admitted request recorded under `checks` to `keep` units of each:
+    /// gives back the rest, or charges the excess when `keep` is above a check's cost (see
+    /// `Store::settle`; `Store::release` keeps none).
     pub fn release(&self, checks: &[Check], admission: &Admission, keep: u32) {
         let (mut guards, slot) = self.lock_all(checks);
         let now = micros_since(self.epoch);
         for (check, &slot) in checks.iter().zip(&slot) {
-            // The algorithms give back a whole cost: what is not kept is the part given back.
-            let spec = Spec {
-                cost: check.spec.cost.saturating_sub(keep),
-                ..check.spec
-            };
-            if spec.cost == 0 {
+            let cost = check.spec.cost;
+            if keep == cost {
                 continue;
             }
-            if let Some(log) = guards[slot].peek_mut(check.key.as_str()) {
-                if log.cell.algorithm() == spec.algorithm {
-                    log.cell.release(&spec, admission, now);
-                }
+            let Some(log) = guards[slot].peek_mut(check.key.as_str()) else {
+                continue;
+            };
+            if log.cell.algorithm() != check.spec.algorithm {
+                continue;
+            }
+            if keep > cost {
+                log.cell.charge(&check.spec, keep - cost, admission, now);
+            } else {
+                // The algorithms give back a whole cost: what is not kept is the part given
+                // back.
+                let spec = Spec {
+                    cost: cost - keep,
+                    ..check.spec
+                };
+                log.cell.release(&spec, admission, now);
             }
         }
     }
@@ -323,8 +398,8 @@ impl LocalStore {
             .is_none_or(|log| log.cell.algorithm() != spec.algorithm);
         if fresh {
             if logs.pop(check.key.as_str()).is_none() {
-                self.shards.make_room(logs, now);
-                self.shards.keys.inc();
+                let shard = self.shards.index(&check.key);
+                self.shards.add_key(logs, shard, now);
             }
             logs.push(
                 check.key.clone(),
@@ -377,7 +452,7 @@ impl LocalStore {
         let mut logs = lock(&self.shards.shards[self.shards.index(key)]);
         let found = logs.pop(key).is_some();
         if found {
-            self.shards.keys.dec();
+            self.shards.remove_keys(1);
         }
         found
     }
@@ -457,7 +532,7 @@ mod tests {
     async fn a_full_store_drops_emptied_logs_first_then_the_least_recently_used() {
         let metrics = test_metrics();
         let (keys, evictions) = (metrics.keys.clone(), metrics.evictions.clone());
-        let store = LocalStore::new(SHARDS * 4, metrics);
+        let store = LocalStore::new(4, metrics);
         let short = Duration::from_millis(30);
         // Four short-lived keys in one shard, then let them empty.
         let shard_keys: Vec<String> = (0..10_000)
@@ -491,6 +566,34 @@ mod tests {
         assert_eq!(keys.get(), 4);
         // The evicted identity starts afresh: this is the documented loss of exactness.
         assert!(store.decide(&[check(&shard_keys[5], 1, long)]).admitted);
+    }
+
+    /// The bound is over the whole store, not per shard: `max_keys` identities spread over
+    /// the shards all stay (however unevenly the shards fill), and each one past it evicts
+    /// exactly one.
+    #[tokio::test]
+    async fn the_bound_is_global() {
+        for max_keys in [1, 64, 1000] {
+            let metrics = test_metrics();
+            let (keys, evictions) = (metrics.keys.clone(), metrics.evictions.clone());
+            let store = LocalStore::new(max_keys, metrics);
+            let long = Duration::from_secs(60);
+            for n in 0..max_keys {
+                assert!(store.decide(&[check(&format!("k{n}"), 1, long)]).admitted);
+            }
+            assert_eq!(evictions.get(), 0, "{max_keys}");
+            assert_eq!(keys.get() as usize, max_keys);
+            for n in 0..max_keys {
+                let again = store.decide(&[check(&format!("k{n}"), 1, long)]);
+                assert!(!again.admitted, "{max_keys}: k{n} forgotten");
+            }
+            for extra in 1..=3 {
+                let key = format!("extra{extra}");
+                assert!(store.decide(&[check(&key, 1, long)]).admitted);
+                assert_eq!(evictions.get(), extra, "{max_keys}");
+                assert_eq!(keys.get() as usize, max_keys);
+            }
+        }
     }
 
     fn check(key: &str, requests: u32, window: Duration) -> Check {

@@ -428,17 +428,22 @@ impl Store {
     }
 
     /// Settles an admitted request's reservation to what it used: keeps `used` units of each
-    /// check's cost and gives back the rest (nothing when `used` reaches the cost), as
-    /// `release` does, so each limit stands as if the request had been admitted with cost
-    /// `used`. A token budget reserves an upper bound of what a request can consume and
-    /// settles it here once the response says what it did consume.
+    /// check's cost and gives back the rest, as `release` does, so each limit stands as if
+    /// the request had been admitted with cost `used`. A token budget reserves an upper bound
+    /// of what a request can consume and settles it here once the response says what it did
+    /// consume. When `used` is above a check's cost (the answer reports more than was
+    /// reserved), the excess is charged to the request's entry, at its time, so its identity
+    /// waits for what was really spent; that can take the limit past its `requests` (the
+    /// units were spent upstream already). Only the algorithms a token budget runs on
+    /// (`llm::settles_exactly`) charge; a request no longer recorded (reset, or gone from its
+    /// window) is not charged.
     pub async fn settle(
         &self,
         checks: &[Check],
         admission: &Admission,
         used: u32,
     ) -> Result<(), StoreError> {
-        if checks.iter().all(|check| check.spec.cost <= used) {
+        if checks.iter().all(|check| check.spec.cost == used) {
             return Ok(());
         }
         match &self.backend {

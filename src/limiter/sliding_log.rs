@@ -83,6 +83,23 @@ pub fn release(times: &mut VecDeque<u64>, cost: u32, at: u64) {
     times.drain(start..start + remove);
 }
 
+/// Charges `extra` units more to a request recorded at `at` with `spec.cost` (an overrun),
+/// if its entries are still there: `min(extra, requests)` entries more at `at`. A window
+/// already full of the request's entries admits nothing until they leave, so entries past
+/// the limit would change no decision (`release.lua` does the same).
+pub fn charge(times: &mut VecDeque<u64>, spec: &Spec, extra: u32, at: u64) {
+    let start = times.partition_point(|&t| t < at);
+    let end = times.partition_point(|&t| t <= at);
+    if end == start {
+        return;
+    }
+    let more = extra.min(spec.requests) as usize;
+    // Inserted after the entries of the same time, which leave the window together.
+    let later = times.split_off(end);
+    times.extend(std::iter::repeat_n(at, more));
+    times.extend(later);
+}
+
 /// Where the limit stands, as reported in the `RateLimit` field.
 pub fn state(times: &VecDeque<u64>, requests: u32, window_us: u64, now: u64) -> LimitState {
     let count = u32::try_from(times.len()).unwrap_or(u32::MAX);
@@ -97,6 +114,35 @@ mod tests {
     use super::*;
 
     const SECOND: u64 = 1_000_000;
+
+    #[test]
+    fn an_overrun_adds_entries_at_its_time_up_to_the_limit() {
+        let spec = Spec {
+            requests: 10,
+            window: Duration::from_secs(60),
+            cost: 2,
+            ..Spec::default()
+        };
+        let mut times = VecDeque::from([SECOND, 2 * SECOND, 2 * SECOND, 3 * SECOND]);
+        charge(&mut times, &spec, 3, 2 * SECOND);
+        assert_eq!(
+            times,
+            [
+                SECOND,
+                2 * SECOND,
+                2 * SECOND,
+                2 * SECOND,
+                2 * SECOND,
+                2 * SECOND,
+                3 * SECOND
+            ]
+        );
+        // More than the limit adds the limit's worth; a time no longer there, nothing.
+        charge(&mut times, &spec, 1000, SECOND);
+        assert_eq!(times.len(), 17);
+        charge(&mut times, &spec, 5, 9 * SECOND);
+        assert_eq!(times.len(), 17);
+    }
 
     #[test]
     fn an_entry_leaves_exactly_one_window_later() {

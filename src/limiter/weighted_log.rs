@@ -109,6 +109,18 @@ impl Log {
         self.state(spec, now)
     }
 
+    /// Charges `units` more to a request recorded at `at` that used more than it reserved
+    /// (an overrun): an entry of that time, if one is still there, grows by them (entries of
+    /// the same time leave together, so which one does not matter).
+    pub fn charge(&mut self, units: u32, at: u64) {
+        let index = self.entries.partition_point(|entry| entry.at < at);
+        if let Some(entry) = self.entries.get_mut(index).filter(|entry| entry.at == at) {
+            let added = units.min(u32::MAX - entry.weight);
+            entry.weight += added;
+            self.total += u64::from(added);
+        }
+    }
+
     /// Gives back `units` of a request recorded at `at`: its entry keeps its time with the
     /// rest of its weight, and goes at zero. Entries of the same time leave the window
     /// together, so which of them gives the units back does not matter.
@@ -183,6 +195,24 @@ mod tests {
         log.prune(60 * SECOND, 61 * SECOND);
         assert!(log.is_empty());
         assert_eq!(log.total(), 0);
+    }
+
+    #[test]
+    fn an_overrun_grows_its_entry_at_its_time() {
+        let mut log = Log::default();
+        log.record(&spec(100, 20), SECOND, SECOND);
+        log.record(&spec(100, 10), 2 * SECOND, 2 * SECOND);
+        log.charge(70, SECOND);
+        assert_eq!(log.total(), 100);
+        // Full until the first entry (now 90) leaves, at 61 s.
+        let room = log.check(&spec(100, 5), 3 * SECOND);
+        assert!(!room.admits);
+        assert_eq!(room.wait, 58 * SECOND);
+        // Past the limit is recorded too; an entry no longer there is not charged.
+        log.charge(50, 2 * SECOND);
+        assert_eq!(log.total(), 150);
+        log.charge(50, 5 * SECOND);
+        assert_eq!(log.total(), 150);
     }
 
     proptest! {

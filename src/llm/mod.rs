@@ -3,8 +3,10 @@
 //! buffered request body, its API and its model's facts (`models`) what it can consume at
 //! most (the reservation, the check's cost); after the upstream answers, `usage` reads what
 //! it did consume from the response as it streams, and the difference is given back
-//! (`Store::settle`). Reserving the upper bound atomically and only ever settling down is
-//! what keeps settled plus reserved tokens inside the limit at every instant.
+//! (`Store::settle`). Reserving the upper bound atomically and settling down is what keeps
+//! settled plus reserved tokens inside the limit at every instant; an answer that reports
+//! more than its reservation (the bound was wrong) is charged the excess, so the identity
+//! waits for what the upstream spent.
 
 pub mod config;
 pub mod estimate;

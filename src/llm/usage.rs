@@ -18,6 +18,10 @@
 
 use serde::Deserialize;
 
+mod decode;
+
+pub use self::decode::DecodingScanner;
+
 /// Most bytes of one `usage` object copied for parsing.
 pub const CAPTURE_MAX: usize = 4096;
 /// Nesting levels whose keys are followed (`message.usage` is at the second).

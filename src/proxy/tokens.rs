@@ -7,14 +7,17 @@
 //! meaning). After the upstream answers, the reservation is settled to what the
 //! answer says it used (`llm::usage`, or a header): the body streams through a scanner that
 //! settles before it lets the end of the answer go, so a client that reads the answer and
-//! sends its next request finds the unused tokens back.
+//! sends its next request finds the unused tokens back. A compressed answer
+//! (`Content-Encoding`) is scanned through a decoder, bounded as `llm::usage::DecodingScanner`
+//! says; the client gets the upstream's bytes unchanged.
 //!
 //! Without a usage figure: no answer from the upstream because it could not be reached (a
 //! connect error), or no upstream at all (a direct response) → everything is given back, the
 //! upstream spent nothing; the upstream answered (any status) but gave no figure, the client
 //! left before the end, the body failed, the upstream timed out → the whole reservation is
-//! kept, since the upstream may have spent it. A figure above the reservation keeps the
-//! reservation (taking more would break the limit) and counts an overrun.
+//! kept, since the upstream may have spent it. A figure above the reservation is charged:
+//! the request's entry grows to it (`Store::settle`), so the window makes that identity wait
+//! for what the upstream really spent, and the overrun and its excess tokens are counted.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -22,7 +25,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE, EXPECT, TRANSFER_ENCODING};
+use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, EXPECT, TRANSFER_ENCODING};
 use http::request::Parts;
 use http::{HeaderValue, StatusCode};
 use http_body::{Body, Frame, SizeHint};
@@ -38,7 +41,8 @@ use super::stop::Stop;
 use super::{Exchange, ForwardBody};
 use crate::body::ProxyBody;
 use crate::limiter::{Admission, Check, Decision, LimitState, Store};
-use crate::llm::{self, estimate, Api, EstimateError, Prices, Settle, Unit, Usage, UsageScanner};
+use crate::llm::usage::DecodingScanner;
+use crate::llm::{self, estimate, Api, EstimateError, Prices, Settle, Unit, Usage};
 use crate::metrics::Refusal;
 use crate::metrics::{Outcome, TokenMetrics};
 use crate::plan::Plan;
@@ -372,15 +376,18 @@ impl Settlement {
                 continue;
             };
             let used = u32::try_from(used).unwrap_or(u32::MAX);
-            let settled = used.min(cost);
             if let Some(metrics) = &reserved.metrics {
-                metrics.settled.inc_by(u64::from(settled));
-                metrics.returned.inc_by(u64::from(cost - settled));
+                metrics.settled.inc_by(u64::from(used));
+                metrics
+                    .returned
+                    .inc_by(u64::from(cost.saturating_sub(used)));
                 if used > cost {
                     metrics.overruns.inc();
+                    metrics.overrun_tokens.inc_by(u64::from(used - cost));
                 }
             }
-            if used < cost {
+            // Less than reserved is given back, more is charged (an overrun).
+            if used != cost {
                 match by_figure.iter_mut().find(|(figure, _)| *figure == used) {
                     Some((_, checks)) => checks.push(reserved.check.clone()),
                     None => by_figure.push((used, vec![reserved.check.clone()])),
@@ -508,12 +515,11 @@ pub async fn settle(
         settlement(vec![reserved]).settle(used).await;
     }
     if !by_usage.is_empty() {
-        let scanner = UsageScanner::for_content_type(
-            answered
-                .response
-                .headers()
-                .get(CONTENT_TYPE)
-                .map(HeaderValue::as_bytes),
+        // A compressed answer is read through a decoder; the client gets its bytes as sent.
+        let headers = answered.response.headers();
+        let scanner = DecodingScanner::new(
+            headers.get(CONTENT_TYPE).map(HeaderValue::as_bytes),
+            headers.get(CONTENT_ENCODING).map(HeaderValue::as_bytes),
         );
         let settlement = settlement(by_usage);
         let body = std::mem::replace(answered.response.body_mut(), ProxyBody::full(Bytes::new()));
@@ -534,7 +540,7 @@ pub async fn settle(
 /// (or, when the end is only known after it, the end of the stream) goes to the client.
 struct SettlingBody {
     inner: ProxyBody,
-    scanner: UsageScanner,
+    scanner: DecodingScanner,
     /// Until the body ends; dropped unsettled (client gone, body failed): kept whole.
     settlement: Option<Settlement>,
     settling: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
@@ -547,7 +553,7 @@ impl SettlingBody {
     fn start_settling(&mut self) {
         if let Some(settlement) = self.settlement.take() {
             let usage = self.scanner.usage();
-            self.settling = Some(Box::pin(settlement.settle(Some(usage))));
+            self.settling = Some(Box::pin(settlement.settle(usage)));
         }
     }
 }

@@ -206,6 +206,16 @@ async fn every_boundary(kind: StoreKind) {
         .iter()
         .map(|case| quota_resets_at_the_boundary(&store, case));
     futures_util::future::join_all(cases).await;
+    if let Some(redis) = &store.redis {
+        // A period's key lives until the period ends plus a minute; the longest period
+        // here, a month, ends within 31 days of now on each case's clock.
+        assert!(
+            redis
+                .assert_every_key_expires(Duration::from_secs(31 * 86_400 + 60))
+                .await
+                > 0
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -356,6 +366,12 @@ async fn a_quota_gives_back_what_it_does_not_count(kind: StoreKind) {
         let most = 3_600_000 + 60_000;
         let least = most - spawned.elapsed().as_millis() as u64 - 1_000;
         assert!((least..=most).contains(&pttl), "PTTL {pttl} ms");
+        assert_eq!(
+            redis
+                .assert_every_key_expires(Duration::from_millis(most))
+                .await,
+            1
+        );
     }
 }
 
@@ -423,6 +439,13 @@ async fn a_quota_and_a_limit_in_different_cluster_slots_consume_nothing_on_a_rej
     assert_eq!(
         get_at(&cluster, quota_key).await,
         redis::Value::BulkString(b"4".to_vec())
+    );
+    // Each slot's give-back left its key with an expiry, on whichever node holds it.
+    assert!(
+        cluster
+            .assert_every_key_expires(Duration::from_secs(31 * 86_400 + 60))
+            .await
+            >= 3
     );
 }
 

@@ -82,3 +82,76 @@ routes:
         "recently used identities stay tracked and limited"
     );
 }
+
+/// Sends one request per identity `prefix-0` .. `prefix-(count-1)`, 32 at a time; the
+/// statuses, in no particular order.
+async fn each_once(sluice: &Sluice, prefix: &str, count: usize) -> Vec<u16> {
+    let client = support::client();
+    let url = format!("{}/", sluice.url());
+    futures_util::stream::iter(0..count)
+        .map(|n| {
+            let request = client
+                .get(&url)
+                .header("x-api-key", format!("{prefix}-{n}"));
+            async move {
+                request
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+                    .unwrap_or(0)
+            }
+        })
+        .buffer_unordered(32)
+        .collect()
+        .await
+}
+
+/// `max_keys` is a bound over the whole store (issue 27): with exactly `max_keys` live
+/// identities, each having spent its limit, none is admitted afresh and nothing is evicted,
+/// at several sizes; each identity past the bound evicts exactly one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_keys_live_identities_are_all_kept() {
+    let _heavy = support::heavy().await;
+    // 1024 is the least `max_keys` the config accepts.
+    for max_keys in [1024, 4096, 10_000] {
+        let yaml = format!(
+            "store:\n  local: {{ max_keys: {max_keys} }}\nroutes:\n  - name: api\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: per-key, key: [\"header:x-api-key\"], requests: 1, window: 5m }}\n"
+        );
+        let sluice = Sluice::start(&yaml).await;
+        let first = each_once(&sluice, "live", max_keys).await;
+        assert!(
+            first.iter().all(|&s| s == 200),
+            "{max_keys}: first requests"
+        );
+        let again = each_once(&sluice, "live", max_keys).await;
+        let admitted = again.iter().filter(|&&s| s == 200).count();
+        assert_eq!(
+            admitted, 0,
+            "max_keys {max_keys}: {admitted} identities that had spent their limit were admitted afresh"
+        );
+        assert!(again.iter().all(|&s| s == 429), "{max_keys}");
+        let metrics = parse_metrics(&sluice.metrics().await);
+        assert_eq!(
+            metric_sum(&metrics, "sluice_local_store_evictions_total", &[]),
+            0.0,
+            "max_keys {max_keys}: an eviction before the bound"
+        );
+        assert_eq!(
+            metric_sum(&metrics, "sluice_local_store_keys", &[]),
+            max_keys as f64
+        );
+        // Past the bound: each new identity evicts exactly one, and the count stays.
+        let past = each_once(&sluice, "past", 3).await;
+        assert_eq!(past, [200, 200, 200]);
+        let metrics = parse_metrics(&sluice.metrics().await);
+        assert_eq!(
+            metric_sum(&metrics, "sluice_local_store_evictions_total", &[]),
+            3.0,
+            "max_keys {max_keys}"
+        );
+        assert_eq!(
+            metric_sum(&metrics, "sluice_local_store_keys", &[]),
+            max_keys as f64
+        );
+    }
+}

@@ -34,6 +34,7 @@ mod hostile_requests;
 mod identities;
 mod ipv6_prefixes;
 mod jwt_identities;
+mod key_expiry;
 mod limits;
 mod local_store;
 mod logs;

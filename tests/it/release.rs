@@ -85,6 +85,12 @@ async fn a_released_request_leaves_redis_as_if_never_admitted() {
             .remaining;
         assert_eq!(remaining, 3, "{algorithm:?}");
     }
+    assert!(
+        redis
+            .assert_every_key_expires(Duration::from_secs(120))
+            .await
+            > 0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,6 +126,12 @@ async fn a_release_gives_back_only_the_checks_it_names() {
             assert_eq!(remaining, [0, 1], "{} {algorithm:?}", store.name());
         }
     }
+    assert!(
+        redis
+            .assert_every_key_expires(Duration::from_secs(120))
+            .await
+            > 0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,8 +217,9 @@ async fn a_local_fallback_admission_is_given_back_locally() {
 
 /// `Store::settle`: a reservation of 10 settled to 3 used leaves every algorithm where an
 /// admission of cost 3 would (in Redis, the sliding log's entries are the request's first
-/// three, the others' values the same); settling to the whole cost or more gives nothing
-/// back. Both stores.
+/// three, the others' values the same); settling to the whole cost gives nothing back, and
+/// to more charges the excess where a token budget can run. Both stores; every Redis key
+/// still expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settled_reservation_stands_as_an_admission_of_what_it_used() {
     let redis = Redis::start().await;
@@ -215,7 +228,7 @@ async fn a_settled_reservation_stands_as_an_admission_of_what_it_used() {
         redis_store(&redis, &metrics).await,
         Store::local(1000, &metrics),
     ] {
-        for algorithm in ALGORITHMS {
+        for algorithm in ALGORITHMS.into_iter().chain([Algorithm::Calendar]) {
             let key = format!("sluice-test:settle:{}:{}", store.name(), algorithm.label());
             let reserved = check(&key, algorithm, 20, 10);
             let decision = store.decide(std::slice::from_ref(&reserved)).await.unwrap();
@@ -241,7 +254,9 @@ async fn a_settled_reservation_stands_as_an_admission_of_what_it_used() {
                 assert!(!members.contains(&ours(4)), "{members}");
             }
 
-            // Used as much as reserved, or more: nothing comes back.
+            // Used as much as reserved: nothing comes back. Then one more than reserved: the
+            // overrun is charged by the algorithms a token budget runs on, ignored by the
+            // others.
             let key = format!("{key}:full");
             let reserved = check(&key, algorithm, 20, 10);
             let admission = store
@@ -264,7 +279,19 @@ async fn a_settled_reservation_stands_as_an_admission_of_what_it_used() {
                 .limits[0]
                 .unwrap()
                 .remaining;
-            assert_eq!(remaining, 9, "{} {algorithm:?} full", store.name());
+            let charged = u32::from(sluice::llm::settles_exactly(algorithm));
+            assert_eq!(
+                remaining,
+                9 - charged,
+                "{} {algorithm:?} full",
+                store.name()
+            );
         }
     }
+    assert!(
+        redis
+            .assert_every_key_expires(Duration::from_secs(120))
+            .await
+            > 0
+    );
 }

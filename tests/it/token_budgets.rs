@@ -108,8 +108,8 @@ async fn a_usage_header_settles_the_reservation() {
     settlement_frees_the_unused_tokens("header", "{ from: header, header: x-tokens-used }").await;
 }
 
-/// An answer without a figure (any status), or with one above the reservation, keeps the
-/// whole reservation: the next request does not fit.
+/// An answer without a figure (any status) keeps the whole reservation: the next request
+/// does not fit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_figure_the_reservation_is_kept() {
     let upstream = LlmUpstream::start().await;
@@ -117,7 +117,6 @@ async fn without_a_figure_the_reservation_is_kept() {
     let cases = [
         ("no-usage", json!({"mode": "none"}), 200),
         ("error", json!({"mode": "none", "status": 500}), 500),
-        ("overrun", json!({"mode": "json", "usage": 9000}), 200),
     ];
     for (key, sim, status) in cases {
         let answer = send(&sluice, key, chat_body(4000, sim)).await;
@@ -130,9 +129,85 @@ async fn without_a_figure_the_reservation_is_kept() {
         assert_eq!(problem["unit"], "tokens", "{problem}");
     }
     let metrics = sluice.metrics().await;
-    assert_eq!(metric(&metrics, "sluice_token_overruns_total"), 1.0);
+    assert_eq!(metric(&metrics, "sluice_token_overruns_total"), 0.0);
     assert_eq!(metric(&metrics, "sluice_tokens_returned_total"), 0.0);
-    assert_eq!(upstream.answers().len(), 3);
+    assert_eq!(upstream.answers().len(), 2);
+}
+
+/// An answer that reports more than its reservation is charged what it reports (JSON and
+/// event stream): the window then holds the real spend, so the identity's next request that
+/// does not fit beside it waits, with a Retry-After until the overrun leaves the window, one
+/// that fits beside it is admitted with the room the real spend leaves, and one past the
+/// whole limit makes the identity wait the whole window. The excess tokens are counted.
+async fn an_overrun_is_charged(kind: StoreKind) {
+    let upstream = LlmUpstream::start().await;
+    let store = Store::start(kind).await;
+    let sluice = Sluice::start(&policy(&store.yaml, &upstream.url(), 6000, "10s", USAGE)).await;
+    let mut excess = 0;
+    for (key, mode, usage) in [
+        ("json", "json", 5000),
+        ("sse", "sse", 5000),
+        ("big", "json", 9000),
+    ] {
+        let body = chat_body(100, json!({"usage": usage, "mode": mode}));
+        let reservation = (body.len() + 100) as u64;
+        excess += usage - reservation;
+        let answer = send(&sluice, key, body).await;
+        assert_eq!(answer.status(), 200, "{key}");
+        answer.bytes().await.expect("the whole answer");
+        // 1,500 more do not fit beside the 5,000 spent (they would beside the reservation).
+        let refused = send(&sluice, key, chat_body(1500, json!({}))).await;
+        assert_eq!(refused.status(), 429, "{key}: the overrun is charged");
+        let retry_after: u64 = support::header(&refused, "retry-after")
+            .parse()
+            .expect("seconds");
+        assert!(
+            (9..=10).contains(&retry_after),
+            "{key}: Retry-After {retry_after} s, not until the overrun leaves the 10 s window"
+        );
+        let small = chat_body(100, json!({"usage": 10}));
+        let small_reservation = (small.len() + 100) as u64;
+        let answer = send(&sluice, key, small).await;
+        if usage > 6000 {
+            assert_eq!(answer.status(), 429, "{key}: the window is past its limit");
+            continue;
+        }
+        assert_eq!(answer.status(), 200, "{key}: room beside the real spend");
+        assert_eq!(
+            support::header(&answer, "ratelimit"),
+            format!("\"tpm\";r={};t=10", 6000 - usage - small_reservation),
+            "{key}: the window holds exactly the reported usage"
+        );
+        answer.bytes().await.expect("the whole answer");
+    }
+    let metrics = sluice.metrics().await;
+    assert_eq!(metric(&metrics, "sluice_token_overruns_total"), 3.0);
+    assert_eq!(
+        metric(&metrics, "sluice_token_overrun_tokens_total"),
+        excess as f64
+    );
+    // What the upstream spent for each identity, from its own record: within the limit but
+    // for the one answer that alone spent more than the limit, which nothing could stop.
+    let spent: Vec<u64> = upstream.answers().iter().map(|a| a.usage).collect();
+    assert_eq!(spent, [5000, 10, 5000, 10, 9000]);
+    if let Some(redis) = &store.redis {
+        assert_eq!(
+            redis
+                .assert_every_key_expires(Duration::from_secs(10))
+                .await,
+            3
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overrun_is_charged_redis() {
+    an_overrun_is_charged(StoreKind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overrun_is_charged_memory() {
+    an_overrun_is_charged(StoreKind::Memory).await;
 }
 
 /// An upstream that cannot be reached spent nothing: each 502 gives everything back, so the
@@ -350,6 +425,9 @@ async fn concurrent_budgets_never_overshoot(kind: StoreKind) {
     for task in tasks {
         smallest_reservation = smallest_reservation.min(task.await.expect("a client"));
     }
+    if let Some(redis) = &store.redis {
+        assert_eq!(redis.assert_every_key_expires(WINDOW).await, 1);
+    }
     let answers = upstream.answers();
     // An answer arrives at the upstream after its admission, at most `margin` after (a
     // generous bound on a loaded machine): answers arriving within WINDOW - margin were all
@@ -426,6 +504,12 @@ async fn token_limits_in_different_cluster_slots_settle_in_each() {
     kept.bytes().await.expect("the whole answer");
     let next = send(&sluice, "other", chat_body(4000, json!({}))).await;
     assert_eq!(next.status(), 429, "`all` holds 500 + the kept reservation");
+    assert_eq!(
+        cluster
+            .assert_every_key_expires(Duration::from_secs(60))
+            .await,
+        2
+    );
 }
 
 /// A daily token quota (a calendar limit) reserves and settles like a rolling budget: each
@@ -457,4 +541,116 @@ async fn a_daily_token_quota_settles_too() {
         429,
         "500 settled + a kept reservation leave no room"
     );
+}
+
+/// The client's copy of a compressed answer, decoded as `encoding` says.
+fn decoded(encoding: &str, bytes: &[u8]) -> Vec<u8> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    match encoding {
+        "gzip" => flate2::read::MultiGzDecoder::new(bytes).read_to_end(&mut out),
+        "deflate" => flate2::read::ZlibDecoder::new(bytes).read_to_end(&mut out),
+        "deflate-raw" => flate2::read::DeflateDecoder::new(bytes).read_to_end(&mut out),
+        "br" => brotli::Decompressor::new(bytes, 4096).read_to_end(&mut out),
+        "zstd" => ruzstd::decoding::StreamingDecoder::new(bytes)
+            .expect("a zstd frame")
+            .read_to_end(&mut out),
+        other => panic!("no decoder for {other}"),
+    }
+    .unwrap_or_else(|e| panic!("{encoding}: the client's bytes do not decode: {e}"));
+    out
+}
+
+/// A compressed answer (each coding the scanner decodes, JSON and both event streams, sent
+/// in 64-byte frames) settles to exactly the usage it reports, as a plain one does: three
+/// requests reserving about 4,150 of 6,000 tokens each all fit. The client gets the bytes
+/// the upstream sent, unchanged, and they decode to the answer with its usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_answers_settle_to_their_usage() {
+    let upstream = LlmUpstream::start().await;
+    let sluice = Sluice::start(&policy("", &upstream.url(), 6000, "1m", USAGE)).await;
+    let mut answers = 0;
+    for encoding in ["gzip", "deflate", "deflate-raw", "br", "zstd"] {
+        for mode in ["json", "sse", "anthropic"] {
+            let key = format!("{encoding}-{mode}");
+            for n in 0..3 {
+                let body = chat_body(
+                    4000,
+                    json!({"usage": 100, "mode": mode, "encoding": encoding}),
+                );
+                let answer = client()
+                    .post(format!("{}/v1/chat/completions", sluice.url()))
+                    .header("x-api-key", &key)
+                    .header("accept-encoding", "gzip, deflate, br, zstd")
+                    .body(body)
+                    .send()
+                    .await
+                    .expect("an answer");
+                assert_eq!(answer.status(), 200, "{key} request {n}: settled to 100");
+                let coding = if encoding == "deflate-raw" {
+                    "deflate"
+                } else {
+                    encoding
+                };
+                assert_eq!(support::header(&answer, "content-encoding"), coding);
+                let bytes = answer.bytes().await.expect("the whole answer");
+                answers += 1;
+                let sent = upstream.sent();
+                assert_eq!(sent.len(), answers);
+                assert_eq!(
+                    bytes,
+                    sent[answers - 1],
+                    "{key}: the client's bytes are the upstream's"
+                );
+                let text = String::from_utf8(decoded(encoding, &bytes)).expect("text");
+                let usage = if mode == "anthropic" {
+                    "\"output_tokens\":67"
+                } else {
+                    "\"total_tokens\":100"
+                };
+                assert!(text.contains(usage), "{key}: {text}");
+            }
+        }
+    }
+    let metrics = sluice.metrics().await;
+    assert_eq!(
+        metric(&metrics, "sluice_tokens_settled_total"),
+        (answers * 100) as f64
+    );
+}
+
+/// A decompression bomb (about 1 MB on the wire that gzip-decodes to 1 GiB, its usage at the
+/// very start): sluice stops decoding at its bound, keeps the whole reservation (the next
+/// request does not fit), passes the bytes unchanged, and its memory stays flat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decompression_bomb_keeps_the_reservation_in_bounded_memory() {
+    let _heavy = support::heavy().await;
+    let upstream = LlmUpstream::start().await;
+    let sluice = Sluice::start(&policy("", &upstream.url(), 6000, "1m", USAGE)).await;
+    let warm = send(&sluice, "warm", chat_body(100, json!({"encoding": "gzip"}))).await;
+    warm.bytes().await.expect("the warm-up answer");
+    let peak_before = sluice.peak_rss_kb();
+    let answer = client()
+        .post(format!("{}/v1/chat/completions", sluice.url()))
+        .header("x-api-key", "k")
+        .header("accept-encoding", "gzip")
+        .body(chat_body(
+            4000,
+            json!({"usage": 100, "encoding": "gzip", "bomb_mb": 1024, "frame_bytes": 16384}),
+        ))
+        .send()
+        .await
+        .expect("an answer");
+    assert_eq!(answer.status(), 200);
+    let bytes = answer.bytes().await.expect("the whole answer");
+    assert_eq!(bytes, upstream.sent()[1], "the bomb's bytes pass unchanged");
+    assert!(bytes.len() < 4 << 20, "{} bytes on the wire", bytes.len());
+    let growth_kb = sluice.peak_rss_kb().saturating_sub(peak_before);
+    assert!(
+        growth_kb < 8 * 1024,
+        "sluice grew by {growth_kb} kB decoding a bomb"
+    );
+    // Decoded whole, its usage (1 token) would have settled it: the next one would fit.
+    let next = send(&sluice, "k", chat_body(4000, json!({}))).await;
+    assert_eq!(next.status(), 429, "the bomb's reservation is kept");
 }

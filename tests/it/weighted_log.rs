@@ -88,4 +88,10 @@ async fn both_stores_weigh_requests_and_settle_them_alike() {
             assert!((59_000..=60_000).contains(&ttl), "{ttl}");
         }
     }
+    assert_eq!(
+        redis
+            .assert_every_key_expires(Duration::from_secs(60))
+            .await,
+        1
+    );
 }

@@ -105,8 +105,9 @@ impl RedisStore {
         Ok(cluster::merge(checks.len(), groups, &decisions))
     }
 
-    /// Gives back what the request of `admission` recorded under `checks` beyond `keep` units
-    /// of each (`release.lua`); on a cluster, one call per slot the checks live in.
+    /// Settles what the request of `admission` recorded under `checks` to `keep` units of
+    /// each: gives back the rest, or charges an overrun when `keep` is above a check's cost
+    /// (`release.lua`); on a cluster, one call per slot the checks live in.
     pub async fn release(
         &self,
         checks: &[Check],
@@ -153,7 +154,7 @@ impl RedisStore {
                 .arg(spec.requests)
                 .arg(spec.window_us())
                 .arg(spec.cost)
-                .arg(keep.min(spec.cost));
+                .arg(keep);
         }
         let _released: i64 = self.run(&cmd, Some(&self.shared.release)).await?;
         Ok(())

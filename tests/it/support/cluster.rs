@@ -190,6 +190,16 @@ impl RedisCluster {
         None
     }
 
+    /// Asserts that every key on every node expires within `longest` (see
+    /// [`Redis::assert_every_key_expires`]); how many keys the nodes hold.
+    pub async fn assert_every_key_expires(&self, longest: Duration) -> usize {
+        let mut keys = 0;
+        for node in &self.nodes {
+            keys += node.assert_every_key_expires(longest).await;
+        }
+        keys
+    }
+
     /// Number of keys node `index` holds in `slot`.
     pub async fn keys_in_slot(&self, index: usize, slot: u16) -> i64 {
         match self.nodes[index]

@@ -25,7 +25,16 @@
 //! - `events`, `event_bytes`: content events of a streamed answer and the text of each;
 //! - `delay_ms`: wait before answering;
 //! - `gate`: a streamed answer sends its first event, then waits for [`LlmUpstream::open_gate`]
-//!   before the rest.
+//!   before the rest;
+//! - `encoding`: `gzip`, `deflate` (zlib), `deflate-raw` (raw deflate, as some servers send
+//!   `deflate`), `br` or `zstd`: the answer's bytes compressed so, with `Content-Encoding`
+//!   (`deflate` for both deflates), sent in frames of `frame_bytes` (default 64) so a reader
+//!   decodes them as they come; a streamed answer is compressed whole (no `gate`). The bytes
+//!   sent are kept ([`LlmUpstream::sent`]);
+//! - `bomb_mb` (with `encoding: gzip`): before the answer, a JSON string of that many MiB of
+//!   `x` in the same gzip stream (repeated gzip members of 1 MiB each, a few KiB on the
+//!   wire): a decompression bomb whose usage, at its start, only a reader that decodes it
+//!   all would see.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -64,6 +73,8 @@ struct State {
     /// Context held for stored responses and conversations, by id: what a later request
     /// that refers to it is billed on top of its own input.
     stored: Mutex<HashMap<String, u64>>,
+    /// The bytes of each compressed answer, as sent.
+    sent: Mutex<Vec<Bytes>>,
     gate: Notify,
 }
 
@@ -135,6 +146,11 @@ impl LlmUpstream {
             .lock()
             .expect("stored")
             .insert(id.to_owned(), tokens);
+    }
+
+    /// The bytes of each compressed answer (`sim.encoding`), as sent, in order.
+    pub fn sent(&self) -> Vec<Bytes> {
+        self.state.sent.lock().expect("sent").clone()
     }
 
     /// Lets a gated streamed answer send the rest of its events.
@@ -440,6 +456,9 @@ async fn answer(
     let events = sim["events"].as_u64().unwrap_or(3);
     let event_bytes = sim["event_bytes"].as_u64().unwrap_or(10) as usize;
     let gate = sim["gate"].as_bool().unwrap_or(false);
+    let encoding = sim["encoding"].as_str().map(str::to_owned);
+    let frame_bytes = sim["frame_bytes"].as_u64().unwrap_or(64) as usize;
+    let bomb_mb = sim["bomb_mb"].as_u64().unwrap_or(0);
     if let Some(delay) = sim["delay_ms"].as_u64() {
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
@@ -539,7 +558,89 @@ async fn answer(
                 .body(BodyExt::boxed(Full::new(Bytes::from(answer.to_string()))))
         }
     };
-    Ok(response.expect("a response"))
+    let response = response.expect("a response");
+    let Some(encoding) = encoding else {
+        return Ok(response);
+    };
+    let (mut parts, body) = response.into_parts();
+    let plain = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let encoded = Bytes::from(encode(&encoding, &plain, bomb_mb));
+    state.sent.lock().expect("sent").push(encoded.clone());
+    let coding = if encoding == "deflate-raw" {
+        "deflate"
+    } else {
+        encoding.as_str()
+    };
+    parts.headers.insert(
+        "content-encoding",
+        http::HeaderValue::from_str(coding).expect("a coding"),
+    );
+    parts.headers.remove("content-length");
+    let frames: Vec<Result<Frame<Bytes>, Infallible>> = (0..encoded.len())
+        .step_by(frame_bytes.max(1))
+        .map(|at| {
+            Ok(Frame::data(
+                encoded.slice(at..(at + frame_bytes).min(encoded.len())),
+            ))
+        })
+        .collect();
+    let body = BodyExt::boxed(StreamBody::new(futures_util::stream::iter(frames)));
+    Ok(Response::from_parts(parts, body))
+}
+
+/// `plain` compressed with `encoding`; with `bomb_mb`, a gzip stream that first decodes to
+/// that many MiB of a JSON string.
+fn encode(encoding: &str, plain: &[u8], bomb_mb: u64) -> Vec<u8> {
+    use std::io::Write;
+    let gzip = |bytes: &[u8]| {
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        encoder.write_all(bytes).expect("gzip");
+        encoder.finish().expect("gzip")
+    };
+    match encoding {
+        "gzip" if bomb_mb > 0 => {
+            // {"usage": ..., "bomb": "xxxx…", then the answer's own fields.
+            let mut out = gzip(b"{\"usage\":{\"total_tokens\":1},\"bomb\":\"");
+            let megabyte = gzip(&vec![b'x'; 1 << 20]);
+            for _ in 0..bomb_mb {
+                out.extend_from_slice(&megabyte);
+            }
+            let mut tail = b"\",\"answer\":".to_vec();
+            tail.extend_from_slice(plain);
+            tail.push(b'}');
+            out.extend_from_slice(&gzip(&tail));
+            out
+        }
+        "gzip" => gzip(plain),
+        "deflate" => {
+            let mut encoder =
+                flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+            encoder.write_all(plain).expect("zlib");
+            encoder.finish().expect("zlib")
+        }
+        "deflate-raw" => {
+            let mut encoder =
+                flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::default());
+            encoder.write_all(plain).expect("deflate");
+            encoder.finish().expect("deflate")
+        }
+        "br" => {
+            let mut out = Vec::new();
+            {
+                let mut encoder = brotli::CompressorWriter::new(&mut out, 4096, 9, 22);
+                encoder.write_all(plain).expect("brotli");
+            }
+            out
+        }
+        "zstd" => {
+            ruzstd::encoding::compress_to_vec(plain, ruzstd::encoding::CompressionLevel::Fastest)
+        }
+        other => panic!("the fake LLM API has no encoding {other}"),
+    }
 }
 
 /// The answer to a request without `sim`: charged like the real API, its usage reported in

@@ -273,6 +273,68 @@ impl Redis {
             .expect("KEYS *")
     }
 
+    /// Asserts that every key in db 0 (read with `SCAN`, so none is missed) expires on its
+    /// own: `PTTL` above 0 and at most `longest` (the longest window or period the test's
+    /// limits keep a key for, with its margin). Returns how many keys it checked, so that a
+    /// test can also assert it looked at something.
+    pub async fn assert_every_key_expires(&self, longest: Duration) -> usize {
+        let ttls = self.key_ttls().await;
+        let most = i64::try_from(longest.as_millis()).unwrap_or(i64::MAX);
+        let wrong: Vec<String> = ttls
+            .iter()
+            // -2: the key expired between SCAN and PTTL, which is what the check wants.
+            .filter(|(_, pttl)| *pttl != -2 && !(1..=most).contains(pttl))
+            .map(|(key, pttl)| format!("{key}: PTTL {pttl} ms"))
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "redis on port {}: {} of {} keys do not expire within {longest:?}: {wrong:?}",
+            self.port,
+            wrong.len(),
+            ttls.len()
+        );
+        ttls.len()
+    }
+
+    /// Every key in db 0, read with `SCAN` to its end, with its `PTTL` in milliseconds (-1:
+    /// no expiry; -2: gone since the scan).
+    pub async fn key_ttls(&self) -> Vec<(String, i64)> {
+        let client = redis::Client::open(self.url()).expect("redis client");
+        let mut con = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to test redis");
+        let mut cursor: u64 = 0;
+        let mut keys: Vec<String> = Vec::new();
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut con)
+                .await
+                .expect("SCAN");
+            keys.extend(batch);
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        // SCAN may return a key twice.
+        keys.sort();
+        keys.dedup();
+        let mut ttls = Vec::with_capacity(keys.len());
+        for key in keys {
+            let pttl: i64 = redis::cmd("PTTL")
+                .arg(&key)
+                .query_async(&mut con)
+                .await
+                .expect("PTTL");
+            ttls.push((key, pttl));
+        }
+        ttls
+    }
+
     /// Kill redis-server now (for tests that need the store gone).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
