@@ -106,7 +106,7 @@ def check_file_links(paths):
             checked += 1
             if not os.path.exists(os.path.join(os.path.dirname(path), parts.path)):
                 faults.append(f"{path}: link `{target}`: no file {parts.path}")
-    return faults, f"files: {checked} links of {', '.join(paths)} lead to files that exist"
+    return faults, f"files: {checked} links of {', '.join(paths) or 'no file'} lead to files that exist"
 
 
 def fenced_blocks(path):
@@ -214,9 +214,14 @@ def schema_fields(schema):
                 walk(child, path, seen)
             if isinstance(variant.get("items"), dict):
                 walk(variant["items"], prefix + "[]", seen)
+            # A map by name: `upstreams.<name>.url`.
+            values = list(variant.get("patternProperties", {}).values())
             extra = variant.get("additionalProperties")
             if isinstance(extra, dict) and not variant.get("properties"):
-                walk(extra, prefix + ".<name>", seen)
+                values.append(extra)
+            for value in values:
+                paths.append(prefix + ".<name>")
+                walk(value, prefix + ".<name>", seen)
 
     walk(schema, "", frozenset())
     return sorted(set(paths))
@@ -229,7 +234,18 @@ def check_schema(schema_path, reference):
         spans = set(re.findall(r"`([^`\n]+)`", f.read()))
     missing = [field for field in fields if field not in spans]
     faults = [f"{reference}: the schema's field `{field}` is not in the reference" for field in missing]
-    return faults, f"schema: all {len(fields)} fields of {schema_path} are in {reference}"
+    # And the other way: a row of the reference's field table names a field the schema has.
+    with open(reference, encoding="utf-8") as f:
+        rows = re.findall(r"^\| `([^`]+)` \|", f.read(), re.M)
+    faults += [
+        f"{reference}: the row `{row}` names no field of the schema (renamed or removed?)"
+        for row in rows
+        if row not in fields
+    ]
+    return faults, (
+        f"schema: all {len(fields)} fields of {schema_path} are in {reference}, "
+        f"and its {len(rows)} field rows are all in the schema"
+    )
 
 
 def main():
