@@ -242,6 +242,11 @@ def check_schema(schema_path, reference):
         for row in rows
         if row not in fields
     ]
+    faults += [
+        f"{reference}: the field `{row}` has {rows.count(row)} rows"
+        for row in sorted(set(rows))
+        if rows.count(row) > 1
+    ]
     return faults, (
         f"schema: all {len(fields)} fields of {schema_path} are in {reference}, "
         f"and its {len(rows)} field rows are all in the schema"

@@ -57,6 +57,9 @@ pub struct Version {
     pub policy: Compiled,
     /// The listener's certificate and key, when `tls:` names them and they were asked for.
     pub listener_tls: Option<ListenerTls>,
+    /// The JWT verifiers the policy's routes hold: kept to start the `jwks_url` fetches of
+    /// the version put in force (`check` and `explain` fetch nothing).
+    pub verifiers: Verifiers,
 }
 
 /// Whether a version reads the listener's certificate files.
@@ -93,6 +96,7 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
         source,
         policy,
         listener_tls,
+        verifiers,
     })
 }
 
@@ -116,6 +120,7 @@ impl Versions for GatewayVersions {
 
     fn put_in_force(&mut self, version: Version) -> (Source, usize) {
         let policy = version.policy.metered(&self.metrics);
+        version.verifiers.start(&self.metrics.jwks());
         let routes = policy.routes.len();
         self.gateway.install(policy);
         (version.source, routes)
@@ -165,6 +170,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         source,
         policy,
         listener_tls,
+        verifiers,
     } = loaded;
     let config = &source.config;
     // Before anything is bound or connected: a token that cannot be read stops the start.
@@ -177,6 +183,8 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     let admin_hosts = config.admin.hosts.clone();
     let metrics = Arc::new(Metrics::new()?);
     let policy = policy.metered(&metrics);
+    // In the background from now: the verifiers' routes answer 503 until their keys are in.
+    verifiers.start(&metrics.jwks());
     let store = match (&config.store.redis, &config.store.topology) {
         (Some(redis), Some(topology)) => {
             let (pool_size, timeout) = (redis.value.pool_size.0 as usize, redis.value.timeout.0);

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -217,6 +217,10 @@ pub struct Metrics {
     pub refused: IntCounterVec,
     /// `sluice_jwt_invalid_total{route, reason}`: requests whose token gave no identity.
     pub jwt_invalid: IntCounterVec,
+    /// `sluice_jwks_fetches_total{verifier, outcome}`: fetches of a `jwks_url`.
+    pub jwks_fetches: IntCounterVec,
+    /// `sluice_jwks_keys_age_seconds{verifier}`: time since the keys in force were fetched.
+    pub jwks_keys_age: GaugeVec,
     pub open_connections: IntGaugeVec,
     pub worker_connections: IntCounterVec,
     pub local_keys: IntGauge,
@@ -255,6 +259,14 @@ const STORE_BUCKETS: &[f64] = &[
 ];
 
 impl Metrics {
+    /// The handles a `jwks_url` fetcher counts into.
+    pub fn jwks(&self) -> crate::identity::jwks::JwksMetrics {
+        crate::identity::jwks::JwksMetrics {
+            fetches: self.jwks_fetches.clone(),
+            age: self.jwks_keys_age.clone(),
+        }
+    }
+
     pub fn new() -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
@@ -314,6 +326,20 @@ impl Metrics {
                 "Requests on a route with `jwt:` whose token gave no identity, by route and reason (missing, malformed, signature, expired, not_yet_valid, issuer, audience, algorithm, unknown_key); the route's on_invalid says whether they got 401 or the anonymous limits.",
             ),
             &["route", "reason"],
+        )?;
+        let jwks_fetches = IntCounterVec::new(
+            Opts::new(
+                "sluice_jwks_fetches_total",
+                "Fetches of a verifier's jwks_url, by verifier and outcome (ok; status, too_large, timeout, bad_set, network: refused, the last good keys keep serving; bad_set: not a JWK set, no usable key, or a repeated kid).",
+            ),
+            &["verifier", "outcome"],
+        )?;
+        let jwks_keys_age = GaugeVec::new(
+            Opts::new(
+                "sluice_jwks_keys_age_seconds",
+                "Seconds since a jwks_url verifier's keys were last fetched successfully (updated every second); absent until a first fetch succeeds.",
+            ),
+            &["verifier"],
         )?;
         let open_connections = IntGaugeVec::new(
             Opts::new(
@@ -440,6 +466,8 @@ impl Metrics {
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(refused.clone()))?;
         registry.register(Box::new(jwt_invalid.clone()))?;
+        registry.register(Box::new(jwks_fetches.clone()))?;
+        registry.register(Box::new(jwks_keys_age.clone()))?;
         registry.register(Box::new(open_connections.clone()))?;
         registry.register(Box::new(worker_connections.clone()))?;
         registry.register(Box::new(local_keys.clone()))?;
@@ -476,6 +504,8 @@ impl Metrics {
             upstream_errors,
             refused,
             jwt_invalid,
+            jwks_fetches,
+            jwks_keys_age,
             open_connections,
             worker_connections,
             local_keys,

@@ -736,10 +736,32 @@ pub struct JwtConfig {
     /// A JWK set (RSA, EC P-256, OKP Ed25519, oct): re-read on every reload, and watched.
     #[schemars(with = "Option<PathBuf>")]
     pub jwks_file: Option<Spanned<PathBuf>>,
+    /// An `https://` URL publishing the JWK set (an identity provider's `jwks_uri`): fetched
+    /// in the background from start, refreshed on the server's cache headers within
+    /// `min_refresh`..`max_refresh`, refetched (at most once per `min_refresh`) when a token
+    /// names an unknown kid. Exclusive with `jwks_file` and `keys`.
+    #[schemars(with = "Option<String>")]
+    pub jwks_url: Option<Spanned<String>>,
+    /// CA certificates (PEM) the `jwks_url` server's certificate must chain to; the Mozilla
+    /// roots built into sluice by default, as for upstreams.
+    #[schemars(with = "Option<PathBuf>")]
+    pub jwks_ca_file: Option<Spanned<PathBuf>>,
+    /// Shortest time between two fetches of `jwks_url` (whatever the cache headers say, and
+    /// for the refetch an unknown kid triggers); 30s by default.
+    pub min_refresh: Option<ConfigDuration>,
+    /// Longest time between two fetches of `jwks_url`, and the interval when the server
+    /// sends no `Cache-Control: max-age` or `Expires`; 10m by default.
+    pub max_refresh: Option<ConfigDuration>,
+    /// How long one fetch of `jwks_url` may take, connecting to the last byte; 5s by default.
+    pub fetch_timeout: Option<ConfigDuration>,
     /// PEM public keys or HS256 secrets, each with its algorithm.
     #[serde(default)]
     #[schemars(with = "Vec<JwtKeyConfig>")]
     pub keys: Vec<Spanned<JwtKeyConfig>>,
+    /// Verified tokens remembered (by the SHA-256 of the token, until its `exp`, least
+    /// recently used out first) so that a token seen again skips the signature check;
+    /// 10000 by default, 0 turns the cache off.
+    pub token_cache: Option<u32>,
     /// Where the token is; `header:authorization` (`Bearer TOKEN`) by default.
     #[serde(default)]
     pub from: super::TokenFrom,

@@ -25,8 +25,13 @@ struct Header {
     kid: Option<String>,
 }
 
-/// The claims of `token` once every check passed, at time `now`.
-pub fn verify(verifier: &Verifier, token: &str, now: SystemTime) -> Result<Claims, Invalid> {
+/// The claims of `token` once every check passed with `keys`, at time `now`.
+pub fn verify(
+    verifier: &Verifier,
+    keys: &[Key],
+    token: &str,
+    now: SystemTime,
+) -> Result<Claims, Invalid> {
     if token.len() > MAX_TOKEN_BYTES {
         return Err(Invalid::Malformed);
     }
@@ -39,7 +44,7 @@ pub fn verify(verifier: &Verifier, token: &str, now: SystemTime) -> Result<Claim
     let header: Header = base64url(header.as_bytes())
         .and_then(|json| serde_json::from_slice(&json).ok())
         .ok_or(Invalid::Malformed)?;
-    let key = select_key(verifier, header.kid.as_deref())?;
+    let key = select_key(keys, header.kid.as_deref())?;
     // The key fixes the algorithm: `none`, or HS256 "signed" with a public key, never reach
     // a verification.
     if header.alg != key.algorithm.name() {
@@ -60,14 +65,13 @@ fn header_and_payload_len(token: &str) -> usize {
     token.rfind('.').unwrap_or(0)
 }
 
-fn select_key<'v>(verifier: &'v Verifier, kid: Option<&str>) -> Result<&'v Key, Invalid> {
+fn select_key<'k>(keys: &'k [Key], kid: Option<&str>) -> Result<&'k Key, Invalid> {
     match kid {
-        Some(kid) => verifier
-            .keys
+        Some(kid) => keys
             .iter()
             .find(|key| key.kid.as_deref() == Some(kid))
             .ok_or(Invalid::UnknownKey),
-        None => match verifier.keys.as_slice() {
+        None => match keys {
             [only] => Ok(only),
             _ => Err(Invalid::UnknownKey),
         },

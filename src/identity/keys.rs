@@ -72,6 +72,50 @@ pub fn verifier(config: &JwtConfig, file: &Path, field: &str) -> Result<Verifier
             "list at least one audience, none empty".to_owned(),
         ));
     }
+    let clock_skew = config
+        .clock_skew
+        .map_or(Duration::from_secs(30), |skew| skew.0);
+    let token_cache = config
+        .token_cache
+        .map_or(super::DEFAULT_TOKEN_CACHE, |n| n as usize);
+    let verifier = |keys: super::KeySource| {
+        Verifier::new(
+            config.name.value.clone(),
+            config.issuer.clone(),
+            config.audiences.value.clone(),
+            keys,
+            config.from.clone(),
+            clock_skew,
+            token_cache,
+        )
+    };
+    if let Some(url) = &config.jwks_url {
+        if config.jwks_file.is_some() || !config.keys.is_empty() {
+            return Err(invalid(
+                Position::from(url),
+                "jwks_url",
+                "`jwks_url` is exclusive with `jwks_file` and `keys`: a verifier's keys come \
+                 from one place"
+                    .to_owned(),
+            ));
+        }
+        let jwks = super::jwks::Jwks::from_config(config, url, file, field)?;
+        return Ok(verifier(super::KeySource::Fetched(jwks)));
+    }
+    for (name, set) in [
+        ("jwks_ca_file", config.jwks_ca_file.is_some()),
+        ("min_refresh", config.min_refresh.is_some()),
+        ("max_refresh", config.max_refresh.is_some()),
+        ("fetch_timeout", config.fetch_timeout.is_some()),
+    ] {
+        if set {
+            return Err(invalid(
+                at,
+                name,
+                format!("`{name}` is a setting of `jwks_url`, which this verifier does not have"),
+            ));
+        }
+    }
     let mut keys = Vec::new();
     if let Some(jwks) = &config.jwks_file {
         keys.extend(jwks_file(jwks, file, &format!("{field}.jwks_file"))?);
@@ -95,7 +139,7 @@ pub fn verifier(config: &JwtConfig, file: &Path, field: &str) -> Result<Verifier
         return Err(invalid(
             at,
             "jwks_file",
-            "a verifier needs keys: `jwks_file` (with at least one usable key) or `keys`"
+            "a verifier needs keys: `jwks_url`, `jwks_file` (with at least one usable key) or `keys`"
                 .to_owned(),
         ));
     }
@@ -107,16 +151,12 @@ pub fn verifier(config: &JwtConfig, file: &Path, field: &str) -> Result<Verifier
                 .to_owned(),
         ));
     }
-    Ok(Verifier {
-        name: config.name.value.clone(),
-        issuer: config.issuer.clone(),
-        audiences: config.audiences.value.clone(),
-        keys,
-        from: config.from.clone(),
-        clock_skew: config
-            .clock_skew
-            .map_or(Duration::from_secs(30), |skew| skew.0),
-    })
+    Ok(verifier(super::KeySource::Fixed(std::sync::Arc::new(
+        super::KeySet {
+            keys,
+            generation: 0,
+        },
+    ))))
 }
 
 fn read(
@@ -321,32 +361,79 @@ fn jwks_file(
             format!("{}: {message}", resolved.display()),
         )
     };
-    let set: Value = serde_json::from_slice(&bytes)
-        .map_err(|err| unusable(format!("not a JSON JWK set: {err}")))?;
+    parse_jwk_set(&bytes, Unusable::Refuse)
+        .map(|(keys, _)| keys)
+        .map_err(unusable)
+}
+
+/// What a JWK set does with a key sluice cannot verify with (another `use`, type, curve or
+/// `alg`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unusable {
+    /// A file's set is refused whole: its operator rotated in a key sluice cannot use and
+    /// hears it at once.
+    Refuse,
+    /// A URL's set is the identity provider's, published for every client: an encryption
+    /// key (Keycloak publishes an `RSA-OAEP` one beside its signing keys) or a type sluice
+    /// does not verify is left out, and the set is refused only if no key is left.
+    Skip,
+}
+
+/// Every key of the JWK set in `bytes`, and the keys left out (`Unusable::Skip`: their
+/// index and why), or what is wrong with it: not JSON, no `keys`, a key sluice cannot use
+/// (`Unusable::Refuse`), two keys of one kid, no usable key. The same reading for a file
+/// and for a set fetched from a URL.
+pub fn parse_jwk_set(bytes: &[u8], unusable: Unusable) -> Result<(Vec<Key>, Vec<String>), String> {
+    let set: Value =
+        serde_json::from_slice(bytes).map_err(|err| format!("not a JSON JWK set: {err}"))?;
     let keys = set
         .get("keys")
         .and_then(Value::as_array)
-        .ok_or_else(|| unusable("a JWK set is an object with a `keys` array".to_owned()))?;
+        .ok_or_else(|| "a JWK set is an object with a `keys` array".to_owned())?;
     let mut parsed: Vec<Key> = Vec::with_capacity(keys.len());
+    let mut skipped = Vec::new();
+    // The index in `keys` of each parsed key, for the message of a repeated kid.
+    let mut indices: Vec<usize> = Vec::with_capacity(keys.len());
     for (index, jwk) in keys.iter().enumerate() {
-        let key = jwk_key(jwk).map_err(|message| unusable(format!("keys[{index}]: {message}")))?;
+        let key = match (jwk_key(jwk), unusable) {
+            (Ok(key), _) => key,
+            (Err(message), Unusable::Skip) => {
+                skipped.push(format!("keys[{index}]: {message}"));
+                continue;
+            }
+            (Err(message), Unusable::Refuse) => return Err(format!("keys[{index}]: {message}")),
+        };
         // Two keys of one kid: a rotation that reused the kid would leave the first (usually
         // the old) key verifying every token that names it, the new one never.
         if let Some(kid) = key.kid.as_deref() {
             if let Some(first) = parsed.iter().position(|k| k.kid.as_deref() == Some(kid)) {
-                return Err(unusable(format!(
-                    "keys[{first}] and keys[{index}] both have the `kid` `{kid}`: a token naming \
+                return Err(format!(
+                    "keys[{}] and keys[{index}] both have the `kid` `{kid}`: a token naming \
                      it could be checked against either; give each key its own kid (the last \
-                     good keys keep serving)"
-                )));
+                     good keys keep serving)",
+                    indices[first]
+                ));
             }
         }
+        indices.push(index);
         parsed.push(key);
     }
     if parsed.is_empty() {
-        return Err(unusable("the JWK set has no keys".to_owned()));
+        return Err(match skipped.as_slice() {
+            [] => "the JWK set has no keys".to_owned(),
+            _ => format!(
+                "the JWK set has no key sluice can verify with ({})",
+                skipped.join("; ")
+            ),
+        });
     }
-    Ok(parsed)
+    if parsed.len() > 1 && parsed.iter().any(|key| key.kid.is_none()) {
+        return Err(
+            "with several keys, each needs a `kid` (a token names the key it was signed with)"
+                .to_owned(),
+        );
+    }
+    Ok((parsed, skipped))
 }
 
 fn jwk_key(jwk: &Value) -> Result<Key, String> {

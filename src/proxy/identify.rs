@@ -1,7 +1,10 @@
 //! The identify phase, between route and plan: on a route with `jwt:`, the request's token is
 //! verified (`crate::identity`) and its claims handed to plan, the only way a `jwt:` key part
 //! or condition sees a claim. A missing or invalid token is counted by reason and gets the
-//! route's `on_invalid`: a 401 `Stop`, or no claims (the anonymous client's limits).
+//! route's `on_invalid`: a 401 `Stop`, or no claims (the anonymous client's limits). A
+//! `jwks_url` verifier that has no keys yet (no fetch has succeeded since start) can judge
+//! no token: its routes answer 503 whatever their `on_invalid`, rather than let every
+//! request through as anonymous or refuse valid tokens as invalid.
 
 use std::time::SystemTime;
 
@@ -9,7 +12,7 @@ use http::HeaderMap;
 use prometheus::IntCounterVec;
 
 use super::Stop;
-use crate::identity::{self, Claims, Invalid, OnInvalid};
+use crate::identity::{Claims, Failure, Invalid, OnInvalid};
 use crate::policy::Route;
 
 /// The claims of the request's verified token; `None` on a route without `jwt:` or, on an
@@ -25,12 +28,13 @@ pub fn identify(
         return Ok(None);
     };
     let verified = match jwt.verifier.token(headers) {
-        Some(token) => identity::verify(&jwt.verifier, token, now),
-        None => Err(Invalid::Missing),
+        Some(token) => jwt.verifier.verify(token, now),
+        None => Err(Failure::Invalid(Invalid::Missing)),
     };
     match verified {
         Ok(claims) => Ok(Some(claims)),
-        Err(reason) => {
+        Err(Failure::NoKeys) => Err(Stop::KeysUnavailable),
+        Err(Failure::Invalid(reason)) => {
             invalid
                 .with_label_values(&[route.name.as_str(), reason.label()])
                 .inc();

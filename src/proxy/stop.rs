@@ -48,6 +48,8 @@ pub enum Stop {
     TooManyHeld { delay: Duration },
     /// The store cannot decide and the route's `on_store_error` is `deny` (503).
     StoreUnavailable,
+    /// The route's `jwks_url` verifier has no keys yet: no token can be judged (503).
+    KeysUnavailable,
     /// The upstream failed.
     Upstream { error: ForwardError, upstream: Name },
     /// sluice has no way to act on an admitted request.
@@ -71,7 +73,7 @@ impl Stop {
             Stop::Limited | Stop::TooManyHeld { .. } | Stop::Busy { .. } => Fault::Limit,
             Stop::StoreUnavailable => Fault::Store,
             Stop::Upstream { .. } => Fault::Upstream,
-            Stop::Internal(_) => Fault::Sluice,
+            Stop::Internal(_) | Stop::KeysUnavailable => Fault::Sluice,
         }
     }
 
@@ -84,7 +86,9 @@ impl Stop {
             Stop::Body(BodyFault::TooSlow) => StatusCode::REQUEST_TIMEOUT,
             Stop::Body(BodyFault::Malformed) => StatusCode::BAD_REQUEST,
             Stop::Limited | Stop::TooManyHeld { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Stop::StoreUnavailable | Stop::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Stop::StoreUnavailable | Stop::Busy { .. } | Stop::KeysUnavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Stop::Upstream { error, .. } => match error {
                 ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
                 _ => StatusCode::BAD_GATEWAY,
@@ -136,6 +140,10 @@ impl Stop {
             }
             Stop::Upstream { error, .. } => error.to_string(),
             Stop::Internal(what) => (*what).to_owned(),
+            Stop::KeysUnavailable => "keys not yet available: this route's JWT verifier has not \
+                fetched its jwks_url successfully since sluice started; the request was not \
+                forwarded"
+                .to_owned(),
         }
     }
 }

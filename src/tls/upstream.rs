@@ -95,19 +95,8 @@ impl UpstreamTls {
             return Ok(None);
         }
         let mut fingerprint = Sha256::new();
-        let roots = match &upstream.ca_file {
-            Some(ca) => {
-                let path = super::resolve(file, &ca.value);
-                let pem = files::read(&path).map_err(|e| invalid("ca_file", ca, e.to_string()))?;
-                fingerprint.update(b"ca");
-                fingerprint.update(Sha256::digest(&pem));
-                files::roots(&path, &pem).map_err(|e| invalid("ca_file", ca, e.to_string()))?
-            }
-            None => {
-                fingerprint.update(b"builtin");
-                builtin_roots()
-            }
-        };
+        let roots = roots(upstream.ca_file.as_ref(), file, &mut fingerprint)
+            .map_err(|(at, message)| invalid("ca_file", at, message))?;
         let builder = ClientConfig::builder_with_provider(super::provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| {
@@ -171,6 +160,49 @@ impl UpstreamTls {
             fingerprint: fingerprint.finalize().into(),
         }))
     }
+}
+
+/// The roots `ca` names (a PEM file relative to `file`), or the built-in ones; their
+/// contents added to `fingerprint`. An error: the field's position and what is wrong.
+fn roots<'a>(
+    ca: Option<&'a Spanned<std::path::PathBuf>>,
+    file: &Path,
+    fingerprint: &mut Sha256,
+) -> Result<RootCertStore, (&'a Spanned<std::path::PathBuf>, String)> {
+    match ca {
+        Some(ca) => {
+            let path = super::resolve(file, &ca.value);
+            let pem = files::read(&path).map_err(|e| (ca, e.to_string()))?;
+            fingerprint.update(b"ca");
+            fingerprint.update(Sha256::digest(&pem));
+            files::roots(&path, &pem).map_err(|e| (ca, e.to_string()))
+        }
+        None => {
+            fingerprint.update(b"builtin");
+            Ok(builtin_roots())
+        }
+    }
+}
+
+/// The client config of a fetch sluice makes itself (a verifier's `jwks_url`): the same
+/// trust as an upstream's (`ca_file`, else the built-in Mozilla roots), no client
+/// certificate, HTTP/1.1 through ALPN; and its fingerprint. `field` names the CA setting in
+/// errors.
+pub fn fetch_client(
+    ca: Option<&Spanned<std::path::PathBuf>>,
+    file: &Path,
+    field: &str,
+) -> Result<(Arc<ClientConfig>, [u8; 32]), ConfigError> {
+    let mut fingerprint = Sha256::new();
+    let roots = roots(ca, file, &mut fingerprint)
+        .map_err(|(at, message)| ConfigError::invalid(file, Position::from(at), field, message))?;
+    let mut config = ClientConfig::builder_with_provider(super::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ConfigError::invalid(file, Position::default(), field, e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok((Arc::new(config), fingerprint.finalize().into()))
 }
 
 /// The Mozilla root CAs compiled into sluice (webpki-roots): the same set wherever sluice

@@ -18,8 +18,8 @@ use serde_json::{json, Value};
 
 use support::{metric_sum, parse_metrics, redis_store_yaml, replace_file, Redis, Sluice};
 
-const ISSUER: &str = "https://auth.test/";
-const AUDIENCE: &str = "api.test";
+pub(crate) const ISSUER: &str = "https://auth.test/";
+pub(crate) const AUDIENCE: &str = "api.test";
 
 fn b64(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
@@ -47,14 +47,14 @@ enum Material {
 }
 
 /// A key that signs test tokens, and its public half as a JWK.
-struct Signer {
+pub(crate) struct Signer {
     kid: String,
     alg: &'static str,
     material: Material,
 }
 
 impl Signer {
-    fn rsa(kid: &str, n: u8) -> Signer {
+    pub(crate) fn rsa(kid: &str, n: u8) -> Signer {
         let pem = std::fs::read(support_file(&format!("rsa-{n}.key.pem"))).expect("test key");
         let der = PrivatePkcs8KeyDer::from_pem_slice(&pem).expect("PKCS#8");
         let key = RsaKeyPair::from_pkcs8(der.secret_pkcs8_der()).expect("RSA key");
@@ -65,7 +65,7 @@ impl Signer {
         }
     }
 
-    fn ec(kid: &str) -> Signer {
+    pub(crate) fn ec(kid: &str) -> Signer {
         let rng = SystemRandom::new();
         let alg = &signature::ECDSA_P256_SHA256_FIXED_SIGNING;
         let pkcs8 = EcdsaKeyPair::generate_pkcs8(alg, &rng).expect("generate");
@@ -95,7 +95,7 @@ impl Signer {
         }
     }
 
-    fn jwk(&self) -> Value {
+    pub(crate) fn jwk(&self) -> Value {
         match &self.material {
             Material::Rsa(key) => {
                 let parts: signature::RsaPublicKeyComponents<Vec<u8>> = key.public().into();
@@ -114,7 +114,7 @@ impl Signer {
     }
 
     /// A token of `claims` with this key's `kid` and algorithm.
-    fn token(&self, claims: &Value) -> String {
+    pub(crate) fn token(&self, claims: &Value) -> String {
         self.token_with(
             &json!({"alg": self.alg, "kid": self.kid, "typ": "JWT"}),
             claims,
@@ -156,7 +156,7 @@ impl Signer {
     }
 }
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .expect("after 1970")
@@ -164,11 +164,11 @@ fn now() -> u64 {
 }
 
 /// Claims that pass every check, for `sub`.
-fn claims(sub: Value) -> Value {
+pub(crate) fn claims(sub: Value) -> Value {
     json!({"iss": ISSUER, "aud": AUDIENCE, "sub": sub, "iat": now(), "exp": now() + 600})
 }
 
-fn with(mut claims: Value, name: &str, value: Value) -> Value {
+pub(crate) fn with(mut claims: Value, name: &str, value: Value) -> Value {
     claims[name] = value;
     claims
 }

@@ -33,6 +33,7 @@ mod grpc;
 mod hostile_requests;
 mod identities;
 mod ipv6_prefixes;
+mod jwks_url;
 mod jwt_identities;
 mod key_expiry;
 mod limits;

@@ -344,9 +344,59 @@ impl Redis {
     }
 }
 
+impl Redis {
+    /// The keys of db 0 that have no expiry (`PTTL` -1), read with a blocking connection;
+    /// empty when the server is not running or does not answer.
+    fn keys_without_expiry(&self) -> Vec<String> {
+        if self.child.is_none() {
+            return Vec::new();
+        }
+        let Ok(client) = redis::Client::open(self.url()) else {
+            return Vec::new();
+        };
+        let Ok(mut con) = client.get_connection_with_timeout(Duration::from_secs(1)) else {
+            return Vec::new();
+        };
+        let _ = con.set_read_timeout(Some(Duration::from_secs(2)));
+        let mut cursor: u64 = 0;
+        let mut immortal = Vec::new();
+        loop {
+            let Ok((next, batch)) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(1000)
+                .query::<(u64, Vec<String>)>(&mut con)
+            else {
+                return immortal;
+            };
+            for key in batch {
+                if redis::cmd("PTTL").arg(&key).query::<i64>(&mut con) == Ok(-1) {
+                    immortal.push(key);
+                }
+            }
+            if next == 0 {
+                return immortal;
+            }
+            cursor = next;
+        }
+    }
+}
+
+/// Every test that used a Redis ends with the check that no key sluice wrote outlives its
+/// window: a key without an expiry fails the test that left it (unless it already failed).
 impl Drop for Redis {
     fn drop(&mut self) {
+        let immortal = if std::thread::panicking() {
+            Vec::new()
+        } else {
+            self.keys_without_expiry()
+        };
         self.stop();
+        assert!(
+            immortal.is_empty(),
+            "redis on port {}: keys left without an expiry: {immortal:?}",
+            self.port
+        );
     }
 }
 
