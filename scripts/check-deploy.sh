@@ -10,7 +10,8 @@
 #   - the Grafana dashboard is JSON (its queries run against a real Prometheus in
 #     tests/it/prometheus.rs);
 #   - every sluice policy in config/, deploy/ (including those inside ConfigMaps) and the
-#     README's complete examples with `sluice check` and against config/sluice.schema.json, and
+#     complete examples of the book (docs/src) and the README with `sluice check` and against
+#     config/sluice.schema.json, and
 #     policies `sluice check` refuses must be refused by the schema too.
 # Installs promtool with apt-get and the Python checkers into target/ci-tools when missing.
 set -euo pipefail
@@ -82,18 +83,26 @@ policies=$(mktemp -d)
 trap 'rm -rf "$policies"' EXIT
 # With the key files the policies name beside them (public-api.yaml's JWK set).
 cp config/*.yaml config/*.jwks.json deploy/sluice.container.yaml "$policies/"
-# The policies inside the ConfigMaps, and the README's complete examples (a YAML block with
-# top-level `listen:` and `routes:`), each written out as a file of its own.
+# And the files the book's examples name (its JWT example's keys).
+cp -r docs/fixtures/. "$policies/"
+# The policies inside the ConfigMaps, and the complete examples of the book and the README
+# (a ```yaml block with top-level `listen:` and `routes:`, not marked `yaml,refused`), each
+# written out as a file of its own. scripts/book.sh runs `sluice check` on every example too;
+# here they also meet the JSON Schema.
 "$tools/bin/python" - "$policies" "${manifests[@]}" <<'PY'
-import os, re, sys, yaml
+import glob, os, re, sys, yaml
 out, paths = sys.argv[1], sys.argv[2:]
-with open("README.md") as f:
-    blocks = re.findall(r"```yaml\n(.*?)```", f.read(), re.S)
-complete = [b for b in blocks if re.search(r"^listen:", b, re.M) and re.search(r"^routes:", b, re.M)]
+complete = []
+for source in ["README.md"] + sorted(glob.glob("docs/src/**/*.md", recursive=True)):
+    with open(source) as f:
+        blocks = re.findall(r"^```yaml\n(.*?)^```", f.read(), re.S | re.M)
+    complete += [(source, b) for b in blocks
+                 if re.search(r"^listen:", b, re.M) and re.search(r"^routes:", b, re.M)]
 if not complete:
-    sys.exit("no complete policy example found in README.md")
-for n, text in enumerate(complete, 1):
-    with open(os.path.join(out, f"README-{n}.yaml"), "w") as g:
+    sys.exit("no complete policy example found in README.md or docs/src")
+for n, (source, text) in enumerate(complete, 1):
+    name = re.sub(r"[^A-Za-z0-9]+", "-", source)
+    with open(os.path.join(out, f"{name}-{n}.yaml"), "w") as g:
         g.write(text)
 for path in paths:
     with open(path) as f:

@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""Checks of the book in docs/ (run by scripts/book.sh after `mdbook build`), standard library only.
+
+- links:    every relative link in the built HTML leads to a page that exists, and its #anchor
+            to an element with that id there. Links out (http, https, mailto) are not fetched.
+- examples: every ```yaml block of the book's sources (and of README.md) is a whole policy that
+            the real `sluice check` accepts. A block meant to be refused says so in its info
+            string (```yaml,refused) and must be refused (exit 1 and an `error:` line); a block
+            that is not a whole policy says ```yaml,fragment and is only counted. Each example
+            is checked in a folder of its own, beside copies of the files in docs/fixtures/
+            (the key files an example names).
+- files:    every relative link of README.md (and the other --also files) leads to a file.
+- schema:   every field of config/sluice.schema.json appears in the policy file's reference
+            page as a code span spelled like `routes[].limits[].window` or `upstreams.<name>.url`.
+
+Exit status 1 with one line per fault; 0 with a summary line per check.
+"""
+
+import argparse
+import html.parser
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.parse
+
+FENCE = re.compile(r"^([ \t]*)(```+|~~~+)[ \t]*([^\n`]*)$")
+
+
+class Page(html.parser.HTMLParser):
+    """The ids an HTML page defines and the links it makes."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.ids = set()
+        self.links = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        for name in ("id", "name") if tag == "a" else ("id",):
+            if attrs.get(name):
+                self.ids.add(attrs[name])
+        if tag == "a" and attrs.get("href") is not None:
+            self.links.append((attrs["href"], self.getpos()[0]))
+
+
+def check_links(html_root):
+    pages = {}
+    for folder, _, files in os.walk(html_root):
+        for name in files:
+            if name.endswith(".html"):
+                path = os.path.normpath(os.path.join(folder, name))
+                page = Page()
+                with open(path, encoding="utf-8") as f:
+                    page.feed(f.read())
+                pages[path] = page
+    faults, checked, outside = [], 0, 0
+    for path, page in sorted(pages.items()):
+        # The print page repeats every page's links, rewritten; the pages themselves are checked.
+        if os.path.basename(path) == "print.html":
+            continue
+        for href, line in page.links:
+            parts = urllib.parse.urlsplit(href)
+            if parts.scheme or href.startswith("//"):
+                outside += 1
+                continue
+            if href in ("", "#") or href.startswith("javascript:"):
+                continue
+            checked += 1
+            target = path
+            if parts.path:
+                target = os.path.normpath(
+                    os.path.join(os.path.dirname(path), urllib.parse.unquote(parts.path))
+                )
+                if os.path.isdir(target):
+                    target = os.path.join(target, "index.html")
+            where = f"{os.path.relpath(path, html_root)}:{line}"
+            if target.endswith(".html"):
+                if target not in pages:
+                    faults.append(f"{where}: link `{href}`: no page {os.path.relpath(target, html_root)}")
+                    continue
+                anchor = urllib.parse.unquote(parts.fragment)
+                if anchor and anchor not in pages[target].ids:
+                    faults.append(
+                        f"{where}: link `{href}`: no anchor #{anchor} in "
+                        f"{os.path.relpath(target, html_root)}"
+                    )
+            elif not os.path.exists(target):
+                faults.append(f"{where}: link `{href}`: no file {os.path.relpath(target, html_root)}")
+    return faults, f"links: {checked} internal links and anchors resolve ({outside} links out, not fetched)"
+
+
+def check_file_links(paths):
+    """Relative links of Markdown files read outside the book (README.md) lead to files that exist."""
+    faults, checked = [], 0
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            parts = urllib.parse.urlsplit(target)
+            if parts.scheme or not parts.path:
+                continue
+            checked += 1
+            if not os.path.exists(os.path.join(os.path.dirname(path), parts.path)):
+                faults.append(f"{path}: link `{target}`: no file {parts.path}")
+    return faults, f"files: {checked} links of {', '.join(paths) or 'no file'} lead to files that exist"
+
+
+def fenced_blocks(path):
+    """(first line, info string, text) of each fenced code block of a Markdown file."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    blocks, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, info = m.group(1), m.group(2), m.group(3).strip()
+        body, j = [], i + 1
+        while j < len(lines) and not re.match(
+            r"^[ \t]*" + re.escape(fence[0]) + "{" + str(len(fence)) + r",}[ \t]*$", lines[j]
+        ):
+            line = lines[j]
+            body.append(line[len(indent):] if line.startswith(indent) else line.lstrip())
+            j += 1
+        blocks.append((i + 1, info, "\n".join(body) + "\n"))
+        i = j + 1
+    return blocks
+
+
+def check_examples(sources, sluice, fixtures):
+    faults, whole, refused, fragments = [], 0, 0, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, (path, line, info, text) in enumerate(
+            (path, line, info, text)
+            for path in sources
+            for line, info, text in fenced_blocks(path)
+        ):
+            words = [w.strip() for w in info.split(",")]
+            if words[0] not in ("yaml", "yml"):
+                continue
+            where = f"{path}:{line}"
+            unknown = set(words[1:]) - {"refused", "fragment"}
+            if unknown:
+                faults.append(f"{where}: unknown marker {sorted(unknown)} (yaml, yaml,refused or yaml,fragment)")
+                continue
+            if "fragment" in words:
+                fragments.append(where)
+                continue
+            folder = os.path.join(tmp, f"example-{n}")
+            if fixtures and os.path.isdir(fixtures):
+                shutil.copytree(fixtures, folder)
+            else:
+                os.makedirs(folder)
+            policy = os.path.join(folder, "policy.yaml")
+            with open(policy, "w", encoding="utf-8") as f:
+                f.write(text)
+            run = subprocess.run(
+                [sluice, "check", "--config", policy], capture_output=True, text=True, timeout=60
+            )
+            said = (run.stderr.strip().splitlines() or [""])[-1].replace(policy, "EXAMPLE")
+            if "refused" in words:
+                refused += 1
+                if run.returncode == 1 and "error:" in run.stderr:
+                    print(f"{where}: refused as marked: {said}")
+                else:
+                    faults.append(
+                        f"{where}: marked refused, but `sluice check` exited {run.returncode}"
+                        f" ({said or run.stdout.strip()})"
+                    )
+            else:
+                whole += 1
+                if run.returncode != 0:
+                    faults.append(f"{where}: `sluice check` refused it: {said}")
+    summary = (
+        f"examples: {whole} whole policies accepted and {refused} refused as marked by "
+        f"`sluice check`; {len(fragments)} fragments not checked"
+        + (f" ({', '.join(fragments)})" if fragments else "")
+    )
+    return faults, summary
+
+
+def schema_fields(schema):
+    """Every field path of the policy's JSON Schema, spelled as the reference spells it."""
+    definitions = schema.get("definitions", {}) | schema.get("$defs", {})
+
+    def resolve(node, seen):
+        """The object schemas a node can be (through $ref, anyOf, oneOf, allOf)."""
+        if not isinstance(node, dict):
+            return []
+        ref = node.get("$ref")
+        if ref:
+            name = ref.rsplit("/", 1)[-1]
+            if name in seen:
+                return []
+            return resolve(definitions[name], seen | {name})
+        found = [node]
+        for key in ("anyOf", "oneOf", "allOf"):
+            for variant in node.get(key, []):
+                found += resolve(variant, seen)
+        return found
+
+    paths = []
+
+    def walk(node, prefix, seen):
+        for variant in resolve(node, seen):
+            for name, child in variant.get("properties", {}).items():
+                path = f"{prefix}.{name}" if prefix else name
+                paths.append(path)
+                walk(child, path, seen)
+            if isinstance(variant.get("items"), dict):
+                walk(variant["items"], prefix + "[]", seen)
+            # A map by name: `upstreams.<name>.url`.
+            values = list(variant.get("patternProperties", {}).values())
+            extra = variant.get("additionalProperties")
+            if isinstance(extra, dict) and not variant.get("properties"):
+                values.append(extra)
+            for value in values:
+                paths.append(prefix + ".<name>")
+                walk(value, prefix + ".<name>", seen)
+
+    walk(schema, "", frozenset())
+    return sorted(set(paths))
+
+
+def check_schema(schema_path, reference):
+    with open(schema_path, encoding="utf-8") as f:
+        fields = schema_fields(json.load(f))
+    with open(reference, encoding="utf-8") as f:
+        spans = set(re.findall(r"`([^`\n]+)`", f.read()))
+    missing = [field for field in fields if field not in spans]
+    faults = [f"{reference}: the schema's field `{field}` is not in the reference" for field in missing]
+    # And the other way: a row of the reference's field table names a field the schema has.
+    with open(reference, encoding="utf-8") as f:
+        rows = re.findall(r"^\| `([^`]+)` \|", f.read(), re.M)
+    faults += [
+        f"{reference}: the row `{row}` names no field of the schema (renamed or removed?)"
+        for row in rows
+        if row not in fields
+    ]
+    faults += [
+        f"{reference}: the field `{row}` has {rows.count(row)} rows"
+        for row in sorted(set(rows))
+        if rows.count(row) > 1
+    ]
+    return faults, (
+        f"schema: all {len(fields)} fields of {schema_path} are in {reference}, "
+        f"and its {len(rows)} field rows are all in the schema"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--html", required=True, help="the built book (docs/book)")
+    parser.add_argument("--src", required=True, help="the book's Markdown (docs/src)")
+    parser.add_argument("--sluice", required=True, help="the sluice binary")
+    parser.add_argument("--fixtures", help="files copied beside each example")
+    parser.add_argument("--schema", required=True, help="config/sluice.schema.json")
+    parser.add_argument("--reference", required=True, help="the policy file's reference page")
+    parser.add_argument("--also", nargs="*", default=[], help="more Markdown files with examples")
+    args = parser.parse_args()
+
+    sources = sorted(
+        os.path.join(folder, name)
+        for folder, _, files in os.walk(args.src)
+        for name in files
+        if name.endswith(".md")
+    ) + args.also
+    faults = []
+    for fault_list, summary in (
+        check_links(args.html),
+        check_examples(sources, args.sluice, args.fixtures),
+        check_schema(args.schema, args.reference),
+        check_file_links(args.also),
+    ):
+        faults += fault_list
+        if not fault_list:
+            print(summary)
+    for fault in faults:
+        print(fault, file=sys.stderr)
+    return 1 if faults else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
