@@ -40,7 +40,7 @@ use crate::tls::stream::{Accepted, MaybeTls};
 /// `net.core.somaxconn`.
 const LISTEN_BACKLOG: u32 = 1024;
 
-/// Binds a listener on `addr` with [`LISTEN_BACKLOG`].
+/// Binds a listener on `addr` with a backlog of 1024 connections (`LISTEN_BACKLOG`).
 pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     bind_socket(addr, false)
 }
