@@ -259,14 +259,6 @@ const STORE_BUCKETS: &[f64] = &[
 ];
 
 impl Metrics {
-    /// The handles a `jwks_url` fetcher counts into.
-    pub fn jwks(&self) -> crate::identity::jwks::JwksMetrics {
-        crate::identity::jwks::JwksMetrics {
-            fetches: self.jwks_fetches.clone(),
-            age: self.jwks_keys_age.clone(),
-        }
-    }
-
     pub fn new() -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
         let requests = IntCounterVec::new(

@@ -15,7 +15,7 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -88,6 +88,33 @@ pub fn bind_workers(addr: SocketAddr, workers: usize) -> io::Result<Vec<std::net
 pub struct ConnectionHold {
     pub idle_timeout: Duration,
     pub hold: Arc<dyn Send + Sync>,
+}
+
+/// The streams of one HTTP/2 connection reading a body whole now: put in each HTTP/2
+/// request's extensions here, counted by the token flow (`proxy::tokens`), shared by the connection's streams. (An HTTP/1.1
+/// connection reads one request at a time, so it needs none.)
+#[derive(Clone, Default)]
+pub struct ConnectionReaders(Arc<AtomicUsize>);
+
+impl ConnectionReaders {
+    /// A place for one more reader if fewer than `most` read now.
+    pub fn enter(&self, most: usize) -> Option<Reader> {
+        self.0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+                (now < most).then_some(now + 1)
+            })
+            .ok()?;
+        Some(Reader(Arc::clone(&self.0)))
+    }
+}
+
+/// One stream's place among its connection's readers, given back when dropped.
+pub struct Reader(Arc<AtomicUsize>);
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// How one listener treats its connections, from `server:` in the config.
@@ -243,7 +270,7 @@ pub async fn serve<H, F, B>(
         };
         // The streams of this connection reading a body whole (HTTP/2 only: an HTTP/1.1
         // connection reads one request at a time).
-        let readers = crate::proxy::ConnectionReaders::default();
+        let readers = ConnectionReaders::default();
         let service = {
             let first_request = Arc::clone(&first_request);
             service_fn(move |mut request: Request<Incoming>| {
@@ -402,3 +429,18 @@ impl ConnectionCloser {
 
 /// A client connection that notes when it last read or wrote a byte, for the idle timeout.
 type Watched = StampedIo<TcpStream>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readers_per_connection_are_bounded() {
+        let readers = ConnectionReaders::default();
+        let one = readers.enter(2).expect("first");
+        let _two = readers.enter(2).expect("second");
+        assert!(readers.enter(2).is_none(), "a third is refused");
+        drop(one);
+        assert!(readers.enter(2).is_some(), "a place came back");
+    }
+}

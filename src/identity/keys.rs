@@ -52,8 +52,15 @@ pub struct Key {
     pub material: Material,
 }
 
-/// Builds the verifier of `config`, reading its files (relative to `file`).
-pub fn verifier(config: &JwtConfig, file: &Path, field: &str) -> Result<Verifier, ConfigError> {
+/// Builds the verifier of `config`, reading its files (relative to `file`). The keys of a
+/// `jwks_url` come from `fetched`, which the caller gives (the fetcher, `super::jwks`, reads
+/// JWK sets with this module's parser: this module does not name it back).
+pub fn verifier(
+    config: &JwtConfig,
+    file: &Path,
+    field: &str,
+    fetched: impl FnOnce(&Spanned<String>) -> Result<super::KeySource, ConfigError>,
+) -> Result<Verifier, ConfigError> {
     let at = Position::from(&config.name);
     let invalid = |position: Position, name: &str, message: String| {
         ConfigError::invalid(file, position, format!("{field}.{name}"), message)
@@ -99,8 +106,7 @@ pub fn verifier(config: &JwtConfig, file: &Path, field: &str) -> Result<Verifier
                     .to_owned(),
             ));
         }
-        let jwks = super::jwks::Jwks::from_config(config, url, file, field)?;
-        return Ok(verifier(super::KeySource::Fetched(jwks)));
+        return Ok(verifier(fetched(url)?));
     }
     for (name, set) in [
         ("jwks_ca_file", config.jwks_ca_file.is_some()),

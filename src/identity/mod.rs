@@ -362,7 +362,11 @@ impl Verifiers {
                     format!("duplicate verifier name `{}`", config.name.value),
                 ));
             }
-            let verifier = keys::verifier(config, file, &field)?;
+            let verifier = keys::verifier(config, file, &field, |url| {
+                Ok(KeySource::Fetched(jwks::Jwks::from_config(
+                    config, url, file, &field,
+                )?))
+            })?;
             by_name.insert(config.name.value.clone(), Arc::new(verifier));
         }
         Ok(Verifiers { by_name })

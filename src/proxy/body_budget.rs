@@ -7,7 +7,7 @@
 //! connection read a body whole at once (`server.token_bodies_per_connection`). Either one
 //! exhausted refuses the request with 503 and `Retry-After`, counted by reason.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Bytes held by bodies read whole, across the process, and the most that may be.
@@ -85,33 +85,6 @@ impl Drop for Held {
     }
 }
 
-/// The streams of one HTTP/2 connection reading a body whole now: put in each HTTP/2
-/// request's extensions by the server, shared by the connection's streams. (An HTTP/1.1
-/// connection reads one request at a time, so it needs none.)
-#[derive(Clone, Default)]
-pub struct ConnectionReaders(Arc<AtomicUsize>);
-
-impl ConnectionReaders {
-    /// A place for one more reader if fewer than `most` read now.
-    pub fn enter(&self, most: usize) -> Option<Reader> {
-        self.0
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
-                (now < most).then_some(now + 1)
-            })
-            .ok()?;
-        Some(Reader(Arc::clone(&self.0)))
-    }
-}
-
-/// One stream's place among its connection's readers, given back when dropped.
-pub struct Reader(Arc<AtomicUsize>);
-
-impl Drop for Reader {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,15 +102,5 @@ mod tests {
         assert!(b.grow_to(100), "a's 60 came back");
         drop(b);
         assert_eq!(budget.held.load(Ordering::Acquire), 0);
-    }
-
-    #[test]
-    fn readers_per_connection_are_bounded() {
-        let readers = ConnectionReaders::default();
-        let one = readers.enter(2).expect("first");
-        let _two = readers.enter(2).expect("second");
-        assert!(readers.enter(2).is_none(), "a third is refused");
-        drop(one);
-        assert!(readers.enter(2).is_some(), "a place came back");
     }
 }

@@ -41,7 +41,6 @@ use http::header::{HeaderValue, CONTENT_TYPE};
 use http::{Method, Request, Response, Uri};
 use hyper::body::Incoming;
 
-pub use self::body_budget::ConnectionReaders;
 use self::decide::Decided;
 pub use self::finish::Answered;
 use self::finish::Finisher;

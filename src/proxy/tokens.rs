@@ -32,7 +32,7 @@ use http_body::{Body, Frame, SizeHint};
 
 use std::time::Duration;
 
-use super::body_budget::{BodyBudget, ConnectionReaders};
+use super::body_budget::BodyBudget;
 use super::decide::Decided;
 use super::finish::Answered;
 use super::forward::ForwardError;
@@ -47,6 +47,7 @@ use crate::metrics::Refusal;
 use crate::metrics::{Outcome, TokenMetrics};
 use crate::plan::Plan;
 use crate::policy::Route;
+use crate::server::ConnectionReaders;
 
 /// The most body bytes to read before deciding, when a token limit applies to the request
 /// (`plan`, its limits that read the body's `model` included): the smallest of the route's
