@@ -196,7 +196,11 @@ impl Gateway {
             None => ClientBody::Streaming(body),
             Some(limit) => {
                 tokens::refuse_upgrade(route, &head)?;
-                Box::pin(tokens::check_room(&self.store, &plan, exchange)).await?;
+                if let Err(stop) = Box::pin(tokens::check_room(&self.store, &plan, exchange)).await
+                {
+                    Box::pin(tokens::drain_refused(head.version, body)).await;
+                    return Err(stop);
+                }
                 let body = Box::pin(tokens::read_body(
                     route,
                     limit,

@@ -370,6 +370,31 @@ async fn exhausted_identity_is_refused_unread(kind: StoreKind) {
     assert!(started.elapsed() < Duration::from_secs(5));
     assert_eq!(upstream.bodies().len(), forwarded, "nothing was forwarded");
     driver.abort();
+
+    // Over HTTP/1.1, a small body is read and dropped before the refusal, even when it
+    // arrives after the head: the connection stays open for the next request. Refused with
+    // its body unread, the connection would be closed after the 429, and a client that
+    // reuses it (it did not say `close`) would lose its next request (seen:
+    // "connection closed before message completed").
+    let mut wire = support::wire::Wire::connect(sluice.addr()).await;
+    let body = body_reserving("fake-1", 1000, &json!({"mode": "none"}));
+    for n in 0..10 {
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-api-key: spent\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        let sent = async {
+            wire.send(head.as_bytes()).await?;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            wire.send(body.as_bytes()).await
+        };
+        sent.await
+            .unwrap_or_else(|e| panic!("request {n} on the kept connection: {e}"));
+        let answer = wire.response(Duration::from_secs(5)).await;
+        assert_eq!(answer.status, 429, "request {n} on the kept connection");
+    }
+    assert!(!wire.is_closed(), "the connection is kept");
+    assert_eq!(upstream.bodies().len(), forwarded, "nothing was forwarded");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
