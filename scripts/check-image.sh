@@ -27,15 +27,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 
-install_if_missing() {
-  local command=$1 package=$2
-  if command -v "$command" >/dev/null 2>&1; then return; fi
-  echo "$command not found; installing Debian's $package" >&2
-  local sudo=""
-  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
-  $sudo apt-get update -qq
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package" >/dev/null
-}
+# shellcheck source=scripts/install.sh
+source scripts/install.sh
 
 fail() { echo "check-image: $*" >&2; exit 1; }
 
