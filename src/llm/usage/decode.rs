@@ -421,4 +421,70 @@ mod tests {
         assert!(body.len() < 64 << 10, "{}", body.len());
         assert_eq!(scan(Some(b"gzip"), &body, 1024), None);
     }
+
+    /// `body` coded as `coding` names, by the same encoders a real server's libraries use.
+    fn encode(coding: &str, body: &[u8]) -> Vec<u8> {
+        match coding {
+            "gzip" => gzip(body),
+            "deflate" => {
+                let mut e =
+                    flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::fast());
+                e.write_all(body).unwrap();
+                e.finish().unwrap()
+            }
+            // `deflate` as some servers send it: raw, without the zlib wrapper.
+            "raw-deflate" => {
+                let mut e =
+                    flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::fast());
+                e.write_all(body).unwrap();
+                e.finish().unwrap()
+            }
+            "br" => {
+                let mut out = Vec::new();
+                let mut e = brotli::CompressorWriter::new(&mut out, 4096, 5, 22);
+                e.write_all(body).unwrap();
+                drop(e);
+                out
+            }
+            "zstd" => {
+                ruzstd::encoding::compress_to_vec(body, ruzstd::encoding::CompressionLevel::Fastest)
+            }
+            _ => unreachable!("{coding}"),
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever the coding and however the bytes are cut into frames, the decoded
+        /// answer gives the figure the plain answer gives.
+        #[test]
+        fn every_coding_and_framing_gives_the_plain_figure(
+            prompt in 0u32..1_000_000,
+            completion in 0u32..1_000_000,
+            padding in 0usize..20_000,
+            frame in 1usize..4096,
+            coding in proptest::sample::select(vec!["gzip", "deflate", "raw-deflate", "br", "zstd"]),
+        ) {
+            let plain = format!(
+                r#"{{"id":"c","text":"{}","usage":{{"prompt_tokens":{prompt},"completion_tokens":{completion}}}}}"#,
+                "abc ".repeat(padding / 4)
+            );
+            let want = scan(None, plain.as_bytes(), frame);
+            proptest::prop_assert_eq!(want, Some(u64::from(prompt) + u64::from(completion)));
+            let name = if coding == "raw-deflate" { "deflate" } else { coding };
+            let coded = encode(coding, plain.as_bytes());
+            proptest::prop_assert_eq!(scan(Some(name.as_bytes()), &coded, frame), want);
+        }
+
+        /// Bytes that are not what the coding says never panic and never give a figure
+        /// the plain scanner would not: at most no figure at all.
+        #[test]
+        fn garbage_never_panics_nor_invents_a_figure(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..2048),
+            frame in 1usize..512,
+            coding in proptest::sample::select(vec!["gzip", "deflate", "br", "zstd"]),
+        ) {
+            let got = scan(Some(coding.as_bytes()), &bytes, frame);
+            proptest::prop_assert!(got.is_none() || got == Some(0), "{got:?}");
+        }
+    }
 }
