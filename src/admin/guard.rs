@@ -339,4 +339,55 @@ mod tests {
         assert_eq!(with(Method::POST, &[host, ("x-sluice-admin", "1")]), None);
         assert_eq!(with(Method::HEAD, &[host]), None);
     }
+
+    /// A name from DNS that is none of the accepted ones: what a rebinding page brings.
+    fn foreign_name() -> impl proptest::strategy::Strategy<Value = String> {
+        proptest::prop_oneof![
+            "[a-z][a-z0-9-]{0,20}(\\.[a-z]{2,6}){0,2}",
+            // Near misses of the accepted names.
+            "(localhost|admin\\.internal)[a-z0-9.-]{1,4}",
+            "[a-z0-9-]{1,4}\\.(localhost|admin\\.internal)",
+        ]
+        .prop_filter("an accepted name", |n| {
+            n != "localhost" && n != "admin.internal"
+        })
+    }
+
+    use proptest::strategy::Strategy;
+
+    proptest::proptest! {
+        /// Whatever foreign name or port a request brings in `Host`, or a page in `Origin`,
+        /// the API refuses it; the loopback names in any case, with the listener's port,
+        /// pass; and no method but GET and HEAD passes without the header.
+        #[test]
+        fn foreign_names_ports_and_methods_are_refused(
+            name in foreign_name(),
+            port in proptest::option::of(1u16..),
+            loopback in proptest::sample::select(vec!["localhost", "LocalHost", "127.0.0.1", "[::1]", "[::ffff:127.0.0.1]"]),
+            method in proptest::sample::select(vec!["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "PURGE"]),
+        ) {
+            let guard = Guard::new(vec!["admin.internal".parse().expect("a host")]);
+            let local = "127.0.0.1:9090";
+            let host = match port {
+                Some(port) => format!("{name}:{port}"),
+                None => name.clone(),
+            };
+            proptest::prop_assert_eq!(api(&guard, Method::GET, local, &[("host", &host)]), Some(421), "{}", host);
+            let own = format!("{loopback}:9090");
+            let origin = format!("http://{host}");
+            proptest::prop_assert_eq!(
+                api(&guard, Method::GET, local, &[("host", &own), ("origin", &origin)]),
+                Some(403),
+                "{}", origin
+            );
+            proptest::prop_assert_eq!(api(&guard, Method::GET, local, &[("host", &own)]), None, "{}", own);
+            if let Some(port) = port.filter(|&p| p != 9090) {
+                let elsewhere = format!("{loopback}:{port}");
+                proptest::prop_assert_eq!(api(&guard, Method::GET, local, &[("host", &elsewhere)]), Some(421), "{}", elsewhere);
+            }
+            let method: Method = method.parse().expect("a method");
+            proptest::prop_assert_eq!(api(&guard, method.clone(), local, &[("host", &own)]), Some(403));
+            proptest::prop_assert_eq!(api(&guard, method, local, &[("host", &own), ("x-sluice-admin", "1")]), None);
+        }
+    }
 }
