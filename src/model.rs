@@ -122,4 +122,52 @@ mod tests {
         assert!(Pattern::parse("gpt*4o").is_err());
         assert!(Pattern::parse("").is_err());
     }
+
+    /// `text` as a JSON string, each character written as itself or as a `\u` escape
+    /// (surrogate pairs beyond the BMP), as `escape[i]` says.
+    fn spell(text: &str, escape: &[bool]) -> String {
+        let mut out = String::from("\"");
+        for (i, c) in text.chars().enumerate() {
+            let plain = !matches!(c, '"' | '\\' | '\u{0}'..='\u{1f}');
+            if plain && !escape.get(i).copied().unwrap_or(false) {
+                out.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
+            }
+        }
+        out.push('"');
+        out
+    }
+
+    proptest::proptest! {
+        /// However the body spells the key and the name (escapes, case, surrounding
+        /// space, other fields around it), `read` gives the one normalised name the
+        /// upstream reads; naming `model` twice, in any spelling, is refused.
+        #[test]
+        fn every_spelling_reads_as_one_name(
+            name in "[ \\t]{0,2}[A-Za-z0-9._:/-]{1,12}[\u{e9}\u{130}\u{1F600}]?[ ]{0,2}",
+            escape_name in proptest::collection::vec(proptest::bool::ANY, 20),
+            escape_key in proptest::collection::vec(proptest::bool::ANY, 5),
+            before in proptest::bool::ANY,
+            twice in proptest::bool::ANY,
+        ) {
+            let key = spell("model", &escape_key);
+            let value = spell(&name, &escape_name);
+            let other = r#""messages":[{"role":"user","content":"model"}]"#;
+            let body = match (before, twice) {
+                (_, true) => format!(r#"{{"model":"x",{other},{key}:{value}}}"#),
+                (true, false) => format!("{{{other},{key}:{value}}}"),
+                (false, false) => format!("{{{key}:{value},{other}}}"),
+            };
+            let got = read(body.as_bytes());
+            if twice {
+                proptest::prop_assert_eq!(got, Err(ModelError::Repeated), "{}", body);
+            } else {
+                proptest::prop_assert_eq!(got, Ok(Some(normalise(&name))), "{}", body);
+            }
+        }
+    }
 }
