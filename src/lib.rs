@@ -17,29 +17,24 @@
 //! The binary (`main.rs`) is the command line around this library; the library exists so
 //! that benchmarks can measure its parts.
 
-pub mod activity;
 pub mod admin;
 pub mod app;
 pub mod body;
-pub mod clock;
 pub mod config;
 pub mod explain;
-pub mod file_watch;
-pub mod identity;
-pub mod keys;
+pub mod jwt;
 pub mod limiter;
 pub mod llm;
 pub mod log;
 pub mod metrics;
 pub mod model;
-pub mod one_request;
 pub mod path;
-pub mod plan;
 pub mod policy;
 pub mod proxy;
 pub mod ratelimit_field;
 pub mod reload;
+pub mod request;
 pub mod response;
+pub mod runtime;
 pub mod server;
 pub mod tls;
-pub mod worker;

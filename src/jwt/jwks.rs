@@ -40,7 +40,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio_rustls::TlsConnector;
 
-use super::keys::{parse_jwk_set, Unusable};
+use super::keyset::{parse_jwk_set, Unusable};
 use super::KeySet;
 use crate::config::{ConfigError, JwtConfig, Position, Spanned};
 

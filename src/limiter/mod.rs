@@ -13,13 +13,11 @@
 
 mod breaker;
 pub mod calendar;
-mod cluster;
 mod deny_cache;
 mod fixed_window;
 mod gcra;
 mod local;
 mod redis;
-mod sentinel;
 mod sliding_log;
 mod sliding_window;
 mod weighted_log;
@@ -30,11 +28,10 @@ use std::time::{Duration, Instant};
 use prometheus::{Histogram, IntCounter};
 
 use self::breaker::{Breaker, BreakerMetrics};
-pub use self::cluster::{slot_of, ClusterSettings};
 use self::deny_cache::DenyCache;
 use self::local::{LocalMetrics, LocalStore};
-pub use self::redis::{RedisStore, Topology};
-pub use self::sentinel::SentinelSettings;
+pub use self::redis::{slot_of, ClusterSettings};
+pub use self::redis::{RedisStore, SentinelSettings, Topology};
 use crate::metrics::Metrics;
 
 /// How a limit counts. Every algorithm runs in both stores with the same results: one Lua file
@@ -127,7 +124,7 @@ pub struct Check {
 
 /// Whether `checks` live in more than one Redis Cluster slot (and so are decided per slot).
 pub fn spans_slots(checks: &[Check]) -> bool {
-    cluster::slot_groups(checks).is_some()
+    redis::cluster::slot_groups(checks).is_some()
 }
 
 /// Whether one limit has room for a request's cost, as its algorithm answers before anything

@@ -11,7 +11,7 @@ use http::header::{HeaderName, HOST};
 use http::{HeaderMap, Method, Uri};
 
 use crate::config::{ConditionConfig, ConfigError, Position, Spanned};
-use crate::identity::Claims;
+use crate::jwt::Claims;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Condition {

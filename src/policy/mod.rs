@@ -32,9 +32,9 @@ use crate::config::{
     Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_IPV4_PREFIX, DEFAULT_IPV6_PREFIX,
     DEFAULT_MAX_DELAYED, MAX_MAX_DELAY_MS,
 };
-use crate::identity::{Claims, OnInvalid, Verifier, Verifiers};
+use crate::jwt::{Claims, OnInvalid, Verifier, Verifiers};
 use crate::limiter::calendar::Quota;
-use crate::limiter::{Algorithm, Check, Spec};
+use crate::limiter::{Algorithm, Spec};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::ratelimit_field::{ceil_seconds, limit_items_in};
 use crate::tls::{UpstreamTls, UpstreamTlsSet};
@@ -72,6 +72,8 @@ pub struct Policy<M: Metering = Metered> {
     pub forwarded_header: ForwardedHeader,
     /// The header fields a `Connection` option may not name (see `fields::connection_guarded`).
     pub connection_guarded: Vec<HeaderName>,
+    /// `store.key_prefix`: what every store key starts with (`crate::request::store_key`).
+    pub key_prefix: String,
     index: RouteIndex,
 }
 
@@ -218,14 +220,10 @@ pub struct Limit<M: Metering = Metered> {
     /// `count: { status: [...] }`: the statuses this limit counts; a request answered with
     /// another is given back. `None`: every request counts.
     pub count: Option<Box<[StatusMatch]>>,
-    /// `prefix:route:limit:` (with the algorithm after the limit for all but the sliding log,
-    /// so a reload that changes the algorithm starts afresh instead of reading another
-    /// algorithm's state); the identity completes the store key.
-    pub key_prefix: String,
     /// All must hold for the limit to apply to a request; empty: it always applies.
     pub when: Vec<Condition>,
     /// A calendar quota's period and zone (`spec.algorithm` is then `Calendar`, and
-    /// `spec.window` the period's nominal length until `check` sets the time left).
+    /// `spec.window` the period's nominal length until `request::store_key::check` sets the time left).
     pub quota: Option<Quota>,
     /// How client addresses are grouped in this limit's keys.
     pub client_prefix: ClientPrefix,
@@ -387,7 +385,7 @@ impl Compiled {
             .zip(conditions)
             .zip(jwts)
             .map(|(((route, action), conditions), jwt)| {
-                let limits = build_limits(config, route, conditions, &models);
+                let limits = build_limits(route, conditions, &models);
                 let mut fields = fields::read_by(&limits);
                 // The token is read once too: two of its fields would be two readings.
                 if let Some(field) = jwt.as_ref().and_then(|jwt| token_field(&jwt.verifier)) {
@@ -434,6 +432,7 @@ impl Compiled {
             trusted_proxies: config.trusted_proxies.clone(),
             forwarded_header: config.forwarded_header,
             connection_guarded,
+            key_prefix: config.store.key_prefix.as_str().to_owned(),
             index,
         })
     }
@@ -463,7 +462,6 @@ impl Compiled {
                         key: limit.key,
                         spec: limit.spec,
                         count: limit.count,
-                        key_prefix: limit.key_prefix,
                         when: limit.when,
                         quota: limit.quota,
                         client_prefix: limit.client_prefix,
@@ -492,6 +490,7 @@ impl Compiled {
             trusted_proxies: self.trusted_proxies,
             forwarded_header: self.forwarded_header,
             connection_guarded: self.connection_guarded,
+            key_prefix: self.key_prefix,
             index: self.index,
         }
     }
@@ -957,36 +956,6 @@ fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Confi
     Ok(())
 }
 
-impl<M: Metering> Limit<M> {
-    /// The check of this limit for one identity's store key: the one place a `Check` is built.
-    /// A calendar quota's key gets the current period's label (`:2026-11`, outside the
-    /// identity's `{...}`, so Redis Cluster places every period of one identity in its slot)
-    /// and its window is the time left in that period, both from sluice's wall clock.
-    pub fn check(&self, key: String) -> Check {
-        let mut check = Check {
-            key,
-            spec: self.spec,
-        };
-        if let Some(quota) = &self.quota {
-            let now = crate::clock::now();
-            check.key.push(':');
-            match quota.span_at(now) {
-                Ok(span) => {
-                    span.push_label(&mut check.key);
-                    check.spec.window = span.left_at(now);
-                }
-                // Only a clock set beyond the year 9999 gets here: count in a key of its own,
-                // one second at a time, rather than fail the request.
-                Err(_) => {
-                    check.key.push_str("beyond-the-calendar");
-                    check.spec.window = Duration::from_secs(1);
-                }
-            }
-        }
-        check
-    }
-}
-
 /// A calendar quota (`quota:`) is a limit of its own kind: exactly one of `window` and
 /// `quota`; `time_zone` only with a quota, naming a zone of the bundled tz database; and none
 /// of what shapes a rolling window (`algorithm`, `burst`, `on_exceed: delay`).
@@ -1090,7 +1059,6 @@ fn quota_of(limit: &LimitConfig) -> Option<Quota> {
 
 /// The limits of a route that passed `check_limits`.
 fn build_limits(
-    config: &Config,
     route: &RouteConfig,
     conditions: Vec<Vec<Condition>>,
     models: &Arc<crate::llm::Models>,
@@ -1130,19 +1098,6 @@ fn build_limits(
                 .count
                 .as_ref()
                 .map(|count| count.value.status.clone().into_boxed_slice()),
-            key_prefix: match limit.algorithm() {
-                Algorithm::SlidingLog => format!(
-                    "{}:{}:{}:",
-                    config.store.key_prefix, route.name.value, limit.name.value
-                ),
-                other => format!(
-                    "{}:{}:{}:{}:",
-                    config.store.key_prefix,
-                    route.name.value,
-                    limit.name.value,
-                    other.label()
-                ),
-            },
             when,
             quota: quota_of(limit),
             client_prefix: ClientPrefix {

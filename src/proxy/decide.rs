@@ -4,8 +4,8 @@
 use crate::config::OnStoreError;
 use crate::limiter::{Check, Decision, Store};
 use crate::log::RequestLog;
-use crate::plan::Plan;
 use crate::policy::{Limit, Route};
+use crate::request::Plan;
 
 use super::stop::Stop;
 use super::Exchange;

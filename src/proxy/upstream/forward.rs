@@ -19,21 +19,19 @@ use http::{Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use prometheus::{IntCounter, IntCounterVec};
 
-use self::pool::Connector;
-pub use self::pool::UpstreamBody;
+use super::pool::Connector;
+pub use super::pool::UpstreamBody;
 
 use super::headers;
-use super::request_body::{BodyFault, BodyRefusals, ClientBody, RequestBody};
 use super::tunnel;
 use crate::metrics::UpstreamErrorKind;
 use crate::policy::{Route, Upstream};
+use crate::proxy::request_body::{BodyFault, BodyRefusals, ClientBody, RequestBody};
 use crate::tls::UpstreamTls;
-
-mod pool;
 
 /// The HTTP/1.1 (or, for an `http2` upstream, HTTP/2) client of one upstream (over TLS for an
 /// https one), with its error counters; its connections are pooled per worker (see `pool`).
-/// Long-lived: the registry in `proxy::upstreams` keeps it across reloads that leave the
+/// Long-lived: the registry in `upstream::clients` keeps it across reloads that leave the
 /// upstream unchanged, and with it the warm connections.
 pub struct UpstreamClient {
     connector: Arc<Connector>,
@@ -223,7 +221,7 @@ fn upstream_uri(upstream: &Upstream, original: &Uri) -> Result<Uri, ForwardError
 }
 
 /// hyper's client errors say little at the top ("client error (Connect)"); the cause is below.
-fn error_chain(err: &dyn std::error::Error) -> String {
+pub(super) fn error_chain(err: &dyn std::error::Error) -> String {
     let mut text = err.to_string();
     let mut source = err.source();
     while let Some(cause) = source {

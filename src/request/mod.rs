@@ -1,0 +1,151 @@
+//! The request layer: everything sluice reads from one request before it asks the store, as
+//! one pure function, [`plan`]. The gateway (`crate::proxy`), `sluice explain`
+//! (`crate::explain`) and the admin API (`crate::admin`, through [`store_key`]) all read
+//! requests here, so none of them can tell a different story.
+//!
+//! # The phase order
+//!
+//! This is the one place that states it; other docs link here.
+//!
+//! 1. **head** (`head`): head limits (414, 431), the canonical path (`crate::path`), and the
+//!    one-reading rules (`one_reading`): one reading of the request for the router, the
+//!    limiter and the upstream, or a 400.
+//! 2. **route** (`route`): the first route that matches (or 404), and what it refuses before
+//!    a decision: a field its limits read sent twice (400), a declared body over its
+//!    `max_body` (413).
+//! 3. **identify** (`identify`): the route's `jwt:`: a verified token's claims, or its
+//!    `on_invalid` (401, or the anonymous client's limits); 503 while a `jwks_url` verifier
+//!    has no keys.
+//! 4. **plan** (`checks`): the client address (`client`) and one check for each limit that
+//!    applies, under its store key (`store_key`).
+//!
+//! Then, in `crate::proxy`, the acting side: on a route with a token budget, `tokens` (read
+//! the body and plan again with its `model`, `checks::with_body`; reserve its upper
+//! bound) → `decide` (one store call) → `hold` (`on_exceed: delay`) → act (forward to the
+//! upstream, or the route's direct response) → `give_back` (count by outcome: give back what
+//! `count:` does not keep) → the token settlement (`tokens::settle`: a token budget keeps
+//! what the answer reports it used) → `finish`, the one place every answer is completed.
+//!
+//! The files, by job: `head`, `one_reading`, `path`, `route`, `identify`, `client` (the
+//! client's address), `fields` (the query and cookie readers the one-reading rules and the
+//! keys share), `store_key` (the store key, built and read back), `checks` (the plan).
+
+pub mod checks;
+pub mod client;
+pub mod fields;
+mod head;
+mod identify;
+pub mod one_reading;
+mod route;
+pub mod store_key;
+
+use std::net::IpAddr;
+use std::time::SystemTime;
+
+use http::request::Parts;
+use http::StatusCode;
+
+pub use self::checks::Plan;
+pub use self::head::HeadLimits;
+pub use self::route::too_large;
+use crate::jwt::{Claims, Invalid};
+use crate::metrics::Refusal;
+use crate::policy::{Policy, Route};
+
+/// The two clocks a request is read at: the system's, which a token's `exp` and `nbf` are
+/// checked against, and sluice's wall clock (`crate::runtime::clock`), which a calendar
+/// quota's period is taken from (a test may start it elsewhere).
+#[derive(Debug, Clone, Copy)]
+pub struct Now {
+    pub system: SystemTime,
+    pub calendar: jiff::Timestamp,
+}
+
+impl Now {
+    /// Both clocks, now.
+    pub fn read() -> Now {
+        Now {
+            system: SystemTime::now(),
+            calendar: crate::runtime::clock::now(),
+        }
+    }
+}
+
+/// A request read and planned: its route, what its token said, and the checks to decide.
+pub struct Planned<'p> {
+    pub route: &'p Route,
+    /// The claims of the request's verified token (`None` without one).
+    pub claims: Option<Claims>,
+    /// Why an `on_invalid: anonymous` route's token was not taken, for the caller to count.
+    pub invalid: Option<Invalid>,
+    pub plan: Plan<'p>,
+}
+
+/// Why sluice answers a request itself before asking the store.
+#[derive(Debug)]
+pub enum Why {
+    /// Its head, its path or how it is written cannot be read one way (400, 413, 414, 431):
+    /// counted under `reason`.
+    Unreadable {
+        status: StatusCode,
+        detail: String,
+        reason: Refusal,
+    },
+    /// No route matches (404).
+    NoRoute,
+    /// The route's `jwt:` rejects a missing or invalid token (401).
+    Unauthenticated(Invalid),
+    /// The route's `jwks_url` verifier has no keys yet: no token can be judged (503).
+    KeysUnavailable,
+}
+
+/// A request refused before the store: why, and the route it matched, if it got that far.
+pub struct Refused<'p> {
+    pub route: Option<&'p Route>,
+    pub why: Why,
+}
+
+/// A request with no single reading is refused with 400.
+impl From<one_reading::Ambiguous> for Why {
+    fn from(ambiguous: one_reading::Ambiguous) -> Why {
+        Why::Unreadable {
+            status: StatusCode::BAD_REQUEST,
+            detail: ambiguous.detail,
+            reason: ambiguous.reason,
+        }
+    }
+}
+
+/// Reads `head` under `policy` (rewriting it in place: canonical path, joined cookie crumbs,
+/// `Connection` options removed) and plans it: the phases up to the decision, in order.
+/// `declared_length`: the body's length as the request declares it (0 when it does not);
+/// `peer`: the TCP peer's address. Pure: it asks no store and counts nothing.
+pub fn plan<'p>(
+    policy: &'p Policy,
+    limits: &HeadLimits,
+    head: &mut Parts,
+    declared_length: u64,
+    peer: IpAddr,
+    now: Now,
+) -> Result<Planned<'p>, Refused<'p>> {
+    let refused = |route, why| Refused { route, why };
+    head::read(head, limits, policy).map_err(|why| refused(None, why))?;
+    let route = route::route(policy, head).map_err(|why| refused(None, why))?;
+    route::refuse(route, head, declared_length).map_err(|why| refused(Some(route), why))?;
+    let identified = identify::identify(route, &head.headers, now.system)
+        .map_err(|why| refused(Some(route), why))?;
+    let plan = checks::from_head(
+        policy,
+        route,
+        head,
+        peer,
+        identified.claims.as_ref(),
+        now.calendar,
+    );
+    Ok(Planned {
+        route,
+        claims: identified.claims,
+        invalid: identified.invalid,
+        plan,
+    })
+}
