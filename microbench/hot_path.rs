@@ -31,7 +31,7 @@ fn policy() -> Policy {
     );
     let config = sluice::config::parse(&yaml, Path::new("bench.yaml")).expect("a valid policy");
     let metrics = Metrics::new().expect("metrics");
-    Policy::compile(&config, Path::new("bench.yaml"), &UpstreamTlsSet::default())
+    Policy::compile_without_jwt(&config, Path::new("bench.yaml"), &UpstreamTlsSet::default())
         .expect("a valid policy")
         .metered(&metrics)
 }

@@ -87,7 +87,7 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
     // The JWT key files are read with the policy: a reload picks up a rotated key, and a
     // key file that cannot be used refuses the version whole.
     let verifiers = Verifiers::load(&source.config.jwt, file)?;
-    let policy = Compiled::compile_with(&source.config, file, &upstream_tls, &verifiers)?;
+    let policy = Compiled::compile(&source.config, file, &upstream_tls, &verifiers)?;
     let listener_tls = match (&source.config.tls, listener) {
         (Some(tls), ListenerFiles::Read) => Some(ListenerTls::load(tls, file)?),
         _ => None,

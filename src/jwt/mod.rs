@@ -33,7 +33,7 @@ pub use self::keyset::{Key, Material};
 pub use self::token::MAX_TOKEN_BYTES;
 pub use crate::config::{JwtAlgorithm, OnInvalid};
 
-/// Why a request's token gives it no identity: the `reason` label of
+/// Why a request's token is not taken: the `reason` label of
 /// `sluice_jwt_invalid_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Invalid {

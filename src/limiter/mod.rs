@@ -421,20 +421,20 @@ impl Store {
     /// instances may still hold a denial of those keys until its wait ends: they refuse
     /// where the store would now admit (under-admit), never the other way.
     pub async fn release(&self, checks: &[Check], admission: &Admission) -> Result<(), StoreError> {
-        self.settle(checks, admission, 0).await
+        self.keep(checks, admission, 0).await
     }
 
-    /// Settles an admitted request's reservation to what it used: keeps `used` units of each
-    /// check's cost and gives back the rest, as `release` does, so each limit stands as if
-    /// the request had been admitted with cost `used`. A token budget reserves an upper bound
-    /// of what a request can consume and settles it here once the response says what it did
-    /// consume. When `used` is above a check's cost (the answer reports more than was
-    /// reserved), the excess is charged to the request's entry, at its time, so its identity
-    /// waits for what was really spent; that can take the limit past its `requests` (the
-    /// units were spent upstream already). Only the algorithms a token budget runs on
-    /// (`llm::settles_exactly`) charge; a request no longer recorded (reset, or gone from its
-    /// window) is not charged.
-    pub async fn settle(
+    /// Keeps `used` units of each check's cost of an admitted request and gives back the
+    /// rest, as `release` does, so each limit stands as if the request had been admitted with
+    /// cost `used`: the store's part of the token settlement (`proxy::tokens::settle`). A
+    /// token budget reserves an upper bound of what a request can consume and keeps here what
+    /// the response says it did consume. When `used` is above a check's cost (the answer
+    /// reports more than was reserved), the excess is charged to the request's entry, at its
+    /// time, so its identity waits for what was really spent; that can take the limit past
+    /// its `requests` (the units were spent upstream already). Only the algorithms a token
+    /// budget runs on (`llm::settles_exactly`) charge; a request no longer recorded (reset, or
+    /// gone from its window) is not charged.
+    pub async fn keep(
         &self,
         checks: &[Check],
         admission: &Admission,

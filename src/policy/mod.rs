@@ -312,21 +312,20 @@ pub struct Upstream {
 }
 
 impl Compiled {
-    /// Checks the config as a whole and builds the policy. `file` names the source in errors;
-    /// `tls` holds the settings of every https upstream, read from their files by the caller
-    /// (`UpstreamTlsSet::load`). A config with JWT verifiers compiles with
-    /// [`Compiled::compile_with`].
-    pub fn compile(
+    /// [`Compiled::compile`] of a config without `jwt:` verifiers (tests and benchmarks).
+    pub fn compile_without_jwt(
         config: &Config,
         file: &Path,
         tls: &UpstreamTlsSet,
     ) -> Result<Compiled, ConfigError> {
-        Compiled::compile_with(config, file, tls, &Verifiers::default())
+        Compiled::compile(config, file, tls, &Verifiers::default())
     }
 
-    /// `compile`, with the JWT verifiers of `config.jwt`, their keys read from their files by
-    /// the caller (`Verifiers::load`).
-    pub fn compile_with(
+    /// Checks the config as a whole and builds the policy: what every load runs. `file` names
+    /// the source in errors; `tls` holds the settings of every https upstream, read from their
+    /// files by the caller (`UpstreamTlsSet::load`); `verifiers` the JWT verifiers of
+    /// `config.jwt`, their keys read from their files by the caller (`Verifiers::load`).
+    pub fn compile(
         config: &Config,
         file: &Path,
         tls: &UpstreamTlsSet,
@@ -1132,8 +1131,9 @@ mod tests {
         let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: api\n    match: { path_prefix: /api }\n    respond: { status: 200 }\n    limits:\n      - { name: per-ip, key: [client_ip], requests: 5, window: 1s }\n";
         let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("valid");
         let metrics = Metrics::new().expect("metrics");
-        let compiled = Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
-            .expect("valid");
+        let compiled =
+            Compiled::compile_without_jwt(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+                .expect("valid");
         let text = || String::from_utf8(metrics.render()).expect("UTF-8");
         assert!(!text().contains("api"), "{}", text());
         let policy = compiled.metered(&metrics);
@@ -1153,16 +1153,18 @@ mod tests {
     fn an_https_upstream_needs_its_loaded_tls_settings() {
         let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nupstreams:\n  secure: { url: \"https://127.0.0.1:9\" }\nroutes:\n  - name: r\n    match: { path_prefix: / }\n    upstream: secure\n";
         let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("valid");
-        let refused = Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
-            .err()
-            .expect("refused");
+        let refused =
+            Compiled::compile_without_jwt(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+                .err()
+                .expect("refused");
         assert!(
             refused.to_string().contains("upstreams.secure.url"),
             "{refused}"
         );
         let loaded =
             UpstreamTlsSet::load(&config.upstreams, Path::new("t.yaml")).expect("builtin roots");
-        let policy = Compiled::compile(&config, Path::new("t.yaml"), &loaded).expect("valid");
+        let policy =
+            Compiled::compile_without_jwt(&config, Path::new("t.yaml"), &loaded).expect("valid");
         let upstream = policy.upstreams().next().expect("one upstream");
         assert!(upstream.tls.is_some());
     }
@@ -1194,7 +1196,8 @@ mod tests {
             ));
         }
         let config = crate::config::parse(&yaml, Path::new("t.yaml")).expect("valid");
-        Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default()).expect("valid")
+        Compiled::compile_without_jwt(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .expect("valid")
     }
 
     proptest! {

@@ -16,7 +16,7 @@
 //! upstream spent nothing; the upstream answered (any status) but gave no figure, the client
 //! left before the end, the body failed, the upstream timed out → the whole reservation is
 //! kept, since the upstream may have spent it. A figure above the reservation is charged:
-//! the request's entry grows to it (`Store::settle`), so the window makes that identity wait
+//! the request's entry grows to it (`Store::keep`), so the window makes that identity wait
 //! for what the upstream really spent, and the overrun and its excess tokens are counted.
 
 use std::future::Future;
@@ -42,7 +42,7 @@ use super::{Exchange, ForwardBody};
 use crate::body::ProxyBody;
 use crate::limiter::{Admission, Check, Decision, LimitState, Store};
 use crate::llm::usage::DecodingScanner;
-use crate::llm::{self, estimate, Api, EstimateError, Prices, Settle, Unit, Usage};
+use crate::llm::{self, estimate, Api, EstimateError, Prices, Unit, Usage, UsageFrom};
 use crate::metrics::Refusal;
 use crate::metrics::{Outcome, TokenMetrics};
 use crate::policy::Route;
@@ -445,7 +445,7 @@ impl Settlement {
             }
         }
         for (used, checks) in by_figure {
-            if let Err(err) = self.store.settle(&checks, &self.admission, used).await {
+            if let Err(err) = self.store.keep(&checks, &self.admission, used).await {
                 // The tokens stay reserved until they leave the window: the limit
                 // under-admits meanwhile, never over-admits.
                 tracing::debug!(store = self.store.name(), error = %err, "cannot settle a token reservation");
@@ -501,9 +501,9 @@ pub async fn settle(
                 Unit::Money { .. } => prices.cloned(),
             },
         };
-        match &budget.settle {
-            Settle::Header(name) => by_header.push((reserved, name)),
-            Settle::Usage => by_usage.push(reserved),
+        match &budget.usage_from {
+            UsageFrom::Header(name) => by_header.push((reserved, name)),
+            UsageFrom::Usage => by_usage.push(reserved),
         }
     }
     if by_header.is_empty() && by_usage.is_empty() {
