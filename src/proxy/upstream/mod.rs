@@ -6,6 +6,7 @@
 //! in `proxy`, on what `crate::request` read.
 
 pub mod clients;
+mod error;
 pub mod forward;
 pub mod grpc;
 mod headers;
