@@ -159,10 +159,10 @@ impl Gateway {
         &self,
         active: &'r Active,
         exchange: &mut Exchange<'r>,
-        request: Request<B>,
+        sent: Request<B>,
         peer: SocketAddr,
     ) -> Result<Answered, Stop> {
-        let (mut head, body) = request.into_parts();
+        let (mut head, body) = sent.into_parts();
         let planned = request::plan(
             &active.policy,
             &self.head_limits,

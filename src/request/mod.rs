@@ -105,6 +105,19 @@ pub struct Refused<'p> {
     pub why: Why,
 }
 
+impl<'p> Refused<'p> {
+    fn unrouted(why: Why) -> Refused<'p> {
+        Refused { route: None, why }
+    }
+
+    fn routed(route: &'p Route, why: Why) -> Refused<'p> {
+        Refused {
+            route: Some(route),
+            why,
+        }
+    }
+}
+
 /// A request with no single reading is refused with 400.
 impl From<one_reading::Ambiguous> for Why {
     fn from(ambiguous: one_reading::Ambiguous) -> Why {
@@ -128,22 +141,22 @@ pub fn plan<'p>(
     peer: IpAddr,
     now: Now,
 ) -> Result<Planned<'p>, Refused<'p>> {
-    let refused = |route, why| Refused { route, why };
-    head::read(head, limits, policy).map_err(|why| refused(None, why))?;
-    let route = route::route(policy, head).map_err(|why| refused(None, why))?;
-    route::refuse(route, head, declared_length).map_err(|why| refused(Some(route), why))?;
-    let identified = identify::identify(route, &head.headers, now.system)
-        .map_err(|why| refused(Some(route), why))?;
+    self::head::read(head, limits, policy).map_err(Refused::unrouted)?;
+    let matched = self::route::route(policy, head).map_err(Refused::unrouted)?;
+    self::route::refuse(matched, head, declared_length)
+        .map_err(|why| Refused::routed(matched, why))?;
+    let identified = identify::identify(matched, &head.headers, now.system)
+        .map_err(|why| Refused::routed(matched, why))?;
     let plan = checks::from_head(
         policy,
-        route,
+        matched,
         head,
         peer,
         identified.claims.as_ref(),
         now.calendar,
     );
     Ok(Planned {
-        route,
+        route: matched,
         claims: identified.claims,
         invalid: identified.invalid,
         plan,
