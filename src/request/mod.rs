@@ -162,3 +162,118 @@ pub fn plan<'p>(
         plan,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::policy::Compiled;
+    use crate::tls::UpstreamTlsSet;
+
+    fn policy() -> Policy {
+        let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: api\n    match: { path_prefix: /api }\n    respond: { status: 200 }\n    limits:\n      - { name: per-key, key: [\"header:x-api-key\"], requests: 5, window: 1m }\n      - { name: daily, key: [client_ip], requests: 100, quota: day }\n";
+        let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("a valid config");
+        Compiled::compile_without_jwt(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .expect("a valid policy")
+            .metered(&Metrics::new().expect("a registry"))
+    }
+
+    const LIMITS: HeadLimits = HeadLimits {
+        max_request_line: 256,
+        max_header_bytes: 1024,
+        max_headers: 8,
+    };
+
+    fn head(target: &str, headers: &[(&str, &str)]) -> Parts {
+        let mut request = http::Request::get(target);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request.body(()).expect("a request").into_parts().0
+    }
+
+    fn now() -> Now {
+        Now {
+            system: SystemTime::now(),
+            calendar: "2026-11-25T18:00:00Z".parse().expect("an instant"),
+        }
+    }
+
+    const PEER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 7));
+
+    #[test]
+    fn a_request_is_read_routed_and_planned_under_its_store_keys() {
+        let policy = policy();
+        let mut sent = head("//API/%6Brders", &[("x-api-key", "k1")]);
+        let planned = plan(&policy, &LIMITS, &mut sent, 0, PEER, now())
+            .unwrap_or_else(|refused| panic!("refused: {:?}", refused.why));
+        assert_eq!(sent.uri.path(), "/API/krders", "the head is left canonical");
+        assert_eq!(planned.route.name.as_str(), "api");
+        let keys: Vec<&str> = planned.plan.checks.iter().map(|c| c.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "sluice:api:per-key:{h:x-api-key=k1}",
+                // A calendar quota: its algorithm's label, and the day holding `now`.
+                "sluice:api:daily:calendar:{ip=192.0.2.7}:2026-11-25",
+            ]
+        );
+        let identity = store_key::identity_of(
+            &policy,
+            planned.route,
+            planned.plan.limits[1],
+            &planned.plan.checks[1].key,
+        );
+        assert_eq!(
+            identity, "ip=192.0.2.7",
+            "a key is read back where it is built"
+        );
+    }
+
+    #[test]
+    fn a_refusal_says_why_and_the_route_it_matched() {
+        let policy = policy();
+        let refused = |target: &str, headers: &[(&str, &str)], length: u64| match plan(
+            &policy,
+            &LIMITS,
+            &mut head(target, headers),
+            length,
+            PEER,
+            now(),
+        ) {
+            Ok(_) => panic!("{target} was planned"),
+            Err(refused) => (
+                refused.route.map(|route| route.name.as_str().to_owned()),
+                refused.why,
+            ),
+        };
+        let (route, why) = refused("/elsewhere", &[], 0);
+        assert!(route.is_none() && matches!(why, Why::NoRoute), "{why:?}");
+        let (route, why) = refused("/api/a%2Fb", &[], 0);
+        assert!(route.is_none(), "refused before routing");
+        assert!(
+            matches!(why, Why::Unreadable { status, .. } if status == 400),
+            "{why:?}"
+        );
+        let (route, why) = refused("/api", &[("x-api-key", "a"), ("x-api-key", "b")], 0);
+        assert_eq!(route.as_deref(), Some("api"), "refused once routed");
+        assert!(
+            matches!(
+                why,
+                Why::Unreadable {
+                    reason: Refusal::RepeatedField,
+                    ..
+                }
+            ),
+            "{why:?}"
+        );
+        let long = format!("/api/{}", "x".repeat(300));
+        let (_, why) = refused(&long, &[], 0);
+        assert!(
+            matches!(why, Why::Unreadable { status, .. } if status == 414),
+            "{why:?}"
+        );
+    }
+}
