@@ -80,7 +80,7 @@ pub struct Spec {
     pub algorithm: Algorithm,
     pub requests: u32,
     /// The window; for a calendar quota, the time left until its period ends, set per
-    /// request by `policy::Limit::check` (the policy's own spec holds the nominal length).
+    /// request by `request::store_key::check` (the policy's own spec holds the nominal length).
     pub window: Duration,
     /// GCRA only: how many requests may arrive at once (the other algorithms ignore it).
     pub burst: u32,

@@ -28,7 +28,7 @@ pub struct Plan<'r> {
     pub limits: Vec<&'r Limit>,
     pub checks: Vec<Check>,
     /// The limits that read the body's `model` and whose head conditions hold: planned by
-    /// `plan_read` once the body is read (empty in that plan).
+    /// `with_body` once the body is read (empty in that plan).
     pub deferred: Vec<&'r Limit>,
 }
 
