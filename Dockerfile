@@ -5,7 +5,7 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 # Cargo.toml names a benchmark target; cargo refuses a manifest whose targets are missing.
-COPY benches ./benches
+COPY microbench ./microbench
 RUN cargo build --release --locked \
     && strip target/release/sluice
 

@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use crate::admin::{Admin, Api, Guard, Token, TokenError};
 use crate::config::{self, ConfigError, Source};
-use crate::identity::Verifiers;
+use crate::jwt::Verifiers;
 use crate::limiter::{RedisStore, Store, StoreError};
 use crate::metrics::Metrics;
 use crate::policy::Compiled;
@@ -87,7 +87,7 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
     // The JWT key files are read with the policy: a reload picks up a rotated key, and a
     // key file that cannot be used refuses the version whole.
     let verifiers = Verifiers::load(&source.config.jwt, file)?;
-    let policy = Compiled::compile_with(&source.config, file, &upstream_tls, &verifiers)?;
+    let policy = Compiled::compile(&source.config, file, &upstream_tls, &verifiers)?;
     let listener_tls = match (&source.config.tls, listener) {
         (Some(tls), ListenerFiles::Read) => Some(ListenerTls::load(tls, file)?),
         _ => None,
@@ -285,7 +285,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         open: gateway_open.clone(),
         accepted: Some(worker_connections.with_label_values(&[&worker.to_string()])),
     };
-    crate::worker::set_count(listeners.len());
+    crate::runtime::worker::set_count(listeners.len());
     let mut listeners = listeners.into_iter();
     let first = listeners.next().ok_or_else(|| {
         listener_error(std::io::Error::other("no listener was bound for worker 0"))
@@ -313,7 +313,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         let thread = std::thread::Builder::new()
             .name(format!("sluice-worker-{worker}"))
             .spawn(move || {
-                crate::worker::enter(worker);
+                crate::runtime::worker::enter(worker);
                 let serve = server::serve(listener, handler, settings, slots, counters, stopping);
                 runtime.block_on(serve);
                 drop(finished);
@@ -389,8 +389,8 @@ async fn shutdown_signal() {
 
 /// The handles the `jwks_url` fetchers count into (built here, where both sides are known:
 /// the metrics stay below the identities in the module graph).
-fn jwks_metrics(metrics: &Metrics) -> crate::identity::jwks::JwksMetrics {
-    crate::identity::jwks::JwksMetrics {
+fn jwks_metrics(metrics: &Metrics) -> crate::jwt::jwks::JwksMetrics {
+    crate::jwt::jwks::JwksMetrics {
         fetches: metrics.jwks_fetches.clone(),
         age: metrics.jwks_keys_age.clone(),
     }

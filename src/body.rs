@@ -10,7 +10,7 @@ use http_body::{Body, Frame, SizeHint};
 pub enum ProxyBody {
     Full(Option<Bytes>),
     /// Boxed, so that the answer's type does not depend on how upstream connections are kept
-    /// (`proxy::forward`'s pool, which builds this body): one allocation per forwarded answer.
+    /// (`proxy::upstream`'s pool, which builds this body): one allocation per forwarded answer.
     Stream(Pin<Box<dyn Body<Data = Bytes, Error = hyper::Error> + Send>>),
 }
 

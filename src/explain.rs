@@ -1,8 +1,8 @@
 //! `sluice explain`: what sluice would do with one request, worked out from the policy file
 //! alone — the canonical path, the route, the client address, each limit and the exact store
-//! key it would touch — without sending anything to the store or the upstream. It runs the
-//! gateway's own phases up to the decision (`proxy::read_head`, `proxy::route`,
-//! `plan::plan`), so it cannot tell a different story.
+//! key it would touch — without sending anything to the store or the upstream. It is one
+//! call of the gateway's own reading of a request up to the decision (`request::plan`), plus
+//! formatting, so it cannot tell a different story.
 
 use std::fmt::Write as _;
 use std::net::IpAddr;
@@ -14,11 +14,12 @@ use http::{HeaderMap, Method, Uri};
 
 use crate::app::{self, ListenerFiles};
 use crate::config::{ConfigError, KeyPart};
-use crate::keys::{self, RequestParts};
 use crate::metrics::Metrics;
-use crate::plan;
 use crate::policy::{Action, Route};
-use crate::proxy::{self, HeadLimits};
+use crate::proxy::Stop;
+use crate::request::client::client_network;
+use crate::request::store_key::{self, RequestParts};
+use crate::request::{self, HeadLimits, Now, Why};
 
 /// The request to explain, as given on the command line.
 pub struct Question<'a> {
@@ -73,69 +74,56 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         "request:    {method} {} from {}",
         question.target, question.from
     );
-    // The gateway's own phases, up to the decision: what is refused here is refused there.
+    // The gateway's own reading, up to the decision: what is refused here is refused there.
     let head_limits = HeadLimits::new(&source.config.server);
-    if let Err(stop) = proxy::read_head(&mut head, &head_limits, &policy) {
-        write_refusal(&mut out, &stop, None);
-        return Ok(out);
-    }
-    let canonical = head.uri.path();
-    if canonical != sent.path() {
-        let _ = writeln!(
-            out,
-            "path:       {canonical} (normalized; forwarded like this)"
-        );
-    } else {
-        let _ = writeln!(out, "path:       {canonical}");
-    }
-    let Ok(route) = proxy::route(&policy, &head) else {
-        let _ = writeln!(out, "route:      none matches: 404 Not Found");
-        return Ok(out);
-    };
-    let _ = writeln!(
-        out,
-        "route:      {} (the first route in the file that matches)",
-        route.name
+    let planned = request::plan(
+        &policy,
+        &head_limits,
+        &mut head,
+        0,
+        question.from,
+        Now::read(),
     );
-    if let Err(stop) = proxy::refuse(route, &head, 0) {
-        write_refusal(&mut out, &stop, Some(route));
-        return Ok(out);
-    }
-    match &route.action {
-        Action::Forward(upstream) => {
-            let scheme = if upstream.tls.is_some() {
-                "https"
-            } else {
-                "http"
-            };
+    let (route, why) = match &planned {
+        Ok(planned) => (Some(planned.route), None),
+        Err(refused) => (refused.route, Some(&refused.why)),
+    };
+    // The head was read (its path is canonical) unless the head itself was refused.
+    if route.is_some() || matches!(why, Some(Why::NoRoute)) {
+        let canonical = head.uri.path();
+        if canonical != sent.path() {
             let _ = writeln!(
                 out,
-                "action:     forward to upstream `{}` as {scheme}://{}{}{}",
-                upstream.name,
-                upstream.authority,
-                upstream.base_path,
-                head.uri.path_and_query().map_or("/", |pq| pq.as_str())
+                "path:       {canonical} (normalized; forwarded like this)"
             );
-        }
-        Action::Respond(direct) => {
-            let _ = writeln!(out, "action:     respond {} directly", direct.status);
+        } else {
+            let _ = writeln!(out, "path:       {canonical}");
         }
     }
-    // The gateway's identify phase, with the token given as a header (`-H 'authorization:
-    // Bearer ...'`), verified at this moment.
-    let unused = Metrics::new()?;
-    let claims = match proxy::identify(
-        route,
-        &head.headers,
-        std::time::SystemTime::now(),
-        &unused.jwt_invalid,
-    ) {
-        Ok(claims) => claims,
-        Err(stop) => {
-            write_refusal(&mut out, &stop, Some(route));
+    let planned = match planned {
+        Ok(planned) => planned,
+        Err(refused) => {
+            match (&refused.why, refused.route) {
+                (Why::NoRoute, _) => {
+                    let _ = writeln!(out, "route:      none matches: 404 Not Found");
+                }
+                (Why::Unauthenticated(_) | Why::KeysUnavailable, Some(route)) => {
+                    write_route(&mut out, route, &head);
+                    write_refusal(&mut out, refused.why, Some(route));
+                }
+                (_, route) => {
+                    if let Some(route) = route {
+                        write_route_name(&mut out, route);
+                    }
+                    write_refusal(&mut out, refused.why, route);
+                }
+            }
             return Ok(out);
         }
     };
+    let route = planned.route;
+    write_route(&mut out, route, &head);
+    let claims = planned.claims;
     if let Some(jwt) = &route.jwt {
         let verdict = match &claims {
             Some(_) => "valid: its claims are read below".to_owned(),
@@ -148,7 +136,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             jwt.verifier.name
         );
     }
-    let plan = plan::plan_identified(&policy, route, &head, question.from, claims.as_ref());
+    let plan = planned.plan;
     let client_ip = plan.client_ip;
     if client_ip != question.from.to_canonical() {
         let _ = writeln!(
@@ -260,16 +248,16 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         if let Some(budget) = &limit.tokens {
             let _ = writeln!(out, "    {}", crate::llm::describe(budget));
         }
-        if let Some(missing) = keys::missing_part(limit, &request) {
+        if let Some(missing) = store_key::missing_part(limit, &request) {
             let _ = writeln!(
                 out,
                 "    the request has no {missing}: this limit counts the client ip instead"
             );
         }
-        let counts_client =
-            keys::missing_part(limit, &request).is_some() || limit.key.contains(&KeyPart::ClientIp);
+        let counts_client = store_key::missing_part(limit, &request).is_some()
+            || limit.key.contains(&KeyPart::ClientIp);
         if counts_client {
-            let (network, bits) = keys::client_network(client_ip, limit.client_prefix);
+            let (network, bits) = client_network(client_ip, limit.client_prefix);
             let _ = writeln!(
                 out,
                 "    client address counted as {network}/{bits} (IPv6 grouped by /{}, IPv4 by /{}: \
@@ -295,9 +283,44 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     Ok(out)
 }
 
-/// The line for a request a phase refused: what the gateway would answer instead.
-fn write_refusal(out: &mut String, stop: &proxy::Stop, route: Option<&Route>) {
+/// The line for a request the request layer refused: what the gateway would answer instead,
+/// in the gateway's own words (`Stop`).
+fn write_refusal(out: &mut String, why: Why, route: Option<&Route>) {
+    let stop = Stop::from(why);
     let _ = writeln!(out, "refused:    {}: {}", stop.status(), stop.detail(route));
+}
+
+fn write_route_name(out: &mut String, route: &Route) {
+    let _ = writeln!(
+        out,
+        "route:      {} (the first route in the file that matches)",
+        route.name
+    );
+}
+
+/// The route's lines: its name and its action.
+fn write_route(out: &mut String, route: &Route, head: &http::request::Parts) {
+    write_route_name(out, route);
+    match &route.action {
+        Action::Forward(upstream) => {
+            let scheme = if upstream.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            };
+            let _ = writeln!(
+                out,
+                "action:     forward to upstream `{}` as {scheme}://{}{}{}",
+                upstream.name,
+                upstream.authority,
+                upstream.base_path,
+                head.uri.path_and_query().map_or("/", |pq| pq.as_str())
+            );
+        }
+        Action::Respond(direct) => {
+            let _ = writeln!(out, "action:     respond {} directly", direct.status);
+        }
+    }
 }
 
 fn parse_headers(lines: &[String]) -> Result<HeaderMap, ExplainError> {

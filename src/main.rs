@@ -72,7 +72,7 @@ fn main() -> ExitCode {
                 headers: &headers,
                 from,
             };
-            sluice::clock::init()
+            sluice::runtime::clock::init()
                 .map_err(anyhow::Error::from)
                 .and_then(|_| {
                     sluice::explain::explain(&config, &question).map_err(anyhow::Error::from)
@@ -95,13 +95,13 @@ fn run(config: &std::path::Path) -> anyhow::Result<()> {
     // The file names the log format, so it is read before anything is logged.
     let flusher = sluice::log::init(loaded.source.config.log_format.into())
         .context("cannot start the log writer")?;
-    if let Some(start) = sluice::clock::init()? {
+    if let Some(start) = sluice::runtime::clock::init()? {
         tracing::warn!(
-            target: "sluice::clock",
+            target: "sluice::runtime::clock",
             %start,
             "{} is set: the wall clock calendar quotas count by was started at {start} (for \
              tests only)",
-            sluice::clock::START_ENV
+            sluice::runtime::clock::START_ENV
         );
     }
     let served = app::worker_runtime()

@@ -18,8 +18,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::config::{
     self, AdminConfig, Config, ListenerTlsConfig, LogFormat, ServerConfig, Source, StoreConfig,
 };
-use crate::file_watch::FileWatch;
 use crate::metrics::{Metrics, ReloadResult};
+use crate::runtime::file_watch::FileWatch;
 
 /// Why a new config file was not applied.
 #[derive(Debug, thiserror::Error)]
@@ -444,7 +444,7 @@ impl<V: Versions> Reloader<V> {
 
 /// A watch of the JWT key files `config` (the contents of `file`) names, as they are now.
 fn key_watch(file: &Path, config: &Config) -> FileWatch {
-    let paths = crate::identity::key_files(&config.jwt, file);
+    let paths = crate::jwt::key_files(&config.jwt, file);
     let bytes: Vec<Vec<u8>> = paths
         .iter()
         .map(|path| std::fs::read(path).unwrap_or_default())

@@ -173,7 +173,7 @@ pub fn quota_exhausted(
 /// When a quota whose period ends `wait` from now resets, as RFC 3339 in its zone (periods
 /// start on whole seconds, so the store's microseconds are rounded off).
 pub fn reset_instant(quota: &crate::limiter::calendar::Quota, wait: std::time::Duration) -> String {
-    let now = crate::clock::now();
+    let now = crate::runtime::clock::now();
     let wait = jiff::SignedDuration::try_from(wait).unwrap_or(jiff::SignedDuration::ZERO);
     let at = now.checked_add(wait).unwrap_or(now);
     let at = at

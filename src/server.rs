@@ -30,8 +30,8 @@ use prometheus::{IntCounter, IntGauge};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
-use crate::activity::StampedIo;
 use crate::config::ServerConfig;
+use crate::runtime::activity::StampedIo;
 use crate::tls::stream::{Accepted, MaybeTls};
 
 /// Connections the kernel may hold, handshake done, until sluice accepts them. The standard

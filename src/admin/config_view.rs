@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use crate::config::KeyPart;
 use crate::policy::{Action, Policy};
 use crate::reload::{hash_value, Serving};
+use crate::request::store_key;
 
 pub const REDACTED: &str = "[redacted]";
 
@@ -46,7 +47,7 @@ pub fn view(serving: &Serving, policy: &Policy) -> Value {
                         "shadow": limit.spec.shadow,
                         "conditional": !limit.when.is_empty(),
                         "key": limit.key.iter().map(KeyPart::to_string).collect::<Vec<_>>(),
-                        "key_prefix": limit.key_prefix,
+                        "key_prefix": store_key::prefix(policy, route, limit),
                         "unit": limit.tokens.as_ref().map_or("requests", |b| b.unit.label()),
                         "quota": limit.quota.as_ref().map(|q| q.period.label()),
                         "time_zone": limit.quota.as_ref().map(|q| q.zone_name.as_str()),

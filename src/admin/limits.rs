@@ -8,7 +8,7 @@
 //! - one query parameter per key part, the raw values a request would carry: `client_ip=`,
 //!   `header.NAME=`, `query.NAME=`, `cookie.NAME=`, `method=`, `host=`, `path=` (which also
 //!   gives `param:NAME` parts). They are put into a request, and the gateway's own key
-//!   builder (`keys::store_key`) turns it into the key, escaping and hashing included: a
+//!   builder (`request::store_key::build`) turns it into the key, escaping and hashing included: a
 //!   long or binary API key finds the same hashed key a live request does. A part the
 //!   request lacks counts the client IP, as live: then `client_ip=` names that bucket.
 
@@ -19,8 +19,9 @@ use http::header::{HeaderName, HeaderValue, COOKIE, HOST};
 use http::{HeaderMap, Method, Uri};
 
 use crate::config::KeyPart;
-use crate::keys::{self, percent_decode, RequestParts};
-use crate::policy::{Limit, Route};
+use crate::policy::{Limit, Policy, Route};
+use crate::request::fields::percent_decode;
+use crate::request::store_key::{self, RequestParts};
 
 /// Most bytes of an admin query string: a key part's value is hashed past 64 bytes, but an
 /// operator may paste a long raw value to be hashed.
@@ -101,7 +102,12 @@ impl NamedIdentity {
 
 /// The store key the operator's query names for `limit` of `route`; `Err` is a message for a
 /// 400 answer.
-pub fn store_key(route: &Route, limit: &Limit, query: &str) -> Result<String, String> {
+pub fn store_key(
+    policy: &Policy,
+    route: &Route,
+    limit: &Limit,
+    query: &str,
+) -> Result<String, String> {
     let named = NamedIdentity::parse(query)?;
     let parts: Vec<String> = limit.key.iter().map(KeyPart::to_string).collect();
     let shape = format!("the limit's key is [{}]", parts.join(", "));
@@ -110,8 +116,8 @@ pub fn store_key(route: &Route, limit: &Limit, query: &str) -> Result<String, St
         named.parts.is_empty() && named.client_ip.is_none(),
     ) {
         (Some(_), false) => Err("give either key= or per-part values, not both".to_owned()),
-        (Some(key), true) => from_key(limit, key, &shape),
-        (None, false) => from_parts(route, limit, named, &shape),
+        (Some(key), true) => from_key(policy, route, limit, key, &shape),
+        (None, false) => from_parts(policy, route, limit, named, &shape),
         (None, true) => Err(format!(
             "name the identity: key= (as `sluice explain` prints it in the store key, e.g. \
              key=ip=203.0.113.9), or one value per key part (client_ip=, header.NAME=, ...); \
@@ -120,22 +126,25 @@ pub fn store_key(route: &Route, limit: &Limit, query: &str) -> Result<String, St
     }
 }
 
-fn from_key(limit: &Limit, key: &str, shape: &str) -> Result<String, String> {
-    let identity = key.strip_prefix(limit.key_prefix.as_str()).unwrap_or(key);
-    let identity = identity
-        .strip_prefix('{')
-        .and_then(|rest| rest.strip_suffix('}'))
-        .unwrap_or(identity);
-    if !keys::identity_fits(limit, identity) {
+fn from_key(
+    policy: &Policy,
+    route: &Route,
+    limit: &Limit,
+    key: &str,
+    shape: &str,
+) -> Result<String, String> {
+    let identity = store_key::identity_of(policy, route, limit, key);
+    if !store_key::identity_fits(limit, identity) {
         return Err(format!(
             "key=`{key}` is not an identity of this limit: {shape}; give the text between \
              `{{` and `}}` of the store key `sluice explain` prints (or the whole key)"
         ));
     }
-    Ok(format!("{}{{{identity}}}", limit.key_prefix))
+    Ok(store_key::from_identity(policy, route, limit, identity))
 }
 
 fn from_parts(
+    policy: &Policy,
     route: &Route,
     limit: &Limit,
     named: NamedIdentity,
@@ -201,7 +210,7 @@ fn from_parts(
             KeyPart::ClientIp | KeyPart::Param(_) => {}
         }
     }
-    let claims = crate::identity::Claims::new(claims);
+    let claims = crate::jwt::Claims::new(claims);
     let given_path = named.parts.iter().any(|(p, _)| *p == KeyPart::Path);
     for part in &limit.key {
         let needed = match part {
@@ -241,7 +250,7 @@ fn from_parts(
         model: model.as_deref(),
     };
     if named.client_ip.is_none() {
-        if let Some(missing) = keys::missing_part(limit, &request) {
+        if let Some(missing) = store_key::missing_part(limit, &request) {
             return Err(format!(
                 "{shape}: no value for {0}; give it, or client_ip= for the bucket of requests \
                  without {0} (they count the client ip)",
@@ -249,7 +258,7 @@ fn from_parts(
             ));
         }
     }
-    Ok(keys::store_key(limit, route, &request))
+    Ok(store_key::build(policy, route, limit, &request))
 }
 
 /// Percent-encodes every byte but the unreserved ones, so the key builder decodes exactly

@@ -24,6 +24,7 @@ use crate::config::ConfigError;
 use crate::metrics::Metrics;
 use crate::proxy::{Gateway, ProxyBody};
 use crate::reload::{ReloadError, ReloadHandle};
+use crate::request::store_key;
 use crate::response::{problem, problem_with};
 use crate::server::LocalAddr;
 
@@ -203,22 +204,17 @@ impl Admin {
                 &[("route", route), ("limit", limit)],
             );
         };
-        let key = match limits::store_key(found, rule, query) {
+        let key = match limits::store_key(&policy, found, rule, query) {
             Ok(key) => key,
             Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
         };
-        let check = rule.check(key);
+        let check = store_key::check(rule, key, crate::runtime::clock::now());
         let store = self.gateway.store();
-        let identity = &check.key[rule.key_prefix.len()..];
-        // A quota's key ends with its period after the identity's braces.
-        let identity = identity
-            .strip_prefix('{')
-            .and_then(|i| i.rfind('}').map(|end| &i[..end]))
-            .unwrap_or(identity);
+        let identity = store_key::identity_of(&policy, found, rule, &check.key);
         let outcome = if method == Method::DELETE {
             match store.reset(&check).await {
                 Ok(forgotten) => {
-                    tracing::info!(route, limit, identity = %crate::keys::identity_hash(&check.key), "admin API: quota reset");
+                    tracing::info!(route, limit, identity = %crate::log::key_hash(&check.key), "admin API: quota reset");
                     json!({
                         "store": store.name(),
                         "forgotten": {

@@ -1,7 +1,7 @@
 //! Calendar quotas: one exact counter per identity and calendar period (a day, an ISO week
 //! starting Monday, a month) in UTC or an IANA time zone, reset at the period's start.
 //!
-//! The period is found here, in Rust, from sluice's wall clock (`crate::clock`): zone rules
+//! The period is found here, in Rust, from sluice's wall clock (`crate::runtime::clock`): zone rules
 //! cannot run in the Redis script. The store key ends with the period's label (`2026-11`,
 //! `2026-W48`, `2026-11-24`), so a new period is a new key, and the check carries the time
 //! left until the period ends as its `spec.window`: the wait of a rejection and the key's

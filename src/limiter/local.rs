@@ -144,7 +144,7 @@ impl Cell {
 
 impl Cell {
     /// Charges `extra` units more to an admitted request that used more than it reserved
-    /// (see `Store::settle`), where it is still recorded; the algorithms a token budget does
+    /// (see `Store::keep`), where it is still recorded; the algorithms a token budget does
     /// not run on charge nothing (as in `release.lua`).
     fn charge(&mut self, spec: &Spec, extra: u32, admission: &Admission, now: u64) {
         self.advance(spec.window_us(), now);
@@ -361,7 +361,7 @@ impl LocalStore {
 
     /// Settles what an admitted request recorded under `checks` to `keep` units of each:
     /// gives back the rest, or charges the excess when `keep` is above a check's cost (see
-    /// `Store::settle`; `Store::release` keeps none).
+    /// `Store::keep`; `Store::release` keeps none).
     pub fn release(&self, checks: &[Check], admission: &Admission, keep: u32) {
         let (mut guards, slot) = self.lock_all(checks);
         let now = micros_since(self.epoch);

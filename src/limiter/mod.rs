@@ -13,13 +13,11 @@
 
 mod breaker;
 pub mod calendar;
-mod cluster;
 mod deny_cache;
 mod fixed_window;
 mod gcra;
 mod local;
 mod redis;
-mod sentinel;
 mod sliding_log;
 mod sliding_window;
 mod weighted_log;
@@ -30,11 +28,10 @@ use std::time::{Duration, Instant};
 use prometheus::{Histogram, IntCounter};
 
 use self::breaker::{Breaker, BreakerMetrics};
-pub use self::cluster::{slot_of, ClusterSettings};
 use self::deny_cache::DenyCache;
 use self::local::{LocalMetrics, LocalStore};
-pub use self::redis::{RedisStore, Topology};
-pub use self::sentinel::SentinelSettings;
+pub use self::redis::{slot_of, ClusterSettings};
+pub use self::redis::{RedisStore, SentinelSettings, Topology};
 use crate::metrics::Metrics;
 
 /// How a limit counts. Every algorithm runs in both stores with the same results: one Lua file
@@ -83,7 +80,7 @@ pub struct Spec {
     pub algorithm: Algorithm,
     pub requests: u32,
     /// The window; for a calendar quota, the time left until its period ends, set per
-    /// request by `policy::Limit::check` (the policy's own spec holds the nominal length).
+    /// request by `request::store_key::check` (the policy's own spec holds the nominal length).
     pub window: Duration,
     /// GCRA only: how many requests may arrive at once (the other algorithms ignore it).
     pub burst: u32,
@@ -127,7 +124,7 @@ pub struct Check {
 
 /// Whether `checks` live in more than one Redis Cluster slot (and so are decided per slot).
 pub fn spans_slots(checks: &[Check]) -> bool {
-    cluster::slot_groups(checks).is_some()
+    redis::cluster::slot_groups(checks).is_some()
 }
 
 /// Whether one limit has room for a request's cost, as its algorithm answers before anything
@@ -424,20 +421,20 @@ impl Store {
     /// instances may still hold a denial of those keys until its wait ends: they refuse
     /// where the store would now admit (under-admit), never the other way.
     pub async fn release(&self, checks: &[Check], admission: &Admission) -> Result<(), StoreError> {
-        self.settle(checks, admission, 0).await
+        self.keep(checks, admission, 0).await
     }
 
-    /// Settles an admitted request's reservation to what it used: keeps `used` units of each
-    /// check's cost and gives back the rest, as `release` does, so each limit stands as if
-    /// the request had been admitted with cost `used`. A token budget reserves an upper bound
-    /// of what a request can consume and settles it here once the response says what it did
-    /// consume. When `used` is above a check's cost (the answer reports more than was
-    /// reserved), the excess is charged to the request's entry, at its time, so its identity
-    /// waits for what was really spent; that can take the limit past its `requests` (the
-    /// units were spent upstream already). Only the algorithms a token budget runs on
-    /// (`llm::settles_exactly`) charge; a request no longer recorded (reset, or gone from its
-    /// window) is not charged.
-    pub async fn settle(
+    /// Keeps `used` units of each check's cost of an admitted request and gives back the
+    /// rest, as `release` does, so each limit stands as if the request had been admitted with
+    /// cost `used`: the store's part of the token settlement (`proxy::tokens::settle`). A
+    /// token budget reserves an upper bound of what a request can consume and keeps here what
+    /// the response says it did consume. When `used` is above a check's cost (the answer
+    /// reports more than was reserved), the excess is charged to the request's entry, at its
+    /// time, so its identity waits for what was really spent; that can take the limit past
+    /// its `requests` (the units were spent upstream already). Only the algorithms a token
+    /// budget runs on (`llm::settles_exactly`) charge; a request no longer recorded (reset, or
+    /// gone from its window) is not charged.
+    pub async fn keep(
         &self,
         checks: &[Check],
         admission: &Admission,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::estimate::StoredState;
 use super::models::{ModelFacts, Models, Prices};
-use super::{settles_exactly, Reserve, Settle, TokenBudget, Unit, MAX_SLIDING_LOG_TOKENS};
+use super::{settles_exactly, Reserve, TokenBudget, Unit, UsageFrom, MAX_SLIDING_LOG_TOKENS};
 use crate::config::{
     Config, ConfigError, ContextWord, LimitConfig, ModelConfig, Position, ReserveConfig,
     SettleFrom, StoredStateConfig,
@@ -333,17 +333,17 @@ pub fn budget(limit: &LimitConfig, models: &Arc<Models>) -> Option<TokenBudget> 
         .reserve
         .as_ref()
         .map_or_else(default_reserve, |r| reserve_of(&r.value));
-    let settle = match limit
+    let usage_from = match limit
         .settle
         .as_ref()
         .map(|s| (s.value.from, &s.value.header))
     {
-        Some((SettleFrom::Header, Some(header))) => Settle::Header(header.0.clone()),
-        _ => Settle::Usage,
+        Some((SettleFrom::Header, Some(header))) => UsageFrom::Header(header.0.clone()),
+        _ => UsageFrom::Usage,
     };
     Some(TokenBudget {
         reserve,
-        settle,
+        usage_from,
         unit,
         models: Arc::clone(models),
     })
@@ -394,7 +394,7 @@ mod tests {
             "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: chat\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n      - name: tpm\n        key: []\n        {period}\n{limit}"
         );
         let config = crate::config::parse(&yaml, Path::new("p.yaml")).map_err(|e| e.to_string())?;
-        Policy::compile(&config, Path::new("p.yaml"), &UpstreamTlsSet::default())
+        Policy::compile_without_jwt(&config, Path::new("p.yaml"), &UpstreamTlsSet::default())
             .map_err(|e| e.to_string())
     }
 
@@ -404,7 +404,7 @@ mod tests {
             "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{models}routes:\n  - name: chat\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n      - name: spend\n        key: []\n        window: 1m\n{limit}"
         );
         let config = crate::config::parse(&yaml, Path::new("p.yaml")).map_err(|e| e.to_string())?;
-        Policy::compile(&config, Path::new("p.yaml"), &UpstreamTlsSet::default())
+        Policy::compile_without_jwt(&config, Path::new("p.yaml"), &UpstreamTlsSet::default())
             .map_err(|e| e.to_string())
     }
 
@@ -515,8 +515,8 @@ mod tests {
         assert_eq!(budget.reserve.per_request, 100);
         assert_eq!(budget.reserve.max_output, 4096);
         assert_eq!(
-            budget.settle,
-            super::Settle::Header(http::HeaderName::from_static("x-tokens-used"))
+            budget.usage_from,
+            super::UsageFrom::Header(http::HeaderName::from_static("x-tokens-used"))
         );
     }
 

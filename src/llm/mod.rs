@@ -3,7 +3,7 @@
 //! buffered request body, its API and its model's facts (`models`) what it can consume at
 //! most (the reservation, the check's cost); after the upstream answers, `usage` reads what
 //! it did consume from the response as it streams, and the difference is given back
-//! (`Store::settle`). Reserving the upper bound atomically and settling down is what keeps
+//! (`Store::keep`). Reserving the upper bound atomically and settling down is what keeps
 //! settled plus reserved tokens inside the limit at every instant; an answer that reports
 //! more than its reservation (the bound was wrong) is charged the excess, so the identity
 //! waits for what the upstream spent.
@@ -30,7 +30,7 @@ pub const MAX_SLIDING_LOG_TOKENS: u32 = 1_000_000;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenBudget {
     pub reserve: Reserve,
-    pub settle: Settle,
+    pub usage_from: UsageFrom,
     pub unit: Unit,
     pub models: Arc<Models>,
 }
@@ -58,7 +58,7 @@ impl Unit {
 
 /// Where a token limit reads the real count.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Settle {
+pub enum UsageFrom {
     /// The response body's usage (JSON `usage`, or the usage events of an event stream).
     Usage,
     /// A response header holding the tokens used, as a decimal integer.
@@ -79,11 +79,11 @@ pub fn settles_exactly(algorithm: crate::limiter::Algorithm) -> bool {
 /// How a token budget reserves and settles, in a sentence (`sluice explain`).
 pub fn describe(budget: &TokenBudget) -> String {
     let r = &budget.reserve;
-    let settle = match &budget.settle {
-        Settle::Usage => {
+    let settle = match &budget.usage_from {
+        UsageFrom::Usage => {
             "the answer's usage (JSON `usage` or the usage events of a stream)".to_owned()
         }
-        Settle::Header(name) => format!("the answer's `{name}` header"),
+        UsageFrom::Header(name) => format!("the answer's `{name}` header"),
     };
     let default = r
         .default_output

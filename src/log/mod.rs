@@ -21,6 +21,19 @@ pub use self::summary::{Rejections, Subject, MAX_FOLLOWED, MAX_TRACKED};
 use self::writer::DropCount;
 pub use self::writer::Flusher;
 
+/// A short hash of a store key, to name the identity it counts in a log line without writing
+/// it: API keys and cookies are secrets, and addresses are personal data.
+pub fn key_hash(key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    use std::fmt::Write as _;
+    let digest = Sha256::digest(key.as_bytes());
+    let mut hex = String::with_capacity(16);
+    for byte in &digest[..8] {
+        let _ = write!(hex, "{byte:02x}");
+    }
+    hex
+}
+
 /// How each line is written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {

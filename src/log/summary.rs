@@ -38,7 +38,7 @@ pub const MAX_TRACKED: usize = SHARDS * 1024;
 pub struct Subject {
     pub route: String,
     pub limit: String,
-    /// The identity's hash (`keys::identity_hash`), never the identity.
+    /// The identity's hash (`crate::log::key_hash`), never the identity.
     pub identity: String,
 }
 

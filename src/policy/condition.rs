@@ -3,7 +3,7 @@
 //! authentication layer in front sets), or better, when a claim of the request's verified
 //! JWT is (`jwt: plan`), which the client cannot write. A `model` condition reads the JSON
 //! body's `model` (`crate::model`): allowed on a token limit only, whose body is read before
-//! the decision, and so held until the body is read (`plan::plan_read`).
+//! the decision, and so held until the body is read (`request::checks::with_body`).
 
 use std::path::Path;
 
@@ -11,7 +11,7 @@ use http::header::{HeaderName, HOST};
 use http::{HeaderMap, Method, Uri};
 
 use crate::config::{ConditionConfig, ConfigError, Position, Spanned};
-use crate::identity::Claims;
+use crate::jwt::Claims;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Condition {

@@ -1,8 +1,8 @@
 //! The request fields a policy reads, found once when it is compiled, so the request path can
 //! make sure the limiter and the upstream read the same request: a field a route's limits
-//! read may appear only once (see `keys::repeated_field`), and a `Connection` option may not
-//! name a field the policy reads (it would be removed before forwarding, after the limiter
-//! read it).
+//! read may appear only once (see `request::fields::repeated_field`), and a `Connection`
+//! option may not name a field the policy reads (it would be removed before forwarding, after
+//! the limiter read it).
 
 use std::fmt;
 
@@ -109,7 +109,8 @@ mod tests {
             "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{head}routes:\n  - name: r\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n{limits}  - name: open\n    match: {{ path_prefix: /open }}\n    respond: {{ status: 200 }}\n"
         );
         let config = crate::config::parse(&yaml, Path::new("t.yaml")).expect("valid");
-        Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default()).expect("valid")
+        Compiled::compile_without_jwt(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .expect("valid")
     }
 
     #[test]

@@ -32,9 +32,9 @@ use crate::config::{
     Position, ResponseHeaders, RouteConfig, StatusMatch, DEFAULT_IPV4_PREFIX, DEFAULT_IPV6_PREFIX,
     DEFAULT_MAX_DELAYED, MAX_MAX_DELAY_MS,
 };
-use crate::identity::{Claims, OnInvalid, Verifier, Verifiers};
+use crate::jwt::{Claims, OnInvalid, Verifier, Verifiers};
 use crate::limiter::calendar::Quota;
-use crate::limiter::{Algorithm, Check, Spec};
+use crate::limiter::{Algorithm, Spec};
 use crate::metrics::{LimitMetrics, Metrics, RouteMetrics};
 use crate::ratelimit_field::{ceil_seconds, limit_items_in};
 use crate::tls::{UpstreamTls, UpstreamTlsSet};
@@ -72,6 +72,8 @@ pub struct Policy<M: Metering = Metered> {
     pub forwarded_header: ForwardedHeader,
     /// The header fields a `Connection` option may not name (see `fields::connection_guarded`).
     pub connection_guarded: Vec<HeaderName>,
+    /// `store.key_prefix`: what every store key starts with (`crate::request::store_key`).
+    pub key_prefix: String,
     index: RouteIndex,
 }
 
@@ -218,14 +220,10 @@ pub struct Limit<M: Metering = Metered> {
     /// `count: { status: [...] }`: the statuses this limit counts; a request answered with
     /// another is given back. `None`: every request counts.
     pub count: Option<Box<[StatusMatch]>>,
-    /// `prefix:route:limit:` (with the algorithm after the limit for all but the sliding log,
-    /// so a reload that changes the algorithm starts afresh instead of reading another
-    /// algorithm's state); the identity completes the store key.
-    pub key_prefix: String,
     /// All must hold for the limit to apply to a request; empty: it always applies.
     pub when: Vec<Condition>,
     /// A calendar quota's period and zone (`spec.algorithm` is then `Calendar`, and
-    /// `spec.window` the period's nominal length until `check` sets the time left).
+    /// `spec.window` the period's nominal length until `request::store_key::check` sets the time left).
     pub quota: Option<Quota>,
     /// How client addresses are grouped in this limit's keys.
     pub client_prefix: ClientPrefix,
@@ -314,21 +312,20 @@ pub struct Upstream {
 }
 
 impl Compiled {
-    /// Checks the config as a whole and builds the policy. `file` names the source in errors;
-    /// `tls` holds the settings of every https upstream, read from their files by the caller
-    /// (`UpstreamTlsSet::load`). A config with JWT verifiers compiles with
-    /// [`Compiled::compile_with`].
-    pub fn compile(
+    /// [`Compiled::compile`] of a config without `jwt:` verifiers (tests and benchmarks).
+    pub fn compile_without_jwt(
         config: &Config,
         file: &Path,
         tls: &UpstreamTlsSet,
     ) -> Result<Compiled, ConfigError> {
-        Compiled::compile_with(config, file, tls, &Verifiers::default())
+        Compiled::compile(config, file, tls, &Verifiers::default())
     }
 
-    /// `compile`, with the JWT verifiers of `config.jwt`, their keys read from their files by
-    /// the caller (`Verifiers::load`).
-    pub fn compile_with(
+    /// Checks the config as a whole and builds the policy: what every load runs. `file` names
+    /// the source in errors; `tls` holds the settings of every https upstream, read from their
+    /// files by the caller (`UpstreamTlsSet::load`); `verifiers` the JWT verifiers of
+    /// `config.jwt`, their keys read from their files by the caller (`Verifiers::load`).
+    pub fn compile(
         config: &Config,
         file: &Path,
         tls: &UpstreamTlsSet,
@@ -387,7 +384,7 @@ impl Compiled {
             .zip(conditions)
             .zip(jwts)
             .map(|(((route, action), conditions), jwt)| {
-                let limits = build_limits(config, route, conditions, &models);
+                let limits = build_limits(route, conditions, &models);
                 let mut fields = fields::read_by(&limits);
                 // The token is read once too: two of its fields would be two readings.
                 if let Some(field) = jwt.as_ref().and_then(|jwt| token_field(&jwt.verifier)) {
@@ -434,6 +431,7 @@ impl Compiled {
             trusted_proxies: config.trusted_proxies.clone(),
             forwarded_header: config.forwarded_header,
             connection_guarded,
+            key_prefix: config.store.key_prefix.as_str().to_owned(),
             index,
         })
     }
@@ -463,7 +461,6 @@ impl Compiled {
                         key: limit.key,
                         spec: limit.spec,
                         count: limit.count,
-                        key_prefix: limit.key_prefix,
                         when: limit.when,
                         quota: limit.quota,
                         client_prefix: limit.client_prefix,
@@ -492,6 +489,7 @@ impl Compiled {
             trusted_proxies: self.trusted_proxies,
             forwarded_header: self.forwarded_header,
             connection_guarded: self.connection_guarded,
+            key_prefix: self.key_prefix,
             index: self.index,
         }
     }
@@ -957,36 +955,6 @@ fn check_cost(limit: &LimitConfig, file: &Path, field: &str) -> Result<(), Confi
     Ok(())
 }
 
-impl<M: Metering> Limit<M> {
-    /// The check of this limit for one identity's store key: the one place a `Check` is built.
-    /// A calendar quota's key gets the current period's label (`:2026-11`, outside the
-    /// identity's `{...}`, so Redis Cluster places every period of one identity in its slot)
-    /// and its window is the time left in that period, both from sluice's wall clock.
-    pub fn check(&self, key: String) -> Check {
-        let mut check = Check {
-            key,
-            spec: self.spec,
-        };
-        if let Some(quota) = &self.quota {
-            let now = crate::clock::now();
-            check.key.push(':');
-            match quota.span_at(now) {
-                Ok(span) => {
-                    span.push_label(&mut check.key);
-                    check.spec.window = span.left_at(now);
-                }
-                // Only a clock set beyond the year 9999 gets here: count in a key of its own,
-                // one second at a time, rather than fail the request.
-                Err(_) => {
-                    check.key.push_str("beyond-the-calendar");
-                    check.spec.window = Duration::from_secs(1);
-                }
-            }
-        }
-        check
-    }
-}
-
 /// A calendar quota (`quota:`) is a limit of its own kind: exactly one of `window` and
 /// `quota`; `time_zone` only with a quota, naming a zone of the bundled tz database; and none
 /// of what shapes a rolling window (`algorithm`, `burst`, `on_exceed: delay`).
@@ -1090,7 +1058,6 @@ fn quota_of(limit: &LimitConfig) -> Option<Quota> {
 
 /// The limits of a route that passed `check_limits`.
 fn build_limits(
-    config: &Config,
     route: &RouteConfig,
     conditions: Vec<Vec<Condition>>,
     models: &Arc<crate::llm::Models>,
@@ -1130,19 +1097,6 @@ fn build_limits(
                 .count
                 .as_ref()
                 .map(|count| count.value.status.clone().into_boxed_slice()),
-            key_prefix: match limit.algorithm() {
-                Algorithm::SlidingLog => format!(
-                    "{}:{}:{}:",
-                    config.store.key_prefix, route.name.value, limit.name.value
-                ),
-                other => format!(
-                    "{}:{}:{}:{}:",
-                    config.store.key_prefix,
-                    route.name.value,
-                    limit.name.value,
-                    other.label()
-                ),
-            },
             when,
             quota: quota_of(limit),
             client_prefix: ClientPrefix {
@@ -1177,8 +1131,9 @@ mod tests {
         let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: api\n    match: { path_prefix: /api }\n    respond: { status: 200 }\n    limits:\n      - { name: per-ip, key: [client_ip], requests: 5, window: 1s }\n";
         let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("valid");
         let metrics = Metrics::new().expect("metrics");
-        let compiled = Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
-            .expect("valid");
+        let compiled =
+            Compiled::compile_without_jwt(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+                .expect("valid");
         let text = || String::from_utf8(metrics.render()).expect("UTF-8");
         assert!(!text().contains("api"), "{}", text());
         let policy = compiled.metered(&metrics);
@@ -1198,16 +1153,18 @@ mod tests {
     fn an_https_upstream_needs_its_loaded_tls_settings() {
         let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nupstreams:\n  secure: { url: \"https://127.0.0.1:9\" }\nroutes:\n  - name: r\n    match: { path_prefix: / }\n    upstream: secure\n";
         let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("valid");
-        let refused = Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
-            .err()
-            .expect("refused");
+        let refused =
+            Compiled::compile_without_jwt(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+                .err()
+                .expect("refused");
         assert!(
             refused.to_string().contains("upstreams.secure.url"),
             "{refused}"
         );
         let loaded =
             UpstreamTlsSet::load(&config.upstreams, Path::new("t.yaml")).expect("builtin roots");
-        let policy = Compiled::compile(&config, Path::new("t.yaml"), &loaded).expect("valid");
+        let policy =
+            Compiled::compile_without_jwt(&config, Path::new("t.yaml"), &loaded).expect("valid");
         let upstream = policy.upstreams().next().expect("one upstream");
         assert!(upstream.tls.is_some());
     }
@@ -1239,7 +1196,8 @@ mod tests {
             ));
         }
         let config = crate::config::parse(&yaml, Path::new("t.yaml")).expect("valid");
-        Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default()).expect("valid")
+        Compiled::compile_without_jwt(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .expect("valid")
     }
 
     proptest! {

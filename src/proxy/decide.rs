@@ -4,15 +4,15 @@
 use crate::config::OnStoreError;
 use crate::limiter::{Check, Decision, Store};
 use crate::log::RequestLog;
-use crate::plan::Plan;
 use crate::policy::{Limit, Route};
+use crate::request::Plan;
 
 use super::stop::Stop;
 use super::Exchange;
 
 /// A decided request: the limits that applied, their checks and the store's decision, all in
-/// the same order. Kept by the exchange for the phases after it (hold, settle) and for the
-/// RateLimit fields `finish` writes.
+/// the same order. Kept by the exchange for the phases after it (hold, give-back, the token
+/// settlement) and for the RateLimit fields `finish` writes.
 pub struct Decided<'r> {
     pub limits: Vec<&'r Limit>,
     pub checks: Vec<Check>,

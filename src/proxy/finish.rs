@@ -11,12 +11,12 @@ use http::{Response, StatusCode};
 use prometheus::{IntCounter, IntCounterVec};
 
 use super::decide::Decided;
-use super::forward::ForwardError;
 use super::request_id::X_REQUEST_ID;
 use super::stop::Stop;
-use super::{grpc, Exchange};
+use super::upstream::forward::ForwardError;
+use super::upstream::grpc;
+use super::Exchange;
 use crate::body::ProxyBody;
-use crate::keys;
 use crate::log::{RequestLog, Subject};
 use crate::metrics::{Metrics, Outcome};
 use crate::policy::Route;
@@ -203,14 +203,14 @@ impl Finisher {
             let subject = || Subject {
                 route: route.name.to_string(),
                 limit: limit.name.to_string(),
-                identity: keys::identity_hash(&check.key),
+                identity: crate::log::key_hash(&check.key),
             };
             if rejecting && !limit.spec.shadow && self.log.rejections.record(&check.key, subject) {
                 tracing::info!(
                     target: "sluice::rejected",
                     route = %route.name,
                     limit = %limit.name,
-                    identity = %keys::identity_hash(&check.key),
+                    identity = %crate::log::key_hash(&check.key),
                     retry_after,
                     request_id = exchange.id(),
                     "rejected"
@@ -277,8 +277,8 @@ fn too_many_requests(
 
 /// RFC 6750 §3: `Bearer error="invalid_token"` with a description; a request without any
 /// token gets the bare challenge (§3.1: no error code when no credentials were sent).
-fn www_authenticate(invalid: crate::identity::Invalid) -> HeaderValue {
-    if invalid == crate::identity::Invalid::Missing {
+fn www_authenticate(invalid: crate::jwt::Invalid) -> HeaderValue {
+    if invalid == crate::jwt::Invalid::Missing {
         return HeaderValue::from_static("Bearer");
     }
     let value = format!(

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use prometheus::IntGauge;
 
 use super::decide::Decided;
-use super::settle::give_back;
+use super::give_back::give_back;
 use super::stop::Stop;
 use crate::limiter::{Admission, Check, Store};
 use crate::policy::Route;

@@ -1,35 +1,26 @@
-//! The gateway's request path, as a fixed sequence of phases, one file each:
-//! `head` (limits, canonical path, one reading of the request) → `route` → `identify` (the
-//! route's `jwt:`: a verified token's claims, or its `on_invalid`) → `plan` (`crate::plan`:
-//! client address and checks, claims included) → on a route with a token budget, `tokens`
-//! (read the body, reserve its upper bound) → `decide` (one store call) → `hold`
-//! (`on_exceed: delay`) → act (`forward` to the upstream, or the route's direct response) →
-//! `settle` (give back what `count:` does not keep; a token budget settles to the usage its
-//! answer reports, in `tokens`) → `finish`. A phase that cannot go on
+//! The gateway: the acting side of a request's path. `crate::request::plan` reads the request
+//! and plans it (head, route, identify, plan); here the phases that act on that plan run, one
+//! file each, in the order `crate::request` states: `tokens` (a token budget's body and
+//! reservation) → `decide` (one store call) → `hold` (`on_exceed: delay`) → act (the
+//! upstream side, `upstream`, or the route's direct response) → `give_back` (count by
+//! outcome) → the token settlement (`tokens::settle`) → `finish`. A phase that cannot go on
 //! returns a `Stop`; `finish` completes every answer, sluice's own and the upstream's, in one
 //! place, and counts every request once, by route and outcome.
 //!
 //! The policy in force is a snapshot a request takes at its start; a reload installs a new
 //! one (`Gateway::install`) with the clients of its upstreams from a registry that outlives
-//! reloads (`upstreams`).
+//! reloads (`upstream::clients`).
 
 mod body_budget;
 mod decide;
 mod finish;
-mod forward;
-mod grpc;
-mod head;
-mod headers;
+mod give_back;
 mod hold;
-mod identify;
 mod request_body;
 mod request_id;
-mod route;
-mod settle;
 mod stop;
 mod tokens;
-mod tunnel;
-mod upstreams;
+mod upstream;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -44,21 +35,19 @@ use hyper::body::Incoming;
 use self::decide::Decided;
 pub use self::finish::Answered;
 use self::finish::Finisher;
-use self::forward::{ForwardError, UpstreamClient};
-pub use self::head::{read as read_head, HeadLimits};
-pub use self::identify::identify;
 use self::request_body::{BodyFault, BodyRefusals, ClientBody, ReadError};
 use self::request_id::{RequestIds, X_REQUEST_ID};
-pub use self::route::{refuse, route};
 pub use self::stop::{Fault, Stop};
-use self::upstreams::{Clients, Upstreams};
+use self::upstream::clients::{Clients, Upstreams};
+use self::upstream::forward::{self, ForwardError, UpstreamClient};
+use self::upstream::grpc;
 pub use crate::body::ProxyBody;
 use crate::config::OnStoreError;
 use crate::limiter::Store;
 use crate::log::RequestLog;
 use crate::metrics::{Metrics, Outcome};
-use crate::plan;
 use crate::policy::{Action, BodyPace, DirectResponse, Policy, Route, Upstream};
+use crate::request::{self, HeadLimits, Now};
 use bytes::Bytes;
 
 /// The policy in force and the client of each upstream it forwards to: swapped together, in
@@ -170,26 +159,44 @@ impl Gateway {
         &self,
         active: &'r Active,
         exchange: &mut Exchange<'r>,
-        request: Request<B>,
+        sent: Request<B>,
         peer: SocketAddr,
     ) -> Result<Answered, Stop> {
-        let (mut head, body) = request.into_parts();
-        head::read(&mut head, &self.head_limits, &active.policy)?;
+        let (mut head, body) = sent.into_parts();
+        let planned = request::plan(
+            &active.policy,
+            &self.head_limits,
+            &mut head,
+            body.size_hint().lower(),
+            peer.ip(),
+            Now::read(),
+        );
         exchange.instance = head.uri.clone();
+        let planned = match planned {
+            Ok(planned) => planned,
+            Err(refused) => {
+                exchange.route = refused.route;
+                if let (Some(route), request::Why::Unauthenticated(reason)) =
+                    (refused.route, &refused.why)
+                {
+                    self.count_invalid(route, *reason);
+                }
+                return Err(refused.why.into());
+            }
+        };
+        let request::Planned {
+            route,
+            claims,
+            invalid,
+            mut plan,
+        } = planned;
+        exchange.route = Some(route);
+        if let Some(reason) = invalid {
+            self.count_invalid(route, reason);
+        }
         // The upstream gets the id too.
         head.headers
             .insert(X_REQUEST_ID, exchange.request_id.clone());
-        let route = route::route(&active.policy, &head)?;
-        exchange.route = Some(route);
-        route::refuse(route, &head, body.size_hint().lower())?;
-        let claims = identify::identify(
-            route,
-            &head.headers,
-            std::time::SystemTime::now(),
-            &self.jwt_invalid,
-        )?;
-        let mut plan =
-            plan::plan_identified(&active.policy, route, &head, peer.ip(), claims.as_ref());
         // Boxed, like the token settlement below: only routes with a token budget take
         // these steps, and inline their futures would make every request's as large.
         let mut body = match tokens::read_limit(route, &plan) {
@@ -213,13 +220,14 @@ impl Gateway {
                 // Planned again now that the body is read: the limits on its `model`, and
                 // each calendar quota's period at the decision's time, not the head's.
                 let model = tokens::body_model(&plan, &body)?;
-                plan = plan::plan_read(
+                plan = request::checks::with_body(
                     &active.policy,
                     route,
                     &head,
                     peer.ip(),
                     claims.as_ref(),
                     model.as_deref(),
+                    Now::read().calendar,
                 );
                 body
             }
@@ -237,13 +245,20 @@ impl Gateway {
                 Ok(answered) => answered.response.status(),
                 Err(stop) => stop.status(),
             };
-            settle::give_back_uncounted(&self.store, route, decided, status).await;
+            give_back::give_back_uncounted(&self.store, route, decided, status).await;
             if route.limits.iter().any(|limit| limit.tokens.is_some()) {
                 acted =
                     Box::pin(tokens::settle(&self.store, decided, acted, prices.as_ref())).await;
             }
         }
         acted
+    }
+
+    /// Counts a token that was not taken (`sluice_jwt_invalid_total`), by route and reason.
+    fn count_invalid(&self, route: &Route, reason: crate::jwt::Invalid) {
+        self.jwt_invalid
+            .with_label_values(&[route.name.as_str(), reason.label()])
+            .inc();
     }
 
     /// The route's action: forward to its upstream, or its direct response.

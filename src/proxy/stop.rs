@@ -6,12 +6,12 @@ use std::time::Duration;
 
 use http::StatusCode;
 
-use super::forward::ForwardError;
 use super::request_body::BodyFault;
+use super::upstream::forward::ForwardError;
 use crate::config::Name;
 use crate::metrics::{Outcome, Refusal};
-use crate::one_request;
 use crate::policy::Route;
+use crate::request::{self, Why};
 
 /// Whose fault an answer is: what an operator looks at first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,7 +39,7 @@ pub enum Stop {
     /// No route matches (404).
     NoRoute,
     /// The route's `jwt:` rejects a missing or invalid token (401, `WWW-Authenticate`).
-    Unauthenticated(crate::identity::Invalid),
+    Unauthenticated(crate::jwt::Invalid),
     /// The request body broke a bound of the route while it streamed; counted where it broke.
     Body(BodyFault),
     /// A limit has no room: the request's decision says which and for how long (429).
@@ -148,13 +148,22 @@ impl Stop {
     }
 }
 
-/// A request with no single reading (`one_request`) is refused with 400.
-impl From<one_request::Refused> for Stop {
-    fn from(refused: one_request::Refused) -> Stop {
-        Stop::Refused {
-            status: StatusCode::BAD_REQUEST,
-            detail: refused.detail,
-            reason: refused.reason,
+/// A request the request layer refused before the store (`crate::request::plan`).
+impl From<Why> for Stop {
+    fn from(why: Why) -> Stop {
+        match why {
+            Why::Unreadable {
+                status,
+                detail,
+                reason,
+            } => Stop::Refused {
+                status,
+                detail,
+                reason,
+            },
+            Why::NoRoute => Stop::NoRoute,
+            Why::Unauthenticated(invalid) => Stop::Unauthenticated(invalid),
+            Why::KeysUnavailable => Stop::KeysUnavailable,
         }
     }
 }
@@ -162,10 +171,9 @@ impl From<one_request::Refused> for Stop {
 /// 413 past the route's limit, 408 behind its pace, 400 when malformed.
 pub fn body_detail(fault: BodyFault, route: Option<&Route>) -> String {
     match (fault, route) {
-        (BodyFault::TooLarge, Some(route)) => format!(
-            "the request body is larger than {} bytes, the most this route accepts",
-            route.max_body.unwrap_or(u64::MAX)
-        ),
+        (BodyFault::TooLarge, Some(route)) => {
+            request::too_large(route.max_body.unwrap_or(u64::MAX))
+        }
         (BodyFault::TooSlow, Some(route)) => {
             let pace = &route.body_pace;
             let rate = if pace.min_rate == 0 {

@@ -48,9 +48,10 @@ fn gateway(store_yaml: &str, routes_yaml: &str, metrics: &Metrics, store: Store)
         "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{store_yaml}routes:\n{routes_yaml}"
     );
     let config = crate::config::parse(&yaml, Path::new("t.yaml")).expect("a valid config");
-    let policy = Policy::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
-        .expect("a valid policy")
-        .metered(metrics);
+    let policy =
+        Policy::compile_without_jwt(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .expect("a valid policy")
+            .metered(metrics);
     Gateway::new(policy, store, &config.server, metrics)
 }
 

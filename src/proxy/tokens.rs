@@ -2,7 +2,7 @@
 //! the store is asked whether each token limit has any room (`check_room`: none, and the body
 //! is never read); then its body is read whole (within the route's bounds and the process's
 //! `body_budget`), the request is planned again with the body's `model` and the time of the
-//! decision (`plan::plan_read`), each token limit's check costs the reservation
+//! decision (`crate::request::checks::with_body`), each token limit's check costs the reservation
 //! `llm::estimate` bounds from those bytes, and the same bytes are forwarded (one request, one
 //! meaning). After the upstream answers, the reservation is settled to what the
 //! answer says it used (`llm::usage`, or a header): the body streams through a scanner that
@@ -16,7 +16,7 @@
 //! upstream spent nothing; the upstream answered (any status) but gave no figure, the client
 //! left before the end, the body failed, the upstream timed out → the whole reservation is
 //! kept, since the upstream may have spent it. A figure above the reservation is charged:
-//! the request's entry grows to it (`Store::settle`), so the window makes that identity wait
+//! the request's entry grows to it (`Store::keep`), so the window makes that identity wait
 //! for what the upstream really spent, and the overrun and its excess tokens are counted.
 
 use std::future::Future;
@@ -35,18 +35,18 @@ use std::time::Duration;
 use super::body_budget::BodyBudget;
 use super::decide::Decided;
 use super::finish::Answered;
-use super::forward::ForwardError;
 use super::request_body::{BodyRefusals, ClientBody, ReadError, ReadWhole};
 use super::stop::Stop;
+use super::upstream::forward::ForwardError;
 use super::{Exchange, ForwardBody};
 use crate::body::ProxyBody;
 use crate::limiter::{Admission, Check, Decision, LimitState, Store};
 use crate::llm::usage::DecodingScanner;
-use crate::llm::{self, estimate, Api, EstimateError, Prices, Settle, Unit, Usage};
+use crate::llm::{self, estimate, Api, EstimateError, Prices, Unit, Usage, UsageFrom};
 use crate::metrics::Refusal;
 use crate::metrics::{Outcome, TokenMetrics};
-use crate::plan::Plan;
 use crate::policy::Route;
+use crate::request::Plan;
 use crate::server::ConnectionReaders;
 
 /// The most body bytes to read before deciding, when a token limit applies to the request
@@ -67,7 +67,7 @@ pub fn read_limit(route: &Route, plan: &Plan<'_>) -> Option<u64> {
 /// Refuses a WebSocket upgrade on a route whose token limits apply (501): the tunnel's
 /// messages would pass uncounted.
 pub fn refuse_upgrade(route: &Route, head: &Parts) -> Result<(), Stop> {
-    if !super::tunnel::asks_websocket(head.version, &head.headers) {
+    if !super::upstream::tunnel::asks_websocket(head.version, &head.headers) {
         return Ok(());
     }
     Err(Stop::Refused {
@@ -445,7 +445,7 @@ impl Settlement {
             }
         }
         for (used, checks) in by_figure {
-            if let Err(err) = self.store.settle(&checks, &self.admission, used).await {
+            if let Err(err) = self.store.keep(&checks, &self.admission, used).await {
                 // The tokens stay reserved until they leave the window: the limit
                 // under-admits meanwhile, never over-admits.
                 tracing::debug!(store = self.store.name(), error = %err, "cannot settle a token reservation");
@@ -501,9 +501,9 @@ pub async fn settle(
                 Unit::Money { .. } => prices.cloned(),
             },
         };
-        match &budget.settle {
-            Settle::Header(name) => by_header.push((reserved, name)),
-            Settle::Usage => by_usage.push(reserved),
+        match &budget.usage_from {
+            UsageFrom::Header(name) => by_header.push((reserved, name)),
+            UsageFrom::Usage => by_usage.push(reserved),
         }
     }
     if by_header.is_empty() && by_usage.is_empty() {

@@ -16,7 +16,7 @@ use tokio_rustls::TlsAcceptor;
 
 use super::files::{self, PairBytes, TlsFileError};
 use crate::config::{ConfigError, ListenerTlsConfig, Position, Spanned};
-use crate::file_watch::FileWatch;
+use crate::runtime::file_watch::FileWatch;
 
 /// The certificate new handshakes get.
 #[derive(Debug)]

@@ -215,7 +215,7 @@ async fn a_local_fallback_admission_is_given_back_locally() {
     assert!(store.decide_locally(&one).admitted);
 }
 
-/// `Store::settle`: a reservation of 10 settled to 3 used leaves every algorithm where an
+/// `Store::keep`: a reservation of 10 settled to 3 used leaves every algorithm where an
 /// admission of cost 3 would (in Redis, the sliding log's entries are the request's first
 /// three, the others' values the same); settling to the whole cost gives nothing back, and
 /// to more charges the excess where a token budget can run. Both stores; every Redis key
@@ -234,7 +234,7 @@ async fn a_settled_reservation_stands_as_an_admission_of_what_it_used() {
             let decision = store.decide(std::slice::from_ref(&reserved)).await.unwrap();
             let admission = decision.admission.expect("admitted");
             store
-                .settle(std::slice::from_ref(&reserved), &admission, 3)
+                .keep(std::slice::from_ref(&reserved), &admission, 3)
                 .await
                 .unwrap();
             let probe = check(&key, algorithm, 20, 1);
@@ -267,7 +267,7 @@ async fn a_settled_reservation_stands_as_an_admission_of_what_it_used() {
                 .expect("admitted");
             for used in [10, 11] {
                 store
-                    .settle(std::slice::from_ref(&reserved), &admission, used)
+                    .keep(std::slice::from_ref(&reserved), &admission, used)
                     .await
                     .unwrap();
             }

@@ -55,7 +55,7 @@ async fn both_stores_weigh_requests_and_settle_them_alike() {
         assert!((58.0..=60.0).contains(&wait), "{name}: {wait}");
         // The first request used 500 of its 6,000: 5,500 come back at once.
         store
-            .settle(
+            .keep(
                 &[check(&key, 6_000)],
                 first.admission.as_ref().unwrap(),
                 500,

@@ -4,8 +4,8 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::super::cluster;
 use super::super::{Admission, Check, Decision, Peek, StoreError};
+use super::cluster;
 use super::scripts::decision_from_reply;
 use super::{Link, RedisStore};
 

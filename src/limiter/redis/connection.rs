@@ -8,9 +8,9 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Client, Cmd, RedisError, RedisFuture, RedisResult, Script};
 
-use super::super::cluster;
-use super::super::sentinel::MasterAddr;
 use super::super::StoreError;
+use super::cluster;
+use super::sentinel::MasterAddr;
 
 /// What requests and the follower task both use.
 pub(super) struct Shared {

@@ -8,9 +8,9 @@ use redis::{Client, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, Red
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-use super::super::sentinel::{watch_failovers, MasterAddr, SentinelSettings, Sentinels};
 use super::super::StoreError;
 use super::connection::{open_connections, script_error, Master, Shared};
+use super::sentinel::{watch_failovers, MasterAddr, SentinelSettings, Sentinels};
 use super::{Link, RedisStore};
 
 /// How often the sentinels are asked for the master when nothing has failed. A failover

@@ -30,9 +30,11 @@
 //! one script call or one per cluster slot).
 
 mod calls;
+pub(super) mod cluster;
 mod connection;
 mod follow;
 mod scripts;
+mod sentinel;
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -41,11 +43,12 @@ use std::time::Duration;
 
 use redis::{Client, Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind};
 
+use self::cluster::ClusterLink;
+pub use self::cluster::{slot_of, ClusterSettings};
 use self::connection::{open_connections, script_error, Connection, Master, Shared};
 use self::follow::Follower;
 use self::scripts::{DECIDE, PEEK, RELEASE};
-use super::cluster::{ClusterLink, ClusterSettings};
-use super::sentinel::SentinelSettings;
+pub use self::sentinel::SentinelSettings;
 use super::StoreError;
 
 /// Where Redis is: exactly one of a fixed address, a master found through Sentinel, or a
@@ -225,7 +228,7 @@ impl RedisStore {
                     .to_owned(),
             ));
         }
-        let mine = crate::worker::share(master.connections.len());
+        let mine = crate::runtime::worker::share(master.connections.len());
         let index = mine.start + self.next.fetch_add(1, Ordering::Relaxed) % mine.len();
         Ok(Connection::Node(master.connections[index].clone()))
     }

@@ -1,7 +1,7 @@
 -- The driver: every limit of one request, of any mix of algorithms, decided atomically.
 -- Concatenated after sliding_log.lua, weighted_log.lua, sliding_window.lua, fixed_window.lua,
--- gcra.lua and calendar.lua at compile time (see redis.rs), whose check and record functions
--- it calls.
+-- gcra.lua and calendar.lua at compile time (see src/limiter/redis/scripts.rs), whose check
+-- and record functions it calls.
 --
 -- KEYS[i]      one key per limit, of the type its algorithm keeps
 -- ARGV[1]      a member name unique to this request (instance id and sequence number), so

@@ -1,21 +1,23 @@
 //! The plan for one request on its route: the client's address and one check for each of
-//! the route's limits that applies. A pure function of the policy and the request's head,
-//! run by the gateway before it asks the store, and by `sluice explain`, so that what explain
-//! prints is what the gateway does.
+//! the route's limits that applies, under its store key (`super::store_key`). A pure
+//! function of the policy, the request's head and the time, the last step of
+//! `super::plan`.
 //!
 //! A route with a token budget reads its body before deciding, and is planned twice: from the
-//! head (`plan_identified`), with the limits that read the body's `model` left `deferred`, to
+//! head (`from_head`), with the limits that read the body's `model` left `deferred`, to
 //! know how much body to read and to check before reading; then once the body is read
-//! (`plan_read`), with every limit. The second plan is the one decided, so a calendar quota's
+//! (`with_body`, through `super::Planned::with_body`), with every limit. The second plan is the one decided, so a calendar quota's
 //! period and window are those of the decision's time, not of the head's: a head sent before
 //! midnight whose body ends after it is charged to the new day.
 
 use std::net::IpAddr;
 
 use http::request::Parts;
+use jiff::Timestamp;
 
-use crate::identity::Claims;
-use crate::keys::{self, RequestParts};
+use super::client::client_ip;
+use super::store_key::{self, RequestParts};
+use crate::jwt::Claims;
 use crate::limiter::Check;
 use crate::policy::{Limit, Policy, Route};
 
@@ -26,7 +28,7 @@ pub struct Plan<'r> {
     pub limits: Vec<&'r Limit>,
     pub checks: Vec<Check>,
     /// The limits that read the body's `model` and whose head conditions hold: planned by
-    /// `plan_read` once the body is read (empty in that plan).
+    /// `with_body` once the body is read (empty in that plan).
     pub deferred: Vec<&'r Limit>,
 }
 
@@ -37,36 +39,33 @@ impl Plan<'_> {
     }
 }
 
-/// Plans `head` (already read by `one_request`, its path canonical) on `route`; `peer` is the
-/// TCP peer's address. No claims: for a route without `jwt:`.
-pub fn plan<'r>(policy: &Policy, route: &'r Route, head: &Parts, peer: IpAddr) -> Plan<'r> {
-    plan_identified(policy, route, head, peer, None)
-}
-
-/// `plan`, with the claims of the request's verified token (`proxy::identify`): what `jwt:`
-/// key parts and conditions read. Limits that read the body are `deferred`.
-pub fn plan_identified<'r>(
+/// Plans `head` (already read, its path canonical: `super::head`) on `route`; `peer` is the
+/// TCP peer's address; `claims` are those of the request's verified token (`super::identify`),
+/// what `jwt:` key parts and conditions read. Limits that read the body are `deferred`.
+pub fn from_head<'r>(
     policy: &Policy,
     route: &'r Route,
     head: &Parts,
     peer: IpAddr,
     claims: Option<&Claims>,
+    now: Timestamp,
 ) -> Plan<'r> {
-    build(policy, route, head, peer, claims, None)
+    build(policy, route, head, peer, claims, None, now)
 }
 
 /// The plan of a request whose body has been read: every limit, those that read the body's
 /// `model` (normalised, `crate::model`; `None` when it names none) included, and every
-/// calendar quota's period taken now.
-pub fn plan_read<'r>(
+/// calendar quota's period taken at `now`, the decision's time.
+pub fn with_body<'r>(
     policy: &Policy,
     route: &'r Route,
     head: &Parts,
     peer: IpAddr,
     claims: Option<&Claims>,
     model: Option<&str>,
+    now: Timestamp,
 ) -> Plan<'r> {
-    build(policy, route, head, peer, claims, Some(model))
+    build(policy, route, head, peer, claims, Some(model), now)
 }
 
 /// `body`: `None` before the body is read; `Some(model)` after.
@@ -77,11 +76,12 @@ fn build<'r>(
     peer: IpAddr,
     claims: Option<&Claims>,
     body: Option<Option<&str>>,
+    now: Timestamp,
 ) -> Plan<'r> {
     let client_ip = if route.limits.is_empty() {
         peer.to_canonical()
     } else {
-        keys::client_ip(
+        client_ip(
             peer,
             &head.headers,
             &policy.trusted_proxies,
@@ -110,7 +110,7 @@ fn build<'r>(
     }
     let checks = limits
         .iter()
-        .map(|limit| limit.check(keys::store_key(limit, route, &parts)))
+        .map(|limit| store_key::check(limit, store_key::build(policy, route, limit, &parts), now))
         .collect();
     Plan {
         client_ip,

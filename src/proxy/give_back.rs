@@ -1,4 +1,4 @@
-//! The settle phase, once the status the client gets is known: a request's places in the
+//! The give-back phase (counting by outcome), once the status the client gets is known: a request's places in the
 //! limits whose `count:` does not match that status are given back, before the response goes
 //! out, so a client that follows a success with another attempt finds its place back.
 //!

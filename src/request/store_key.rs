@@ -1,35 +1,48 @@
-//! From a request to the store keys of its route's limits: which client each limit counts.
+//! The store key: the one file that spells it, and reads it back.
 //!
-//! A key is `prefix:route:limit:{identity}`. The identity is wrapped in a Redis Cluster hash
-//! tag so all entries of one identity's limit live in one slot. If a header, query parameter or
-//! cookie a limit is keyed on is missing, that limit counts the client IP instead: leaving one
-//! out must never be a way around a limit. An empty key (`key: []`) is one bucket for the
-//! whole route.
+//! ```text
+//! prefix:route:limit[:algorithm]:{identity}[:period]
+//! ```
 //!
-//! The client IP is the TCP peer, unless the peer is a trusted proxy: then it is the
-//! rightmost address in the forwarded-for header that is not itself a trusted proxy (clients
-//! write the left part of that header freely, so it is never believed). A key counts it by
-//! its network, the limit's `ipv6_prefix` (a /64 by default: one subscriber's usual share,
-//! which would otherwise be 2^64 buckets) or `ipv4_prefix` (/32); an IPv4-mapped IPv6
-//! address is the IPv4 client. Written `ip=2001:db8:1:2::/64`, or bare when the prefix is the
-//! whole address (`ip=192.0.2.7`).
+//! - `prefix` is `store.key_prefix` (`sluice` by default), then the route's and the limit's
+//!   names. The algorithm's label follows for every algorithm but the sliding log, so a reload
+//!   that changes a limit's algorithm starts afresh instead of reading another algorithm's
+//!   state ([`prefix`]).
+//! - `{identity}` says which client the limit counts: the values of the limit's key parts,
+//!   each after its label (`ip=`, `h:x-api-key=`, ...; [`part_label`]) and joined by `|`, or
+//!   `*` for an empty key (`key: []`, one bucket for the whole route). The braces are a Redis
+//!   Cluster hash tag, so every entry of one identity's limit lives in one slot. If a header,
+//!   query parameter or cookie a limit is keyed on is missing, that limit counts the client IP
+//!   instead: leaving one out must never be a way around a limit. The client address
+//!   (`super::client`) is written as its network, `ip=2001:db8:1:2::/64`, or bare when the
+//!   prefix is the whole address (`ip=192.0.2.7`).
+//! - `:period` ends a calendar quota's key: the label of the period holding now (`:2026-11`),
+//!   outside the braces so that every period of one identity is in its slot ([`check`]).
 //!
 //! A value taken from the request is written as it came (with the key's separators escaped)
 //! only when it is short and printable; anything longer than [`MAX_RAW_VALUE`] bytes, or with
 //! a byte outside printable ASCII, is written as `#` and a SHA-256 of the value truncated to
 //! 128 bits, so a hostile client cannot make a store key large or unreadable.
+//!
+//! Built here for a live request ([`build`]), for an operator's per-part values and for an
+//! identity an operator copied from `sluice explain` (the admin API, [`from_identity`] after
+//! [`identity_fits`]); read back here too ([`identity_of`]).
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
+use std::time::Duration;
 
-use http::header::{COOKIE, HOST};
+use http::header::HOST;
 use http::{HeaderMap, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::config::{ForwardedHeader, IpNet, KeyPart};
-use crate::identity::Claims;
-use crate::policy::{ClientPrefix, Field, Limit, Matcher, Route};
+use super::client::client_network;
+use super::fields::{cookie_values, query_values};
+use crate::config::KeyPart;
+use crate::jwt::Claims;
+use crate::limiter::{Algorithm, Check};
+use crate::policy::{ClientPrefix, Limit, Matcher, Policy, Route};
 
 /// What the parts of a key are read from: the request (its path already canonical) and the
 /// client's address.
@@ -46,52 +59,87 @@ pub struct RequestParts<'a> {
     pub model: Option<&'a str>,
 }
 
-/// The client's address: `peer`, or when `peer` is a trusted proxy, the rightmost address of
-/// the forwarded-for chain that is not a trusted proxy (the leftmost when all are). A hop that
-/// is not an address (`unknown`, an obfuscated name, garbage) ends the walk at the last
-/// address found: nothing left of it can be believed.
-pub fn client_ip(
-    peer: IpAddr,
-    headers: &HeaderMap,
-    trusted: &[IpNet],
-    header: ForwardedHeader,
-) -> IpAddr {
-    let is_trusted = |ip: IpAddr| trusted.iter().any(|net| net.contains(ip));
-    let peer = peer.to_canonical();
-    if !is_trusted(peer) {
-        return peer;
-    }
-    let hops = forwarded_hops(headers, header);
-    let mut client = peer;
-    for hop in hops.iter().rev() {
-        match hop {
-            Some(ip) => {
-                client = *ip;
-                if !is_trusted(client) {
-                    return client;
-                }
-            }
-            None => return client,
-        }
-    }
-    client
+/// `prefix:route:limit:`, with the algorithm's label before the last `:` for every
+/// algorithm but the sliding log: what every key of `limit` starts with.
+pub fn prefix(policy: &Policy, route: &Route, limit: &Limit) -> String {
+    let mut key = String::new();
+    push_prefix(&mut key, &policy.key_prefix, route.name.as_str(), limit);
+    key
 }
 
-/// The network `ip` counts as under `prefix`, and its prefix length: an IPv4 address (an
-/// IPv4-mapped IPv6 one included) by `prefix.ipv4` bits, an IPv6 one by `prefix.ipv6`.
-pub fn client_network(ip: IpAddr, prefix: ClientPrefix) -> (IpAddr, u8) {
-    match ip.to_canonical() {
-        IpAddr::V4(v4) => {
-            let bits = prefix.ipv4.min(32);
-            let mask = u32::MAX.checked_shl(32 - u32::from(bits)).unwrap_or(0);
-            (IpAddr::V4((u32::from(v4) & mask).into()), bits)
-        }
-        IpAddr::V6(v6) => {
-            let bits = prefix.ipv6.min(128);
-            let mask = u128::MAX.checked_shl(128 - u32::from(bits)).unwrap_or(0);
-            (IpAddr::V6((u128::from(v6) & mask).into()), bits)
+fn push_prefix(key: &mut String, store: &str, route: &str, limit: &Limit) {
+    for name in [store, route, limit.name.as_str()] {
+        key.push_str(name);
+        key.push(':');
+    }
+    match limit.spec.algorithm {
+        Algorithm::SlidingLog => {}
+        other => {
+            key.push_str(other.label());
+            key.push(':');
         }
     }
+}
+
+/// The store key of `limit`, a limit of `route`, for `request`, without a calendar quota's
+/// period ([`check`] adds it): what a live request is checked under. The admin API builds a
+/// request from an operator's per-part values and asks here too, so it never spells a key
+/// differently from the gateway.
+pub fn build(policy: &Policy, route: &Route, limit: &Limit, request: &RequestParts<'_>) -> String {
+    let route_name = route.name.as_str();
+    key(
+        [policy.key_prefix.as_str(), route_name],
+        &route.matcher,
+        limit,
+        request,
+    )
+}
+
+/// The store key of the identity `identity` (checked with [`identity_fits`]) of `limit`.
+pub fn from_identity(policy: &Policy, route: &Route, limit: &Limit, identity: &str) -> String {
+    let mut key = prefix(policy, route, limit);
+    key.push('{');
+    key.push_str(identity);
+    key.push('}');
+    key
+}
+
+/// The identity in `key` (what is between the braces), given whole (`prefix...{identity}`,
+/// a quota's `:period` after it or not) or as the bare identity; `key` as it is when it has
+/// no braces.
+pub fn identity_of<'k>(policy: &Policy, route: &Route, limit: &Limit, key: &'k str) -> &'k str {
+    let rest = key
+        .strip_prefix(prefix(policy, route, limit).as_str())
+        .unwrap_or(key);
+    rest.strip_prefix('{')
+        .and_then(|inner| inner.rfind('}').map(|end| &inner[..end]))
+        .unwrap_or(rest)
+}
+
+/// The check of `limit` for the store key `key`, at `now` (sluice's wall clock,
+/// `crate::runtime::clock`): the one place a `Check` is built. A calendar quota's key gets the
+/// label of the period holding `now`, and its window is the time left in that period.
+pub fn check(limit: &Limit, key: String, now: jiff::Timestamp) -> Check {
+    let mut check = Check {
+        key,
+        spec: limit.spec,
+    };
+    if let Some(quota) = &limit.quota {
+        check.key.push(':');
+        match quota.span_at(now) {
+            Ok(span) => {
+                span.push_label(&mut check.key);
+                check.spec.window = span.left_at(now);
+            }
+            // Only a clock set beyond the year 9999 gets here: count in a key of its own,
+            // one second at a time, rather than fail the request.
+            Err(_) => {
+                check.key.push_str("beyond-the-calendar");
+                check.spec.window = Duration::from_secs(1);
+            }
+        }
+    }
+    check
 }
 
 /// Writes the client's network as a key part's value: `2001:db8:1:2::/64`, or the bare
@@ -104,52 +152,17 @@ fn push_client(key: &mut String, ip: IpAddr, prefix: ClientPrefix) {
     }
 }
 
-/// Every hop of the forwarded-for chain, in order, `None` where a hop is not an address.
-fn forwarded_hops(headers: &HeaderMap, header: ForwardedHeader) -> Vec<Option<IpAddr>> {
-    let values = headers
-        .get_all(match header {
-            ForwardedHeader::XForwardedFor => "x-forwarded-for",
-            ForwardedHeader::Forwarded => "forwarded",
-        })
-        .iter()
-        .map(|value| value.to_str().ok());
-    let mut hops = Vec::new();
-    for value in values {
-        let Some(value) = value else {
-            hops.push(None);
-            continue;
-        };
-        for element in value.split(',') {
-            let node = match header {
-                ForwardedHeader::XForwardedFor => Some(element.trim()),
-                // RFC 7239: `for=192.0.2.60;proto=http`, `for="[2001:db8::1]:4711"`.
-                ForwardedHeader::Forwarded => element.split(';').find_map(|pair| {
-                    let (name, value) = pair.trim().split_once('=')?;
-                    name.eq_ignore_ascii_case("for")
-                        .then(|| value.trim_matches('"'))
-                }),
-            };
-            hops.push(node.and_then(parse_node));
-        }
-    }
-    hops
-}
-
-/// An address as proxies write it: bare, with a port, or IPv6 in brackets.
-fn parse_node(node: &str) -> Option<IpAddr> {
-    node.parse::<IpAddr>()
-        .or_else(|_| node.parse::<SocketAddr>().map(|addr| addr.ip()))
-        .or_else(|_| node.trim_start_matches('[').trim_end_matches(']').parse())
-        .ok()
-        .map(|ip: IpAddr| ip.to_canonical())
-}
-
-/// `matcher`: the route's, for its path parameters and whether it compares paths
-/// case-sensitively (a `path` part is lower-cased otherwise, so that `/LOGIN` is not a bucket
-/// of its own).
-fn key(limit: &Limit, matcher: &Matcher, request: &RequestParts<'_>) -> String {
-    let mut key = String::with_capacity(limit.key_prefix.len() + 48);
-    key.push_str(&limit.key_prefix);
+/// `names`: the policy's `key_prefix` and the route's name; `matcher`: the route's, for its
+/// path parameters and whether it compares paths case-sensitively (a `path` part is
+/// lower-cased otherwise, so that `/LOGIN` is not a bucket of its own).
+fn key(
+    [store, route]: [&str; 2],
+    matcher: &Matcher,
+    limit: &Limit,
+    request: &RequestParts<'_>,
+) -> String {
+    let mut key = String::with_capacity(store.len() + route.len() + 64);
+    push_prefix(&mut key, store, route, limit);
     key.push('{');
     if limit.key.is_empty() {
         key.push('*');
@@ -171,13 +184,6 @@ fn key(limit: &Limit, matcher: &Matcher, request: &RequestParts<'_>) -> String {
     }
     key.push('}');
     key
-}
-
-/// The store key of `limit`, a limit of `route`, for `request`: what `plan` checks a live
-/// request under. The admin API builds a request from an operator's per-part values and asks
-/// here too, so it never spells a key differently from the gateway.
-pub fn store_key(limit: &Limit, route: &Route, request: &RequestParts<'_>) -> String {
-    key(limit, &route.matcher, request)
 }
 
 /// How a part's value is labelled inside the identity (`ip=`, `h:x-api-key=`, ...).
@@ -221,21 +227,6 @@ pub fn identity_fits(limit: &Limit, identity: &str) -> bool {
 /// client IP instead.
 pub fn missing_part<'a>(limit: &'a Limit, request: &RequestParts<'_>) -> Option<&'a KeyPart> {
     limit.key.iter().find(|part| !present(part, request))
-}
-
-/// The first of `fields` that the request carries more than once: two header field lines,
-/// two query parameters of one (decoded) name, or one cookie name twice in the `Cookie`
-/// field(s). A list-based header nobody reads for a limit is not looked at.
-pub fn repeated_field<'f>(
-    fields: &'f [Field],
-    uri: &Uri,
-    headers: &HeaderMap,
-) -> Option<&'f Field> {
-    fields.iter().find(|field| match field {
-        Field::Header(name) => headers.get_all(name).iter().nth(1).is_some(),
-        Field::Query(name) => query_values(uri, name).nth(1).is_some(),
-        Field::Cookie(name) => cookie_values(headers, name).nth(1).is_some(),
-    })
 }
 
 fn present(part: &KeyPart, request: &RequestParts<'_>) -> bool {
@@ -328,73 +319,6 @@ fn push_part(
     }
 }
 
-/// The values of query parameter `name`, percent-decoded (`+` as a space, as forms encode
-/// it), so `?key=abc` and `?key=%61bc`, which the upstream reads alike, are one identity.
-fn query_values<'a>(uri: &'a Uri, name: &'a str) -> impl Iterator<Item = Vec<u8>> + 'a {
-    uri.query()
-        .unwrap_or_default()
-        .split('&')
-        .filter_map(move |pair| {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            (percent_decode(key) == name.as_bytes()).then(|| percent_decode(value))
-        })
-}
-
-pub(crate) fn percent_decode(text: &str) -> Vec<u8> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut index = 0;
-    while index < bytes.len() {
-        let hex = |i: usize| bytes.get(i).and_then(|b| char::from(*b).to_digit(16));
-        match (bytes[index], hex(index + 1), hex(index + 2)) {
-            (b'%', Some(high), Some(low)) => {
-                out.push((high * 16 + low) as u8);
-                index += 3;
-            }
-            (b'+', _, _) => {
-                out.push(b' ');
-                index += 1;
-            }
-            (byte, _, _) => {
-                out.push(byte);
-                index += 1;
-            }
-        }
-    }
-    out
-}
-
-/// The values of cookie `name` in every `Cookie` field, quotes removed.
-fn cookie_values<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-    headers
-        .get_all(COOKIE)
-        .iter()
-        .flat_map(|value| value.as_bytes().split(|&b| b == b';'))
-        .filter_map(move |pair| {
-            let pair = pair.trim_ascii();
-            let at = pair.iter().position(|&b| b == b'=')?;
-            let (key, value) = (&pair[..at], &pair[at + 1..]);
-            (key.trim_ascii() == name.as_bytes()).then(|| {
-                let value = value.trim_ascii();
-                value
-                    .strip_prefix(b"\"")
-                    .and_then(|v| v.strip_suffix(b"\""))
-                    .unwrap_or(value)
-            })
-        })
-}
-
-/// A short hash of a store key, to name the identity in a log line without writing it: API
-/// keys and cookies are secrets, and addresses are personal data.
-pub fn identity_hash(key: &str) -> String {
-    let digest = Sha256::digest(key.as_bytes());
-    let mut hex = String::with_capacity(16);
-    for byte in &digest[..8] {
-        let _ = write!(hex, "{byte:02x}");
-    }
-    hex
-}
-
 /// Longest value, in bytes, written into a key as it came; longer values are hashed.
 pub const MAX_RAW_VALUE: usize = 64;
 
@@ -448,8 +372,11 @@ fn push_escaped(key: &mut String, bytes: &[u8]) {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::config::{ForwardedHeader, IpNet};
+    use crate::policy::Field;
+    use crate::request::client::client_ip;
+    use crate::request::fields::repeated_field;
     use http::header::{HeaderName, HeaderValue};
-    use std::time::Duration;
 
     pub(crate) fn limit(parts: Vec<KeyPart>) -> Limit {
         let metrics = crate::metrics::Metrics::new().unwrap();
@@ -465,7 +392,6 @@ pub(crate) mod tests {
                 ..crate::limiter::Spec::default()
             },
             count: None,
-            key_prefix: "sluice:r:l:".to_owned(),
             when: Vec::new(),
             quota: None,
             client_prefix: ClientPrefix::default(),
@@ -493,7 +419,7 @@ pub(crate) mod tests {
             methods: Vec::new(),
             case_sensitive: false,
         });
-        key(limit, &matcher, &request)
+        key(["sluice", "r"], &matcher, limit, &request)
     }
 
     #[test]
@@ -767,7 +693,7 @@ pub(crate) mod tests {
             methods: Vec::new(),
             case_sensitive: false,
         });
-        key(&one, &matcher, &request)
+        key(["sluice", "r"], &matcher, &one, &request)
     }
 
     #[test]

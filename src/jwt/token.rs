@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::base64url::base64url;
-use super::keys::{Key, Material};
+use super::keyset::{Key, Material};
 use super::{Claims, Invalid, Verifier};
 use crate::config::JwtAlgorithm;
 

@@ -19,21 +19,20 @@ use http::{Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use prometheus::{IntCounter, IntCounterVec};
 
-use self::pool::Connector;
-pub use self::pool::UpstreamBody;
+pub use super::error::ForwardError;
+use super::pool::Connector;
+pub use super::pool::UpstreamBody;
 
 use super::headers;
-use super::request_body::{BodyFault, BodyRefusals, ClientBody, RequestBody};
 use super::tunnel;
 use crate::metrics::UpstreamErrorKind;
 use crate::policy::{Route, Upstream};
+use crate::proxy::request_body::{BodyRefusals, ClientBody, RequestBody};
 use crate::tls::UpstreamTls;
-
-mod pool;
 
 /// The HTTP/1.1 (or, for an `http2` upstream, HTTP/2) client of one upstream (over TLS for an
 /// https one), with its error counters; its connections are pooled per worker (see `pool`).
-/// Long-lived: the registry in `proxy::upstreams` keeps it across reloads that leave the
+/// Long-lived: the registry in `upstream::clients` keeps it across reloads that leave the
 /// upstream unchanged, and with it the warm connections.
 pub struct UpstreamClient {
     connector: Arc<Connector>,
@@ -69,19 +68,6 @@ impl UpstreamClient {
             },
         }
     }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ForwardError {
-    #[error("cannot connect to the upstream: {0}")]
-    Connect(String),
-    #[error("the upstream did not answer within {0:?}")]
-    Timeout(Duration),
-    #[error("the upstream failed: {0}")]
-    Other(String),
-    /// The client's fault, not the upstream's.
-    #[error("{0}")]
-    Body(BodyFault),
 }
 
 impl UpstreamErrors {
@@ -220,18 +206,6 @@ fn upstream_uri(upstream: &Upstream, original: &Uri) -> Result<Uri, ForwardError
         .path_and_query(path_and_query)
         .build()
         .map_err(|e| unbuildable(&e))
-}
-
-/// hyper's client errors say little at the top ("client error (Connect)"); the cause is below.
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Identities from verified JSON Web Tokens: the `jwt:` verifiers of the policy, the token a
+//! Verified JSON Web Tokens: the `jwt:` verifiers of the policy, the token a
 //! request carries, and the claims a key part or a `when:` condition may read once the token
 //! has passed every check (signature, algorithm pinned by the key, `exp`/`nbf`/`iat`, issuer,
 //! audience). A claim of an unverified token is client input and is never read.
@@ -12,8 +12,8 @@
 
 mod base64url;
 pub mod jwks;
-mod jwt;
-mod keys;
+mod keyset;
+mod token;
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
@@ -29,11 +29,11 @@ use sha2::{Digest, Sha256};
 use crate::config::{ConfigError, JwtConfig, Name, Position, TokenFrom};
 
 pub use self::jwks::Jwks;
-pub use self::jwt::MAX_TOKEN_BYTES;
-pub use self::keys::{Key, Material};
+pub use self::keyset::{Key, Material};
+pub use self::token::MAX_TOKEN_BYTES;
 pub use crate::config::{JwtAlgorithm, OnInvalid};
 
-/// Why a request's token gives it no identity: the `reason` label of
+/// Why a request's token is not taken: the `reason` label of
 /// `sluice_jwt_invalid_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Invalid {
@@ -294,7 +294,7 @@ impl Verifier {
         token: &str,
         now: SystemTime,
     ) -> Result<Claims, Failure> {
-        jwt::verify(self, &set.keys, token, now).map_err(|invalid| {
+        token::verify(self, &set.keys, token, now).map_err(|invalid| {
             if invalid == Invalid::UnknownKey {
                 if let KeySource::Fetched(jwks) = &self.keys {
                     jwks.unknown_kid();
@@ -362,7 +362,7 @@ impl Verifiers {
                     format!("duplicate verifier name `{}`", config.name.value),
                 ));
             }
-            let verifier = keys::verifier(config, file, &field, |url| {
+            let verifier = keyset::verifier(config, file, &field, |url| {
                 Ok(KeySource::Fetched(jwks::Jwks::from_config(
                     config, url, file, &field,
                 )?))

@@ -45,7 +45,7 @@ use redis::{
 };
 use tokio::task::JoinHandle;
 
-use super::{Check, Decision, StoreError};
+use super::super::{Check, Decision, StoreError};
 
 /// How often a cluster that could not be reached at start is tried again.
 const CONNECT_RETRY: Duration = Duration::from_millis(250);
@@ -248,7 +248,7 @@ fn crc16_xmodem(bytes: &[u8]) -> u16 {
 
 /// The request's checks grouped by hash slot, each group the indices of its checks in
 /// order; `None` when they all share one slot (the common case, decided in one call).
-pub(super) fn slot_groups(checks: &[Check]) -> Option<Vec<Vec<usize>>> {
+pub(in crate::limiter) fn slot_groups(checks: &[Check]) -> Option<Vec<Vec<usize>>> {
     let first = slot_of(&checks.first()?.key);
     if checks[1..].iter().all(|check| slot_of(&check.key) == first) {
         return None;

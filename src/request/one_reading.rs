@@ -1,4 +1,4 @@
-//! One request for the router, the limiter and the upstream. A limit protects nothing if the
+//! The one-reading rules: one request for the router, the limiter and the upstream. A limit protects nothing if the
 //! limiter counts one reading of a request and the upstream acts on another, so before
 //! anything routes on a request or reads an identity from it, this phase makes the request
 //! that will be forwarded the only one there is to read, or refuses it (400) where no single
@@ -19,22 +19,22 @@ use http::header::{HeaderMap, HeaderName, HeaderValue, CONNECTION, COOKIE};
 use http::request::Parts;
 use http::{Method, Uri};
 
+use super::fields;
 use crate::config::HOP_BY_HOP;
-use crate::keys;
 use crate::metrics::Refusal;
 use crate::policy::{Field, Policy};
 
 /// Why a request has no single reading: what to tell the client (always with 400), and the
 /// reason it is counted under.
 #[derive(Debug)]
-pub struct Refused {
+pub struct Ambiguous {
     pub detail: String,
     pub reason: Refusal,
 }
 
 /// Before routing: refuses a respelled standard method, joins cookie crumbs and removes the
 /// fields `Connection` names (refusing one `policy` reads).
-pub fn prepare(head: &mut Parts, policy: &Policy) -> Result<(), Refused> {
+pub fn prepare(head: &mut Parts, policy: &Policy) -> Result<(), Ambiguous> {
     check_method(&head.method)?;
     join_cookie_crumbs(&mut head.headers);
     remove_connection_options(&mut head.headers, &policy.connection_guarded)
@@ -56,13 +56,13 @@ const STANDARD_METHODS: [Method; 9] = [
 /// Methods are case-sensitive (RFC 9110 §9.1), but several frameworks upper-case a method
 /// before dispatching it: `post` would reach the POST handler past a route on `POST`. A
 /// method that is no standard one in any case (`PURGE`, `purge`) is the upstream's business.
-pub fn check_method(method: &Method) -> Result<(), Refused> {
+pub fn check_method(method: &Method) -> Result<(), Ambiguous> {
     let sent = method.as_str();
     match STANDARD_METHODS
         .iter()
         .find(|standard| standard.as_str().eq_ignore_ascii_case(sent))
     {
-        Some(standard) if standard != method => Err(Refused {
+        Some(standard) if standard != method => Err(Ambiguous {
             detail: format!(
                 "the method `{sent}` is `{standard}` spelled in another case; methods are \
                  case-sensitive: send `{standard}`"
@@ -94,7 +94,7 @@ pub fn join_cookie_crumbs(headers: &mut HeaderMap) {
     }
 }
 
-/// The `Connection` options the proxy acts on itself when it forwards (see `proxy::headers`):
+/// The `Connection` options the proxy acts on itself when it forwards (see `crate::proxy::upstream`'s header rewriting):
 /// the hop-by-hop fields it removes anyway, and `close`. They are kept in `Connection`.
 fn kept_option(option: &[u8]) -> Option<&'static str> {
     std::iter::once("close")
@@ -108,7 +108,7 @@ fn kept_option(option: &[u8]) -> Option<&'static str> {
 pub fn remove_connection_options(
     headers: &mut HeaderMap,
     guarded: &[HeaderName],
-) -> Result<(), Refused> {
+) -> Result<(), Ambiguous> {
     if !headers.contains_key(CONNECTION) {
         return Ok(());
     }
@@ -133,7 +133,7 @@ pub fn remove_connection_options(
             continue;
         };
         if guarded.contains(&name) {
-            return Err(Refused {
+            return Err(Ambiguous {
                 detail: format!(
                     "the Connection header names {name}, a field the rate limits or routes \
                      read; it would be removed before forwarding, so the upstream would not \
@@ -157,10 +157,10 @@ pub fn remove_connection_options(
 
 /// Once routed: refuses a request in which one of `fields` (those the route's limits read)
 /// appears more than once.
-pub fn check_fields(fields: &[Field], uri: &Uri, headers: &HeaderMap) -> Result<(), Refused> {
-    match keys::repeated_field(fields, uri, headers) {
+pub fn check_fields(fields: &[Field], uri: &Uri, headers: &HeaderMap) -> Result<(), Ambiguous> {
+    match fields::repeated_field(fields, uri, headers) {
         None => Ok(()),
-        Some(field) => Err(Refused {
+        Some(field) => Err(Ambiguous {
             detail: format!(
                 "{field} appears more than once; this route's rate limits read it, and the \
                  upstream could act on another copy than the one counted: send it once"
@@ -174,7 +174,7 @@ pub fn check_fields(fields: &[Field], uri: &Uri, headers: &HeaderMap) -> Result<
 mod tests {
     use super::*;
     use crate::config::KeyPart;
-    use crate::keys::tests::{key_of, limit};
+    use crate::request::store_key::tests::{key_of, limit};
 
     #[test]
     fn respelled_standard_methods_are_refused_and_others_pass() {
@@ -273,10 +273,10 @@ mod tests {
             proptest::prop_assert_eq!(key_of(&limit, "/", &crumbs), key_of(&limit, "/", &single));
             let fields = [Field::Cookie("c".to_owned())];
             let uri: Uri = "/".parse().unwrap();
-            proptest::prop_assert!(keys::repeated_field(&fields, &uri, &crumbs).is_none());
+            proptest::prop_assert!(fields::repeated_field(&fields, &uri, &crumbs).is_none());
             crumbs.append("cookie", HeaderValue::from_static("c=junk"));
             join_cookie_crumbs(&mut crumbs);
-            proptest::prop_assert!(keys::repeated_field(&fields, &uri, &crumbs).is_some());
+            proptest::prop_assert!(fields::repeated_field(&fields, &uri, &crumbs).is_some());
         }
     }
 }

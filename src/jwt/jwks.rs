@@ -12,7 +12,7 @@
 //! good set keeps serving, and the failure is logged and counted. Keys of the set sluice
 //! cannot verify with (an encryption key, another type or curve) are left out, not refused:
 //! the set is the provider's, published for every kind of client. Until a first fetch has
-//! succeeded the verifier has no keys and its routes answer 503 (see `proxy::identify`).
+//! succeeded the verifier has no keys and its routes answer 503 (see `request::identify`).
 //!
 //! A reload that keeps a verifier's URL and settings keeps its fetcher (and so its keys):
 //! fetchers are shared through a registry keyed by the SHA-256 of the settings. The task
@@ -40,7 +40,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio_rustls::TlsConnector;
 
-use super::keys::{parse_jwk_set, Unusable};
+use super::keyset::{parse_jwk_set, Unusable};
 use super::KeySet;
 use crate::config::{ConfigError, JwtConfig, Position, Spanned};
 

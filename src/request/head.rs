@@ -1,7 +1,7 @@
-//! The head phase, first for every request: refuse a head that is too large, rewrite the path
-//! to its one canonical spelling (see `crate::path`), then make the head the one reading the
-//! router, the limiter and the upstream share (`crate::one_request`), before anything routes
-//! on it.
+//! Reading the head, first for every request: refuse a head that is too large, rewrite the
+//! path to its one canonical spelling (see `crate::path`), then make the head the one reading
+//! the router, the limiter and the upstream share (`super::one_reading`), before anything
+//! routes on it.
 //!
 //! The HTTP parser enforces twice these limits on its own (a bare 431 and a closed
 //! connection, see `server`); within that, this phase answers with a precise status and a
@@ -16,11 +16,11 @@ use http::request::Parts;
 use http::uri::{PathAndQuery, Uri};
 use http::StatusCode;
 
-use super::stop::Stop;
+use super::{one_reading, Why};
 use crate::config::ServerConfig;
 use crate::metrics::Refusal;
+use crate::path;
 use crate::policy::Policy;
-use crate::{one_request, path};
 
 /// The request-head limits of `server:` in the config, in bytes and fields.
 #[derive(Debug, Clone, Copy)]
@@ -42,13 +42,13 @@ impl HeadLimits {
 }
 
 /// Reads a request's head: its limits, its canonical path, its one reading under `policy`.
-pub fn read(head: &mut Parts, limits: &HeadLimits, policy: &Policy) -> Result<(), Stop> {
+pub fn read(head: &mut Parts, limits: &HeadLimits, policy: &Policy) -> Result<(), Why> {
     admit_head(head, limits)?;
-    Ok(one_request::prepare(head, policy)?)
+    Ok(one_reading::prepare(head, policy)?)
 }
 
 /// Checks the head against `limits`, then puts the canonical path in the request's URI.
-fn admit_head(request: &mut Parts, limits: &HeadLimits) -> Result<(), Stop> {
+fn admit_head(request: &mut Parts, limits: &HeadLimits) -> Result<(), Why> {
     // `GET /path?query HTTP/1.1`: the method, the target and the version with their spaces.
     let target = request
         .uri
@@ -57,7 +57,7 @@ fn admit_head(request: &mut Parts, limits: &HeadLimits) -> Result<(), Stop> {
         + request.uri.authority().map_or(0, |a| a.as_str().len());
     let request_line = request.method.as_str().len() + 1 + target + 9;
     if request_line > limits.max_request_line {
-        return Err(Stop::Refused {
+        return Err(Why::Unreadable {
             status: StatusCode::URI_TOO_LONG,
             detail: format!(
                 "the request line is {request_line} bytes; at most {} are accepted",
@@ -68,7 +68,7 @@ fn admit_head(request: &mut Parts, limits: &HeadLimits) -> Result<(), Stop> {
     }
     let headers = &request.headers;
     if headers.len() > limits.max_headers {
-        return Err(Stop::Refused {
+        return Err(Why::Unreadable {
             status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             detail: format!(
                 "the request has {} header fields; at most {} are accepted",
@@ -84,7 +84,7 @@ fn admit_head(request: &mut Parts, limits: &HeadLimits) -> Result<(), Stop> {
         .map(|(name, value)| name.as_str().len() + value.len() + 4)
         .sum();
     if header_bytes > limits.max_header_bytes {
-        return Err(Stop::Refused {
+        return Err(Why::Unreadable {
             status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             detail: format!(
                 "the header fields take {header_bytes} bytes; at most {} are accepted",
@@ -93,7 +93,7 @@ fn admit_head(request: &mut Parts, limits: &HeadLimits) -> Result<(), Stop> {
             reason: Refusal::HeaderBytes,
         });
     }
-    canonicalize(request).map_err(|detail| Stop::Refused {
+    canonicalize(request).map_err(|detail| Why::Unreadable {
         status: StatusCode::BAD_REQUEST,
         detail,
         reason: Refusal::Path,
@@ -137,9 +137,9 @@ mod tests {
         http::Request::get(target).body(()).unwrap().into_parts().0
     }
 
-    fn refusal(stop: Stop) -> (StatusCode, Refusal) {
-        match stop {
-            Stop::Refused { status, reason, .. } => (status, reason),
+    fn refusal(why: Why) -> (StatusCode, Refusal) {
+        match why {
+            Why::Unreadable { status, reason, .. } => (status, reason),
             other => panic!("not a refusal: {other:?}"),
         }
     }

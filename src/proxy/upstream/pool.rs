@@ -56,7 +56,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 
-use super::{error_chain, ForwardError};
+use super::error::{error_chain, ForwardError};
 use crate::proxy::request_body::RequestBody;
 use crate::tls::stream::MaybeTls;
 use crate::tls::UpstreamTls;

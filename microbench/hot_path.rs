@@ -31,7 +31,7 @@ fn policy() -> Policy {
     );
     let config = sluice::config::parse(&yaml, Path::new("bench.yaml")).expect("a valid policy");
     let metrics = Metrics::new().expect("metrics");
-    Policy::compile(&config, Path::new("bench.yaml"), &UpstreamTlsSet::default())
+    Policy::compile_without_jwt(&config, Path::new("bench.yaml"), &UpstreamTlsSet::default())
         .expect("a valid policy")
         .metered(&metrics)
 }
@@ -82,11 +82,19 @@ fn keys(c: &mut Criterion) {
     *request.headers_mut() = headers;
     let (head, ()) = request.into_parts();
     let peer = IpAddr::V4(Ipv4Addr::new(203, 0, 113, 9));
+    let now = sluice::request::Now::read().calendar;
     c.bench_function("plan of two limits", |b| {
         b.iter(|| {
-            sluice::plan::plan(&policy, black_box(route), black_box(&head), peer)
-                .checks
-                .len()
+            sluice::request::checks::from_head(
+                &policy,
+                black_box(route),
+                black_box(&head),
+                peer,
+                None,
+                now,
+            )
+            .checks
+            .len()
         })
     });
 }
@@ -148,11 +156,11 @@ fn local_store(c: &mut Criterion) {
 }
 
 /// A signer of bench tokens and the verifier of its public half.
-fn jwt_pair(algorithm: sluice::identity::JwtAlgorithm) -> (sluice::identity::Verifier, String) {
+fn jwt_pair(algorithm: sluice::jwt::JwtAlgorithm) -> (sluice::jwt::Verifier, String) {
     use ring::rand::SystemRandom;
     use ring::signature::{self, EcdsaKeyPair, Ed25519KeyPair, KeyPair, RsaKeyPair};
     use rustls::pki_types::pem::PemObject;
-    use sluice::identity::{JwtAlgorithm, Key, Material};
+    use sluice::jwt::{JwtAlgorithm, Key, Material};
 
     let rng = SystemRandom::new();
     let b64 = |bytes: &[u8]| {
@@ -223,11 +231,11 @@ fn jwt_pair(algorithm: sluice::identity::JwtAlgorithm) -> (sluice::identity::Ver
             (Material::Hmac(key), sig)
         }
     };
-    let verifier = sluice::identity::Verifier::new(
+    let verifier = sluice::jwt::Verifier::new(
         "auth".parse().expect("a name"),
         "https://auth.example/".to_owned(),
         vec!["api".to_owned()],
-        sluice::identity::KeySource::Fixed(std::sync::Arc::new(sluice::identity::KeySet {
+        sluice::jwt::KeySource::Fixed(std::sync::Arc::new(sluice::jwt::KeySet {
             keys: vec![Key {
                 kid: None,
                 algorithm,
@@ -237,13 +245,13 @@ fn jwt_pair(algorithm: sluice::identity::JwtAlgorithm) -> (sluice::identity::Ver
         })),
         sluice::config::TokenFrom::default(),
         std::time::Duration::from_secs(30),
-        sluice::identity::DEFAULT_TOKEN_CACHE,
+        sluice::jwt::DEFAULT_TOKEN_CACHE,
     );
     (verifier, format!("{signed}.{}", b64(&sig)))
 }
 
 fn jwt(c: &mut Criterion) {
-    use sluice::identity::JwtAlgorithm;
+    use sluice::jwt::JwtAlgorithm;
     let mut group = c.benchmark_group("verify a JWT");
     for algorithm in [
         JwtAlgorithm::RS256,

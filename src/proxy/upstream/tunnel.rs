@@ -13,7 +13,7 @@ use http::{Request, Version};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
-use crate::activity::StampedIo;
+use crate::runtime::activity::StampedIo;
 use crate::server::ConnectionHold;
 
 /// Whether `request` asks to switch its HTTP/1.1 connection to WebSocket (RFC 6455 §4.1):

@@ -21,7 +21,7 @@ use redis::{
     AsyncConnectionConfig, Client, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo,
 };
 
-use super::StoreError;
+use super::super::StoreError;
 
 /// Where the sentinels are and what to ask them.
 #[derive(Debug, Clone, PartialEq, Eq)]
