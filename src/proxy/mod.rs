@@ -20,6 +20,7 @@ mod request_body;
 mod request_id;
 mod stop;
 mod tokens;
+mod unread_body;
 mod upstream;
 
 use std::future::Future;
@@ -28,7 +29,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use http::header::{HeaderValue, CONTENT_TYPE};
+use http::header::{HeaderValue, CONNECTION, CONTENT_TYPE};
 use http::{Method, Request, Response, Uri};
 use hyper::body::Incoming;
 
@@ -181,6 +182,7 @@ impl Gateway {
                 {
                     self.count_invalid(route, *reason);
                 }
+                exchange.connection = unread_body::drop_unread(head.version, body).await;
                 return Err(refused.why.into());
             }
         };
@@ -202,10 +204,12 @@ impl Gateway {
         let mut body = match tokens::read_limit(route, &plan) {
             None => ClientBody::Streaming(body),
             Some(limit) => {
-                tokens::refuse_upgrade(route, &head)?;
-                if let Err(stop) = Box::pin(tokens::check_room(&self.store, &plan, exchange)).await
-                {
-                    Box::pin(tokens::drain_refused(head.version, body)).await;
+                let room = match tokens::refuse_upgrade(route, &head) {
+                    Ok(()) => Box::pin(tokens::check_room(&self.store, &plan, exchange)).await,
+                    Err(stop) => Err(stop),
+                };
+                if let Err(stop) = room {
+                    exchange.connection = unread_body::drop_unread(head.version, body).await;
                     return Err(stop);
                 }
                 let body = Box::pin(tokens::read_body(
@@ -232,11 +236,24 @@ impl Gateway {
                 body
             }
         };
-        let prices = tokens::reserve(&mut plan, &mut head, &mut body)?;
-        decide::decide(&self.store, &self.finisher.log, route, plan, exchange).await?;
-        if let Some(decided) = &exchange.decided {
-            hold::hold(&self.store, route, decided).await?;
+        let decided = async {
+            let prices = tokens::reserve(&mut plan, &mut head, &mut body)?;
+            decide::decide(&self.store, &self.finisher.log, route, plan, exchange).await?;
+            if let Some(decided) = &exchange.decided {
+                hold::hold(&self.store, route, decided).await?;
+            }
+            Ok(prices)
         }
+        .await;
+        let prices = match decided {
+            Ok(prices) => prices,
+            Err(stop) => {
+                if let ClientBody::Streaming(body) = body {
+                    exchange.connection = unread_body::drop_unread(head.version, body).await;
+                }
+                return Err(stop);
+            }
+        };
         let mut acted = self
             .act(active, route, Request::from_parts(head, body), peer)
             .await;
@@ -271,10 +288,21 @@ impl Gateway {
     ) -> Result<Answered, Stop> {
         let upstream = match &route.action {
             Action::Respond(direct) => {
+                let mut response = direct_response(direct);
+                let (head, body) = request.into_parts();
+                if let ClientBody::Streaming(body) = body {
+                    if unread_body::drop_unread(head.version, body).await
+                        == unread_body::Connection::Close
+                    {
+                        response
+                            .headers_mut()
+                            .insert(CONNECTION, HeaderValue::from_static("close"));
+                    }
+                }
                 return Ok(Answered {
                     outcome: Outcome::Responded,
-                    response: direct_response(direct),
-                })
+                    response,
+                });
             }
             Action::Forward(upstream) => upstream,
         };
@@ -363,6 +391,8 @@ pub struct Exchange<'r> {
     decided: Option<Decided<'r>>,
     /// Shadow limits that would have rejected the request, comma-separated (access log).
     shadow_rejected: String,
+    /// Whether a refused request's connection can carry the next one (`unread_body`).
+    connection: unread_body::Connection,
 }
 
 impl Exchange<'_> {
@@ -376,6 +406,7 @@ impl Exchange<'_> {
             route: None,
             decided: None,
             shadow_rejected: String::new(),
+            connection: unread_body::Connection::Kept,
         }
     }
 

@@ -212,36 +212,6 @@ pub async fn check_room<'r>(
 
 /// The most of a refused HTTP/1.x body read and dropped before the refusal goes out, and the
 /// longest that takes.
-const DRAIN_MAX: u64 = 64 * 1024;
-const DRAIN_TIME: Duration = Duration::from_secs(1);
-
-/// Reads and drops what is left of the body of a request refused before its body was read
-/// (`check_room`), when it is small (at most `DRAIN_MAX` bytes, within `DRAIN_TIME`) and the
-/// connection is HTTP/1.x. Answered with its body unread, the connection is closed after the
-/// answer, which does not say so: a client that sends its next request on it loses that
-/// request (seen: "connection closed before message completed" in `tests/it/token_mix.rs`;
-/// `tests/it/token_bodies.rs` sends the body after the head and checks the connection is
-/// kept). Nothing is kept: the memory bound holds. An HTTP/2 stream is refused on its own,
-/// and a larger or slower body is not waited for: its connection is closed as before.
-pub async fn drain_refused<B: ForwardBody>(version: http::Version, body: B) {
-    if version >= http::Version::HTTP_2 || body.size_hint().lower() > DRAIN_MAX {
-        return;
-    }
-    let drain = async {
-        let mut body = std::pin::pin!(body);
-        let mut read = 0u64;
-        while let Some(Ok(frame)) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
-            read += frame
-                .data_ref()
-                .map_or(0, |data| bytes::Buf::remaining(data) as u64);
-            if read > DRAIN_MAX {
-                return;
-            }
-        }
-    };
-    let _ = tokio::time::timeout(DRAIN_TIME, drain).await;
-}
-
 /// The `model` of a body read whole, for the limits that read it (`plan.deferred`); a body
 /// whose model has no single reading is refused (400).
 pub fn body_model(plan: &Plan<'_>, body: &ClientBody<impl Sized>) -> Result<Option<String>, Stop> {

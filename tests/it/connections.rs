@@ -520,3 +520,67 @@ async fn header_read_timeout_is_configurable() {
     }
     assert_eq!(up.paths(), Vec::<String>::new());
 }
+
+/// A request answered before its body is read (a 429, a route's own `respond:`) has its
+/// small HTTP/1.1 body read and dropped first, even when the body arrives after the head:
+/// the connection stays open,
+/// and the client's next request on it is answered. Answered with its body unread, the
+/// connection would be closed after an answer that did not say so, and the next request on
+/// it lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_requests_keep_their_connection() {
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&format!(
+        r#"upstreams:
+  api:
+    url: "{}"
+routes:
+  - name: limited
+    match:
+      path_prefix: /upload
+    upstream: api
+    limits:
+      - {{ name: one, key: [header:x-api-key], requests: 1, window: 1m }}
+  - name: open
+    match:
+      path_prefix: /open
+    respond: {{ status: 200, body: ok }}
+"#,
+        up.url(),
+    ))
+    .await;
+    let body = "x".repeat(2000);
+    let mut wire = Wire::connect(sluice.addr()).await;
+    let mut statuses = Vec::new();
+    // `/upload` reads the body at the upstream; `/open` is answered by sluice itself.
+    for path in ["/upload", "/upload", "/open", "/upload", "/upload", "/open"] {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nx-api-key: k\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        let sent = async {
+            wire.send(head.as_bytes()).await?;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            wire.send(body.as_bytes()).await
+        };
+        sent.await
+            .unwrap_or_else(|e| panic!("{path} after {statuses:?} on the kept connection: {e}"));
+        match wire.try_response(WITHIN).await {
+            Ok(answer) => statuses.push(answer.status),
+            Err(e) => panic!("{path} after {statuses:?} on the kept connection: {e:?}"),
+        }
+    }
+    assert_eq!(statuses, [200, 429, 200, 429, 429, 200]);
+    assert!(!wire.is_closed(), "the connection is kept");
+    assert_eq!(up.hits(), 1, "only the first request was forwarded");
+    // A body too large to read and drop is not waited for: the answer says the connection
+    // closes, so no client sends its next request into it.
+    wire.send(
+        b"POST /upload HTTP/1.1\r\nHost: x\r\nx-api-key: k\r\ncontent-length: 1048576\r\n\r\n",
+    )
+    .await
+    .expect("a head");
+    let answer = wire.response(WITHIN).await;
+    assert_eq!(answer.status, 429);
+    assert_eq!(answer.header("connection"), Some("close"), "{answer:?}");
+}

@@ -1,0 +1,64 @@
+//! The body of a request answered without being read: one refused before its body (a 429
+//! from a limit, a 401, a 400 from the one-reading rules, a token route's room check), and
+//! one a route answers itself (`respond:`).
+//!
+//! On HTTP/1.x a connection can carry the next request only once this one's body has been
+//! read. Answered with its body unread, hyper closes the connection after the answer, and
+//! the answer does not say so: a client that sends its next request on it (it was not told
+//! `close`) loses that request (seen: "connection closed before message completed" and a
+//! broken pipe on the request after a 429, `tests/it/connections.rs`). So a small body
+//! (at most `DRAIN_MAX` bytes, within `DRAIN_TIME`) is read and dropped before the answer,
+//! and the connection is kept; a larger or slower one is not waited for, and the answer
+//! says `Connection: close`. Nothing is kept, so the memory bound holds. An HTTP/2 stream is
+//! refused on its own and needs neither.
+
+use std::time::Duration;
+
+use crate::proxy::ForwardBody;
+
+/// Most body bytes read and dropped to keep a refused request's connection.
+const DRAIN_MAX: u64 = 64 * 1024;
+/// Longest wait for them.
+const DRAIN_TIME: Duration = Duration::from_secs(1);
+
+/// What the answer must say of its connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Connection {
+    Kept,
+    /// The body was not read whole: the answer says `Connection: close`.
+    Close,
+}
+
+/// Reads and drops what is left of `body` when it is small and arrives soon; `Close` when
+/// it does not and the connection is HTTP/1.x.
+pub async fn drop_unread<B: ForwardBody>(version: http::Version, body: B) -> Connection {
+    // A request without a body (most refused ones: a flood of GETs) costs nothing here.
+    if version >= http::Version::HTTP_2 || body.is_end_stream() {
+        return Connection::Kept;
+    }
+    if body.size_hint().lower() > DRAIN_MAX {
+        return Connection::Close;
+    }
+    // Boxed: only a refused request with a body pays for the drain's future.
+    let drain = Box::pin(async {
+        let mut body = std::pin::pin!(body);
+        let mut read = 0u64;
+        loop {
+            match std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+                None => return Connection::Kept,
+                Some(Err(_)) => return Connection::Close,
+                Some(Ok(frame)) => {
+                    read += frame
+                        .data_ref()
+                        .map_or(0, |data| bytes::Buf::remaining(data) as u64);
+                    if read > DRAIN_MAX {
+                        return Connection::Close;
+                    }
+                }
+            }
+        }
+    });
+    tokio::time::timeout(DRAIN_TIME, drain)
+        .await
+        .unwrap_or(Connection::Close)
+}
