@@ -1,0 +1,554 @@
+//! Compiling: the parsed config becomes a policy, its parts checked against each other.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::HeaderValue;
+
+use super::index::RouteIndex;
+use super::rules::{
+    check_cost, check_model, check_params, check_prefixes, check_quota, check_shaping, delays,
+};
+use super::*;
+use crate::config::{
+    Config, ConfigError, KeyPart, LimitConfig, Name, Position, RouteConfig, DEFAULT_IPV4_PREFIX,
+    DEFAULT_IPV6_PREFIX, DEFAULT_MAX_DELAYED,
+};
+use crate::identity::{Verifier, Verifiers};
+use crate::limiter::calendar::Quota;
+use crate::limiter::{Algorithm, Spec};
+use crate::metrics::Metrics;
+use crate::tls::{UpstreamTls, UpstreamTlsSet};
+
+impl Compiled {
+    /// Checks the config as a whole and builds the policy. `file` names the source in errors;
+    /// `tls` holds the settings of every https upstream, read from their files by the caller
+    /// (`UpstreamTlsSet::load`). A config with JWT verifiers compiles with
+    /// [`Compiled::compile_with`].
+    pub fn compile(
+        config: &Config,
+        file: &Path,
+        tls: &UpstreamTlsSet,
+    ) -> Result<Compiled, ConfigError> {
+        Compiled::compile_with(config, file, tls, &Verifiers::default())
+    }
+
+    /// `compile`, with the JWT verifiers of `config.jwt`, their keys read from their files by
+    /// the caller (`Verifiers::load`).
+    pub fn compile_with(
+        config: &Config,
+        file: &Path,
+        tls: &UpstreamTlsSet,
+        verifiers: &Verifiers,
+    ) -> Result<Compiled, ConfigError> {
+        if config.listen == config.admin_listen.value {
+            return Err(ConfigError::invalid(
+                file,
+                Position::from(&config.admin_listen),
+                "admin_listen",
+                format!("must differ from `listen` ({})", config.listen),
+            ));
+        }
+        let upstreams: HashMap<&Name, Arc<Upstream>> = config
+            .upstreams
+            .iter()
+            .map(|(name, upstream)| {
+                let compiled = Upstream {
+                    name: name.clone(),
+                    authority: upstream.url.authority.clone(),
+                    base_path: upstream.url.base_path.clone(),
+                    connect_timeout: upstream.connect_timeout.0,
+                    timeout: upstream.timeout.0,
+                    tls: upstream_tls(name, upstream.url.https, tls, file)?,
+                    http2: upstream.http2,
+                };
+                Ok((name, Arc::new(compiled)))
+            })
+            .collect::<Result<_, ConfigError>>()?;
+        let mut seen: HashMap<&Name, Position> = HashMap::new();
+        let mut actions = Vec::with_capacity(config.routes.len());
+        let mut conditions = Vec::with_capacity(config.routes.len());
+        let mut jwts = Vec::with_capacity(config.routes.len());
+        let models = crate::llm::config::models(config, file)?;
+        for (index, route) in config.routes.iter().enumerate() {
+            let field = format!("routes[{index}]");
+            if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(&route.name),
+                    format!("{field}.name"),
+                    format!(
+                        "duplicate route name `{}` (first used at line {})",
+                        route.name.value, first.line
+                    ),
+                ));
+            }
+            actions.push(compile_action(route, &upstreams, file, &field)?);
+            conditions.push(check_limits(route, &models, file, &field)?);
+            jwts.push(route_jwt(route, verifiers, file, &field)?);
+        }
+        let routes: Vec<Route<Unmetered>> = config
+            .routes
+            .iter()
+            .zip(actions)
+            .zip(conditions)
+            .zip(jwts)
+            .map(|(((route, action), conditions), jwt)| {
+                let limits = build_limits(config, route, conditions, &models);
+                let mut fields = fields::read_by(&limits);
+                // The token is read once too: two of its fields would be two readings.
+                if let Some(field) = jwt.as_ref().and_then(|jwt| token_field(&jwt.verifier)) {
+                    if !fields.contains(&field) {
+                        fields.push(field);
+                    }
+                }
+                Route {
+                    name: route.name.value.clone(),
+                    matcher: Matcher::new(&route.matcher),
+                    action,
+                    max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
+                    body_pace: BodyPace {
+                        timeout: route.body_timeout.unwrap_or(config.server.body_timeout).0,
+                        min_rate: route.body_min_rate.unwrap_or(config.server.body_min_rate).0,
+                        grace: config.server.body_rate_grace.0,
+                    },
+                    on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
+                    response_headers: route.response_headers.unwrap_or(config.response_headers),
+                    max_delayed: route
+                        .max_delayed
+                        .as_ref()
+                        .map_or(DEFAULT_MAX_DELAYED, |m| m.value.0),
+                    rate_limit_policy: if limits.iter().any(|l| !l.when.is_empty()) {
+                        None
+                    } else {
+                        rate_limit_policy(limits.iter())
+                    },
+                    fields,
+                    limits,
+                    jwt,
+                    metrics: (),
+                }
+            })
+            .collect();
+        let index = RouteIndex::new(&routes);
+        let connection_guarded = fields::connection_guarded(
+            &routes,
+            !config.trusted_proxies.is_empty(),
+            config.forwarded_header,
+        );
+        Ok(Policy {
+            routes,
+            trusted_proxies: config.trusted_proxies.clone(),
+            forwarded_header: config.forwarded_header,
+            connection_guarded,
+            index,
+        })
+    }
+
+    /// The policy with the metric handles of each route and limit, for the request path to
+    /// count into. Called only for a policy about to be put in force: the series of a route
+    /// exist from then on.
+    pub fn metered(self, metrics: &Metrics) -> Policy {
+        let routes = self
+            .routes
+            .into_iter()
+            .map(|route| {
+                let limits = route
+                    .limits
+                    .into_iter()
+                    .map(|limit| Limit {
+                        metrics: {
+                            let (route, name) = (route.name.as_str(), limit.name.as_str());
+                            let mut counters = metrics.for_limit(route, name);
+                            if let Some(budget) = &limit.tokens {
+                                counters.tokens =
+                                    Some(metrics.for_token_limit(route, name, budget.unit.label()));
+                            }
+                            counters
+                        },
+                        name: limit.name,
+                        key: limit.key,
+                        spec: limit.spec,
+                        count: limit.count,
+                        key_prefix: limit.key_prefix,
+                        when: limit.when,
+                        quota: limit.quota,
+                        client_prefix: limit.client_prefix,
+                        tokens: limit.tokens,
+                    })
+                    .collect();
+                Route {
+                    metrics: metrics.for_route(route.name.as_str()),
+                    name: route.name,
+                    matcher: route.matcher,
+                    action: route.action,
+                    limits,
+                    fields: route.fields,
+                    max_body: route.max_body,
+                    body_pace: route.body_pace,
+                    on_store_error: route.on_store_error,
+                    response_headers: route.response_headers,
+                    max_delayed: route.max_delayed,
+                    rate_limit_policy: route.rate_limit_policy,
+                    jwt: route.jwt,
+                }
+            })
+            .collect();
+        Policy {
+            routes,
+            trusted_proxies: self.trusted_proxies,
+            forwarded_header: self.forwarded_header,
+            connection_guarded: self.connection_guarded,
+            index: self.index,
+        }
+    }
+}
+
+/// The TLS settings of upstream `name`, loaded before compiling: `None` for an `http://` one.
+fn upstream_tls(
+    name: &Name,
+    https: bool,
+    tls: &UpstreamTlsSet,
+    file: &Path,
+) -> Result<Option<Arc<UpstreamTls>>, ConfigError> {
+    if !https {
+        return Ok(None);
+    }
+    match tls.get(name) {
+        Some(settings) => Ok(Some(settings)),
+        // The caller loaded the set from another config than this one: say so rather than
+        // serve an https upstream without its CAs.
+        None => Err(ConfigError::invalid(
+            file,
+            Position::default(),
+            format!("upstreams.{name}.url"),
+            "the TLS settings of this https upstream were not loaded",
+        )),
+    }
+}
+
+fn compile_action(
+    route: &RouteConfig,
+    upstreams: &HashMap<&Name, Arc<Upstream>>,
+    file: &Path,
+    field: &str,
+) -> Result<Action, ConfigError> {
+    match (&route.upstream, &route.respond) {
+        (Some(upstream), None) => upstreams
+            .get(&upstream.value)
+            .map(|u| Action::Forward(Arc::clone(u)))
+            .ok_or_else(|| {
+                let mut known: Vec<&str> = upstreams.keys().map(|n| n.as_str()).collect();
+                known.sort_unstable();
+                ConfigError::invalid(
+                    file,
+                    Position::from(upstream),
+                    format!("{field}.upstream"),
+                    format!(
+                        "unknown upstream `{}` (defined: {})",
+                        upstream.value,
+                        if known.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                )
+            }),
+        (None, Some(respond)) => {
+            let content_type =
+                HeaderValue::from_str(&respond.value.content_type).map_err(|_| {
+                    ConfigError::invalid(
+                        file,
+                        Position::from(respond),
+                        format!("{field}.respond.content_type"),
+                        "not a valid header value",
+                    )
+                })?;
+            Ok(Action::Respond(DirectResponse {
+                status: respond.value.status.0,
+                body: Bytes::from(respond.value.body.clone()),
+                content_type,
+            }))
+        }
+        (Some(_), Some(respond)) => Err(ConfigError::invalid(
+            file,
+            Position::from(respond),
+            format!("{field}.respond"),
+            "a route has either `upstream` or `respond`, not both",
+        )),
+        (None, None) => Err(ConfigError::invalid(
+            file,
+            Position::from(&route.name),
+            field,
+            "a route needs `upstream` (forward) or `respond` (direct response)",
+        )),
+    }
+}
+
+/// The field a verifier reads the token from.
+fn token_field(verifier: &Verifier) -> Option<Field> {
+    Some(match &verifier.from {
+        crate::config::TokenFrom::Header(name) => Field::Header(name.clone()),
+        crate::config::TokenFrom::Cookie(name) => Field::Cookie(name.clone()),
+    })
+}
+
+/// A route's `jwt:` with its verifier; a `jwt:` key part or condition needs one.
+fn route_jwt(
+    route: &RouteConfig,
+    verifiers: &Verifiers,
+    file: &Path,
+    field: &str,
+) -> Result<Option<RouteJwt>, ConfigError> {
+    let Some(jwt) = &route.jwt else {
+        for (index, limit) in route.limits.iter().enumerate() {
+            let field = format!("{field}.limits[{index}]");
+            if let Some(at) = limit
+                .key
+                .value
+                .iter()
+                .position(|p| matches!(p, KeyPart::Jwt(_)))
+            {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(&limit.key),
+                    format!("{field}.key[{at}]"),
+                    "a `jwt:` key part needs a verified token: give the route `jwt: { verifier: NAME }`",
+                ));
+            }
+            if let Some((at, when)) = limit
+                .when
+                .iter()
+                .enumerate()
+                .find(|(_, when)| when.value.jwt.is_some())
+            {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(when),
+                    format!("{field}.when[{at}].jwt"),
+                    "a `jwt` condition needs a verified token: give the route `jwt: { verifier: NAME }`",
+                ));
+            }
+        }
+        return Ok(None);
+    };
+    let name = &jwt.value.verifier;
+    let verifier = verifiers.get(&name.value).ok_or_else(|| {
+        let known = verifiers.names();
+        ConfigError::invalid(
+            file,
+            Position::from(name),
+            format!("{field}.jwt.verifier"),
+            format!(
+                "unknown verifier `{}` (defined under `jwt:`: {})",
+                name.value,
+                if known.is_empty() {
+                    "none".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            ),
+        )
+    })?;
+    Ok(Some(RouteJwt {
+        verifier: Arc::clone(verifier),
+        on_invalid: jwt.value.on_invalid,
+    }))
+}
+
+/// Checks what the YAML types cannot check alone in a route's limits; returns each limit's
+/// compiled conditions.
+fn check_limits(
+    route: &RouteConfig,
+    models: &crate::llm::Models,
+    file: &Path,
+    field: &str,
+) -> Result<Vec<Vec<Condition>>, ConfigError> {
+    let mut seen: HashMap<&Name, Position> = HashMap::new();
+    let mut conditions = Vec::with_capacity(route.limits.len());
+    for (index, limit) in route.limits.iter().enumerate() {
+        let field = format!("{field}.limits[{index}]");
+        if let Some(first) = seen.insert(&limit.name.value, Position::from(&limit.name)) {
+            return Err(ConfigError::invalid(
+                file,
+                Position::from(&limit.name),
+                format!("{field}.name"),
+                format!(
+                    "duplicate limit name `{}` in this route (first used at line {})",
+                    limit.name.value, first.line
+                ),
+            ));
+        }
+        crate::llm::config::check(limit, models, file, &field)?;
+        check_quota(limit, file, &field)?;
+        check_cost(limit, file, &field)?;
+        check_params(route, limit, file, &field)?;
+        check_shaping(limit, file, &field)?;
+        check_prefixes(limit, file, &field)?;
+        check_model(limit, file, &field)?;
+        let when = limit
+            .when
+            .iter()
+            .enumerate()
+            .map(|(n, condition)| {
+                Condition::compile(condition, file, &format!("{field}.when[{n}]"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        conditions.push(when);
+    }
+    if let Some(max_delayed) = &route.max_delayed {
+        if !route.limits.iter().any(delays) {
+            return Err(ConfigError::invalid(
+                file,
+                Position::from(max_delayed),
+                format!("{field}.max_delayed"),
+                "`max_delayed` needs a limit with `on_exceed: delay` in this route",
+            ));
+        }
+    }
+    Ok(conditions)
+}
+
+/// The quota of a limit that passed `check_quota`.
+fn quota_of(limit: &LimitConfig) -> Option<Quota> {
+    let period = limit.quota.as_ref()?.value.into();
+    let zone_name = limit
+        .time_zone
+        .as_ref()
+        .map_or("UTC", |zone| zone.value.as_str());
+    Some(Quota {
+        period,
+        zone: jiff::tz::TimeZone::get(zone_name).unwrap_or(jiff::tz::TimeZone::UTC),
+        zone_name: zone_name.to_owned(),
+    })
+}
+
+/// The limits of a route that passed `check_limits`.
+fn build_limits(
+    config: &Config,
+    route: &RouteConfig,
+    conditions: Vec<Vec<Condition>>,
+    models: &Arc<crate::llm::Models>,
+) -> Vec<Limit<Unmetered>> {
+    route
+        .limits
+        .iter()
+        .zip(conditions)
+        .map(|(limit, when)| Limit {
+            name: limit.name.value.clone(),
+            key: limit.key.value.clone(),
+            spec: Spec {
+                algorithm: limit.algorithm(),
+                requests: crate::llm::config::quota(limit),
+                window: match (&limit.window, quota_of(limit)) {
+                    (Some(window), _) => window.0,
+                    (None, Some(quota)) => quota.period.nominal(),
+                    (None, None) => Duration::ZERO,
+                },
+                burst: limit
+                    .burst
+                    .as_ref()
+                    .map_or(crate::llm::config::quota(limit), |b| b.value.0),
+                cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
+                shadow: limit.shadow,
+                max_delay: match (delays(limit), &limit.max_delay) {
+                    (true, Some(max_delay)) => max_delay.value.0,
+                    _ => Duration::ZERO,
+                },
+                // A token budget gives back what a request did not use.
+                returnable: limit.count.is_some()
+                    || limit.tokens.is_some()
+                    || limit.money.is_some(),
+            },
+            tokens: crate::llm::config::budget(limit, models).map(Box::new),
+            count: limit
+                .count
+                .as_ref()
+                .map(|count| count.value.status.clone().into_boxed_slice()),
+            key_prefix: match limit.algorithm() {
+                Algorithm::SlidingLog => format!(
+                    "{}:{}:{}:",
+                    config.store.key_prefix, route.name.value, limit.name.value
+                ),
+                other => format!(
+                    "{}:{}:{}:{}:",
+                    config.store.key_prefix,
+                    route.name.value,
+                    limit.name.value,
+                    other.label()
+                ),
+            },
+            when,
+            quota: quota_of(limit),
+            client_prefix: ClientPrefix {
+                ipv4: prefix_bits(&limit.ipv4_prefix, DEFAULT_IPV4_PREFIX),
+                ipv6: prefix_bits(&limit.ipv6_prefix, DEFAULT_IPV6_PREFIX),
+            },
+            metrics: (),
+        })
+        .collect()
+}
+
+/// A prefix length `check_prefixes` accepted, or the default.
+fn prefix_bits(prefix: &Option<crate::config::Spanned<u32>>, default: u32) -> u8 {
+    u8::try_from(prefix.as_ref().map_or(default, |p| p.value)).unwrap_or(u8::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::OnStoreError;
+
+    #[test]
+    fn every_on_store_error_has_its_fallback_counter() {
+        for action in [OnStoreError::Local, OnStoreError::Allow, OnStoreError::Deny] {
+            assert!(crate::metrics::FALLBACK_ACTIONS.contains(&action.label()));
+        }
+    }
+
+    /// Compiling creates no series; attaching the handles creates each route's and each
+    /// limit's, under their own names.
+    #[test]
+    fn series_exist_once_the_policy_is_metered_not_when_it_is_compiled() {
+        let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nroutes:\n  - name: api\n    match: { path_prefix: /api }\n    respond: { status: 200 }\n    limits:\n      - { name: per-ip, key: [client_ip], requests: 5, window: 1s }\n";
+        let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("valid");
+        let metrics = Metrics::new().expect("metrics");
+        let compiled = Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .expect("valid");
+        let text = || String::from_utf8(metrics.render()).expect("UTF-8");
+        assert!(!text().contains("api"), "{}", text());
+        let policy = compiled.metered(&metrics);
+        policy.routes[0].limits[0].metrics.admitted.inc();
+        assert!(
+            text().contains(
+                r#"sluice_limit_decisions_total{decision="admitted",limit="per-ip",route="api"} 1"#
+            ),
+            "{}",
+            text()
+        );
+    }
+
+    /// An https upstream compiled without the TLS settings read for it is refused, naming
+    /// it, rather than served without its CAs.
+    #[test]
+    fn an_https_upstream_needs_its_loaded_tls_settings() {
+        let yaml = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nupstreams:\n  secure: { url: \"https://127.0.0.1:9\" }\nroutes:\n  - name: r\n    match: { path_prefix: / }\n    upstream: secure\n";
+        let config = crate::config::parse(yaml, Path::new("t.yaml")).expect("valid");
+        let refused = Compiled::compile(&config, Path::new("t.yaml"), &UpstreamTlsSet::default())
+            .err()
+            .expect("refused");
+        assert!(
+            refused.to_string().contains("upstreams.secure.url"),
+            "{refused}"
+        );
+        let loaded =
+            UpstreamTlsSet::load(&config.upstreams, Path::new("t.yaml")).expect("builtin roots");
+        let policy = Compiled::compile(&config, Path::new("t.yaml"), &loaded).expect("valid");
+        let upstream = policy.upstreams().next().expect("one upstream");
+        assert!(upstream.tls.is_some());
+    }
+}
