@@ -9,12 +9,10 @@ use bytes::Bytes;
 use http::header::HeaderValue;
 
 use super::index::RouteIndex;
-use super::rules::{
-    check_cost, check_model, check_params, check_prefixes, check_quota, check_shaping, delays,
-};
+use super::rules::{self, delays, Seen};
 use super::*;
 use crate::config::{
-    Config, ConfigError, KeyPart, LimitConfig, Name, Position, RouteConfig, DEFAULT_IPV4_PREFIX,
+    Config, ConfigError, LimitConfig, Name, Position, RouteConfig, DEFAULT_IPV4_PREFIX,
     DEFAULT_IPV6_PREFIX, DEFAULT_MAX_DELAYED,
 };
 use crate::identity::{Verifier, Verifiers};
@@ -297,7 +295,7 @@ fn token_field(verifier: &Verifier) -> Option<Field> {
     })
 }
 
-/// A route's `jwt:` with its verifier; a `jwt:` key part or condition needs one.
+/// A route's `jwt:` with its verifier.
 fn route_jwt(
     route: &RouteConfig,
     verifiers: &Verifiers,
@@ -305,35 +303,6 @@ fn route_jwt(
     field: &str,
 ) -> Result<Option<RouteJwt>, ConfigError> {
     let Some(jwt) = &route.jwt else {
-        for (index, limit) in route.limits.iter().enumerate() {
-            let field = format!("{field}.limits[{index}]");
-            if let Some(at) = limit
-                .key
-                .value
-                .iter()
-                .position(|p| matches!(p, KeyPart::Jwt(_)))
-            {
-                return Err(ConfigError::invalid(
-                    file,
-                    Position::from(&limit.key),
-                    format!("{field}.key[{at}]"),
-                    "a `jwt:` key part needs a verified token: give the route `jwt: { verifier: NAME }`",
-                ));
-            }
-            if let Some((at, when)) = limit
-                .when
-                .iter()
-                .enumerate()
-                .find(|(_, when)| when.value.jwt.is_some())
-            {
-                return Err(ConfigError::invalid(
-                    file,
-                    Position::from(when),
-                    format!("{field}.when[{at}].jwt"),
-                    "a `jwt` condition needs a verified token: give the route `jwt: { verifier: NAME }`",
-                ));
-            }
-        }
         return Ok(None);
     };
     let name = &jwt.value.verifier;
@@ -360,8 +329,8 @@ fn route_jwt(
     }))
 }
 
-/// Checks what the YAML types cannot check alone in a route's limits; returns each limit's
-/// compiled conditions.
+/// Checks a route's limits against each other and against the rules of which options go
+/// together (`rules`); returns each limit's compiled conditions.
 fn check_limits(
     route: &RouteConfig,
     models: &crate::llm::Models,
@@ -383,13 +352,12 @@ fn check_limits(
                 ),
             ));
         }
-        crate::llm::config::check(limit, models, file, &field)?;
-        check_quota(limit, file, &field)?;
-        check_cost(limit, file, &field)?;
-        check_params(route, limit, file, &field)?;
-        check_shaping(limit, file, &field)?;
-        check_prefixes(limit, file, &field)?;
-        check_model(limit, file, &field)?;
+        let seen = Seen {
+            limit,
+            route,
+            models,
+        };
+        rules::check_limit(&seen, file, &field)?;
         let when = limit
             .when
             .iter()
@@ -400,20 +368,11 @@ fn check_limits(
             .collect::<Result<Vec<_>, _>>()?;
         conditions.push(when);
     }
-    if let Some(max_delayed) = &route.max_delayed {
-        if !route.limits.iter().any(delays) {
-            return Err(ConfigError::invalid(
-                file,
-                Position::from(max_delayed),
-                format!("{field}.max_delayed"),
-                "`max_delayed` needs a limit with `on_exceed: delay` in this route",
-            ));
-        }
-    }
+    rules::check_route(route, file, field)?;
     Ok(conditions)
 }
 
-/// The quota of a limit that passed `check_quota`.
+/// The quota of a limit that passed the rules.
 fn quota_of(limit: &LimitConfig) -> Option<Quota> {
     let period = limit.quota.as_ref()?.value.into();
     let zone_name = limit
@@ -493,7 +452,7 @@ fn build_limits(
         .collect()
 }
 
-/// A prefix length `check_prefixes` accepted, or the default.
+/// A prefix length the rules accepted, or the default.
 fn prefix_bits(prefix: &Option<crate::config::Spanned<u32>>, default: u32) -> u8 {
     u8::try_from(prefix.as_ref().map_or(default, |p| p.value)).unwrap_or(u8::MAX)
 }
