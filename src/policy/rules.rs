@@ -730,3 +730,115 @@ fn prefix_message(prefix: &Option<Spanned<u32>>, bits: u32) -> String {
 const READS_MODEL: &str = "reads the JSON body's `model`, which only a token or money limit \
                            (`tokens:`, `money:`) reads: its body is read before the decision \
                            anyway";
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    /// One limit for each rule, in the table's order, that breaks that rule first (its other
+    /// options are fine): a rule dropped or added without its example fails here.
+    const BREAKS: &[&str] = &[
+        "requests: 5, money: 1, currency: USD, window: 1m",
+        "money: 0.0000001, currency: USD, window: 1m",
+        "money: 1, window: 1m",
+        "money: 1, currency: EUR, window: 1m",
+        "requests: 5, currency: USD, window: 1m",
+        "requests: 5, tokens: 100, window: 1m",
+        "window: 1m",
+        "requests: 5, window: 1m, reserve: { max_output: 10 }",
+        "requests: 5, window: 1m, settle: { from: usage }",
+        "tokens: 100000, window: 1m, algorithm: gcra",
+        "money: 1, currency: USD, window: 1m, algorithm: gcra",
+        "tokens: 2000000, window: 1m, algorithm: sliding_log",
+        "money: 2, currency: USD, window: 1m, algorithm: sliding_log",
+        "tokens: 100000, window: 1m, cost: 2",
+        "tokens: 100000, window: 1m, algorithm: sliding_log, on_exceed: delay, max_delay: 1s",
+        "tokens: 100000, window: 1m, count: { status: [5xx] }",
+        "tokens: 100, window: 1m",
+        "tokens: 100000, window: 1m, reserve: { default_output: 50, max_output: 10 }",
+        "tokens: 100000, window: 1m, settle: { from: header }",
+        "tokens: 100000, window: 1m, settle: { from: usage, header: x-used }",
+        "requests: 5",
+        "requests: 5, window: 1m, time_zone: UTC",
+        "requests: 5, window: 1m, quota: day",
+        "requests: 5, quota: day, algorithm: gcra",
+        "requests: 5, quota: day, burst: 2",
+        "requests: 5, quota: day, on_exceed: delay, max_delay: 1s",
+        "requests: 5, quota: day, time_zone: Mars/Base",
+        "requests: 5, window: 1m, burst: 2",
+        "requests: 5, window: 1m, cost: 6",
+        "requests: 5, window: 1m, key: [\"param:user\"]",
+        "requests: 5, window: 1m, algorithm: fixed_window, on_exceed: delay, max_delay: 1s",
+        "requests: 5, window: 1m, shadow: true, on_exceed: delay, max_delay: 1s",
+        "requests: 5, window: 1m, on_exceed: delay, max_delay: 1s, when: [{ method: [GET] }]",
+        "requests: 5, window: 1m, on_exceed: delay, max_delay: 1s, count: { status: [5xx] }",
+        "requests: 5, window: 1m, on_exceed: delay",
+        "requests: 5, window: 1m, on_exceed: delay, max_delay: 1h",
+        "requests: 5, window: 1m, max_delay: 1s",
+        "requests: 5, window: 1m, count: { status: [] }",
+        "requests: 5, window: 1m, ipv6_prefix: 0",
+        "requests: 5, window: 1m, ipv4_prefix: 33",
+        "requests: 5, window: 1m, key: [model]",
+        "requests: 5, window: 1m, when: [{ model: [gpt-4] }]",
+        "requests: 5, window: 1m, key: [\"jwt:sub\"]",
+        "requests: 5, window: 1m, when: [{ jwt: sub, present: true }]",
+    ];
+
+    fn config(options: &str) -> crate::config::Config {
+        let key = if options.contains("key:") {
+            ""
+        } else {
+            "key: [], "
+        };
+        let yaml = format!(
+            "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nmodels:\n  - match: \"*\"\n    \
+             prices: {{ currency: USD, input: 1, output: 1 }}\nroutes:\n  - name: r\n    \
+             match: {{ path_prefix: \"/t/{{tenant}}\" }}\n    respond: {{ status: 200 }}\n    \
+             limits:\n      - {{ name: l, {key}{options} }}\n"
+        );
+        crate::config::parse(&yaml, Path::new("t.yaml")).expect("parses")
+    }
+
+    #[test]
+    fn each_rule_is_the_first_broken_by_its_example() {
+        assert_eq!(BREAKS.len(), LIMIT_RULES.len(), "one example per rule");
+        for (index, options) in BREAKS.iter().enumerate() {
+            let config = config(options);
+            let models = crate::llm::config::models(&config, Path::new("t.yaml")).expect("valid");
+            let route = &config.routes[0];
+            let seen = Seen {
+                limit: &route.limits[0],
+                route,
+                models: &models,
+            };
+            let first = LIMIT_RULES
+                .iter()
+                .position(|rule| (rule.broken)(&seen).is_some());
+            assert_eq!(
+                first,
+                Some(index),
+                "`{options}` breaks rule {first:?} first"
+            );
+            let err = check_limit(&seen, Path::new("t.yaml"), "routes[0].limits[0]")
+                .expect_err("refused")
+                .to_string();
+            let field = LIMIT_RULES[index].field.replacen("[]", "[0]", 1);
+            assert!(
+                err.contains(&format!("routes[0].limits[0].{field}")),
+                "{err}"
+            );
+            assert!(err.starts_with("t.yaml:11:"), "the limit's line: {err}");
+        }
+        let fine = config("requests: 5, window: 1m, key: [\"param:tenant\"]");
+        let models = crate::llm::config::models(&fine, Path::new("t.yaml")).expect("valid");
+        let route = &fine.routes[0];
+        let seen = Seen {
+            limit: &route.limits[0],
+            route,
+            models: &models,
+        };
+        assert!(check_limit(&seen, Path::new("t.yaml"), "l").is_ok());
+    }
+}
