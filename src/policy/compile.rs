@@ -1,4 +1,6 @@
-//! Compiling: the parsed config becomes a policy, its parts checked against each other.
+//! Compiling: the parsed config becomes a policy, its parts checked against each other (every
+//! upstream a route names exists, names are unique, the limits' options go together by
+//! `rules`), with positions; and the metric handles attached when it is put in force.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -18,7 +20,7 @@ use crate::config::{
 use crate::identity::{Verifier, Verifiers};
 use crate::limiter::calendar::Quota;
 use crate::limiter::{Algorithm, Spec};
-use crate::metrics::Metrics;
+use crate::metrics::{LimitMetrics, Metrics};
 use crate::tls::{UpstreamTls, UpstreamTlsSet};
 
 impl Compiled {
@@ -103,7 +105,7 @@ impl Compiled {
                         fields.push(field);
                     }
                 }
-                Route {
+                let settings = RouteSettings {
                     name: route.name.value.clone(),
                     matcher: Matcher::new(&route.matcher),
                     action,
@@ -125,8 +127,11 @@ impl Compiled {
                         rate_limit_policy(limits.iter())
                     },
                     fields,
-                    limits,
                     jwt,
+                };
+                Route {
+                    settings,
+                    limits,
                     metrics: (),
                 }
             })
@@ -139,10 +144,12 @@ impl Compiled {
         );
         Ok(Policy {
             routes,
-            trusted_proxies: config.trusted_proxies.clone(),
-            forwarded_header: config.forwarded_header,
-            connection_guarded,
-            index,
+            settings: PolicySettings {
+                trusted_proxies: config.trusted_proxies.clone(),
+                forwarded_header: config.forwarded_header,
+                connection_guarded,
+                index,
+            },
         })
     }
 
@@ -154,55 +161,37 @@ impl Compiled {
             .routes
             .into_iter()
             .map(|route| {
-                let limits = route
-                    .limits
-                    .into_iter()
-                    .map(|limit| Limit {
-                        metrics: {
-                            let (route, name) = (route.name.as_str(), limit.name.as_str());
-                            let mut counters = metrics.for_limit(route, name);
-                            if let Some(budget) = &limit.tokens {
-                                counters.tokens =
-                                    Some(metrics.for_token_limit(route, name, budget.unit.label()));
-                            }
-                            counters
-                        },
-                        name: limit.name,
-                        key: limit.key,
-                        spec: limit.spec,
-                        count: limit.count,
-                        key_prefix: limit.key_prefix,
-                        when: limit.when,
-                        quota: limit.quota,
-                        client_prefix: limit.client_prefix,
-                        tokens: limit.tokens,
-                    })
-                    .collect();
+                let name = route.settings.name.as_str();
                 Route {
-                    metrics: metrics.for_route(route.name.as_str()),
-                    name: route.name,
-                    matcher: route.matcher,
-                    action: route.action,
-                    limits,
-                    fields: route.fields,
-                    max_body: route.max_body,
-                    body_pace: route.body_pace,
-                    on_store_error: route.on_store_error,
-                    response_headers: route.response_headers,
-                    max_delayed: route.max_delayed,
-                    rate_limit_policy: route.rate_limit_policy,
-                    jwt: route.jwt,
+                    metrics: metrics.for_route(name),
+                    limits: route
+                        .limits
+                        .into_iter()
+                        .map(|limit| Limit {
+                            metrics: limit_metrics(metrics, name, &limit.settings),
+                            settings: limit.settings,
+                        })
+                        .collect(),
+                    settings: route.settings,
                 }
             })
             .collect();
         Policy {
             routes,
-            trusted_proxies: self.trusted_proxies,
-            forwarded_header: self.forwarded_header,
-            connection_guarded: self.connection_guarded,
-            index: self.index,
+            settings: self.settings,
         }
     }
+}
+
+/// The handles limit `limit` of route `route` counts into: its token counters too when it is
+/// a token or money budget.
+fn limit_metrics(metrics: &Metrics, route: &str, limit: &LimitSettings) -> LimitMetrics {
+    let name = limit.name.as_str();
+    let mut counters = metrics.for_limit(route, name);
+    if let Some(budget) = &limit.tokens {
+        counters.tokens = Some(metrics.for_token_limit(route, name, budget.unit.label()));
+    }
+    counters
 }
 
 /// The TLS settings of upstream `name`, loaded before compiling: `None` for an `http://` one.
@@ -398,58 +387,69 @@ fn build_limits(
         .iter()
         .zip(conditions)
         .map(|(limit, when)| Limit {
-            name: limit.name.value.clone(),
-            key: limit.key.value.clone(),
-            spec: Spec {
-                algorithm: limit.algorithm(),
-                requests: crate::llm::config::quota(limit),
-                window: match (&limit.window, quota_of(limit)) {
-                    (Some(window), _) => window.0,
-                    (None, Some(quota)) => quota.period.nominal(),
-                    (None, None) => Duration::ZERO,
-                },
-                burst: limit
-                    .burst
-                    .as_ref()
-                    .map_or(crate::llm::config::quota(limit), |b| b.value.0),
-                cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
-                shadow: limit.shadow,
-                max_delay: match (delays(limit), &limit.max_delay) {
-                    (true, Some(max_delay)) => max_delay.value.0,
-                    _ => Duration::ZERO,
-                },
-                // A token budget gives back what a request did not use.
-                returnable: limit.count.is_some()
-                    || limit.tokens.is_some()
-                    || limit.money.is_some(),
-            },
-            tokens: crate::llm::config::budget(limit, models).map(Box::new),
-            count: limit
-                .count
-                .as_ref()
-                .map(|count| count.value.status.clone().into_boxed_slice()),
-            key_prefix: match limit.algorithm() {
-                Algorithm::SlidingLog => format!(
-                    "{}:{}:{}:",
-                    config.store.key_prefix, route.name.value, limit.name.value
-                ),
-                other => format!(
-                    "{}:{}:{}:{}:",
-                    config.store.key_prefix,
-                    route.name.value,
-                    limit.name.value,
-                    other.label()
-                ),
-            },
-            when,
-            quota: quota_of(limit),
-            client_prefix: ClientPrefix {
-                ipv4: prefix_bits(&limit.ipv4_prefix, DEFAULT_IPV4_PREFIX),
-                ipv6: prefix_bits(&limit.ipv6_prefix, DEFAULT_IPV6_PREFIX),
-            },
+            settings: build_limit(config, route, limit, when, models),
             metrics: (),
         })
         .collect()
+}
+
+/// One limit that passed the rules.
+fn build_limit(
+    config: &Config,
+    route: &RouteConfig,
+    limit: &LimitConfig,
+    when: Vec<Condition>,
+    models: &Arc<crate::llm::Models>,
+) -> LimitSettings {
+    LimitSettings {
+        name: limit.name.value.clone(),
+        key: limit.key.value.clone(),
+        spec: Spec {
+            algorithm: limit.algorithm(),
+            requests: crate::llm::config::quota(limit),
+            window: match (&limit.window, quota_of(limit)) {
+                (Some(window), _) => window.0,
+                (None, Some(quota)) => quota.period.nominal(),
+                (None, None) => Duration::ZERO,
+            },
+            burst: limit
+                .burst
+                .as_ref()
+                .map_or(crate::llm::config::quota(limit), |b| b.value.0),
+            cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
+            shadow: limit.shadow,
+            max_delay: match (delays(limit), &limit.max_delay) {
+                (true, Some(max_delay)) => max_delay.value.0,
+                _ => Duration::ZERO,
+            },
+            // A token budget gives back what a request did not use.
+            returnable: limit.count.is_some() || limit.tokens.is_some() || limit.money.is_some(),
+        },
+        tokens: crate::llm::config::budget(limit, models).map(Box::new),
+        count: limit
+            .count
+            .as_ref()
+            .map(|count| count.value.status.clone().into_boxed_slice()),
+        key_prefix: match limit.algorithm() {
+            Algorithm::SlidingLog => format!(
+                "{}:{}:{}:",
+                config.store.key_prefix, route.name.value, limit.name.value
+            ),
+            other => format!(
+                "{}:{}:{}:{}:",
+                config.store.key_prefix,
+                route.name.value,
+                limit.name.value,
+                other.label()
+            ),
+        },
+        when,
+        quota: quota_of(limit),
+        client_prefix: ClientPrefix {
+            ipv4: prefix_bits(&limit.ipv4_prefix, DEFAULT_IPV4_PREFIX),
+            ipv6: prefix_bits(&limit.ipv6_prefix, DEFAULT_IPV6_PREFIX),
+        },
+    }
 }
 
 /// A prefix length the rules accepted, or the default.

@@ -1,14 +1,16 @@
 //! The compiled policy: routes with their matchers, actions and limits, built once from the
-//! config and never changed afterwards. This is where the parts of the file are checked against
-//! each other (every upstream a route names exists, names are unique), with positions.
+//! config and never changed afterwards; plain data, swapped whole on reload. What must outlive
+//! a reload (upstream connection pools, the store) lives outside it, so nothing here needs the
+//! proxy.
 //!
-//! A policy is plain data, built once per config file and swapped whole on reload; what must
-//! outlive a reload (upstream connection pools, the store) lives outside it, so nothing here
-//! needs the proxy. Compiling is a pure function of the parsed config and the upstreams' TLS
-//! settings, read from their files beforehand (`tls::UpstreamTlsSet`): it reads no file and
-//! creates no metric series. The metric handles each route and limit counts into are
-//! attached afterwards (`Compiled::metered`), by whoever puts the policy in force, so a file
-//! that is refused leaves no series behind.
+//! By job: `model` holds the types the request path reads (`Policy`, `Route`, `Limit`,
+//! `Upstream`), `index` finds the routes a path can match by its first segment, `compile`
+//! turns a parsed config into a policy (a pure function of it and of the TLS settings and JWT
+//! verifiers read beforehand: it reads no file and creates no metric series) and attaches the
+//! metric handles once the policy is put in force (`Compiled::metered`, so a refused file
+//! leaves no series behind), and `rules` is the table of which limit options go together.
+//! `matcher`, `condition` and `fields` compile a route's `match:`, a limit's `when:` and the
+//! request fields its limits read. A limit's store key is completed here (`Limit::check`).
 
 mod compile;
 mod condition;

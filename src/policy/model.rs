@@ -1,6 +1,7 @@
 //! The runtime model of a policy: routes, their actions and limits, and the upstreams they
 //! forward to, as the request path reads them.
 
+use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +22,11 @@ use crate::metrics::{LimitMetrics, RouteMetrics};
 use crate::ratelimit_field::{ceil_seconds, limit_items_in};
 use crate::tls::UpstreamTls;
 
-/// (`Unmetered`), their Prometheus handles once in force (`Metered`).
+/// What a policy's routes and limits carry to count into: nothing once compiled
+/// (`Unmetered`), their Prometheus handles once in force (`Metered`). Only `metrics` and
+/// what holds it differ between the two: the rest of a route or limit is its `settings`,
+/// moved whole when the handles are attached (`Compiled::metered`), and read through it
+/// (`Deref`), so `route.name` reads `route.settings.name`.
 pub trait Metering: 'static {
     type Route: 'static;
     type Limit: 'static;
@@ -43,11 +48,40 @@ impl Metering for Metered {
     type Limit = LimitMetrics;
 }
 
+impl<M: Metering> Deref for Policy<M> {
+    type Target = PolicySettings;
+
+    fn deref(&self) -> &PolicySettings {
+        &self.settings
+    }
+}
+
+impl<M: Metering> Deref for Route<M> {
+    type Target = RouteSettings;
+
+    fn deref(&self) -> &RouteSettings {
+        &self.settings
+    }
+}
+
+impl<M: Metering> Deref for Limit<M> {
+    type Target = LimitSettings;
+
+    fn deref(&self) -> &LimitSettings {
+        &self.settings
+    }
+}
+
 /// A compiled policy before its metric handles are attached.
 pub type Compiled = Policy<Unmetered>;
 
 pub struct Policy<M: Metering = Metered> {
     pub routes: Vec<Route<M>>,
+    pub settings: PolicySettings,
+}
+
+/// A policy's settings besides its routes.
+pub struct PolicySettings {
     /// Peers whose forwarded-for header is believed, and which header that is.
     pub trusted_proxies: Vec<IpNet>,
     pub forwarded_header: ForwardedHeader,
@@ -57,10 +91,16 @@ pub struct Policy<M: Metering = Metered> {
 }
 
 pub struct Route<M: Metering = Metered> {
+    pub settings: RouteSettings,
+    pub limits: Vec<Limit<M>>,
+    pub metrics: M::Route,
+}
+
+/// A route's settings besides its limits and metric handles.
+pub struct RouteSettings {
     pub name: Name,
     pub matcher: Matcher,
     pub action: Action,
-    pub limits: Vec<Limit<M>>,
     /// The fields its limits read (keys and `when:`): each may appear only once in a request.
     pub fields: Vec<Field>,
     /// Largest request body forwarded, in bytes; `None`: unlimited.
@@ -79,7 +119,6 @@ pub struct Route<M: Metering = Metered> {
     /// `jwt:`: the verifier of the request's token and what an invalid one gets; `None`:
     /// no token is read.
     pub jwt: Option<RouteJwt>,
-    pub metrics: M::Route,
 }
 
 /// A route's `jwt:`, its verifier resolved.
@@ -133,6 +172,12 @@ pub struct DirectResponse {
 }
 
 pub struct Limit<M: Metering = Metered> {
+    pub settings: LimitSettings,
+    pub metrics: M::Limit,
+}
+
+/// A limit's settings besides its metric handles.
+pub struct LimitSettings {
     pub name: Name,
     pub key: Vec<KeyPart>,
     /// What the limiter decides with: algorithm, requests, window, burst (`requests` unless
@@ -155,7 +200,6 @@ pub struct Limit<M: Metering = Metered> {
     /// `tokens:`: the limit counts LLM tokens, reserved from the request body and settled
     /// from the response; `None`: it counts requests.
     pub tokens: Option<Box<crate::llm::TokenBudget>>,
-    pub metrics: M::Limit,
 }
 
 /// The prefix lengths client addresses count by: every address of one network is one
