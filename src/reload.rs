@@ -3,21 +3,18 @@
 //! (`reload.settle`; a version overwritten before that is counted and logged, never applied),
 //! and also reloads on SIGHUP and on the admin API's request, at once. A new file is loaded completely, by the same function as at
 //! start-up, before its policy replaces the running one in one atomic step; a file that is
-//! invalid, or that changes what only a restart can apply (the listeners, the `server:` and
-//! `store:` sections), is refused whole, logged with its position, counted, and the old
+//! invalid, or that changes what only a restart can apply (`Config::restart_change`: the
+//! listeners, the `server:` section, where the store is), is refused whole, logged with its position, counted, and the old
 //! policy keeps serving. How a version is loaded and put in force is the composition root's
 //! (`app`, through `Versions`): this module knows when, not what serves.
 
 use arc_swap::ArcSwap;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::config::{
-    self, AdminConfig, Config, ListenerTlsConfig, LogFormat, ServerConfig, Source, StoreConfig,
-};
+use crate::config::{self, Config, Source};
 use crate::metrics::{Metrics, ReloadResult};
 use crate::runtime::file_watch::FileWatch;
 
@@ -37,110 +34,6 @@ pub fn hash_value(digest: &[u8; 32]) -> i64 {
     let mut first = [0u8; 8];
     first.copy_from_slice(&digest[..8]);
     (u64::from_be_bytes(first) >> 12) as i64
-}
-
-/// The settings a reload cannot change, as the process was started with them: the listeners
-/// are bound, the store's connections are open. A file that changes one needs a restart.
-struct RestartOnly {
-    listen: SocketAddr,
-    admin_listen: SocketAddr,
-    /// The admin API's token is read from the environment at start only.
-    admin: AdminConfig,
-    log_format: LogFormat,
-    /// The listener's TLS files are watched on their own (`tls::listener`); which files, and
-    /// whether there is TLS at all, is fixed at start.
-    tls: Option<ListenerTlsConfig>,
-    server: ServerConfig,
-    store: StoreConfig,
-}
-
-impl RestartOnly {
-    /// The first change `new` makes to what needs a restart, described for a person.
-    fn change(&self, new: &Config) -> Option<String> {
-        if new.listen != self.listen {
-            return Some(format!(
-                "`listen` changed from {} to {}",
-                self.listen, new.listen
-            ));
-        }
-        if new.admin_listen.value != self.admin_listen {
-            return Some(format!(
-                "`admin_listen` changed from {} to {}",
-                self.admin_listen, new.admin_listen.value
-            ));
-        }
-        if !new.admin.same_as(&self.admin) {
-            return Some("`admin` changed".to_owned());
-        }
-        if new.log_format != self.log_format {
-            return Some("`log_format` changed".to_owned());
-        }
-        let paths = |tls: &ListenerTlsConfig| (tls.cert.value.clone(), tls.key.value.clone());
-        if new.tls.as_ref().map(|tls| paths(&tls.value)) != self.tls.as_ref().map(paths) {
-            return Some(
-                "`tls` changed (the certificate files' contents are reloaded; which files, or \
-                 whether there is TLS, is not)"
-                    .to_owned(),
-            );
-        }
-        let old_server = &self.server;
-        let (old, now) = (&self.server, &new.server);
-        let server = [
-            (
-                "max_request_line",
-                old.max_request_line == now.max_request_line,
-            ),
-            (
-                "max_header_bytes",
-                old.max_header_bytes == now.max_header_bytes,
-            ),
-            ("max_headers", old.max_headers == now.max_headers),
-            ("max_body", old.max_body == now.max_body),
-            (
-                "max_connections",
-                old.max_connections == now.max_connections,
-            ),
-            (
-                "header_read_timeout",
-                old.header_read_timeout == now.header_read_timeout,
-            ),
-            ("idle_timeout", old.idle_timeout == now.idle_timeout),
-            ("body_timeout", old.body_timeout == now.body_timeout),
-            ("body_min_rate", old.body_min_rate == now.body_min_rate),
-            (
-                "body_rate_grace",
-                old.body_rate_grace == now.body_rate_grace,
-            ),
-            ("shutdown_delay", old.shutdown_delay == now.shutdown_delay),
-            ("shutdown_grace", old.shutdown_grace == now.shutdown_grace),
-            ("workers", old.workers == now.workers),
-            (
-                "token_body_budget",
-                old.token_body_budget == now.token_body_budget,
-            ),
-            (
-                "token_bodies_per_connection",
-                old.token_bodies_per_connection == now.token_bodies_per_connection,
-            ),
-        ];
-        let (old, now) = (&self.store, &new.store);
-        let store = [
-            ("redis", old.same_redis(now)),
-            ("local", old.local == now.local),
-            ("key_prefix", old.key_prefix == now.key_prefix),
-        ];
-        let changed = |section: &str, fields: &[(&str, bool)]| {
-            fields
-                .iter()
-                .find(|(_, same)| !same)
-                .map(|(field, _)| format!("`{section}.{field}` changed"))
-        };
-        changed("server", &server)
-            // Every `server` field is applied at start only: one missing from the list above
-            // must still refuse the file rather than be accepted and silently ignored.
-            .or_else(|| (old_server != &new.server).then(|| "`server` changed".to_owned()))
-            .or_else(|| changed("store", &store))
-    }
 }
 
 /// The config file in force: what `/admin/v1/config` shows.
@@ -212,7 +105,9 @@ pub struct Reloader<V: Versions> {
     file: PathBuf,
     versions: V,
     metrics: Arc<Metrics>,
-    restart_only: RestartOnly,
+    /// The config the process started with: what only a restart can apply
+    /// (`Config::restart_change`) is as it says.
+    started: Config,
     /// The file, with the version last tried, applied or refused: a refused file is reported
     /// once, not at every poll, and is tried again only when it changes (or on SIGHUP).
     watched: FileWatch,
@@ -258,15 +153,7 @@ impl<V: Versions> Reloader<V> {
             file: file.to_owned(),
             versions,
             metrics,
-            restart_only: RestartOnly {
-                listen: config.listen,
-                admin_listen: config.admin_listen.value,
-                admin: config.admin,
-                log_format: config.log_format,
-                tls: config.tls.map(|tls| tls.value),
-                server: config.server,
-                store: config.store,
-            },
+            started: config,
             watched,
             key_files,
             settle,
@@ -416,7 +303,7 @@ impl<V: Versions> Reloader<V> {
     fn put_in_force(&mut self, bytes: &[u8]) -> Result<Reloaded, ReloadError> {
         self.watched.saw(&[bytes]);
         let version = self.versions.load(bytes, &self.file)?;
-        if let Some(change) = self.restart_only.change(&V::source(&version).config) {
+        if let Some(change) = self.started.restart_change(&V::source(&version).config) {
             return Err(ReloadError::NeedsRestart {
                 file: self.file.clone(),
                 change,
@@ -464,69 +351,5 @@ mod tests {
         // sha256("") = e3b0c44298fc1c149afbf4c8996fb924...
         let digest: [u8; 32] = Sha256::digest(b"").into();
         assert_eq!(hash_value(&digest), 0xe3b0c44298fc1);
-    }
-
-    fn restart_only(yaml: &str) -> RestartOnly {
-        let config = config::parse(yaml, Path::new("t.yaml")).expect("valid");
-        RestartOnly {
-            listen: config.listen,
-            admin_listen: config.admin_listen.value,
-            admin: config.admin,
-            log_format: config.log_format,
-            tls: config.tls.map(|tls| tls.value),
-            server: config.server,
-            store: config.store,
-        }
-    }
-
-    #[test]
-    fn each_change_that_needs_a_restart_is_named() {
-        let base = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n";
-        let routes = "routes: []\n";
-        let running = restart_only(&format!("{base}{routes}"));
-        let change = |rest: &str, head: &str| {
-            let config = config::parse(&format!("{head}{rest}{routes}"), Path::new("t.yaml"))
-                .expect("valid");
-            running.change(&config)
-        };
-        assert_eq!(change("", base), None);
-        assert_eq!(
-            change("", "listen: 127.0.0.1:3\nadmin_listen: 127.0.0.1:2\n").as_deref(),
-            Some("`listen` changed from 127.0.0.1:1 to 127.0.0.1:3")
-        );
-        assert_eq!(
-            change("", "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:4\n").as_deref(),
-            Some("`admin_listen` changed from 127.0.0.1:2 to 127.0.0.1:4")
-        );
-        assert_eq!(
-            change("server:\n  max_headers: 7\n", base).as_deref(),
-            Some("`server.max_headers` changed")
-        );
-        assert_eq!(
-            change("store:\n  key_prefix: other\n", base).as_deref(),
-            Some("`store.key_prefix` changed")
-        );
-        assert_eq!(
-            change("store:\n  redis:\n    url: redis://127.0.0.1:6379\n", base).as_deref(),
-            Some("`store.redis` changed")
-        );
-        assert!(change("tls:\n  cert: c.pem\n  key: k.pem\n", base)
-            .is_some_and(|change| change.starts_with("`tls` changed")));
-    }
-
-    #[test]
-    fn moving_a_section_in_the_file_is_not_a_change() {
-        let store = "store:\n  redis:\n    sentinel: { master_name: m, nodes: [\"127.0.0.1:26379\"] }\nroutes: []\n";
-        let head = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n";
-        let running = restart_only(&format!("{head}{store}"));
-        let moved = format!("{head}# a comment, and a blank line\n\n{store}");
-        let config = config::parse(&moved, Path::new("t.yaml")).expect("valid");
-        assert_eq!(running.change(&config), None);
-        let other = moved.replace("26379", "26380");
-        let config = config::parse(&other, Path::new("t.yaml")).expect("valid");
-        assert_eq!(
-            running.change(&config).as_deref(),
-            Some("`store.redis` changed")
-        );
     }
 }

@@ -39,14 +39,6 @@ impl Default for AdminConfig {
     }
 }
 
-impl AdminConfig {
-    /// Whether `other` sets the same values, wherever they stand in the file.
-    pub fn same_as(&self, other: &AdminConfig) -> bool {
-        let name = |c: &AdminConfig| c.token_env.as_ref().map(|t| t.value.clone());
-        name(self) == name(other) && self.api == other.api && self.hosts == other.hosts
-    }
-}
-
 /// A name in `admin.hosts`: a host (a DNS name, an IPv4 address or a bracketed IPv6 one),
 /// lower-cased, and the port it must come with, if any.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -13,7 +13,8 @@
 //!
 //! By job: `tree` holds the sections of the file and their defaults, `types`, `duration` and
 //! `admin` the values parsed from text, `topology` turns `store.redis` into a `Topology`,
-//! `error` is `ConfigError` and its positions, `load` reads a file (the parser's options and
+//! `error` is `ConfigError` and its positions, `restart` says which fields only a restart
+//! applies, `load` reads a file (the parser's options and
 //! field paths as written), and `schema` describes it all as JSON Schema. Everything is
 //! re-exported here: the rest of sluice names `config::X`, never the file it lives in.
 
@@ -21,6 +22,7 @@ mod admin;
 mod duration;
 mod error;
 mod load;
+mod restart;
 mod schema;
 mod topology;
 mod tree;

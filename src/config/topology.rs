@@ -73,17 +73,6 @@ impl StoreConfig {
             }
         }
     }
-
-    /// Whether `other` reaches the same Redis the same way: the same topology, timeout and
-    /// pool, wherever they stand in the file (the derived `==` also compares positions).
-    pub fn same_redis(&self, other: &StoreConfig) -> bool {
-        let tuning = |c: &StoreConfig| {
-            c.redis
-                .as_ref()
-                .map(|r| (r.value.timeout, r.value.pool_size))
-        };
-        self.topology == other.topology && tuning(self) == tuning(other)
-    }
 }
 
 /// Refuses an empty list of nodes to start from.

@@ -1,26 +1,24 @@
-//! The checks of a limit's `tokens:`, `money:`, `reserve:` and `settle:`, and of the
-//! policy's `models:` table, that the YAML types cannot make alone, with their positions, and
-//! the token budget and model table they compile to. Called by `policy`.
+//! A limit's `tokens:`, `money:`, `reserve:` and `settle:` compiled to its token budget, and
+//! the policy's `models:` table checked (with positions) and compiled. Which of a limit's
+//! options go with a budget is one of the rules of `policy::rules`. Called by `policy`.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use super::estimate::StoredState;
 use super::models::{ModelFacts, Models, Prices};
-use super::{settles_exactly, Reserve, TokenBudget, Unit, UsageFrom, MAX_SLIDING_LOG_TOKENS};
+use super::{Reserve, TokenBudget, Unit, UsageFrom};
 use crate::config::{
     Config, ConfigError, ContextWord, LimitConfig, ModelConfig, Position, ReserveConfig,
     SettleFrom, StoredStateConfig,
 };
 use crate::config::{DEFAULT_RESERVE_MAX_BODY, DEFAULT_RESERVE_MAX_OUTPUT};
-use crate::limiter::Algorithm;
-
 /// Micro-units of a currency in one unit: a money limit counts micro-currency, so that the
 /// store's integer costs (a `u32` per check) hold up to 4,294.967295 of it.
 pub const MICRO: f64 = 1_000_000.0;
 
 /// The limit's quota, in its unit: `requests`, `tokens` or micro-currency (0 only for a limit
-/// `check` refused).
+/// the rules refused).
 pub fn quota(limit: &LimitConfig) -> u32 {
     if let Some(money) = &limit.money {
         return micro_amount(money.value).unwrap_or(0);
@@ -33,7 +31,7 @@ pub fn quota(limit: &LimitConfig) -> u32 {
 }
 
 /// An amount in micro-units, if it is positive, has at most 6 decimals and fits a `u32`.
-fn micro_amount(amount: f64) -> Option<u32> {
+pub(crate) fn micro_amount(amount: f64) -> Option<u32> {
     let micro = amount * MICRO;
     let rounded = micro.round();
     if !micro.is_finite() || rounded < 1.0 || (micro - rounded).abs() > 1e-6 * micro.max(1.0) {
@@ -110,216 +108,7 @@ fn facts_of(model: &ModelConfig, file: &Path, index: usize) -> Result<ModelFacts
     })
 }
 
-/// Refuses what cannot go with a token budget, or a token budget's parts without one.
-pub fn check(
-    limit: &LimitConfig,
-    models: &Models,
-    file: &Path,
-    field: &str,
-) -> Result<(), ConfigError> {
-    let refuse = |position: Position, name: &str, message: String| {
-        Err(ConfigError::invalid(
-            file,
-            position,
-            format!("{field}.{name}"),
-            message,
-        ))
-    };
-    if let Some(money) = &limit.money {
-        let other = limit
-            .requests
-            .as_ref()
-            .or(limit.tokens.as_ref())
-            .map(Position::from);
-        if let Some(position) = other {
-            return refuse(
-                position,
-                "money",
-                "a limit counts one of `requests`, `tokens` or `money`".to_owned(),
-            );
-        }
-        if micro_amount(money.value).is_none() {
-            return refuse(
-                Position::from(money),
-                "money",
-                format!(
-                    "an amount from 0.000001 to 4294.967295 with at most 6 decimals (the store \
-                     counts micro-units in 32 bits), got {}",
-                    money.value
-                ),
-            );
-        }
-        let Some(currency) = &limit.currency else {
-            return refuse(
-                Position::from(money),
-                "currency",
-                "`money:` needs `currency:` (the currency of the models' `prices`)".to_owned(),
-            );
-        };
-        if !models.priced_in(&currency.value) {
-            return refuse(
-                Position::from(currency),
-                "currency",
-                format!(
-                    "no entry of `models:` has `prices` in {}: a money limit prices each \
-                     request at its model's prices",
-                    currency.value
-                ),
-            );
-        }
-    } else if let Some(currency) = &limit.currency {
-        return refuse(
-            Position::from(currency),
-            "currency",
-            "`currency:` belongs to a money limit (`money:`)".to_owned(),
-        );
-    }
-    let tokens_or_money = limit
-        .tokens
-        .as_ref()
-        .map(|t| (Position::from(t), t.value.0, "tokens"))
-        .or_else(|| {
-            limit
-                .money
-                .as_ref()
-                .map(|m| (Position::from(m), quota(limit), "money"))
-        });
-    let (at, most, unit) = match (&limit.requests, tokens_or_money) {
-        (Some(_), Some((at, _, unit))) => {
-            return refuse(
-                at,
-                unit,
-                format!("a limit counts `requests` or `{unit}`, not both"),
-            )
-        }
-        (None, None) => {
-            return refuse(
-                Position::from(&limit.name),
-                "requests",
-                "a limit needs `requests:` (or `tokens:` for an LLM token budget, `money:` for \
-                 one in money)"
-                    .to_owned(),
-            )
-        }
-        (Some(_), None) => {
-            for (name, position) in [
-                ("reserve", limit.reserve.as_ref().map(Position::from)),
-                ("settle", limit.settle.as_ref().map(Position::from)),
-            ] {
-                if let Some(position) = position {
-                    return refuse(
-                        position,
-                        name,
-                        format!("`{name}:` belongs to a token budget: say `tokens:` instead of `requests:`"),
-                    );
-                }
-            }
-            return Ok(());
-        }
-        (None, Some(found)) => found,
-    };
-    let algorithm = limit.algorithm();
-    if !settles_exactly(algorithm) {
-        return refuse(
-            at,
-            unit,
-            format!(
-                "a token budget gives back what a request did not use, which `{}` cannot do \
-                 exactly: use `weighted_log` (the default of a token budget), `sliding_log` or \
-                 a calendar `quota`",
-                algorithm.label()
-            ),
-        );
-    }
-    if algorithm == Algorithm::SlidingLog && most > MAX_SLIDING_LOG_TOKENS {
-        return refuse(
-            at,
-            unit,
-            format!(
-                "at most {MAX_SLIDING_LOG_TOKENS} ({unit}) on a sliding_log: its log keeps one \
-                 entry per token (or micro-unit of money); leave `algorithm:` out for `weighted_log` (one entry per \
-                 request), or use a calendar quota"
-            ),
-        );
-    }
-    if let Some(cost) = &limit.cost {
-        return refuse(
-            Position::from(cost),
-            "cost",
-            "a token budget's cost is its reservation (`reserve:`), not a fixed `cost:`".to_owned(),
-        );
-    }
-    if let Some(on_exceed) = limit.delay() {
-        return refuse(
-            Position::from(on_exceed),
-            "on_exceed",
-            "a token budget cannot delay: a request is refused when its reservation does not fit"
-                .to_owned(),
-        );
-    }
-    if let Some(count) = &limit.count {
-        return refuse(
-            Position::from(count),
-            "count",
-            "a token budget counts what the response says it used, not by status: remove `count:`"
-                .to_owned(),
-        );
-    }
-    let reserve = limit
-        .reserve
-        .as_ref()
-        .map_or_else(default_reserve, |r| reserve_of(&r.value));
-    let reserve_at = limit.reserve.as_ref().map_or(at, Position::from);
-    let written = reserve.default_output.unwrap_or(reserve.max_output);
-    let smallest = u64::from(reserve.per_request) + u64::from(written);
-    if unit == "tokens" && smallest > u64::from(most) {
-        return refuse(
-            reserve_at,
-            "reserve",
-            format!(
-                "`per_request` plus the output cap written when a request names none \
-                 (`default_output`, else `max_output`: {smallest}) is above `tokens` ({most}): \
-                 no request naming no cap could ever fit"
-            ),
-        );
-    }
-    if reserve
-        .default_output
-        .is_some_and(|d| d > reserve.max_output)
-    {
-        return refuse(
-            reserve_at,
-            "reserve.default_output",
-            format!(
-                "above `max_output` ({}): a request naming no cap would be refused",
-                reserve.max_output
-            ),
-        );
-    }
-    if let Some(settle) = &limit.settle {
-        match (settle.value.from, &settle.value.header) {
-            (SettleFrom::Header, None) => {
-                return refuse(
-                    Position::from(settle),
-                    "settle.header",
-                    "`from: header` needs `header:`, the response header naming the tokens used"
-                        .to_owned(),
-                )
-            }
-            (SettleFrom::Usage, Some(_)) => {
-                return refuse(
-                    Position::from(settle),
-                    "settle.header",
-                    "`header:` applies with `from: header` only".to_owned(),
-                )
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
-/// The token budget of a limit `check` accepted; `None` for a limit counted in requests.
+/// The token budget of a limit the rules (`policy::rules`) accepted; `None` for a limit counted in requests.
 pub fn budget(limit: &LimitConfig, models: &Arc<Models>) -> Option<TokenBudget> {
     let unit = match (&limit.tokens, &limit.money, &limit.currency) {
         (Some(_), _, _) => Unit::Tokens,
@@ -329,10 +118,7 @@ pub fn budget(limit: &LimitConfig, models: &Arc<Models>) -> Option<TokenBudget> 
         },
         _ => return None,
     };
-    let reserve = limit
-        .reserve
-        .as_ref()
-        .map_or_else(default_reserve, |r| reserve_of(&r.value));
+    let reserve = reserve(limit);
     let usage_from = match limit
         .settle
         .as_ref()
@@ -347,6 +133,14 @@ pub fn budget(limit: &LimitConfig, models: &Arc<Models>) -> Option<TokenBudget> 
         unit,
         models: Arc::clone(models),
     })
+}
+
+/// A limit's `reserve:`, its defaults filled in.
+pub(crate) fn reserve(limit: &LimitConfig) -> Reserve {
+    limit
+        .reserve
+        .as_ref()
+        .map_or_else(default_reserve, |r| reserve_of(&r.value))
 }
 
 fn reserve_of(config: &ReserveConfig) -> Reserve {

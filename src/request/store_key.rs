@@ -381,21 +381,23 @@ pub(crate) mod tests {
     pub(crate) fn limit(parts: Vec<KeyPart>) -> Limit {
         let metrics = crate::metrics::Metrics::new().unwrap();
         Limit {
-            name: "l".parse().unwrap(),
-            key: parts,
-            spec: crate::limiter::Spec {
-                algorithm: crate::limiter::Algorithm::SlidingLog,
-                requests: 1,
-                window: Duration::from_secs(1),
-                burst: 1,
-                cost: 1,
-                ..crate::limiter::Spec::default()
+            settings: crate::policy::LimitSettings {
+                name: "l".parse().unwrap(),
+                key: parts,
+                spec: crate::limiter::Spec {
+                    algorithm: crate::limiter::Algorithm::SlidingLog,
+                    requests: 1,
+                    window: Duration::from_secs(1),
+                    burst: 1,
+                    cost: 1,
+                    ..crate::limiter::Spec::default()
+                },
+                count: None,
+                when: Vec::new(),
+                quota: None,
+                client_prefix: ClientPrefix::default(),
+                tokens: None,
             },
-            count: None,
-            when: Vec::new(),
-            quota: None,
-            client_prefix: ClientPrefix::default(),
-            tokens: None,
             metrics: metrics.for_limit("r", "l"),
         }
     }
@@ -677,7 +679,7 @@ pub(crate) mod tests {
 
     fn ip_key(ip: &str, prefix: ClientPrefix) -> String {
         let mut one = limit(vec![KeyPart::ClientIp]);
-        one.client_prefix = prefix;
+        one.settings.client_prefix = prefix;
         let uri: Uri = "/".parse().unwrap();
         let headers = HeaderMap::new();
         let request = RequestParts {

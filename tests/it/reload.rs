@@ -619,3 +619,181 @@ async fn a_half_written_file_is_never_applied() {
         "the skipped version is logged:\n{log}"
     );
 }
+
+/// A change a reload makes to one field of the file, and what it says: `Some(change)`, the
+/// file is refused naming the field; `None`, it is applied.
+struct FieldChange {
+    field: &'static str,
+    yaml: &'static str,
+    refused: Option<&'static str>,
+}
+
+/// Every field of the file's top level and of its sections, in the schema the config types
+/// generate: a field the types gain fails `every_field_reloads_or_is_refused_naming_it`
+/// until it is listed here.
+const FIELD_CHANGES: &[FieldChange] = &[
+    FieldChange { field: "listen", yaml: "", refused: Some("`listen` changed from") },
+    FieldChange { field: "admin_listen", yaml: "", refused: Some("`admin_listen` changed from") },
+    FieldChange { field: "admin.token_env", yaml: "admin:\n  token_env: SLUICE_RELOAD_TOKEN\n", refused: Some("`admin.token_env` changed") },
+    FieldChange { field: "admin.api", yaml: "admin:\n  api: false\n", refused: Some("`admin.api` changed") },
+    FieldChange { field: "admin.hosts", yaml: "admin:\n  hosts: [sluice-admin.internal]\n", refused: Some("`admin.hosts` changed") },
+    FieldChange { field: "tls.cert", yaml: "tls:\n  cert: c.pem\n  key: k.pem\n", refused: Some("`tls` changed") },
+    FieldChange { field: "tls.key", yaml: "tls:\n  cert: c.pem\n  key: k.pem\n", refused: Some("`tls` changed") },
+    FieldChange { field: "log_format", yaml: "log_format: json\n", refused: Some("`log_format` changed") },
+    FieldChange { field: "server.max_request_line", yaml: "server:\n  max_request_line: 1000\n", refused: Some("`server.max_request_line` changed") },
+    FieldChange { field: "server.max_header_bytes", yaml: "server:\n  max_header_bytes: 2000\n", refused: Some("`server.max_header_bytes` changed") },
+    FieldChange { field: "server.max_headers", yaml: "server:\n  max_headers: 7\n", refused: Some("`server.max_headers` changed") },
+    FieldChange { field: "server.max_body", yaml: "server:\n  max_body: 1000\n", refused: Some("`server.max_body` changed") },
+    FieldChange { field: "server.max_connections", yaml: "server:\n  max_connections: 77\n", refused: Some("`server.max_connections` changed") },
+    FieldChange { field: "server.header_read_timeout", yaml: "server:\n  header_read_timeout: 7s\n", refused: Some("`server.header_read_timeout` changed") },
+    FieldChange { field: "server.idle_timeout", yaml: "server:\n  idle_timeout: 7s\n", refused: Some("`server.idle_timeout` changed") },
+    FieldChange { field: "server.body_timeout", yaml: "server:\n  body_timeout: 7s\n", refused: Some("`server.body_timeout` changed") },
+    FieldChange { field: "server.body_min_rate", yaml: "server:\n  body_min_rate: 7\n", refused: Some("`server.body_min_rate` changed") },
+    FieldChange { field: "server.body_rate_grace", yaml: "server:\n  body_rate_grace: 7s\n", refused: Some("`server.body_rate_grace` changed") },
+    FieldChange { field: "server.shutdown_delay", yaml: "server:\n  shutdown_delay: 1s\n", refused: Some("`server.shutdown_delay` changed") },
+    FieldChange { field: "server.shutdown_grace", yaml: "server:\n  shutdown_grace: 7s\n", refused: Some("`server.shutdown_grace` changed") },
+    FieldChange { field: "server.workers", yaml: "server:\n  workers: 3\n", refused: Some("`server.workers` changed") },
+    FieldChange { field: "server.token_body_budget", yaml: "server:\n  token_body_budget: 100000\n", refused: Some("`server.token_body_budget` changed") },
+    FieldChange { field: "server.token_bodies_per_connection", yaml: "server:\n  token_bodies_per_connection: 7\n", refused: Some("`server.token_bodies_per_connection` changed") },
+    FieldChange { field: "store.redis", yaml: "store:\n  redis:\n    url: redis://127.0.0.1:1\n", refused: Some("`store.redis` changed") },
+    FieldChange { field: "store.local", yaml: "store:\n  local:\n    max_keys: 5000\n", refused: Some("`store.local` changed") },
+    FieldChange { field: "store.key_prefix", yaml: "store:\n  key_prefix: other\n", refused: Some("`store.key_prefix` changed") },
+    FieldChange { field: "store.on_store_error", yaml: "store:\n  on_store_error: deny\n", refused: None },
+    FieldChange { field: "trusted_proxies", yaml: "trusted_proxies: [10.0.0.0/8]\n", refused: None },
+    FieldChange { field: "forwarded_header", yaml: "forwarded_header: forwarded\n", refused: None },
+    FieldChange { field: "response_headers", yaml: "response_headers: legacy\n", refused: None },
+    FieldChange { field: "reload.settle", yaml: "reload:\n  settle: 300ms\n", refused: None },
+    FieldChange { field: "upstreams", yaml: "upstreams:\n  other: { url: \"http://127.0.0.1:9\" }\n", refused: None },
+    FieldChange { field: "jwt", yaml: "jwt:\n  - name: hs\n    issuer: me\n    audiences: [api]\n    keys:\n      - { secret_file: hs.key, algorithm: HS256 }\n", refused: None },
+    FieldChange { field: "models", yaml: "models:\n  - match: \"gpt-*\"\n    context: 8000\n", refused: None },
+    FieldChange { field: "routes", yaml: "", refused: None },
+];
+
+/// The fields of the file as the config types' JSON Schema lists them: each top-level
+/// property, and each property of a section that is an object of named fields.
+fn schema_fields() -> Vec<String> {
+    let schema: serde_json::Value =
+        serde_json::from_str(&sluice::config::json_schema()).expect("JSON");
+    let definition = |property: &serde_json::Value| {
+        let reference = property["$ref"]
+            .as_str()
+            .or_else(|| property["allOf"][0]["$ref"].as_str())
+            .or_else(|| property["anyOf"][0]["$ref"].as_str())?;
+        let name = reference.strip_prefix("#/definitions/")?;
+        schema["definitions"][name]["properties"].as_object()
+    };
+    let mut fields = Vec::new();
+    for (name, property) in schema["properties"].as_object().expect("properties") {
+        match definition(property) {
+            Some(section) => fields.extend(section.keys().map(|field| format!("{name}.{field}"))),
+            None => fields.push(name.clone()),
+        }
+    }
+    fields
+}
+
+/// Each field of the file either reloads or, when only a restart can apply it
+/// (`Config::restart_change`), is refused naming it: a 422 from the admin API, the error
+/// line in the log, the old policy still serving. Walks every field the config types have.
+#[tokio::test]
+async fn every_field_reloads_or_is_refused_naming_it() {
+    let listed: Vec<&str> = FIELD_CHANGES.iter().map(|change| change.field).collect();
+    let schema = schema_fields();
+    for field in &schema {
+        assert!(
+            listed.contains(&field.as_str()),
+            "`{field}` is in the config types but not in FIELD_CHANGES: say whether a reload \
+             applies it (and put it on that side in `Config::restart_change`)"
+        );
+    }
+    for field in &listed {
+        assert!(
+            schema.iter().any(|f| f == field),
+            "`{field}` is no field of the file"
+        );
+    }
+
+    // The file poll waits a minute for a change to settle: every reload here is the admin
+    // API's, and each is counted exactly.
+    let settle = "reload:\n  settle: 1m\n";
+    let sluice = Sluice::start(&format!("{settle}{}", limited(3, "1m"))).await;
+    let dir = sluice.config_path().parent().expect("a folder");
+    std::fs::write(dir.join("hs.key"), "0123456789abcdef0123456789abcdef\n").unwrap();
+    let start = std::fs::read_to_string(sluice.config_path()).unwrap();
+    let head = head(&sluice);
+    let c = client();
+    let (mut refused, mut applied) = (0.0, 0.0);
+    let mut said_before = std::collections::HashMap::new();
+    for change in FIELD_CHANGES {
+        let text = match change.field {
+            "listen" => start.replacen(
+                &format!("listen: 127.0.0.1:{}", sluice.addr().port()),
+                &format!("listen: 127.0.0.1:{}", free_port()),
+                1,
+            ),
+            "admin_listen" => {
+                start.replacen("admin_listen: 127.0.0.1:", "admin_listen: 127.0.0.2:", 1)
+            }
+            "routes" => format!("{head}{settle}{}", limited(6, "1m")),
+            "reload.settle" => format!("{head}{}{}", change.yaml, limited(3, "1m")),
+            _ => format!("{head}{settle}{}{}", change.yaml, limited(3, "1m")),
+        };
+        assert_ne!(text, start, "test bug: {} unchanged", change.field);
+        support::replace_file(sluice.config_path(), &text);
+        let answer = c
+            .post(format!("{}/admin/v1/reload", sluice.admin_url()))
+            .header("x-sluice-admin", "1")
+            .send()
+            .await
+            .unwrap();
+        let status = answer.status().as_u16();
+        let body: serde_json::Value = answer.json().await.unwrap();
+        match change.refused {
+            Some(message) => {
+                refused += 1.0;
+                assert_eq!(status, 422, "{}: {body}", change.field);
+                let said = body["error"]["message"].as_str().unwrap_or_default();
+                assert!(
+                    said.starts_with(message)
+                        && said.ends_with(": a restart is needed to apply it"),
+                    "{}: {body}",
+                    change.field
+                );
+                wait_reloads(&sluice, "error", refused).await;
+                *said_before.entry(message).or_insert(0) += 1;
+                let logged = sluice
+                    .log()
+                    .lines()
+                    .filter(|line| line.contains("config reload refused") && line.contains(message))
+                    .count();
+                assert_eq!(
+                    logged, said_before[message],
+                    "{}: logged once",
+                    change.field
+                );
+                error_line(&sluice, message);
+                assert_eq!(
+                    policy_q(&c, &sluice).await,
+                    3,
+                    "{}: the old policy serves",
+                    change.field
+                );
+            }
+            None => {
+                applied += 1.0;
+                assert_eq!(status, 200, "{}: {body}", change.field);
+                wait_reloads(&sluice, "ok", applied).await;
+            }
+        }
+        // Back to the file the process started with, for the next change.
+        support::replace_file(sluice.config_path(), &start);
+        let back = c
+            .post(format!("{}/admin/v1/reload", sluice.admin_url()))
+            .header("x-sluice-admin", "1")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(back.status(), 200, "{}: back to the start", change.field);
+        applied += 1.0;
+    }
+}

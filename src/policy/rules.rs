@@ -1,0 +1,844 @@
+//! Which options of a limit go together, as one table: each rule names the field it refuses,
+//! the condition under which it does, and what the refusal says. `check_limit` evaluates the
+//! table in order and refuses at the first rule broken, at the position of the value to fix
+//! (file, line, column and field path, as every config error). Token and money budgets,
+//! calendar quotas, shaping and keys all have their rules here, and nowhere else; what one
+//! value alone may be is checked as the YAML is read (`config`), the shape of one `when:`
+//! condition where it is compiled (`condition`).
+//!
+//! The order of the table is the order in which a limit breaking several rules hears about
+//! them: what the limit counts first (requests, tokens or money), then its period, then the
+//! rest.
+
+use std::path::Path;
+
+use crate::config::{
+    ConfigError, KeyPart, LimitConfig, Position, RouteConfig, SettleFrom, Spanned, MAX_MAX_DELAY_MS,
+};
+use crate::limiter::calendar::Period;
+use crate::limiter::Algorithm;
+use crate::llm::config::{micro_amount, quota, reserve};
+use crate::llm::{settles_exactly, Models, MAX_SLIDING_LOG_TOKENS};
+
+/// One limit as written, with what its rules read around it.
+pub(super) struct Seen<'a> {
+    pub limit: &'a LimitConfig,
+    pub route: &'a RouteConfig,
+    pub models: &'a Models,
+}
+
+/// Where a rule is broken: the position of the value to fix and, for a field written with
+/// `[]`, the index of the list item.
+pub struct At {
+    position: Position,
+    index: usize,
+}
+
+/// What a refusal says: a fixed text, or one made from the limit and where it broke the rule.
+pub enum Says<Made> {
+    Text(&'static str),
+    Made(Made),
+}
+
+/// A rule: `field` (under the limit's or route's path; `[]` takes the index `broken` gives)
+/// is refused with `says` wherever `broken` finds the rule broken.
+pub struct Rule<Broken, Made> {
+    pub field: &'static str,
+    pub broken: Broken,
+    pub says: Says<Made>,
+}
+
+/// A rule of one limit's options.
+type LimitRule = Rule<fn(&Seen<'_>) -> Option<At>, fn(&Seen<'_>, &At) -> String>;
+
+/// A rule of a route's options.
+type RouteRule = Rule<fn(&RouteConfig) -> Option<At>, fn(&RouteConfig, &At) -> String>;
+
+/// The rules of one limit's options, in the order a limit hears of them.
+const LIMIT_RULES: &[LimitRule] = &[
+    // What a limit counts: exactly one of `requests`, `tokens` or `money`.
+    Rule {
+        field: "money",
+        broken: |s| {
+            let other = s.limit.requests.as_ref().or(s.limit.tokens.as_ref());
+            s.limit.money.as_ref().and(other).map(at)
+        },
+        says: Says::Text("a limit counts one of `requests`, `tokens` or `money`"),
+    },
+    Rule {
+        field: "money",
+        broken: |s| {
+            let money = s.limit.money.as_ref()?;
+            micro_amount(money.value).is_none().then(|| at(money))
+        },
+        says: Says::Made(|s, _| {
+            format!(
+                "an amount from 0.000001 to 4294.967295 with at most 6 decimals (the store \
+                 counts micro-units in 32 bits), got {}",
+                s.limit.money.as_ref().map_or(0.0, |m| m.value)
+            )
+        }),
+    },
+    Rule {
+        field: "currency",
+        broken: |s| {
+            s.limit
+                .money
+                .as_ref()
+                .filter(|_| s.limit.currency.is_none())
+                .map(at)
+        },
+        says: Says::Text("`money:` needs `currency:` (the currency of the models' `prices`)"),
+    },
+    Rule {
+        field: "currency",
+        broken: |s| {
+            s.limit.money.as_ref()?;
+            let currency = s.limit.currency.as_ref()?;
+            (!s.models.priced_in(&currency.value)).then(|| at(currency))
+        },
+        says: Says::Made(|s, _| {
+            format!(
+                "no entry of `models:` has `prices` in {}: a money limit prices each request \
+                 at its model's prices",
+                s.limit.currency.as_ref().map_or("", |c| c.value.as_str())
+            )
+        }),
+    },
+    Rule {
+        field: "currency",
+        broken: |s| {
+            s.limit
+                .currency
+                .as_ref()
+                .filter(|_| s.limit.money.is_none())
+                .map(at)
+        },
+        says: Says::Text("`currency:` belongs to a money limit (`money:`)"),
+    },
+    Rule {
+        field: "tokens",
+        broken: |s| {
+            s.limit
+                .tokens
+                .as_ref()
+                .filter(|_| s.limit.requests.is_some())
+                .map(at)
+        },
+        says: Says::Text("a limit counts `requests` or `tokens`, not both"),
+    },
+    Rule {
+        field: "requests",
+        broken: |s| {
+            let l = s.limit;
+            let none = l.requests.is_none() && l.tokens.is_none() && l.money.is_none();
+            none.then(|| at(&l.name))
+        },
+        says: Says::Text(
+            "a limit needs `requests:` (or `tokens:` for an LLM token budget, `money:` for one \
+             in money)",
+        ),
+    },
+    Rule {
+        field: "reserve",
+        broken: |s| {
+            s.limit
+                .reserve
+                .as_ref()
+                .filter(|_| s.limit.requests.is_some())
+                .map(at)
+        },
+        says: Says::Text(
+            "`reserve:` belongs to a token budget: say `tokens:` instead of `requests:`",
+        ),
+    },
+    Rule {
+        field: "settle",
+        broken: |s| {
+            s.limit
+                .settle
+                .as_ref()
+                .filter(|_| s.limit.requests.is_some())
+                .map(at)
+        },
+        says: Says::Text(
+            "`settle:` belongs to a token budget: say `tokens:` instead of `requests:`",
+        ),
+    },
+    // A token or money budget: reserved up front, the unused part given back.
+    Rule {
+        field: "tokens",
+        broken: |s| tokens_at(s).filter(|_| !settles_exactly(s.limit.algorithm())),
+        says: Says::Made(cannot_give_back),
+    },
+    Rule {
+        field: "money",
+        broken: |s| money_at(s).filter(|_| !settles_exactly(s.limit.algorithm())),
+        says: Says::Made(cannot_give_back),
+    },
+    Rule {
+        field: "tokens",
+        broken: |s| tokens_at(s).filter(|_| too_many_for_a_log(s)),
+        says: Says::Made(|_, _| too_many_entries("tokens")),
+    },
+    Rule {
+        field: "money",
+        broken: |s| money_at(s).filter(|_| too_many_for_a_log(s)),
+        says: Says::Made(|_, _| too_many_entries("money")),
+    },
+    Rule {
+        field: "cost",
+        broken: |s| s.limit.cost.as_ref().filter(|_| budget(s.limit)).map(at),
+        says: Says::Text(
+            "a token budget's cost is its reservation (`reserve:`), not a fixed `cost:`",
+        ),
+    },
+    Rule {
+        field: "on_exceed",
+        broken: |s| s.limit.delay().filter(|_| budget(s.limit)).map(at),
+        says: Says::Text(
+            "a token budget cannot delay: a request is refused when its reservation does not fit",
+        ),
+    },
+    Rule {
+        field: "count",
+        broken: |s| s.limit.count.as_ref().filter(|_| budget(s.limit)).map(at),
+        says: Says::Text(
+            "a token budget counts what the response says it used, not by status: remove `count:`",
+        ),
+    },
+    Rule {
+        field: "reserve",
+        broken: |s| {
+            let tokens = s.limit.tokens.as_ref()?;
+            let smallest = smallest_reservation(s.limit);
+            (smallest > u64::from(tokens.value.0)).then(|| reserve_at(s))?
+        },
+        says: Says::Made(|s, _| {
+            format!(
+                "`per_request` plus the output cap written when a request names none \
+                 (`default_output`, else `max_output`: {}) is above `tokens` ({}): no request \
+                 naming no cap could ever fit",
+                smallest_reservation(s.limit),
+                quota(s.limit)
+            )
+        }),
+    },
+    Rule {
+        field: "reserve.default_output",
+        broken: |s| {
+            if !budget(s.limit) {
+                return None;
+            }
+            let reserve = reserve(s.limit);
+            let default = reserve.default_output?;
+            (default > reserve.max_output).then(|| reserve_at(s))?
+        },
+        says: Says::Made(|s, _| {
+            format!(
+                "above `max_output` ({}): a request naming no cap would be refused",
+                reserve(s.limit).max_output
+            )
+        }),
+    },
+    Rule {
+        field: "settle.header",
+        broken: |s| {
+            let settle = s.limit.settle.as_ref().filter(|_| budget(s.limit))?;
+            let wrong = settle.value.from == SettleFrom::Header && settle.value.header.is_none();
+            wrong.then(|| at(settle))
+        },
+        says: Says::Text(
+            "`from: header` needs `header:`, the response header naming the tokens used",
+        ),
+    },
+    Rule {
+        field: "settle.header",
+        broken: |s| {
+            let settle = s.limit.settle.as_ref().filter(|_| budget(s.limit))?;
+            let wrong = settle.value.from == SettleFrom::Usage && settle.value.header.is_some();
+            wrong.then(|| at(settle))
+        },
+        says: Says::Text("`header:` applies with `from: header` only"),
+    },
+    // The period: a rolling `window` or a calendar `quota`, which is a limit of its own kind.
+    Rule {
+        field: "window",
+        broken: |s| {
+            let none = s.limit.quota.is_none() && s.limit.window.is_none();
+            none.then(|| at(&s.limit.name))
+        },
+        says: Says::Text(
+            "a limit needs a `window` (rolling, e.g. `60s`) or a calendar `quota` (`day`, \
+             `week` or `month`)",
+        ),
+    },
+    Rule {
+        field: "time_zone",
+        broken: |s| {
+            s.limit
+                .time_zone
+                .as_ref()
+                .filter(|_| s.limit.quota.is_none())
+                .map(at)
+        },
+        says: Says::Text(
+            "`time_zone` applies to a calendar `quota` only (a rolling `window` has no calendar)",
+        ),
+    },
+    Rule {
+        field: "quota",
+        broken: |s| {
+            s.limit
+                .quota
+                .as_ref()
+                .filter(|_| s.limit.window.is_some())
+                .map(at)
+        },
+        says: Says::Made(|s, _| {
+            format!(
+                "a limit has either a rolling `window` or a calendar `quota`, not both: remove \
+                 `window` for {} requests per {}",
+                quota(s.limit),
+                period(s.limit)
+            )
+        }),
+    },
+    Rule {
+        field: "algorithm",
+        broken: |s| {
+            s.limit
+                .algorithm
+                .as_ref()
+                .filter(|_| s.limit.quota.is_some())
+                .map(at)
+        },
+        says: Says::Text(
+            "a calendar `quota` counts exactly in its own way (one counter per period): remove \
+             `algorithm`",
+        ),
+    },
+    Rule {
+        field: "burst",
+        broken: |s| {
+            s.limit
+                .burst
+                .as_ref()
+                .filter(|_| s.limit.quota.is_some())
+                .map(at)
+        },
+        says: Says::Text("`burst` applies to `algorithm: gcra` only, not to a calendar `quota`"),
+    },
+    Rule {
+        field: "on_exceed",
+        broken: |s| s.limit.delay().filter(|_| s.limit.quota.is_some()).map(at),
+        says: Says::Made(|s, _| {
+            format!(
+                "a calendar `quota` cannot delay a request: room comes back only when the {} \
+                 ends",
+                period(s.limit)
+            )
+        }),
+    },
+    Rule {
+        field: "time_zone",
+        broken: |s| {
+            let zone = s
+                .limit
+                .time_zone
+                .as_ref()
+                .filter(|_| s.limit.quota.is_some())?;
+            jiff::tz::TimeZone::get(&zone.value)
+                .is_err()
+                .then(|| at(zone))
+        },
+        says: Says::Made(|s, _| {
+            let zone = s.limit.time_zone.as_ref().map_or("", |z| z.value.as_str());
+            let err = jiff::tz::TimeZone::get(zone).err();
+            format!(
+                "unknown time zone `{zone}`: name an IANA zone such as `Europe/Berlin` or `UTC` \
+                 ({})",
+                err.map(|e| e.to_string()).unwrap_or_default()
+            )
+        }),
+    },
+    // What a request costs: `burst` and `cost`.
+    Rule {
+        field: "burst",
+        broken: |s| {
+            let burst = s.limit.burst.as_ref()?;
+            (s.limit.algorithm() != Algorithm::Gcra).then(|| at(burst))
+        },
+        says: Says::Made(|s, _| {
+            format!(
+                "`burst` applies to `algorithm: gcra` only, not `{}`",
+                s.limit.algorithm().label()
+            )
+        }),
+    },
+    Rule {
+        field: "cost",
+        broken: |s| {
+            let cost = s.limit.cost.as_ref()?;
+            (cost.value.0 > most_at_once(s.limit).0).then(|| at(cost))
+        },
+        says: Says::Made(|s, _| {
+            let (most, what) = most_at_once(s.limit);
+            format!(
+                "a cost of {} can never be admitted: it is above `{what}` ({most})",
+                s.limit.cost.as_ref().map_or(0, |c| c.value.0)
+            )
+        }),
+    },
+    // Keys: a `param:NAME` part names a `{NAME}` segment of the route's path prefix.
+    Rule {
+        field: "key[]",
+        broken: |s| {
+            let params = path_params(s.route);
+            s.limit
+                .key
+                .value
+                .iter()
+                .position(
+                    |part| matches!(part, KeyPart::Param(name) if !params.contains(&name.as_str())),
+                )
+                .map(|index| at_item(&s.limit.key, index))
+        },
+        says: Says::Made(|s, at| {
+            let name = match &s.limit.key.value[at.index] {
+                KeyPart::Param(name) => name.as_str(),
+                _ => "",
+            };
+            format!(
+                "the route's path prefix `{}` has no `{{{name}}}` segment",
+                s.route.matcher.path_prefix.0
+            )
+        }),
+    },
+    // Shaping: `on_exceed: delay` holds a request until it fits, up to `max_delay`.
+    Rule {
+        field: "on_exceed",
+        broken: |s| {
+            let exact = matches!(s.limit.algorithm(), Algorithm::SlidingLog | Algorithm::Gcra);
+            s.limit.delay().filter(|_| !exact).map(at)
+        },
+        says: Says::Made(|s, _| {
+            format!(
+                "`on_exceed: delay` needs an exact algorithm (sliding_log or gcra), not `{}`: \
+                 its wait must say exactly when the request fits",
+                s.limit.algorithm().label()
+            )
+        }),
+    },
+    Rule {
+        field: "on_exceed",
+        broken: |s| s.limit.delay().filter(|_| s.limit.shadow).map(at),
+        says: Says::Text("a shadow limit never rejects, so it has nothing to delay"),
+    },
+    Rule {
+        field: "when",
+        broken: |s| s.limit.delay().and(s.limit.when.first()).map(at),
+        says: Says::Text(
+            "a limit with `on_exceed: delay` applies to every request of its route: remove \
+             `when:` (put the conditions on another route)",
+        ),
+    },
+    Rule {
+        field: "count",
+        broken: |s| s.limit.delay().and(s.limit.count.as_ref()).map(at),
+        says: Says::Text("`count:` and `on_exceed: delay` cannot go on the same limit"),
+    },
+    Rule {
+        field: "on_exceed",
+        broken: |s| {
+            s.limit
+                .delay()
+                .filter(|_| s.limit.max_delay.is_none())
+                .map(at)
+        },
+        says: Says::Text("`on_exceed: delay` needs `max_delay` (the longest a request is held)"),
+    },
+    Rule {
+        field: "max_delay",
+        broken: |s| {
+            let max_delay = s.limit.max_delay.as_ref()?;
+            let long = max_delay.value.0.as_millis() > u128::from(MAX_MAX_DELAY_MS);
+            s.limit.delay().filter(|_| long).map(|_| at(max_delay))
+        },
+        says: Says::Made(|_, _| {
+            format!(
+                "at most {} s: a held request keeps its connection open",
+                MAX_MAX_DELAY_MS / 1000
+            )
+        }),
+    },
+    Rule {
+        field: "max_delay",
+        broken: |s| {
+            s.limit
+                .max_delay
+                .as_ref()
+                .filter(|_| s.limit.delay().is_none())
+                .map(at)
+        },
+        says: Says::Text("`max_delay` applies with `on_exceed: delay` only"),
+    },
+    Rule {
+        field: "count.status",
+        broken: |s| {
+            s.limit
+                .count
+                .as_ref()
+                .filter(|c| c.value.status.is_empty())
+                .map(at)
+        },
+        says: Says::Text("list at least one status or class (e.g. [401, 403] or [5xx])"),
+    },
+    // Client networks: a prefix fits its address; 0 would be `key: []` said obscurely.
+    Rule {
+        field: "ipv6_prefix",
+        broken: |s| prefix_outside(&s.limit.ipv6_prefix, 128),
+        says: Says::Made(|s, _| prefix_message(&s.limit.ipv6_prefix, 128)),
+    },
+    Rule {
+        field: "ipv4_prefix",
+        broken: |s| prefix_outside(&s.limit.ipv4_prefix, 32),
+        says: Says::Made(|s, _| prefix_message(&s.limit.ipv4_prefix, 32)),
+    },
+    // The body's `model` is read only for a budget, whose body is read before the decision
+    // anyway (any other limit would make every request of its route wait for its body).
+    Rule {
+        field: "key[]",
+        broken: |s| {
+            let index = s
+                .limit
+                .key
+                .value
+                .iter()
+                .position(|p| *p == KeyPart::Model)?;
+            (!budget(s.limit)).then(|| at_item(&s.limit.key, index))
+        },
+        says: Says::Made(|_, _| format!("the key part `model` {READS_MODEL}")),
+    },
+    Rule {
+        field: "when[].model",
+        broken: |s| {
+            let index = s.limit.when.iter().position(|w| w.value.model.is_some())?;
+            (!budget(s.limit)).then(|| at_item(&s.limit.when[index], index))
+        },
+        says: Says::Made(|_, _| format!("a `model` condition {READS_MODEL}")),
+    },
+    // A JWT's claims are read only on a route that verifies its token.
+    Rule {
+        field: "key[]",
+        broken: |s| {
+            let index = s
+                .limit
+                .key
+                .value
+                .iter()
+                .position(|p| matches!(p, KeyPart::Jwt(_)))?;
+            s.route.jwt.is_none().then(|| at_item(&s.limit.key, index))
+        },
+        says: Says::Text(
+            "a `jwt:` key part needs a verified token: give the route `jwt: { verifier: NAME }`",
+        ),
+    },
+    Rule {
+        field: "when[].jwt",
+        broken: |s| {
+            let index = s.limit.when.iter().position(|w| w.value.jwt.is_some())?;
+            s.route
+                .jwt
+                .is_none()
+                .then(|| at_item(&s.limit.when[index], index))
+        },
+        says: Says::Text(
+            "a `jwt` condition needs a verified token: give the route `jwt: { verifier: NAME }`",
+        ),
+    },
+];
+
+/// The rules of a route's options that read its limits, checked after them.
+const ROUTE_RULES: &[RouteRule] = &[Rule {
+    field: "max_delayed",
+    broken: |route| {
+        let max_delayed = route.max_delayed.as_ref()?;
+        (!route.limits.iter().any(delays)).then(|| at(max_delayed))
+    },
+    says: Says::Text("`max_delayed` needs a limit with `on_exceed: delay` in this route"),
+}];
+
+/// Refuses a limit (at `field`, `routes[i].limits[j]`) at the first of its rules it breaks.
+pub(super) fn check_limit(seen: &Seen, file: &Path, field: &str) -> Result<(), ConfigError> {
+    first_broken(LIMIT_RULES, seen, file, field)
+}
+
+/// Refuses a route (at `field`, `routes[i]`) at the first of its rules it breaks.
+pub(super) fn check_route(
+    route: &RouteConfig,
+    file: &Path,
+    field: &str,
+) -> Result<(), ConfigError> {
+    first_broken(ROUTE_RULES, route, file, field)
+}
+
+/// The one evaluation of a table: the first rule broken, as a config error.
+fn first_broken<T, Broken, Made>(
+    rules: &[Rule<Broken, Made>],
+    seen: &T,
+    file: &Path,
+    field: &str,
+) -> Result<(), ConfigError>
+where
+    Broken: Fn(&T) -> Option<At>,
+    Made: Fn(&T, &At) -> String,
+{
+    for rule in rules {
+        if let Some(at) = (rule.broken)(seen) {
+            let name = rule.field.replacen("[]", &format!("[{}]", at.index), 1);
+            let message = match &rule.says {
+                Says::Text(text) => (*text).to_owned(),
+                Says::Made(made) => made(seen, &at),
+            };
+            return Err(ConfigError::invalid(
+                file,
+                at.position,
+                format!("{field}.{name}"),
+                message,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether a limit holds requests with `on_exceed: delay`.
+pub(super) fn delays(limit: &LimitConfig) -> bool {
+    limit.delay().is_some()
+}
+
+fn at<T>(spanned: &Spanned<T>) -> At {
+    At {
+        position: Position::from(spanned),
+        index: 0,
+    }
+}
+
+/// Item `index` of a list, at the position of `spanned` (the list's, or the item's).
+fn at_item<T>(spanned: &Spanned<T>, index: usize) -> At {
+    At {
+        position: Position::from(spanned),
+        index,
+    }
+}
+
+/// Whether the limit is a token or money budget.
+fn budget(limit: &LimitConfig) -> bool {
+    limit.tokens.is_some() || limit.money.is_some()
+}
+
+fn tokens_at(s: &Seen) -> Option<At> {
+    s.limit.tokens.as_ref().map(at)
+}
+
+fn money_at(s: &Seen) -> Option<At> {
+    s.limit
+        .money
+        .as_ref()
+        .filter(|_| s.limit.tokens.is_none())
+        .map(at)
+}
+
+fn cannot_give_back(s: &Seen, _: &At) -> String {
+    format!(
+        "a token budget gives back what a request did not use, which `{}` cannot do exactly: \
+         use `weighted_log` (the default of a token budget), `sliding_log` or a calendar `quota`",
+        s.limit.algorithm().label()
+    )
+}
+
+/// A sliding log keeps one entry per unit counted.
+fn too_many_for_a_log(s: &Seen) -> bool {
+    s.limit.algorithm() == Algorithm::SlidingLog && quota(s.limit) > MAX_SLIDING_LOG_TOKENS
+}
+
+fn too_many_entries(unit: &str) -> String {
+    format!(
+        "at most {MAX_SLIDING_LOG_TOKENS} ({unit}) on a sliding_log: its log keeps one entry per \
+         token (or micro-unit of money); leave `algorithm:` out for `weighted_log` (one entry \
+         per request), or use a calendar quota"
+    )
+}
+
+/// The least a request naming no output cap reserves: `per_request` and the cap written.
+fn smallest_reservation(limit: &LimitConfig) -> u64 {
+    let reserve = reserve(limit);
+    let written = reserve.default_output.unwrap_or(reserve.max_output);
+    u64::from(reserve.per_request) + u64::from(written)
+}
+
+/// At `reserve:` when written, else at the budget.
+fn reserve_at(s: &Seen) -> Option<At> {
+    match &s.limit.reserve {
+        Some(reserve) => Some(at(reserve)),
+        None => tokens_at(s).or_else(|| money_at(s)),
+    }
+}
+
+/// The most one request can ever be admitted for: `burst` under GCRA, else the quota.
+fn most_at_once(limit: &LimitConfig) -> (u32, &'static str) {
+    match (&limit.burst, limit.algorithm()) {
+        (Some(burst), Algorithm::Gcra) => (burst.value.0, "burst"),
+        _ => (quota(limit), "requests"),
+    }
+}
+
+/// The calendar period of a limit with `quota:`, as a word.
+fn period(limit: &LimitConfig) -> &'static str {
+    limit
+        .quota
+        .as_ref()
+        .map_or("", |quota| Period::from(quota.value).label())
+}
+
+/// The `{NAME}` segments of the route's path prefix.
+fn path_params(route: &RouteConfig) -> Vec<&str> {
+    route
+        .matcher
+        .path_prefix
+        .0
+        .split('/')
+        .filter_map(|segment| segment.strip_prefix('{')?.strip_suffix('}'))
+        .collect()
+}
+
+fn prefix_outside(prefix: &Option<Spanned<u32>>, bits: u32) -> Option<At> {
+    prefix
+        .as_ref()
+        .filter(|prefix| !(1..=bits).contains(&prefix.value))
+        .map(at)
+}
+
+fn prefix_message(prefix: &Option<Spanned<u32>>, bits: u32) -> String {
+    format!(
+        "a prefix length from 1 to {bits} bits, got {} (for one bucket for every client, use \
+         `key: []`)",
+        prefix.as_ref().map_or(0, |p| p.value)
+    )
+}
+
+const READS_MODEL: &str = "reads the JSON body's `model`, which only a token or money limit \
+                           (`tokens:`, `money:`) reads: its body is read before the decision \
+                           anyway";
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    /// One limit for each rule, in the table's order, that breaks that rule first (its other
+    /// options are fine): a rule dropped or added without its example fails here.
+    const BREAKS: &[&str] = &[
+        "requests: 5, money: 1, currency: USD, window: 1m",
+        "money: 0.0000001, currency: USD, window: 1m",
+        "money: 1, window: 1m",
+        "money: 1, currency: EUR, window: 1m",
+        "requests: 5, currency: USD, window: 1m",
+        "requests: 5, tokens: 100, window: 1m",
+        "window: 1m",
+        "requests: 5, window: 1m, reserve: { max_output: 10 }",
+        "requests: 5, window: 1m, settle: { from: usage }",
+        "tokens: 100000, window: 1m, algorithm: gcra",
+        "money: 1, currency: USD, window: 1m, algorithm: gcra",
+        "tokens: 2000000, window: 1m, algorithm: sliding_log",
+        "money: 2, currency: USD, window: 1m, algorithm: sliding_log",
+        "tokens: 100000, window: 1m, cost: 2",
+        "tokens: 100000, window: 1m, algorithm: sliding_log, on_exceed: delay, max_delay: 1s",
+        "tokens: 100000, window: 1m, count: { status: [5xx] }",
+        "tokens: 100, window: 1m",
+        "tokens: 100000, window: 1m, reserve: { default_output: 50, max_output: 10 }",
+        "tokens: 100000, window: 1m, settle: { from: header }",
+        "tokens: 100000, window: 1m, settle: { from: usage, header: x-used }",
+        "requests: 5",
+        "requests: 5, window: 1m, time_zone: UTC",
+        "requests: 5, window: 1m, quota: day",
+        "requests: 5, quota: day, algorithm: gcra",
+        "requests: 5, quota: day, burst: 2",
+        "requests: 5, quota: day, on_exceed: delay, max_delay: 1s",
+        "requests: 5, quota: day, time_zone: Mars/Base",
+        "requests: 5, window: 1m, burst: 2",
+        "requests: 5, window: 1m, cost: 6",
+        "requests: 5, window: 1m, key: [\"param:user\"]",
+        "requests: 5, window: 1m, algorithm: fixed_window, on_exceed: delay, max_delay: 1s",
+        "requests: 5, window: 1m, shadow: true, on_exceed: delay, max_delay: 1s",
+        "requests: 5, window: 1m, on_exceed: delay, max_delay: 1s, when: [{ method: [GET] }]",
+        "requests: 5, window: 1m, on_exceed: delay, max_delay: 1s, count: { status: [5xx] }",
+        "requests: 5, window: 1m, on_exceed: delay",
+        "requests: 5, window: 1m, on_exceed: delay, max_delay: 1h",
+        "requests: 5, window: 1m, max_delay: 1s",
+        "requests: 5, window: 1m, count: { status: [] }",
+        "requests: 5, window: 1m, ipv6_prefix: 0",
+        "requests: 5, window: 1m, ipv4_prefix: 33",
+        "requests: 5, window: 1m, key: [model]",
+        "requests: 5, window: 1m, when: [{ model: [gpt-4] }]",
+        "requests: 5, window: 1m, key: [\"jwt:sub\"]",
+        "requests: 5, window: 1m, when: [{ jwt: sub, present: true }]",
+    ];
+
+    fn config(options: &str) -> crate::config::Config {
+        let key = if options.contains("key:") {
+            ""
+        } else {
+            "key: [], "
+        };
+        let yaml = format!(
+            "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\nmodels:\n  - match: \"*\"\n    \
+             prices: {{ currency: USD, input: 1, output: 1 }}\nroutes:\n  - name: r\n    \
+             match: {{ path_prefix: \"/t/{{tenant}}\" }}\n    respond: {{ status: 200 }}\n    \
+             limits:\n      - {{ name: l, {key}{options} }}\n"
+        );
+        crate::config::parse(&yaml, Path::new("t.yaml")).expect("parses")
+    }
+
+    #[test]
+    fn each_rule_is_the_first_broken_by_its_example() {
+        assert_eq!(BREAKS.len(), LIMIT_RULES.len(), "one example per rule");
+        for (index, options) in BREAKS.iter().enumerate() {
+            let config = config(options);
+            let models = crate::llm::config::models(&config, Path::new("t.yaml")).expect("valid");
+            let route = &config.routes[0];
+            let seen = Seen {
+                limit: &route.limits[0],
+                route,
+                models: &models,
+            };
+            let first = LIMIT_RULES
+                .iter()
+                .position(|rule| (rule.broken)(&seen).is_some());
+            assert_eq!(
+                first,
+                Some(index),
+                "`{options}` breaks rule {first:?} first"
+            );
+            let err = check_limit(&seen, Path::new("t.yaml"), "routes[0].limits[0]")
+                .expect_err("refused")
+                .to_string();
+            let field = LIMIT_RULES[index].field.replacen("[]", "[0]", 1);
+            assert!(
+                err.contains(&format!("routes[0].limits[0].{field}")),
+                "{err}"
+            );
+            assert!(err.starts_with("t.yaml:11:"), "the limit's line: {err}");
+        }
+        let fine = config("requests: 5, window: 1m, key: [\"param:tenant\"]");
+        let models = crate::llm::config::models(&fine, Path::new("t.yaml")).expect("valid");
+        let route = &fine.routes[0];
+        let seen = Seen {
+            limit: &route.limits[0],
+            route,
+            models: &models,
+        };
+        assert!(check_limit(&seen, Path::new("t.yaml"), "l").is_ok());
+    }
+}
