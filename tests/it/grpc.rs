@@ -22,12 +22,12 @@ use support::grpc::{
 };
 use support::{Limit, Policy, Route, Sluice, UpstreamSpec};
 
-/// `http2` is the upstream's setting: gRPC needs it on.
+/// `http2` is the upstream's setting, written either way (a reload test turns it on in the
+/// file): gRPC needs it on.
 fn config(upstream: SocketAddr, http2: bool) -> Policy {
-    let mut grpc = UpstreamSpec::new(&format!("http://{upstream}")).timeout("10s");
-    if http2 {
-        grpc = grpc.http2();
-    }
+    let grpc = UpstreamSpec::new(&format!("http://{upstream}"))
+        .set("http2", http2)
+        .timeout("10s");
     Policy::new()
         .upstream("grpc", grpc)
         .route(

@@ -36,16 +36,12 @@ fn config(store: Policy, upstream: &str) -> Policy {
                 .upstream("api")
                 .limit(two("cookie:session")),
         )
-        .route(
-            Route::new("tiers", "/t").upstream("api").limit(
-                Limit::requests("free", 2, "1m")
-                    .key(["header:x-user"])
-                    .set(
-                        "when",
-                        vec![Node::map([("header", "x-plan"), ("equals", "free")])],
-                    ),
+        .route(Route::new("tiers", "/t").upstream("api").limit(
+            Limit::requests("free", 2, "1m").key(["header:x-user"]).set(
+                "when",
+                vec![Node::map([("header", "x-plan"), ("equals", "free")])],
             ),
-        )
+        ))
         .route(
             Route::new("auth", "/auth")
                 .methods(["POST"])

@@ -19,9 +19,8 @@ use support::{
 /// `window`) and a route `multi` with two limits.
 fn config(store: &Store, upstream: &str, requests: u32, window: &str) -> Policy {
     let per_ip = |requests, window| Limit::requests("per-ip", requests, window);
-    let per_key = |requests, window| {
-        Limit::requests("per-key", requests, window).key(["header:x-api-key"])
-    };
+    let per_key =
+        |requests, window| Limit::requests("per-key", requests, window).key(["header:x-api-key"]);
     Policy::new()
         .store(store)
         .upstream(

@@ -119,7 +119,6 @@ fn permissive_route(raw: &str) -> String {
     format!("/{}", segments.join("/"))
 }
 
-
 /// `/login` limited to two requests per client address, everything else open; `login` is the
 /// login route's prefix as written in the policy.
 fn config(upstream: &str, store: Policy, login: &str) -> Policy {
@@ -172,7 +171,12 @@ const SPELLINGS: &[(&str, u16)] = &[
 async fn no_spelling_reaches_login(kind: StoreKind) {
     let upstream = PermissiveUpstream::start().await;
     let store = support::Store::start(kind).await;
-    let sluice = Sluice::start(&config(&upstream.url(), Policy::new().store(&store), "/login")).await;
+    let sluice = Sluice::start(&config(
+        &upstream.url(),
+        Policy::new().store(&store),
+        "/login",
+    ))
+    .await;
 
     for _ in 0..2 {
         assert_eq!(get(&sluice, "/login").await.status, 200);

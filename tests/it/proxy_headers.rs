@@ -6,9 +6,7 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use support::{
-    metric_sum, parse_metrics, raw_http, Policy, Route, Sluice, Upstream, UpstreamSpec,
-};
+use support::{metric_sum, parse_metrics, raw_http, Policy, Route, Sluice, Upstream, UpstreamSpec};
 
 fn config(up: &str, closed_port: u16) -> Policy {
     Policy::new()

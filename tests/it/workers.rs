@@ -67,7 +67,10 @@ async fn with_two_workers_both_accept_and_serve_connections() {
 #[tokio::test]
 async fn max_connections_bounds_all_workers_together() {
     let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&up.url(), |p| p.server("workers", 2).server("max_connections", 3))).await;
+    let sluice = Sluice::start(&config(&up.url(), |p| {
+        p.server("workers", 2).server("max_connections", 3)
+    }))
+    .await;
     let mut held = Vec::new();
     for i in 0..3 {
         let mut wire = Wire::connect(sluice.addr()).await;

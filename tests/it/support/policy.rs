@@ -578,7 +578,10 @@ mod tests {
     fn writes_block_yaml_in_field_order() {
         let yaml = Policy::new()
             .store_redis_url("redis://127.0.0.1:1/0")
-            .upstream("api", UpstreamSpec::new("http://127.0.0.1:2").timeout("10s"))
+            .upstream(
+                "api",
+                UpstreamSpec::new("http://127.0.0.1:2").timeout("10s"),
+            )
             .route(
                 Route::new("api", "/api")
                     .methods(["GET"])
