@@ -553,6 +553,16 @@ impl Limit {
         self.set("burst", burst)
     }
 
+    /// Each request counts `cost` (default 1).
+    pub fn cost(self, cost: u32) -> Limit {
+        self.set("cost", cost)
+    }
+
+    /// Counted and reported, never refusing.
+    pub fn shadow(self) -> Limit {
+        self.set("shadow", true)
+    }
+
     /// Count only answers with these statuses or classes (`401`, `5xx`).
     pub fn count_status(self, statuses: Vec<Node>) -> Limit {
         self.set("count", Node::map([("status", Node::Seq(statuses))]))
