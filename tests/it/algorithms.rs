@@ -62,9 +62,7 @@ fn table() -> Vec<Case> {
         },
         Case {
             name: "sliding-window",
-            limits: vec![
-                Limit::requests("a", 3, "1m").algorithm("sliding_window"),
-            ],
+            limits: vec![Limit::requests("a", 3, "1m").algorithm("sliding_window")],
             // A fresh key counts only in the current fixed window, which ends within 60 s;
             // from then on its count weighs less each second: one more fits after the current
             // window plus (1 − (requests − remaining − 1) / count) of the next.
@@ -77,9 +75,7 @@ fn table() -> Vec<Case> {
         },
         Case {
             name: "fixed-window",
-            limits: vec![
-                Limit::requests("a", 3, "1m").algorithm("fixed_window"),
-            ],
+            limits: vec![Limit::requests("a", 3, "1m").algorithm("fixed_window")],
             steps: vec![
                 ok(&[(2, 60..=60)]),
                 ok(&[(1, 60..=60)]),
@@ -90,9 +86,7 @@ fn table() -> Vec<Case> {
         Case {
             name: "gcra",
             // T = 6 s, bursts of 3.
-            limits: vec![
-                Limit::requests("a", 10, "1m").algorithm("gcra").burst(3),
-            ],
+            limits: vec![Limit::requests("a", 10, "1m").algorithm("gcra").burst(3)],
             steps: vec![
                 ok(&[(2, 6..=6)]),
                 ok(&[(1, 6..=6)]),
@@ -123,9 +117,9 @@ fn table() -> Vec<Case> {
         },
         Case {
             name: "fixed-window-cost",
-            limits: vec![
-                Limit::requests("a", 5, "1m").cost(2).algorithm("fixed_window"),
-            ],
+            limits: vec![Limit::requests("a", 5, "1m")
+                .cost(2)
+                .algorithm("fixed_window")],
             steps: vec![
                 ok(&[(3, 60..=60)]),
                 ok(&[(1, 60..=60)]),
@@ -135,9 +129,10 @@ fn table() -> Vec<Case> {
         Case {
             name: "gcra-cost",
             // T = 15 s, burst 4, each request counts 2: the third waits two intervals.
-            limits: vec![
-                Limit::requests("a", 4, "1m").cost(2).algorithm("gcra").burst(4),
-            ],
+            limits: vec![Limit::requests("a", 4, "1m")
+                .cost(2)
+                .algorithm("gcra")
+                .burst(4)],
             steps: vec![
                 ok(&[(2, 15..=15)]),
                 ok(&[(0, 15..=15)]),
@@ -149,7 +144,9 @@ fn table() -> Vec<Case> {
             // The log rejects the third request; the others record nothing for it.
             limits: vec![
                 Limit::requests("log", 2, "1m"),
-                Limit::requests("bucket", 10, "1m").algorithm("gcra").burst(5),
+                Limit::requests("bucket", 10, "1m")
+                    .algorithm("gcra")
+                    .burst(5),
                 Limit::requests("fixed", 10, "1m").algorithm("fixed_window"),
                 Limit::requests("approx", 10, "1m").algorithm("sliding_window"),
             ],
@@ -194,10 +191,12 @@ fn one_limit_each(store: &Store, routes: impl IntoIterator<Item = (String, Limit
 }
 
 fn config(store: &Store, cases: &[Case]) -> Policy {
-    cases.iter().fold(Policy::new().store(store), |policy, case| {
-        let route = Route::new(case.name, &format!("/{}", case.name)).respond(200, "ok");
-        policy.route(case.limits.iter().cloned().fold(route, Route::limit))
-    })
+    cases
+        .iter()
+        .fold(Policy::new().store(store), |policy, case| {
+            let route = Route::new(case.name, &format!("/{}", case.name)).respond(200, "ok");
+            policy.route(case.limits.iter().cloned().fold(route, Route::limit))
+        })
 }
 
 async fn run_table(kind: StoreKind) -> Store {
