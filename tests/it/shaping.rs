@@ -50,7 +50,12 @@ async fn decisions(sluices: &[Sluice], decision: &str) -> f64 {
 }
 
 /// One route `api` to `upstream` with `limits`; `max_delayed`: the route's, if set.
-fn policy(store: Policy, upstream: &Upstream, limits: Vec<Limit>, max_delayed: Option<u32>) -> Policy {
+fn policy(
+    store: Policy,
+    upstream: &Upstream,
+    limits: Vec<Limit>,
+    max_delayed: Option<u32>,
+) -> Policy {
     let mut route = Route::new("api", "/").upstream("api");
     if let Some(max) = max_delayed {
         route = route.set("max_delayed", max);
@@ -68,7 +73,10 @@ fn shaped(name: &str, requests: u32, window: &str, max_delay: &str) -> Limit {
 }
 
 /// One instance on the in-process store, or two sharing one Redis.
-async fn instances(kind: StoreKind, yaml: impl Fn(Policy) -> Policy) -> (Option<Redis>, Vec<Sluice>) {
+async fn instances(
+    kind: StoreKind,
+    yaml: impl Fn(Policy) -> Policy,
+) -> (Option<Redis>, Vec<Sluice>) {
     let store = Store::start(kind).await;
     let count = if store.redis.is_some() { 2 } else { 1 };
     let mut sluices = Vec::new();
@@ -336,7 +344,13 @@ async fn a_held_client_that_leaves_gives_its_place_back(kind: StoreKind) {
     let upstream = Upstream::start().await;
     let limit = shaped("shaped", 1, "2s", "5s");
     let store = Store::start(kind).await;
-    let sluice = Sluice::start(&policy(Policy::new().store(&store), &upstream, vec![limit], None)).await;
+    let sluice = Sluice::start(&policy(
+        Policy::new().store(&store),
+        &upstream,
+        vec![limit],
+        None,
+    ))
+    .await;
     let c = client();
     let started = Instant::now();
     assert_eq!(
@@ -437,7 +451,13 @@ async fn several_limits_record_at_the_longest_wait(kind: StoreKind) {
         Limit::requests("cap", 2, "1m").key(["method"]),
     ];
     let store = Store::start(kind).await;
-    let sluice = Sluice::start(&policy(Policy::new().store(&store), &upstream, limits, None)).await;
+    let sluice = Sluice::start(&policy(
+        Policy::new().store(&store),
+        &upstream,
+        limits,
+        None,
+    ))
+    .await;
     let c = client();
     let get = |path: &'static str| {
         let (c, url) = (c.clone(), format!("{}{path}", sluice.url()));

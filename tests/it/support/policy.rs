@@ -564,7 +564,8 @@ impl Limit {
     }
 
     /// Count only answers with these statuses or classes (`401`, `5xx`).
-    pub fn count_status(self, statuses: Vec<Node>) -> Limit {
+    pub fn count_status<T: Into<Node>>(self, statuses: impl IntoIterator<Item = T>) -> Limit {
+        let statuses = statuses.into_iter().map(Into::into).collect();
         self.set("count", Node::map([("status", Node::Seq(statuses))]))
     }
 
