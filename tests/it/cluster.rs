@@ -431,10 +431,10 @@ async fn uncounted_outcomes_are_given_back_in_every_slot() {
     let limits = vec![
         Limit::requests("per_user", 3, "1m")
             .key(["header:x-user"])
-            .count_status(vec![401.into()]),
+            .count_status([401]),
         Limit::requests("global", 10, "1m")
             .key([])
-            .count_status(vec![401.into()]),
+            .count_status([401]),
     ];
     let sluice = Sluice::start(&config(&cluster, &upstream, limits)).await;
     let login = |password: &'static str| {

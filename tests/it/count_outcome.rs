@@ -42,7 +42,12 @@ async fn login(c: &reqwest::Client, sluice: &Sluice, password: &str) -> u16 {
 async fn five_failures_then_refused_while_successes_pass(kind: StoreKind) {
     let upstream = Upstream::start().await;
     let store = Store::start(kind).await;
-    let sluice = Sluice::start(&policy(Policy::new().store(&store), &upstream.url(), [401, 403])).await;
+    let sluice = Sluice::start(&policy(
+        Policy::new().store(&store),
+        &upstream.url(),
+        [401, 403],
+    ))
+    .await;
     let c = client();
     for n in 0..100 {
         assert_eq!(login(&c, &sluice, "right").await, 200, "success {n}");
@@ -82,7 +87,14 @@ async fn concurrent_failures_reach_the_upstream_at_most_the_limit(kind: StoreKin
     let instances = if store.redis.is_some() { 2 } else { 1 };
     let mut sluices = Vec::new();
     for _ in 0..instances {
-        sluices.push(Sluice::start(&policy(Policy::new().store(&store), &upstream.url(), [401, 403])).await);
+        sluices.push(
+            Sluice::start(&policy(
+                Policy::new().store(&store),
+                &upstream.url(),
+                [401, 403],
+            ))
+            .await,
+        );
     }
     let c = client();
     let tasks: Vec<_> = (0..50)
@@ -143,7 +155,13 @@ async fn a_client_that_leaves_mid_flight_keeps_its_reservation() {
     let upstream = Upstream::start().await;
     let store = Store::start(StoreKind::Redis).await;
     let failures = Limit::requests("failures", 1, "1m").count_status([401]);
-    let policy = one_route(Policy::new().store(&store), "login", &upstream.url(), "5s", failures);
+    let policy = one_route(
+        Policy::new().store(&store),
+        "login",
+        &upstream.url(),
+        "5s",
+        failures,
+    );
     let sluice = Sluice::start(&policy).await;
     let c = client();
     // The upstream would answer 200 (uncounted) after a second; the client leaves first.
@@ -194,7 +212,13 @@ async fn the_place_is_given_back_before_the_answer() {
         let failures = Limit::requests("failures", 1, "1m")
             .key(["header:x-user"])
             .count_status([401]);
-        let policy = one_route(Policy::new().store(&store), "login", &upstream.url(), "5s", failures);
+        let policy = one_route(
+            Policy::new().store(&store),
+            "login",
+            &upstream.url(),
+            "5s",
+            failures,
+        );
         let sluice = Sluice::start(&policy).await;
         let c = client();
         let login = |user: String, password: &'static str| {

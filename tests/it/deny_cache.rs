@@ -36,9 +36,9 @@ async fn a_flood_is_answered_from_memory_without_over_admission_or_over_denial()
         .store_redis(&redis)
         .upstream("api", up.url())
         .route(
-            Route::new("api", "/").upstream("api").limit(
-                Limit::requests("per-key", LIMIT as u32, "1s").key(["header:x-api-key"]),
-            ),
+            Route::new("api", "/")
+                .upstream("api")
+                .limit(Limit::requests("per-key", LIMIT as u32, "1s").key(["header:x-api-key"])),
         );
     let a = Sluice::start(&yaml).await;
     let b = Sluice::start(&yaml).await;
