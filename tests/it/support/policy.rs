@@ -271,6 +271,13 @@ impl Policy {
         self
     }
 
+    /// `redis` as the store with only its URL: every other setting at sluice's default.
+    pub fn store_redis_defaults(mut self, redis: &Redis) -> Policy {
+        self.store = StoreChoice::Redis(vec![("url".into(), redis.url().into())]);
+        self.store_extra = Vec::new();
+        self
+    }
+
     /// The store a limit test was started with ([`Store::start`]): Redis or in-process.
     pub fn store(self, store: &Store) -> Policy {
         match &store.redis {
@@ -473,6 +480,11 @@ impl Route {
             "respond",
             Node::map([("status", Node::from(status)), ("body", Node::from(body))]),
         )
+    }
+
+    /// Answer directly with this status and an empty body.
+    pub fn respond_status(self, status: u16) -> Route {
+        self.set("respond", Node::map([("status", status)]))
     }
 
     pub fn on_store_error(self, action: OnStoreError) -> Route {
