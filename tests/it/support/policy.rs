@@ -536,6 +536,26 @@ impl Limit {
         ])
     }
 
+    /// A token budget: `tokens` per sliding `window` (counted with `weighted_log`).
+    pub fn tokens(name: &str, tokens: u32, window: &str) -> Limit {
+        Limit(vec![
+            ("name".into(), name.into()),
+            ("key".into(), ["client_ip"].into()),
+            ("tokens".into(), tokens.into()),
+            ("window".into(), window.into()),
+        ])
+    }
+
+    /// A token budget per calendar `quota` period (`day`, `month`, ...).
+    pub fn tokens_quota(name: &str, tokens: u32, period: &str) -> Limit {
+        Limit(vec![
+            ("name".into(), name.into()),
+            ("key".into(), ["client_ip"].into()),
+            ("tokens".into(), tokens.into()),
+            ("quota".into(), period.into()),
+        ])
+    }
+
     /// `requests` per sliding `window`, counted with `sliding_window`.
     pub fn sliding_window(name: &str, requests: u32, window: &str) -> Limit {
         Limit::requests(name, requests, window).algorithm("sliding_window")
