@@ -1,6 +1,7 @@
 //! The phases of the request path, run in process on requests that never touched a socket:
 //! a 429 completed by `finish`, the store's fallback, and `settle` giving places back. The
-//! integration tests run the same paths through a real sluice, Redis and upstream.
+//! integration tests run the same paths through a real sluice, Redis and upstream. `phases`
+//! drives each phase's decisions one by one, with an upstream the request itself scripts.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
@@ -177,3 +178,5 @@ async fn settle_gives_back_what_count_does_not_keep() {
     let kept = gateway.handle(get("/fine"), PEER).await;
     assert_eq!(kept.status(), StatusCode::TOO_MANY_REQUESTS);
 }
+
+mod phases;

@@ -5,7 +5,10 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use support::{metric_sum, parse_metrics, redis_store_yaml, Redis, Sluice, Upstream};
+use support::{
+    metric_sum, parse_metrics, Limit, OnStoreError, Policy, Redis, Route, Sluice, Upstream,
+    UpstreamSpec,
+};
 
 const API_KEY: &str = "sk-live-SECRET-0123456789";
 /// How long the upstream takes on `/slow/…`: between two request-duration bucket bounds.
@@ -13,44 +16,27 @@ const SLOW_MS: u64 = 1200;
 /// Requests sent to a limited route while Redis is down.
 const STORE_FAILURES: usize = 3;
 
-fn config(store: &str, up: &str, closed_port: u16) -> String {
-    format!(
-        r#"{store}upstreams:
-  api:
-    url: "{up}"
-    connect_timeout: 2s
-    timeout: 10s
-  dead:
-    url: "http://127.0.0.1:{closed_port}"
-    connect_timeout: 1s
-    timeout: 5s
-routes:
-  - name: status
-    match:
-      path_prefix: /status
-    respond:
-      status: 200
-      body: "ok\n"
-  - name: dead
-    match:
-      path_prefix: /dead
-    upstream: dead
-  - name: slow
-    match:
-      path_prefix: /slow
-    upstream: api
-  - name: default
-    match:
-      path_prefix: /api
-    upstream: api
-    on_store_error: deny
-    limits:
-      - name: per-key
-        key: ["header:x-api-key"]
-        requests: 2
-        window: 1m
-"#
-    )
+fn config(store: Policy, up: &str, closed_port: u16) -> Policy {
+    store
+        .upstream(
+            "api",
+            UpstreamSpec::new(up).connect_timeout("2s").timeout("10s"),
+        )
+        .upstream(
+            "dead",
+            UpstreamSpec::new(&format!("http://127.0.0.1:{closed_port}"))
+                .connect_timeout("1s")
+                .timeout("5s"),
+        )
+        .route(Route::new("status", "/status").respond(200, "ok\n"))
+        .route(Route::new("dead", "/dead").upstream("dead"))
+        .route(Route::new("slow", "/slow").upstream("api"))
+        .route(
+            Route::new("default", "/api")
+                .upstream("api")
+                .on_store_error(OnStoreError::Deny)
+                .limit(Limit::requests("per-key", 2, "1m").key(["header:x-api-key"])),
+        )
 }
 
 async fn get_status(c: &reqwest::Client, url: &str) -> u16 {
@@ -67,7 +53,7 @@ async fn health_readiness_and_metrics() {
     let mut redis = Redis::start().await;
     let up = Upstream::start().await;
     let sluice = Sluice::start(&config(
-        &redis_store_yaml(&redis.url()),
+        Policy::new().store_redis(&redis),
         &up.url(),
         support::closed_port(),
     ))
@@ -355,7 +341,7 @@ async fn health_readiness_and_metrics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_with_in_process_store() {
     let up = Upstream::start().await;
-    let sluice = Sluice::start(&config("", &up.url(), support::closed_port())).await;
+    let sluice = Sluice::start(&config(Policy::new(), &up.url(), support::closed_port())).await;
     let c = support::client();
     assert_eq!(
         get_status(&c, &format!("{}/healthz", sluice.admin_url())).await,

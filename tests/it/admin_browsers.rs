@@ -17,16 +17,27 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use support::{metric_sum, parse_metrics, Sluice, SLUICE_BIN};
+use support::{metric_sum, parse_metrics, Limit, Node, Policy, Route, Sluice, SLUICE_BIN};
 
-const ADMIN: &str = "admin:\n  hosts: [sluice-admin.internal, \"localhost:19090\"]\n";
-const ROUTES: &str = r#"routes:
-  - name: api
-    match: { path_prefix: /api }
-    respond: { status: 200, body: "ok\n" }
-    limits:
-      - { name: per-key, key: ["header:x-api-key"], requests: 1, window: 1d }
-"#;
+/// One limited route, `/api`, that answers itself.
+fn routes() -> Policy {
+    Policy::new().route(
+        Route::new("api", "/api")
+            .respond(200, "ok\n")
+            .limit(Limit::requests("per-key", 1, "1d").key(["header:x-api-key"])),
+    )
+}
+
+/// The admin API answers only these hosts.
+fn with_admin_hosts(policy: Policy) -> Policy {
+    policy.set(
+        "admin",
+        Node::map([(
+            "hosts",
+            Node::from(["sluice-admin.internal", "localhost:19090"]),
+        )]),
+    )
+}
 
 /// Sends `head` (the request line and fields, without the final blank line) to `addr` with
 /// `Connection: close`; the status and the body.
@@ -89,7 +100,7 @@ fn assert_problem(status: u16, body: &str, want: u16, says: &str, case: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_web_page_cannot_reset_a_quota_or_reload() {
-    let sluice = Sluice::start(&format!("{ADMIN}{ROUTES}")).await;
+    let sluice = Sluice::start(&with_admin_hosts(routes())).await;
     let admin = admin_addr(&sluice);
     let port = admin.port();
     assert_eq!(spend(&sluice, "k1").await, 200);
@@ -199,7 +210,10 @@ async fn on_a_wildcard_listener_the_address_connected_to_is_its_own() {
     std::fs::write(
         &config,
         format!(
-            "listen: 127.0.0.1:{port}\nadmin_listen: 0.0.0.0:{admin_port}\nadmin: {{ token_env: ADMIN_TOKEN_BROWSERS }}\n{ROUTES}"
+            "listen: 127.0.0.1:{port}\nadmin_listen: 0.0.0.0:{admin_port}\n{}",
+            routes()
+                .set("admin", Node::map([("token_env", "ADMIN_TOKEN_BROWSERS")]))
+                .to_yaml()
         ),
     )
     .expect("write the config");
@@ -247,7 +261,7 @@ async fn on_a_wildcard_listener_the_address_connected_to_is_its_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_http2_the_authority_must_name_the_listener() {
     use http_body_util::{BodyExt, Empty};
-    let sluice = Sluice::start(ROUTES).await;
+    let sluice = Sluice::start(&routes()).await;
     let admin = admin_addr(&sluice);
     let mut h2 = support::grpc::h2c_client(admin).await;
     for (authority, want) in [

@@ -9,7 +9,10 @@ use crate::support;
 
 use std::ops::RangeInclusive;
 
-use support::{header, metric_sum, parse_limit_field, parse_metrics, Sluice, Store, StoreKind};
+use support::{
+    header, metric_sum, parse_limit_field, parse_metrics, Limit, Policy, Route, Sluice, Store,
+    StoreKind,
+};
 
 /// One request's expected answer: status, then per limit of the route (in order) the
 /// `RateLimit` item's `r` and the range its `t` falls in, then Retry-After for a 429.
@@ -40,8 +43,8 @@ const fn denied(
 
 struct Case {
     name: &'static str,
-    /// The route's `limits:` entries, as flow mappings.
-    limits: &'static [&'static str],
+    /// The route's limits.
+    limits: Vec<Limit>,
     steps: Vec<Step>,
 }
 
@@ -49,7 +52,7 @@ fn table() -> Vec<Case> {
     vec![
         Case {
             name: "sliding-log",
-            limits: &["{ name: a, key: [client_ip], requests: 3, window: 1m }"],
+            limits: vec![Limit::requests("a", 3, "1m")],
             steps: vec![
                 ok(&[(2, 60..=60)]),
                 ok(&[(1, 60..=60)]),
@@ -59,9 +62,7 @@ fn table() -> Vec<Case> {
         },
         Case {
             name: "sliding-window",
-            limits: &[
-                "{ name: a, key: [client_ip], requests: 3, window: 1m, algorithm: sliding_window }",
-            ],
+            limits: vec![Limit::requests("a", 3, "1m").algorithm("sliding_window")],
             // A fresh key counts only in the current fixed window, which ends within 60 s;
             // from then on its count weighs less each second: one more fits after the current
             // window plus (1 − (requests − remaining − 1) / count) of the next.
@@ -74,9 +75,7 @@ fn table() -> Vec<Case> {
         },
         Case {
             name: "fixed-window",
-            limits: &[
-                "{ name: a, key: [client_ip], requests: 3, window: 1m, algorithm: fixed_window }",
-            ],
+            limits: vec![Limit::requests("a", 3, "1m").algorithm("fixed_window")],
             steps: vec![
                 ok(&[(2, 60..=60)]),
                 ok(&[(1, 60..=60)]),
@@ -87,9 +86,7 @@ fn table() -> Vec<Case> {
         Case {
             name: "gcra",
             // T = 6 s, bursts of 3.
-            limits: &[
-                "{ name: a, key: [client_ip], requests: 10, window: 1m, algorithm: gcra, burst: 3 }",
-            ],
+            limits: vec![Limit::requests("a", 10, "1m").algorithm("gcra").burst(3)],
             steps: vec![
                 ok(&[(2, 6..=6)]),
                 ok(&[(1, 6..=6)]),
@@ -100,7 +97,7 @@ fn table() -> Vec<Case> {
         Case {
             name: "gcra-default-burst",
             // burst defaults to requests: 4 at once, then one each 15 s.
-            limits: &["{ name: a, key: [client_ip], requests: 4, window: 1m, algorithm: gcra }"],
+            limits: vec![Limit::requests("a", 4, "1m").algorithm("gcra")],
             steps: vec![
                 ok(&[(3, 15..=15)]),
                 ok(&[(2, 15..=15)]),
@@ -111,7 +108,7 @@ fn table() -> Vec<Case> {
         },
         Case {
             name: "sliding-log-cost",
-            limits: &["{ name: a, key: [client_ip], requests: 5, window: 1m, cost: 2 }"],
+            limits: vec![Limit::requests("a", 5, "1m").cost(2)],
             steps: vec![
                 ok(&[(3, 60..=60)]),
                 ok(&[(1, 60..=60)]),
@@ -120,9 +117,9 @@ fn table() -> Vec<Case> {
         },
         Case {
             name: "fixed-window-cost",
-            limits: &[
-                "{ name: a, key: [client_ip], requests: 5, window: 1m, cost: 2, algorithm: fixed_window }",
-            ],
+            limits: vec![Limit::requests("a", 5, "1m")
+                .cost(2)
+                .algorithm("fixed_window")],
             steps: vec![
                 ok(&[(3, 60..=60)]),
                 ok(&[(1, 60..=60)]),
@@ -132,9 +129,10 @@ fn table() -> Vec<Case> {
         Case {
             name: "gcra-cost",
             // T = 15 s, burst 4, each request counts 2: the third waits two intervals.
-            limits: &[
-                "{ name: a, key: [client_ip], requests: 4, window: 1m, cost: 2, algorithm: gcra, burst: 4 }",
-            ],
+            limits: vec![Limit::requests("a", 4, "1m")
+                .cost(2)
+                .algorithm("gcra")
+                .burst(4)],
             steps: vec![
                 ok(&[(2, 15..=15)]),
                 ok(&[(0, 15..=15)]),
@@ -144,11 +142,13 @@ fn table() -> Vec<Case> {
         Case {
             name: "mixed",
             // The log rejects the third request; the others record nothing for it.
-            limits: &[
-                "{ name: log, key: [client_ip], requests: 2, window: 1m }",
-                "{ name: bucket, key: [client_ip], requests: 10, window: 1m, algorithm: gcra, burst: 5 }",
-                "{ name: fixed, key: [client_ip], requests: 10, window: 1m, algorithm: fixed_window }",
-                "{ name: approx, key: [client_ip], requests: 10, window: 1m, algorithm: sliding_window }",
+            limits: vec![
+                Limit::requests("log", 2, "1m"),
+                Limit::requests("bucket", 10, "1m")
+                    .algorithm("gcra")
+                    .burst(5),
+                Limit::requests("fixed", 10, "1m").algorithm("fixed_window"),
+                Limit::requests("approx", 10, "1m").algorithm("sliding_window"),
             ],
             steps: vec![
                 ok(&[(1, 60..=60), (4, 6..=6), (9, 60..=60), (9, 60..=120)]),
@@ -163,9 +163,9 @@ fn table() -> Vec<Case> {
             name: "shadow",
             // The shadow limit is full after one request, yet never rejects; the real one
             // rejects the fourth. The shadow limit records only the request it had room for.
-            limits: &[
-                "{ name: trial, key: [client_ip], requests: 1, window: 1m, algorithm: gcra, shadow: true }",
-                "{ name: real, key: [client_ip], requests: 3, window: 1m }",
+            limits: vec![
+                Limit::requests("trial", 1, "1m").algorithm("gcra").shadow(),
+                Limit::requests("real", 3, "1m"),
             ],
             steps: vec![
                 ok(&[(0, 60..=60), (2, 60..=60)]),
@@ -177,24 +177,32 @@ fn table() -> Vec<Case> {
     ]
 }
 
-fn config(store_yaml: &str, cases: &[Case]) -> String {
-    let mut yaml = format!("{store_yaml}routes:\n");
-    for case in cases {
-        yaml.push_str(&format!(
-            "  - name: {name}\n    match: {{ path_prefix: /{name} }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n",
-            name = case.name
-        ));
-        for limit in case.limits {
-            yaml.push_str(&format!("      - {limit}\n"));
-        }
-    }
-    yaml
+/// One route per `(name, limit)`, at `/NAME`, answering 200 itself under that one limit.
+fn one_limit_each(store: &Store, routes: impl IntoIterator<Item = (String, Limit)>) -> Policy {
+    routes
+        .into_iter()
+        .fold(Policy::new().store(store), |policy, (name, limit)| {
+            policy.route(
+                Route::new(&name, &format!("/{name}"))
+                    .respond(200, "ok")
+                    .limit(limit),
+            )
+        })
+}
+
+fn config(store: &Store, cases: &[Case]) -> Policy {
+    cases
+        .iter()
+        .fold(Policy::new().store(store), |policy, case| {
+            let route = Route::new(case.name, &format!("/{}", case.name)).respond(200, "ok");
+            policy.route(case.limits.iter().cloned().fold(route, Route::limit))
+        })
 }
 
 async fn run_table(kind: StoreKind) -> Store {
     let cases = table();
     let store = Store::start(kind).await;
-    let sluice = Sluice::start(&config(&store.yaml, &cases)).await;
+    let sluice = Sluice::start(&config(&store, &cases)).await;
     let client = support::client();
     for case in &cases {
         for (index, step) in case.steps.iter().enumerate() {
@@ -295,13 +303,11 @@ async fn memory_and_commands_per_algorithm() {
     let store = Store::start(StoreKind::Redis).await;
     let redis = store.redis.as_ref().expect("a Redis store");
     let algorithms = ["sliding_log", "sliding_window", "fixed_window", "gcra"];
-    let mut yaml = format!("{}routes:\n", store.yaml);
-    for algorithm in algorithms {
-        yaml.push_str(&format!(
-            "  - name: {algorithm}\n    match: {{ path_prefix: /{algorithm} }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 1000, window: 1h, algorithm: {algorithm} }}\n"
-        ));
-    }
-    let sluice = Sluice::start(&yaml).await;
+    let sluice = Sluice::start(&one_limit_each(
+        &store,
+        algorithms.map(|a| (a.to_owned(), Limit::requests("a", 1000, "1h").algorithm(a))),
+    ))
+    .await;
     let client = support::client();
     let commands = [
         "time",
@@ -367,21 +373,22 @@ async fn memory_and_commands_per_algorithm() {
 async fn the_deny_cache_serves_every_algorithm_but_never_a_shadow_limit() {
     let store = Store::start(StoreKind::Redis).await;
     let redis = store.redis.as_ref().expect("a Redis store");
-    let mut yaml = format!("{}routes:\n", store.yaml);
     let routes = [
-        ("sliding_log", ""),
-        ("sliding_window", ""),
-        ("fixed_window", ""),
-        ("gcra", ""),
-        ("shadow", ", shadow: true"),
+        ("sliding_log", false),
+        ("sliding_window", false),
+        ("fixed_window", false),
+        ("gcra", false),
+        ("shadow", true),
     ];
-    for (name, extra) in routes {
-        let algorithm = if name == "shadow" { "gcra" } else { name };
-        yaml.push_str(&format!(
-            "  - name: {name}\n    match: {{ path_prefix: /{name} }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 2, window: 1m, algorithm: {algorithm}{extra} }}\n"
-        ));
-    }
-    let sluice = Sluice::start(&yaml).await;
+    let sluice = Sluice::start(&one_limit_each(
+        &store,
+        routes.map(|(name, shadow)| {
+            let algorithm = if shadow { "gcra" } else { name };
+            let limit = Limit::requests("a", 2, "1m").algorithm(algorithm);
+            (name.to_owned(), if shadow { limit.shadow() } else { limit })
+        }),
+    ))
+    .await;
     let client = support::client();
     for (name, _) in routes {
         let url = format!("{}/{name}", sluice.url());
@@ -414,11 +421,12 @@ async fn the_deny_cache_serves_every_algorithm_but_never_a_shadow_limit() {
 async fn a_cached_gcra_denial_lasts_exactly_one_interval() {
     use std::time::{Duration, Instant};
     let store = Store::start(StoreKind::Redis).await;
-    let yaml = format!(
-        "{}routes:\n  - name: api\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 10, window: 1s, algorithm: gcra, burst: 1 }}\n",
-        store.yaml
+    let policy = Policy::new().store(&store).route(
+        Route::new("api", "/")
+            .respond(200, "ok")
+            .limit(Limit::requests("a", 10, "1s").algorithm("gcra").burst(1)),
     );
-    let sluice = Sluice::start(&yaml).await;
+    let sluice = Sluice::start(&policy).await;
     let client = support::client();
     let url = format!("{}/", sluice.url());
     const T: Duration = Duration::from_millis(100);
@@ -467,11 +475,15 @@ async fn a_large_cost_on_the_log_is_recorded_whole() {
         let store = Store::start(kind).await;
         // Recording 100,000 entries takes Redis longer than the harness's 500 ms timeout on a
         // busy machine; a timed-out call would be decided by the local fallback instead.
-        let yaml = format!(
-            "{}routes:\n  - name: api\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 250000, window: 1m, cost: 100000 }}\n",
-            store.yaml.replace("timeout: 500ms", "timeout: 10s")
+        let mut policy = Policy::new().store(&store).route(
+            Route::new("api", "/")
+                .respond(200, "ok")
+                .limit(Limit::requests("a", 250_000, "1m").cost(100_000)),
         );
-        let sluice = Sluice::start(&yaml).await;
+        if store.redis.is_some() {
+            policy = policy.redis_setting("timeout", "10s");
+        }
+        let sluice = Sluice::start(&policy).await;
         let client = support::client();
         let url = format!("{}/", sluice.url());
         for (status, remaining) in [(200, 150000), (200, 50000), (429, 50000)] {
@@ -504,13 +516,11 @@ async fn every_key_expires_when_the_readme_says() {
     let store = Store::start(StoreKind::Redis).await;
     let redis = store.redis.as_ref().expect("a Redis store");
     let algorithms = ["sliding_log", "sliding_window", "fixed_window", "gcra"];
-    let mut yaml = format!("{}routes:\n", store.yaml);
-    for algorithm in algorithms {
-        yaml.push_str(&format!(
-            "  - name: {algorithm}\n    match: {{ path_prefix: /{algorithm} }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, key: [client_ip], requests: 5, window: 10s, algorithm: {algorithm} }}\n"
-        ));
-    }
-    let sluice = Sluice::start(&yaml).await;
+    let sluice = Sluice::start(&one_limit_each(
+        &store,
+        algorithms.map(|a| (a.to_owned(), Limit::requests("a", 5, "10s").algorithm(a))),
+    ))
+    .await;
     let client = support::client();
     let window = 10_000.0;
     let ms = |later: Instant, earlier: Instant| {

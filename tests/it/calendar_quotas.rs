@@ -9,8 +9,8 @@ use crate::support;
 use std::time::{Duration, Instant};
 
 use support::{
-    client, command_at, header, sluice_check, wait_for, write_config, RedisCluster, Sluice, Store,
-    StoreKind, Upstream,
+    client, command_at, header, sluice_check, wait_for, write_config, Limit, OnStoreError, Policy,
+    RedisCluster, Route, Sluice, Store, StoreKind, Upstream,
 };
 
 const CLOCK: &str = "SLUICE_TEST_CLOCK_START";
@@ -20,18 +20,20 @@ const LEAD: Duration = Duration::from_secs(5);
 
 /// A sluice whose wall clock started at `start`, with a route `/` answering 200 directly and
 /// named `route` (instances sharing a Redis count apart),
-/// limited by `limits` (YAML flow mappings, one a line), and the instant before it was
-/// spawned: sluice's clock reads at most `start + (now - spawned)`.
-async fn sluice_at(store: &Store, route: &str, start: &str, limits: &[&str]) -> (Sluice, Instant) {
-    let mut yaml = format!(
-        "{}routes:\n  - name: {route}\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n",
-        store.yaml
-    );
-    for limit in limits {
-        yaml.push_str(&format!("      - {limit}\n"));
-    }
+/// limited by `limits`, and the instant before it was spawned: sluice's clock reads at most
+/// `start + (now - spawned)`.
+async fn sluice_at(
+    store: &Store,
+    route: &str,
+    start: &str,
+    limits: Vec<Limit>,
+) -> (Sluice, Instant) {
+    let route = Route::new(route, "/").respond_status(200);
+    let policy = Policy::new()
+        .store(store)
+        .route(limits.into_iter().fold(route, Route::limit));
     let spawned = Instant::now();
-    let sluice = Sluice::start_with_env(&yaml, &[(CLOCK, start)]).await;
+    let sluice = Sluice::start_with_env(&policy, &[(CLOCK, start)]).await;
     (sluice, spawned)
 }
 
@@ -145,13 +147,10 @@ const BOUNDARIES: [Boundary; 8] = [
 /// and once the boundary passes (on sluice's clock) a request is admitted again, in a period
 /// of the expected length.
 async fn quota_resets_at_the_boundary(store: &Store, case: &Boundary) {
-    let limit = format!(
-        "{{ name: plan, key: [client_ip], requests: 2, quota: {}, time_zone: {} }}",
-        case.quota, case.zone
-    );
+    let limit = Limit::quota("plan", 2, case.quota).set("time_zone", case.zone);
     // Two cases can count in the same period (January's next is February's own).
     let route = format!("b{}", case.start.replace([':', '-'], ""));
-    let (sluice, spawned) = sluice_at(store, &route, case.start, &[&limit]).await;
+    let (sluice, spawned) = sluice_at(store, &route, case.start, vec![limit]).await;
     for n in 0..2 {
         assert_eq!(
             get(&sluice).await.status(),
@@ -249,7 +248,7 @@ async fn retry_after_is_exact_across_a_dst_day(kind: StoreKind) {
             &store,
             &format!("d{}", &start[..10]),
             start,
-            &["{ name: daily, key: [client_ip], requests: 1, quota: day, time_zone: America/New_York }"],
+            vec![Limit::quota("daily", 1, "day").set("time_zone", "America/New_York")],
         )
         .await;
         assert!(
@@ -301,11 +300,14 @@ async fn retry_after_is_exact_across_a_dst_day_redis() {
 async fn a_quota_gives_back_what_it_does_not_count(kind: StoreKind) {
     let upstream = Upstream::start().await;
     let store = Store::start(kind).await;
-    let yaml = format!(
-        "{}upstreams:\n  api: {{ url: \"{}\" }}\nroutes:\n  - name: login\n    match: {{ path_prefix: / }}\n    upstream: api\n    limits:\n      - {{ name: monthly, key: [client_ip], requests: 2, quota: month, count: {{ status: [2xx] }} }}\n",
-        store.yaml,
-        upstream.url()
-    );
+    let yaml = Policy::new()
+        .store(&store)
+        .upstream("api", upstream.url())
+        .route(
+            Route::new("login", "/")
+                .upstream("api")
+                .limit(Limit::quota("monthly", 2, "month").count_status(["2xx"])),
+        );
     let spawned = Instant::now();
     let sluice = Sluice::start_with_env(&yaml, &[(CLOCK, "2026-11-30T23:00:00Z")]).await;
     let c = client();
@@ -391,9 +393,12 @@ async fn a_quota_gives_back_what_it_does_not_count_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quota_and_a_limit_in_different_cluster_slots_consume_nothing_on_a_rejection() {
     let cluster = RedisCluster::start().await;
-    let yaml = format!(
-        "{}routes:\n  - name: api\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    on_store_error: deny\n    limits:\n      - {{ name: per_user, key: [\"header:x-user\"], requests: 3, window: 1m }}\n      - {{ name: plan, key: [], requests: 4, quota: month }}\n",
-        cluster.store_yaml()
+    let yaml = Policy::new().store_cluster(&cluster).route(
+        Route::new("api", "/")
+            .respond_status(200)
+            .on_store_error(OnStoreError::Deny)
+            .limit(Limit::requests("per_user", 3, "1m").key(["header:x-user"]))
+            .limit(Limit::quota("plan", 4, "month").key([])),
     );
     let sluice = Sluice::start_with_env(&yaml, &[(CLOCK, "2026-11-15T12:00:00Z")]).await;
     let as_user = |user: &'static str| {

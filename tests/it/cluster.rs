@@ -9,14 +9,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::{client, command_at, RedisCluster, Sluice, Upstream};
+use support::{
+    client, command_at, Limit, OnStoreError, Policy, RedisCluster, Route, Sluice, Upstream,
+};
 
-fn config(cluster: &RedisCluster, upstream: &Upstream, limits: &str) -> String {
-    format!(
-        "{store}upstreams:\n  app: {{ url: \"{url}\" }}\nroutes:\n  - name: api\n    match: {{ path_prefix: / }}\n    upstream: app\n    on_store_error: deny\n    limits:\n{limits}",
-        store = cluster.store_yaml(),
-        url = upstream.url(),
-    )
+fn config(cluster: &RedisCluster, upstream: &Upstream, limits: Vec<Limit>) -> Policy {
+    let route = Route::new("api", "/")
+        .upstream("app")
+        .on_store_error(OnStoreError::Deny);
+    Policy::new()
+        .store_cluster(cluster)
+        .upstream("app", upstream.url())
+        .route(limits.into_iter().fold(route, Route::limit))
 }
 
 /// Every key on every node, with the index of the node holding it.
@@ -55,7 +59,7 @@ async fn get(sluice: &Sluice, user: &str) -> u16 {
 async fn limits_hold_across_instances_with_keys_on_their_slots_owner() {
     let cluster = RedisCluster::start().await;
     let upstream = Upstream::start().await;
-    let limits = "      - { name: per_user, key: [\"header:x-user\"], requests: 5, window: 1m }\n";
+    let limits = vec![Limit::requests("per_user", 5, "1m").key(["header:x-user"])];
     let yaml = config(&cluster, &upstream, limits);
     let (a, b) = (Sluice::start(&yaml).await, Sluice::start(&yaml).await);
     let mut statuses = Vec::new();
@@ -117,7 +121,10 @@ async fn a_request_rejected_in_one_slot_consumes_nothing_in_the_others() {
     let cluster = RedisCluster::start().await;
     let upstream = Upstream::start().await;
     // A per-user limit and a global cap: `{<user>}` and `{*}` are different slots.
-    let limits = "      - { name: per_user, key: [\"header:x-user\"], requests: 3, window: 1m }\n      - { name: global, key: [], requests: 6, window: 1m }\n";
+    let limits = vec![
+        Limit::requests("per_user", 3, "1m").key(["header:x-user"]),
+        Limit::requests("global", 6, "1m").key([]),
+    ];
     let sluice = Sluice::start(&config(&cluster, &upstream, limits)).await;
 
     // The per-user limit rejects: the global cap must not count the rejected requests.
@@ -196,12 +203,17 @@ struct TwoRoutes {
 }
 
 impl TwoRoutes {
-    async fn start(cluster: &RedisCluster, upstream: &Upstream, b_limits: &str) -> TwoRoutes {
-        let yaml = format!(
-            "{store}upstreams:\n  app: {{ url: \"{url}\" }}\nroutes:\n  - name: a\n    match: {{ path_prefix: /a }}\n    upstream: app\n    on_store_error: deny\n    limits:\n      - {{ name: l, key: [\"header:x-user\"], requests: 40, window: 1m }}\n  - name: b\n    match: {{ path_prefix: /b }}\n    upstream: app\n    on_store_error: deny\n    limits:\n{b_limits}",
-            store = cluster.store_yaml(),
-            url = upstream.url(),
-        );
+    async fn start(cluster: &RedisCluster, upstream: &Upstream, b_limits: Vec<Limit>) -> TwoRoutes {
+        let route = |name: &str| {
+            Route::new(name, &format!("/{name}"))
+                .upstream("app")
+                .on_store_error(OnStoreError::Deny)
+        };
+        let yaml = Policy::new()
+            .store_cluster(cluster)
+            .upstream("app", upstream.url())
+            .route(route("a").limit(Limit::requests("l", 40, "1m").key(["header:x-user"])))
+            .route(b_limits.into_iter().fold(route("b"), Route::limit));
         let (a, b) = (Sluice::start(&yaml).await, Sluice::start(&yaml).await);
         let c = client();
         // Spend 20 of `/a`'s 40 first, so the log has something to carry.
@@ -311,7 +323,10 @@ async fn a_slot_moved_under_load_keeps_its_log() {
     let routes = TwoRoutes::start(
         &cluster,
         &upstream,
-        "      - { name: l, key: [\"header:x-user\"], requests: 100000, window: 1m }\n      - { name: m, key: [\"header:x-user\"], requests: 100000, window: 1m }\n",
+        vec![
+            Limit::requests("l", 100_000, "1m").key(["header:x-user"]),
+            Limit::requests("m", 100_000, "1m").key(["header:x-user"]),
+        ],
     )
     .await;
     let slot = cluster.slot_of(&routes.key_a).await;
@@ -413,7 +428,14 @@ async fn uncounted_outcomes_are_given_back_in_every_slot() {
     let cluster = RedisCluster::start().await;
     let upstream = Upstream::start().await;
     // Failed logins only, per user and for everyone: `{<user>}` and `{*}` are two slots.
-    let limits = "      - { name: per_user, key: [\"header:x-user\"], requests: 3, window: 1m, count: { status: [401] } }\n      - { name: global, key: [], requests: 10, window: 1m, count: { status: [401] } }\n";
+    let limits = vec![
+        Limit::requests("per_user", 3, "1m")
+            .key(["header:x-user"])
+            .count_status([401]),
+        Limit::requests("global", 10, "1m")
+            .key([])
+            .count_status([401]),
+    ];
     let sluice = Sluice::start(&config(&cluster, &upstream, limits)).await;
     let login = |password: &'static str| {
         let url = format!("{}/login?password={password}", sluice.url());
@@ -472,7 +494,7 @@ async fn a_replica_promoted_under_load_keeps_the_log() {
     let routes = TwoRoutes::start(
         &cluster,
         &upstream,
-        "      - { name: l, key: [\"header:x-user\"], requests: 100000, window: 1m }\n",
+        vec![Limit::requests("l", 100_000, "1m").key(["header:x-user"])],
     )
     .await;
     let slot = cluster.slot_of(&routes.key_a).await;

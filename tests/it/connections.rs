@@ -13,31 +13,26 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::wire::{NoResponse, Wire};
-use support::{metric_sum, parse_metrics, raw_http, RawResponse, Sluice, Upstream};
+use support::{
+    metric_sum, parse_metrics, raw_http, Policy, RawResponse, Route, Sluice, Upstream, UpstreamSpec,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// Generous bound for one answer on a shared 2-core machine.
 const WITHIN: Duration = Duration::from_secs(10);
 
-fn config(up: &str, server: &str) -> String {
-    format!(
-        r#"{server}
-upstreams:
-  api:
-    url: "{up}"
-    connect_timeout: 2s
-    timeout: 10s
-routes:
-  - name: default
-    match:
-      path_prefix: /
-    upstream: api
-"#
-    )
+/// `server` adds the test's `server:` settings.
+fn config(up: &str, server: impl FnOnce(Policy) -> Policy) -> Policy {
+    server(Policy::new())
+        .upstream(
+            "api",
+            UpstreamSpec::new(up).connect_timeout("2s").timeout("10s"),
+        )
+        .route(Route::new("default", "/").upstream("api"))
 }
 
-async fn setup(server: &str) -> (Upstream, Sluice) {
+async fn setup(server: impl FnOnce(Policy) -> Policy) -> (Upstream, Sluice) {
     let up = Upstream::start().await;
     let sluice = Sluice::start(&config(&up.url(), server)).await;
     (up, sluice)
@@ -174,7 +169,7 @@ async fn slowloris_heads_are_cut_while_normal_clients_are_served() {
         2 * SLOW + 500
     );
     let test_started = Instant::now();
-    let (up, sluice) = setup("server:\n  header_read_timeout: 3s\n").await;
+    let (up, sluice) = setup(|p| p.server("header_read_timeout", "3s")).await;
     let addr = sluice.addr();
 
     // In batches of 100, well within any listen backlog (the kernel caps sluice's 1024 at
@@ -326,7 +321,7 @@ async fn slowloris_heads_are_cut_while_normal_clients_are_served() {
 /// kernel completes the handshake) but its request is not served until one of them closes.
 #[tokio::test]
 async fn past_max_connections_a_new_connection_waits_for_a_slot() {
-    let (up, sluice) = setup("server:\n  max_connections: 4\n").await;
+    let (up, sluice) = setup(|p| p.server("max_connections", 4)).await;
     let mut held = Vec::new();
     for i in 0..4 {
         let mut wire = Wire::connect(sluice.addr()).await;
@@ -397,13 +392,17 @@ async fn h2_get(
     (status, body)
 }
 
-const IDLE: &str = "server:\n  idle_timeout: 1s\n  header_read_timeout: 30s\n";
+fn idle(policy: Policy) -> Policy {
+    policy
+        .server("idle_timeout", "1s")
+        .server("header_read_timeout", "30s")
+}
 
 /// A silent connection is closed after `idle_timeout` (1 s), on HTTP/1.1 keep-alive and on
 /// h2c alike; `header_read_timeout` is 30 s, so it is the idle timeout that acts.
 #[tokio::test]
 async fn silent_connections_are_closed_after_idle_timeout() {
-    let (_up, sluice) = setup(IDLE).await;
+    let (_up, sluice) = setup(idle).await;
 
     let http1 = async {
         let mut wire = Wire::connect(sluice.addr()).await;
@@ -438,7 +437,7 @@ async fn silent_connections_are_closed_after_idle_timeout() {
 /// client connection, still gets its whole answer; then the connection is closed.
 #[tokio::test]
 async fn a_slow_request_in_flight_outlives_idle_timeout() {
-    let (_up, sluice) = setup(IDLE).await;
+    let (_up, sluice) = setup(idle).await;
 
     let http1 = async {
         let mut wire = Wire::connect(sluice.addr()).await;
@@ -489,7 +488,7 @@ async fn a_slow_request_in_flight_outlives_idle_timeout() {
 /// middle of the HTTP/2 preface.
 #[tokio::test]
 async fn header_read_timeout_is_configurable() {
-    let (up, sluice) = setup("server:\n  header_read_timeout: 1s\n").await;
+    let (up, sluice) = setup(|p| p.server("header_read_timeout", "1s")).await;
     let stalled = |first_bytes: &'static [u8]| {
         let addr = sluice.addr();
         async move {

@@ -8,12 +8,26 @@ use crate::support;
 
 use std::time::Duration;
 
-use support::{client, closed_port, metric_sum, parse_metrics, Sluice, Store, StoreKind, Upstream};
+use support::{
+    client, closed_port, metric_sum, parse_metrics, Limit, Node, Policy, Route, Sluice, Store,
+    StoreKind, Upstream, UpstreamSpec,
+};
 
-fn policy(store_yaml: &str, upstream_url: &str, count: &str) -> String {
-    format!(
-        "{store_yaml}upstreams:\n  api: {{ url: \"{upstream_url}\", timeout: 5s }}\nroutes:\n  - name: login\n    match: {{ path_prefix: / }}\n    upstream: api\n    limits:\n      - {{ name: failures, key: [client_ip], requests: 5, window: 1m, count: {{ status: {count} }} }}\n"
-    )
+/// One route `name` to `upstream_url` (with its `timeout`) under one limit.
+fn one_route(store: Policy, name: &str, upstream_url: &str, timeout: &str, limit: Limit) -> Policy {
+    store
+        .upstream("api", UpstreamSpec::new(upstream_url).timeout(timeout))
+        .route(Route::new(name, "/").upstream("api").limit(limit))
+}
+
+/// `/login`: five failures a minute per client address, counting `count`.
+fn policy<T: Into<Node>>(
+    store: Policy,
+    upstream_url: &str,
+    count: impl IntoIterator<Item = T>,
+) -> Policy {
+    let failures = Limit::requests("failures", 5, "1m").count_status(count);
+    one_route(store, "login", upstream_url, "5s", failures)
 }
 
 async fn login(c: &reqwest::Client, sluice: &Sluice, password: &str) -> u16 {
@@ -28,7 +42,12 @@ async fn login(c: &reqwest::Client, sluice: &Sluice, password: &str) -> u16 {
 async fn five_failures_then_refused_while_successes_pass(kind: StoreKind) {
     let upstream = Upstream::start().await;
     let store = Store::start(kind).await;
-    let sluice = Sluice::start(&policy(&store.yaml, &upstream.url(), "[401, 403]")).await;
+    let sluice = Sluice::start(&policy(
+        Policy::new().store(&store),
+        &upstream.url(),
+        [401, 403],
+    ))
+    .await;
     let c = client();
     for n in 0..100 {
         assert_eq!(login(&c, &sluice, "right").await, 200, "success {n}");
@@ -68,7 +87,14 @@ async fn concurrent_failures_reach_the_upstream_at_most_the_limit(kind: StoreKin
     let instances = if store.redis.is_some() { 2 } else { 1 };
     let mut sluices = Vec::new();
     for _ in 0..instances {
-        sluices.push(Sluice::start(&policy(&store.yaml, &upstream.url(), "[401, 403]")).await);
+        sluices.push(
+            Sluice::start(&policy(
+                Policy::new().store(&store),
+                &upstream.url(),
+                [401, 403],
+            ))
+            .await,
+        );
     }
     let c = client();
     let tasks: Vec<_> = (0..50)
@@ -109,13 +135,13 @@ async fn concurrent_failures_reach_the_upstream_at_most_the_limit_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sluice_own_errors_count_as_the_status_the_client_gets() {
     let down = format!("http://127.0.0.1:{}", closed_port());
-    let counted = Sluice::start(&policy("", &down, "[5xx]")).await;
+    let counted = Sluice::start(&policy(Policy::new(), &down, ["5xx"])).await;
     let c = client();
     for _ in 0..5 {
         assert_eq!(login(&c, &counted, "x").await, 502);
     }
     assert_eq!(login(&c, &counted, "x").await, 429);
-    let ignored = Sluice::start(&policy("", &down, "[401]")).await;
+    let ignored = Sluice::start(&policy(Policy::new(), &down, [401])).await;
     for _ in 0..10 {
         assert_eq!(login(&c, &ignored, "x").await, 502);
     }
@@ -128,12 +154,15 @@ async fn sluice_own_errors_count_as_the_status_the_client_gets() {
 async fn a_client_that_leaves_mid_flight_keeps_its_reservation() {
     let upstream = Upstream::start().await;
     let store = Store::start(StoreKind::Redis).await;
-    let yaml = format!(
-        "{}upstreams:\n  api: {{ url: \"{}\", timeout: 5s }}\nroutes:\n  - name: login\n    match: {{ path_prefix: / }}\n    upstream: api\n    limits:\n      - {{ name: failures, key: [client_ip], requests: 1, window: 1m, count: {{ status: [401] }} }}\n",
-        store.yaml,
-        upstream.url()
+    let failures = Limit::requests("failures", 1, "1m").count_status([401]);
+    let policy = one_route(
+        Policy::new().store(&store),
+        "login",
+        &upstream.url(),
+        "5s",
+        failures,
     );
-    let sluice = Sluice::start(&yaml).await;
+    let sluice = Sluice::start(&policy).await;
     let c = client();
     // The upstream would answer 200 (uncounted) after a second; the client leaves first.
     let left = c
@@ -151,22 +180,20 @@ async fn a_client_that_leaves_mid_flight_keeps_its_reservation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sluice_own_504_counts_under_5xx() {
     let upstream = Upstream::start().await;
-    let yaml = |count: &str| {
-        format!(
-            "upstreams:\n  api: {{ url: \"{}\", timeout: 300ms }}\nroutes:\n  - name: slow\n    match: {{ path_prefix: / }}\n    upstream: api\n    limits:\n      - {{ name: failures, key: [client_ip], requests: 2, window: 1m, count: {{ status: {count} }} }}\n",
-            upstream.url()
-        )
+    let yaml = |count: Node| {
+        let failures = Limit::requests("failures", 2, "1m").count_status([count]);
+        one_route(Policy::new(), "slow", &upstream.url(), "300ms", failures)
     };
     let c = client();
     let slow = |sluice: &Sluice| format!("{}/slow/2000", sluice.url());
-    let counted = Sluice::start(&yaml("[5xx]")).await;
+    let counted = Sluice::start(&yaml("5xx".into())).await;
     for n in 0..2 {
         let status = c.get(slow(&counted)).send().await.unwrap().status();
         assert_eq!(status, 504, "timeout {n}");
     }
     let status = c.get(slow(&counted)).send().await.unwrap().status();
     assert_eq!(status, 429, "two 504s fill a limit of 2 counting 5xx");
-    let ignored = Sluice::start(&yaml("[401]")).await;
+    let ignored = Sluice::start(&yaml(401.into())).await;
     for n in 0..4 {
         let status = c.get(slow(&ignored)).send().await.unwrap().status();
         assert_eq!(status, 504, "timeout {n}: a 504 is given back under [401]");
@@ -182,12 +209,17 @@ async fn the_place_is_given_back_before_the_answer() {
     for kind in [StoreKind::Redis, StoreKind::Memory] {
         let upstream = Upstream::start().await;
         let store = Store::start(kind).await;
-        let yaml = format!(
-            "{}upstreams:\n  api: {{ url: \"{}\", timeout: 5s }}\nroutes:\n  - name: login\n    match: {{ path_prefix: / }}\n    upstream: api\n    limits:\n      - {{ name: failures, key: [\"header:x-user\"], requests: 1, window: 1m, count: {{ status: [401] }} }}\n",
-            store.yaml,
-            upstream.url()
+        let failures = Limit::requests("failures", 1, "1m")
+            .key(["header:x-user"])
+            .count_status([401]);
+        let policy = one_route(
+            Policy::new().store(&store),
+            "login",
+            &upstream.url(),
+            "5s",
+            failures,
         );
-        let sluice = Sluice::start(&yaml).await;
+        let sluice = Sluice::start(&policy).await;
         let c = client();
         let login = |user: String, password: &'static str| {
             let (c, url) = (

@@ -7,7 +7,7 @@ use crate::support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::{redis_store_yaml, Redis, Sluice, Upstream};
+use support::{Limit, Policy, Redis, Route, Sluice, Upstream};
 
 const LIMIT: usize = 5;
 const WINDOW: Duration = Duration::from_secs(1);
@@ -32,19 +32,14 @@ async fn a_flood_is_answered_from_memory_without_over_admission_or_over_denial()
     let _heavy = support::heavy().await;
     let redis = Redis::start().await;
     let up = Upstream::start().await;
-    let yaml = format!(
-        r#"{store}upstreams:
-  api: {{ url: "{up}" }}
-routes:
-  - name: api
-    match: {{ path_prefix: / }}
-    upstream: api
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: {LIMIT}, window: 1s }}
-"#,
-        store = redis_store_yaml(&redis.url()),
-        up = up.url(),
-    );
+    let yaml = Policy::new()
+        .store_redis(&redis)
+        .upstream("api", up.url())
+        .route(
+            Route::new("api", "/")
+                .upstream("api")
+                .limit(Limit::requests("per-key", LIMIT as u32, "1s").key(["header:x-api-key"])),
+        );
     let a = Sluice::start(&yaml).await;
     let b = Sluice::start(&yaml).await;
     let urls = Arc::new([format!("{}/flood", a.url()), format!("{}/flood", b.url())]);
@@ -171,16 +166,11 @@ routes:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cached_rejection_carries_the_exact_wait_and_fields() {
     let redis = Redis::start().await;
-    let yaml = format!(
-        r#"{store}routes:
-  - name: api
-    match: {{ path_prefix: / }}
-    respond: {{ status: 200, body: ok }}
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: 2, window: 30s }}
-      - {{ name: per-ip, key: [client_ip], requests: 1000, window: 1m }}
-"#,
-        store = redis_store_yaml(&redis.url()),
+    let yaml = Policy::new().store_redis(&redis).route(
+        Route::new("api", "/")
+            .respond(200, "ok")
+            .limit(Limit::requests("per-key", 2, "30s").key(["header:x-api-key"]))
+            .limit(Limit::requests("per-ip", 1000, "1m")),
     );
     let sluice = Sluice::start(&yaml).await;
     let client = support::client();

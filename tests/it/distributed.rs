@@ -11,7 +11,7 @@ use crate::support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::{redis_store_yaml, Redis, Sluice, Upstream};
+use support::{Limit, Policy, Redis, Route, Sluice, Upstream, UpstreamSpec};
 
 const LIMIT: usize = 20;
 const WINDOW: Duration = Duration::from_secs(1);
@@ -26,26 +26,19 @@ async fn two_instances_share_one_exact_limit() {
     let _heavy = support::heavy().await;
     let redis = Redis::start().await;
     let up = Upstream::start().await;
-    let yaml = format!(
-        r#"{store}upstreams:
-  api:
-    url: "{up}"
-    connect_timeout: 2s
-    timeout: 10s
-routes:
-  - name: default
-    match:
-      path_prefix: /
-    upstream: api
-    limits:
-      - name: per-key
-        key: ["header:x-api-key"]
-        requests: {LIMIT}
-        window: 1s
-"#,
-        store = redis_store_yaml(&redis.url()),
-        up = up.url(),
-    );
+    let yaml = Policy::new()
+        .store_redis(&redis)
+        .upstream(
+            "api",
+            UpstreamSpec::new(&up.url())
+                .connect_timeout("2s")
+                .timeout("10s"),
+        )
+        .route(
+            Route::new("default", "/")
+                .upstream("api")
+                .limit(Limit::requests("per-key", LIMIT as u32, "1s").key(["header:x-api-key"])),
+        );
     let a = Sluice::start(&yaml).await;
     let b = Sluice::start(&yaml).await;
     let urls = Arc::new([format!("{}/shared", a.url()), format!("{}/shared", b.url())]);

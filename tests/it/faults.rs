@@ -9,30 +9,27 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::{metric_sum, parse_metrics, Redis, Sluice, Upstream};
+use support::{
+    metric_sum, parse_metrics, Limit, OnStoreError, Policy, Redis, Route, Sluice, Upstream,
+    UpstreamSpec,
+};
 
 const TIMEOUT_MS: u64 = 300;
 
-fn three_routes(redis: &Redis, upstream: &Upstream) -> String {
-    let route = |name: &str, action: &str| {
-        format!(
-            r#"  - name: {name}
-    match: {{ path_prefix: /{name} }}
-    upstream: api
-    on_store_error: {action}
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: 5, window: 30s }}
-"#
-        )
+fn three_routes(redis: &Redis, upstream: &Upstream) -> Policy {
+    let route = |name: &str, action: OnStoreError| {
+        Route::new(name, &format!("/{name}"))
+            .upstream("api")
+            .on_store_error(action)
+            .limit(Limit::requests("per-key", 5, "30s").key(["header:x-api-key"]))
     };
-    format!(
-        "store:\n  redis: {{ url: \"{}\", timeout: {TIMEOUT_MS}ms }}\nupstreams:\n  api: {{ url: \"{}\" }}\nroutes:\n{}{}{}",
-        redis.url(),
-        upstream.url(),
-        route("local", "local"),
-        route("allow", "allow"),
-        route("deny", "deny"),
-    )
+    Policy::new()
+        .store_redis_defaults(redis)
+        .redis_setting("timeout", format!("{TIMEOUT_MS}ms"))
+        .upstream("api", upstream.url())
+        .route(route("local", OnStoreError::Local))
+        .route(route("allow", OnStoreError::Allow))
+        .route(route("deny", OnStoreError::Deny))
 }
 
 /// Statuses seen per route, and whether every 503 carried Retry-After.
@@ -292,10 +289,15 @@ async fn a_killed_upstream_gives_fast_502s_and_is_used_again_when_it_returns() {
     let port = support::free_port();
     let mut upstream = python_upstream(port, dir.path());
     wait_for_port(port).await;
-    let yaml = format!(
-        "upstreams:\n  api: {{ url: \"http://127.0.0.1:{port}\", connect_timeout: 2s, timeout: 5s }}\nroutes:\n  - name: all\n    match: {{ path_prefix: / }}\n    upstream: api\n"
-    );
-    let sluice = Sluice::start(&yaml).await;
+    let policy = Policy::new()
+        .upstream(
+            "api",
+            UpstreamSpec::new(&format!("http://127.0.0.1:{port}"))
+                .connect_timeout("2s")
+                .timeout("5s"),
+        )
+        .route(Route::new("all", "/").upstream("api"));
+    let sluice = Sluice::start(&policy).await;
     let client = support::client();
     let get = || client.get(format!("{}/", sluice.url())).send();
     assert_eq!(get().await.unwrap().status(), 200);
@@ -334,11 +336,12 @@ async fn a_killed_upstream_gives_fast_502s_and_is_used_again_when_it_returns() {
 async fn sigterm_under_load_fails_nothing_in_flight_and_readyz_goes_first() {
     let _heavy = support::heavy().await;
     let upstream = Upstream::start().await;
-    let yaml = format!(
-        "server: {{ shutdown_delay: 1s, shutdown_grace: 10s }}\nupstreams:\n  api: {{ url: \"{}\" }}\nroutes:\n  - name: all\n    match: {{ path_prefix: / }}\n    upstream: api\n",
-        upstream.url()
-    );
-    let mut sluice = Sluice::start(&yaml).await;
+    let policy = Policy::new()
+        .server("shutdown_delay", "1s")
+        .server("shutdown_grace", "10s")
+        .upstream("api", upstream.url())
+        .route(Route::new("all", "/").upstream("api"));
+    let mut sluice = Sluice::start(&policy).await;
     let stop = Arc::new(AtomicBool::new(false));
     let (tasks, seen) = steady_load(&sluice, &["fast"], Arc::clone(&stop));
     let slow = {

@@ -9,44 +9,37 @@ use std::time::{Duration, Instant};
 
 use support::wire::{parse_responses, Wire};
 use support::{
-    metric_sum, parse_metrics, pattern_chunk, RawResponse, Sluice, UploadSeen, Upstream,
+    metric_sum, parse_metrics, pattern_chunk, Policy, RawResponse, Route, Sluice, UploadSeen,
+    Upstream, UpstreamSpec,
 };
 
 /// Generous bound for one answer on a shared 2-core machine.
 const WITHIN: Duration = Duration::from_secs(10);
 
-/// `server` is the `server:` section (or nothing). Three routes share `/upload` by method, so
+/// `server` adds the test's `server:` settings (or none). Three routes share `/upload` by method, so
 /// each can have its own `max_body`: PUT 1 KiB, PATCH 4 KiB, anything else the server's.
-fn config(up: &str, server: &str) -> String {
-    format!(
-        r#"{server}
-upstreams:
-  api:
-    url: "{up}"
-    connect_timeout: 2s
-    timeout: 10s
-routes:
-  - name: own-limit
-    match:
-      path_prefix: /upload
-      methods: [PUT]
-    upstream: api
-    max_body: 1KiB
-  - name: larger-limit
-    match:
-      path_prefix: /upload
-      methods: [PATCH]
-    upstream: api
-    max_body: 4KiB
-  - name: default
-    match:
-      path_prefix: /
-    upstream: api
-"#
-    )
+fn config(up: &str, server: impl FnOnce(Policy) -> Policy) -> Policy {
+    server(Policy::new())
+        .upstream(
+            "api",
+            UpstreamSpec::new(up).connect_timeout("2s").timeout("10s"),
+        )
+        .route(
+            Route::new("own-limit", "/upload")
+                .methods(["PUT"])
+                .upstream("api")
+                .max_body("1KiB"),
+        )
+        .route(
+            Route::new("larger-limit", "/upload")
+                .methods(["PATCH"])
+                .upstream("api")
+                .max_body("4KiB"),
+        )
+        .route(Route::new("default", "/").upstream("api"))
 }
 
-async fn setup(server: &str) -> (Upstream, Sluice) {
+async fn setup(server: impl FnOnce(Policy) -> Policy) -> (Upstream, Sluice) {
     let up = Upstream::start().await;
     let sluice = Sluice::start(&config(&up.url(), server)).await;
     (up, sluice)
@@ -129,7 +122,7 @@ fn echo(response: &RawResponse) -> serde_json::Value {
 /// reading by Content-Length would have seen differently, never reaches the upstream.
 #[tokio::test]
 async fn a_request_with_both_lengths_smuggles_nothing() {
-    let (up, sluice) = setup("").await;
+    let (up, sluice) = setup(|p| p).await;
     let smuggled = "GET /smuggled HTTP/1.1\r\nHost: t\r\n\r\n";
 
     // By Content-Length the body is `0\r\n\r` and the rest garbage; by chunked it is empty
@@ -175,7 +168,7 @@ async fn a_request_with_both_lengths_smuggles_nothing() {
 /// nothing, not even the pipelined request, is forwarded.
 #[tokio::test]
 async fn conflicting_content_lengths_are_refused() {
-    let (up, sluice) = setup("").await;
+    let (up, sluice) = setup(|p| p).await;
     for lengths in [
         "Content-Length: 5\r\nContent-Length: 6\r\n",
         "Content-Length: 5, 6\r\n",
@@ -196,7 +189,7 @@ async fn conflicting_content_lengths_are_refused() {
 /// error and never as the upstream's.
 #[tokio::test]
 async fn a_malformed_chunked_body_is_the_clients_400() {
-    let (up, sluice) = setup("").await;
+    let (up, sluice) = setup(|p| p).await;
     let request = b"POST /upload HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n\
                     5\r\nhello\r\nzz\r\n";
     let responses = until_closed(&sluice, request).await;
@@ -232,7 +225,7 @@ async fn a_malformed_chunked_body_is_the_clients_400() {
 #[tokio::test]
 async fn a_connection_cut_mid_body_is_the_clients_400() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (up, sluice) = setup("").await;
+    let (up, sluice) = setup(|p| p).await;
     let mut stream = tokio::net::TcpStream::connect(sluice.addr())
         .await
         .expect("connect");
@@ -279,7 +272,7 @@ async fn a_connection_cut_mid_body_is_the_clients_400() {
 /// a problem body); a head past twice the limits is cut by the parser with a bare 431.
 #[tokio::test]
 async fn heads_over_the_default_limits_are_refused() {
-    let (up, sluice) = setup("").await;
+    let (up, sluice) = setup(|p| p).await;
 
     // ~40 KB of one header: over 32 KiB, under twice.
     let r = ask(&sluice, &get("/big", &big_header_of(40_000))).await;
@@ -324,8 +317,12 @@ async fn heads_over_the_default_limits_are_refused() {
 /// over refused with a problem body, past twice cut by the parser.
 #[tokio::test]
 async fn configured_head_limits_hold_at_their_boundaries() {
-    let server = "server:\n  max_header_bytes: 4KiB\n  max_headers: 20\n  max_request_line: 1KiB\n";
-    let (up, sluice) = setup(server).await;
+    let (up, sluice) = setup(|p| {
+        p.server("max_header_bytes", "4KiB")
+            .server("max_headers", 20)
+            .server("max_request_line", "1KiB")
+    })
+    .await;
 
     let at_line = target_of_line("/line-ok/", 1024);
     let r = ask(&sluice, &get(&at_line, "")).await;
@@ -431,7 +428,7 @@ fn assert_uploaded(response: &RawResponse, len: usize) {
 /// lower and higher.
 #[tokio::test]
 async fn bodies_over_max_body_get_413() {
-    let (up, sluice) = setup("server:\n  max_body: 2KiB\n").await;
+    let (up, sluice) = setup(|p| p.server("max_body", "2KiB")).await;
 
     // PUT: the route's own 1 KiB. The head alone declares 2000 bytes.
     let started = Instant::now();

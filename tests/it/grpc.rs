@@ -20,37 +20,28 @@ use support::grpc::{
     channel_body, encode, grpc_request, h2c_client, next_frame, read_message, read_trailers,
     GrpcUpstream, STEP,
 };
-use support::Sluice;
+use support::{Limit, Policy, Route, Sluice, UpstreamSpec};
 
-fn config(upstream: SocketAddr) -> String {
-    format!(
-        r#"upstreams:
-  grpc:
-    url: "http://{upstream}"
-    http2: true
-    timeout: 10s
-routes:
-  - name: limited
-    match:
-      path_prefix: /limited.Svc
-    upstream: grpc
-    limits:
-      - name: calls
-        key: [client_ip]
-        requests: 2
-        window: 1m
-  - name: grpc
-    match:
-      path_prefix: /
-    upstream: grpc
-"#
-    )
+/// `http2` is the upstream's setting, written either way (a reload test turns it on in the
+/// file): gRPC needs it on.
+fn config(upstream: SocketAddr, http2: bool) -> Policy {
+    let grpc = UpstreamSpec::new(&format!("http://{upstream}"))
+        .set("http2", http2)
+        .timeout("10s");
+    Policy::new()
+        .upstream("grpc", grpc)
+        .route(
+            Route::new("limited", "/limited.Svc")
+                .upstream("grpc")
+                .limit(Limit::requests("calls", 2, "1m")),
+        )
+        .route(Route::new("grpc", "/").upstream("grpc"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streaming_call_passes_message_by_message_with_trailers_both_ways() {
     let upstream = GrpcUpstream::start().await;
-    let sluice = Sluice::start(&config(upstream.addr)).await;
+    let sluice = Sluice::start(&config(upstream.addr, true)).await;
     let mut client = h2c_client(sluice.addr()).await;
 
     let (tx, body) = channel_body();
@@ -114,7 +105,7 @@ async fn a_streaming_call_passes_message_by_message_with_trailers_both_ways() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_status_trailer_passes_unchanged() {
     let upstream = GrpcUpstream::start().await;
-    let sluice = Sluice::start(&config(upstream.addr)).await;
+    let sluice = Sluice::start(&config(upstream.addr, true)).await;
     let mut client = h2c_client(sluice.addr()).await;
 
     let (tx, body) = channel_body();
@@ -139,7 +130,7 @@ async fn an_error_status_trailer_passes_unchanged() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rate_limited_call_gets_429_with_grpc_status_unavailable() {
     let upstream = GrpcUpstream::start().await;
-    let sluice = Sluice::start(&config(upstream.addr)).await;
+    let sluice = Sluice::start(&config(upstream.addr, true)).await;
     let mut client = h2c_client(sluice.addr()).await;
 
     for call in 1..=3 {
@@ -193,7 +184,7 @@ async fn a_rate_limited_call_gets_429_with_grpc_status_unavailable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http1_client_reaches_the_http2_upstream() {
     let upstream = GrpcUpstream::start().await;
-    let sluice = Sluice::start(&config(upstream.addr)).await;
+    let sluice = Sluice::start(&config(upstream.addr, true)).await;
     let response = support::client()
         .post(format!("{}/plain", sluice.url()))
         .header("te", "trailers")
@@ -212,8 +203,7 @@ async fn an_http1_client_reaches_the_http2_upstream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_that_turns_http2_on_replaces_the_upstream_client() {
     let upstream = GrpcUpstream::start().await;
-    let config = config(upstream.addr).replace("http2: true", "http2: false");
-    let sluice = Sluice::start(&config).await;
+    let sluice = Sluice::start(&config(upstream.addr, false)).await;
     let client = support::client();
     let plain = || async {
         client

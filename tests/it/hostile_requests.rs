@@ -11,58 +11,56 @@ use crate::support;
 use std::time::Duration;
 
 use reqwest::Method;
-use support::{metric_sum, parse_metrics, samples, Sluice, Store, StoreKind, Upstream};
+use support::{
+    metric_sum, parse_metrics, samples, Limit, Node, Policy, Route, Sluice, Store, StoreKind,
+    Upstream, UpstreamSpec,
+};
 
 /// Every limited route allows 2 requests a minute per identity; `open` has no limit.
-fn config(store_yaml: &str, upstream: &str) -> String {
-    let limit = |key: &str| {
-        format!("    limits:\n      - {{ name: two, key: [\"{key}\"], requests: 2, window: 1m }}\n")
-    };
-    format!(
-        r#"{store_yaml}upstreams:
-  api:
-    url: "{upstream}"
-    timeout: 10s
-routes:
-  - name: by-header
-    match: {{ path_prefix: /h }}
-    upstream: api
-{header}  - name: by-query
-    match: {{ path_prefix: /q }}
-    upstream: api
-{query}  - name: by-cookie
-    match: {{ path_prefix: /c }}
-    upstream: api
-{cookie}  - name: tiers
-    match: {{ path_prefix: /t }}
-    upstream: api
-    limits:
-      - name: free
-        key: ["header:x-user"]
-        requests: 2
-        window: 1m
-        when: [{{ header: x-plan, equals: free }}]
-  - name: auth
-    match: {{ path_prefix: /auth, methods: [POST] }}
-    upstream: api
-{user}  - name: items
-    match: {{ path_prefix: /items, methods: [GET] }}
-    upstream: api
-{user}  - name: open
-    match: {{ path_prefix: / }}
-    upstream: api
-"#,
-        header = limit("header:x-api-key"),
-        query = limit("query:api_key"),
-        cookie = limit("cookie:session"),
-        user = limit("header:x-user"),
-    )
+fn config(store: Policy, upstream: &str) -> Policy {
+    let two = |key: &str| Limit::requests("two", 2, "1m").key([key]);
+    store
+        .upstream("api", UpstreamSpec::new(upstream).timeout("10s"))
+        .route(
+            Route::new("by-header", "/h")
+                .upstream("api")
+                .limit(two("header:x-api-key")),
+        )
+        .route(
+            Route::new("by-query", "/q")
+                .upstream("api")
+                .limit(two("query:api_key")),
+        )
+        .route(
+            Route::new("by-cookie", "/c")
+                .upstream("api")
+                .limit(two("cookie:session")),
+        )
+        .route(Route::new("tiers", "/t").upstream("api").limit(
+            Limit::requests("free", 2, "1m").key(["header:x-user"]).set(
+                "when",
+                vec![Node::map([("header", "x-plan"), ("equals", "free")])],
+            ),
+        ))
+        .route(
+            Route::new("auth", "/auth")
+                .methods(["POST"])
+                .upstream("api")
+                .limit(two("header:x-user")),
+        )
+        .route(
+            Route::new("items", "/items")
+                .methods(["GET"])
+                .upstream("api")
+                .limit(two("header:x-user")),
+        )
+        .route(Route::new("open", "/").upstream("api"))
 }
 
 async fn start(kind: StoreKind) -> (Store, Upstream, Sluice) {
     let store = Store::start(kind).await;
     let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&store.yaml, &up.url())).await;
+    let sluice = Sluice::start(&config(Policy::new().store(&store), &up.url())).await;
     (store, up, sluice)
 }
 
@@ -566,7 +564,7 @@ async fn cookie_crumbs_memory() {
 fn explain_refuses_the_same_requests() {
     let yaml = format!(
         "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{}",
-        config("", "http://127.0.0.1:3000")
+        config(Policy::new(), "http://127.0.0.1:3000").to_yaml()
     );
     let file = support::write_config(&yaml);
     let path = file.path().to_str().unwrap();

@@ -4,22 +4,18 @@
 
 use crate::support;
 
-use support::{redis_store_yaml, Redis, Sluice};
+use support::{Limit, Policy, Redis, Route, Sluice};
 
 async fn start(redis: &Redis) -> Sluice {
-    let yaml = format!(
-        r#"{store}server:
-  max_header_bytes: 512KiB
-routes:
-  - name: api
-    match: {{ path_prefix: / }}
-    respond: {{ status: 200, body: ok }}
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: 1, window: 1m }}
-"#,
-        store = redis_store_yaml(&redis.url()),
-    );
-    Sluice::start(&yaml).await
+    let policy = Policy::new()
+        .store_redis(redis)
+        .server("max_header_bytes", "512KiB")
+        .route(
+            Route::new("api", "/")
+                .respond(200, "ok")
+                .limit(Limit::requests("per-key", 1, "1m").key(["header:x-api-key"])),
+        );
+    Sluice::start(&policy).await
 }
 
 /// Sends a request with `x-api-key` set to `value`, as raw bytes.

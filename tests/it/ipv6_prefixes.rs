@@ -9,28 +9,30 @@ use crate::support;
 
 use std::time::Duration;
 
-use support::{run_sluice, sluice_check, write_config, Sluice, Store, StoreKind, Upstream};
+use support::{
+    run_sluice, sluice_check, write_config, Limit, Policy, Route, Sluice, Store, StoreKind,
+    Upstream,
+};
 
 /// `/a`: 2 requests a minute per client with the default prefixes; `/wide`: the same with
 /// IPv6 grouped by /48 and IPv4 by /24.
-fn config(store: &str, upstream: &str) -> String {
-    format!(
-        r#"{store}trusted_proxies: [127.0.0.1]
-upstreams:
-  api: {{ url: "{upstream}" }}
-routes:
-  - name: a
-    match: {{ path_prefix: /a }}
-    upstream: api
-    limits:
-      - {{ name: per-ip, key: [client_ip], requests: 2, window: 1m }}
-  - name: wide
-    match: {{ path_prefix: /wide }}
-    upstream: api
-    limits:
-      - {{ name: per-net, key: [client_ip], requests: 2, window: 1m, ipv6_prefix: 48, ipv4_prefix: 24 }}
-"#
-    )
+fn config(store: &Store, upstream: &str) -> Policy {
+    Policy::new()
+        .store(store)
+        .set("trusted_proxies", ["127.0.0.1"])
+        .upstream("api", upstream)
+        .route(
+            Route::new("a", "/a")
+                .upstream("api")
+                .limit(Limit::requests("per-ip", 2, "1m")),
+        )
+        .route(
+            Route::new("wide", "/wide").upstream("api").limit(
+                Limit::requests("per-net", 2, "1m")
+                    .set("ipv6_prefix", 48)
+                    .set("ipv4_prefix", 24),
+            ),
+        )
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -78,7 +80,7 @@ async fn addresses_group_by_prefix(kind: StoreKind) {
         if let Some(redis) = &store.redis {
             redis.cmd(&["FLUSHALL"]).await;
         }
-        let sluice = Sluice::start(&config(&store.yaml, &upstream.url())).await;
+        let sluice = Sluice::start(&config(&store, &upstream.url())).await;
         let client = client(proto);
         // Three addresses of one /64 share its 2 requests; the next /64 has its own.
         let same_64 = [

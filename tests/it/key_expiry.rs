@@ -10,7 +10,10 @@ use crate::support;
 use std::time::Duration;
 
 use serde_json::json;
-use support::{chat_body, client, closed_port, LlmUpstream, Redis, Sluice, Upstream};
+use support::{
+    chat_body, client, closed_port, Limit, LlmUpstream, Node, Policy, Redis, Route, Sluice,
+    Upstream, UpstreamSpec,
+};
 
 const ALGORITHMS: [&str; 5] = [
     "sliding_log",
@@ -26,50 +29,76 @@ const WINDOW: Duration = Duration::from_secs(10);
 /// A day quota's key lives until its day ends, plus a minute (`calendar.lua`).
 const DAY_AND_SLACK: Duration = Duration::from_secs(86_400 + 60);
 
-fn policy(redis: &Redis, api: &str, llm: &str, down: &str) -> String {
-    let mut yaml = format!(
-        "{}upstreams:\n  api: {{ url: \"{api}\", timeout: 5s }}\n  llm: {{ url: \"{llm}\", timeout: 5s }}\n  down: {{ url: \"{down}\", timeout: 5s }}\nroutes:\n",
-        support::redis_store_yaml(&redis.url())
-    );
-    let key = "key: [header:x-api-key]";
+fn policy(redis: &Redis, api: &str, llm: &str, down: &str) -> Policy {
+    let upstream = |url: &str| UpstreamSpec::new(url).timeout("5s");
+    let mut policy = Policy::new()
+        .store_redis(redis)
+        .upstream("api", upstream(api))
+        .upstream("llm", upstream(llm))
+        .upstream("down", upstream(down));
+    let by_key = |limit: Limit| limit.key(["header:x-api-key"]);
     for algorithm in ALGORITHMS {
-        yaml.push_str(&format!(
-            "  - name: plain-{algorithm}\n    match: {{ path_prefix: /plain/{algorithm} }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, {key}, requests: 2, window: 10s, algorithm: {algorithm} }}\n"
-        ));
+        policy = policy.route(
+            Route::new(
+                &format!("plain-{algorithm}"),
+                &format!("/plain/{algorithm}"),
+            )
+            .respond(200, "ok")
+            .limit(by_key(Limit::requests("a", 2, "10s").algorithm(algorithm))),
+        );
     }
     for algorithm in ["sliding_log", "gcra"] {
-        yaml.push_str(&format!(
-            "  - name: delay-{algorithm}\n    match: {{ path_prefix: /delay/{algorithm} }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, {key}, requests: 1, window: 2s, algorithm: {algorithm}, on_exceed: delay, max_delay: 5s }}\n"
-        ));
+        policy = policy.route(
+            Route::new(
+                &format!("delay-{algorithm}"),
+                &format!("/delay/{algorithm}"),
+            )
+            .respond(200, "ok")
+            .limit(by_key(
+                Limit::requests("a", 1, "2s")
+                    .algorithm(algorithm)
+                    .delay("5s"),
+            )),
+        );
     }
     // Count-by-outcome: counts 401 only, so each 200 is given back.
-    yaml.push_str(
-        "  - name: count\n    match: { path_prefix: /login }\n    upstream: api\n    limits:\n",
+    let count = ALGORITHMS.iter().fold(
+        Route::new("count", "/login").upstream("api"),
+        |route, algorithm| {
+            route.limit(by_key(
+                Limit::requests(algorithm, 5, "10s")
+                    .algorithm(algorithm)
+                    .count_status([401]),
+            ))
+        },
     );
-    for algorithm in ALGORITHMS {
-        yaml.push_str(&format!(
-            "      - {{ name: {algorithm}, {key}, requests: 5, window: 10s, algorithm: {algorithm}, count: {{ status: [401] }} }}\n"
-        ));
-    }
-    yaml.push_str(&format!(
-        "  - name: quota\n    match: {{ path_prefix: /quota }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: a, {key}, requests: 2, quota: day }}\n"
-    ));
-    let reserve = "reserve: { default_output: 256, max_output: 4096, max_body: 16KiB }";
+    policy = policy.route(count).route(
+        Route::new("quota", "/quota")
+            .respond(200, "ok")
+            .limit(by_key(Limit::quota("a", 2, "day"))),
+    );
+    let reserve = Node::map([
+        ("default_output", Node::from(256)),
+        ("max_output", Node::from(4096)),
+        ("max_body", Node::from("16KiB")),
+    ]);
     for (name, limit) in [
-        ("weighted_log", "tokens: 20000, window: 10s"),
+        ("weighted_log", Limit::tokens("t", 20000, "10s")),
         (
             "sliding_log",
-            "tokens: 20000, window: 10s, algorithm: sliding_log",
+            Limit::tokens("t", 20000, "10s").algorithm("sliding_log"),
         ),
-        ("calendar", "tokens: 20000, quota: day"),
+        ("calendar", Limit::tokens_quota("t", 20000, "day")),
     ] {
         for (prefix, upstream) in [("tok", "llm"), ("down", "down")] {
-            yaml.push_str(&format!(
-                "  - name: {prefix}-{name}\n    match: {{ path_prefix: /{prefix}/{name}/ }}\n    upstream: {upstream}\n    limits:\n      - {{ name: t, {key}, {limit}, {reserve} }}\n"
-            ));
+            policy = policy.route(
+                Route::new(&format!("{prefix}-{name}"), &format!("/{prefix}/{name}/"))
+                    .upstream(upstream)
+                    .limit(by_key(limit.clone()).set("reserve", reserve.clone())),
+            );
         }
     }
-    yaml
+    policy
 }
 
 /// The longest a key of this test may live: its limit's window or period, with a margin.

@@ -10,71 +10,51 @@ use crate::support;
 use std::ops::RangeInclusive;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use support::{header, parse_limit_field, Sluice, Store, StoreKind, Upstream};
+use support::{
+    header, parse_limit_field, Limit, Policy, Route, Sluice, Store, StoreKind, Upstream,
+    UpstreamSpec,
+};
 
 /// Config with a limited catch-all route `default` (per-key, `requests` per
 /// `window`) and a route `multi` with two limits.
-fn config(store_yaml: &str, upstream: &str, requests: u32, window: &str) -> String {
-    format!(
-        r#"{store_yaml}upstreams:
-  api:
-    url: "{upstream}"
-    connect_timeout: 2s
-    timeout: 10s
-routes:
-  - name: multi
-    match:
-      path_prefix: /multi
-    upstream: api
-    limits:
-      - name: per-ip
-        key: [client_ip]
-        requests: 4
-        window: 1m
-      - name: per-key
-        key: ["header:x-api-key"]
-        requests: 2
-        window: 1m
-  - name: ip
-    match:
-      path_prefix: /ip
-    upstream: api
-    limits:
-      - name: per-ip
-        key: [client_ip]
-        requests: 2
-        window: 30s
-  - name: combo
-    match:
-      path_prefix: /combo
-    upstream: api
-    limits:
-      - name: ip-and-key
-        key: [client_ip, "header:x-api-key"]
-        requests: 2
-        window: 30s
-  - name: demo
-    match:
-      path_prefix: /demo
-    respond:
-      status: 200
-      body: "hello\n"
-    limits:
-      - name: per-ip
-        key: [client_ip]
-        requests: 3
-        window: 10s
-  - name: default
-    match:
-      path_prefix: /
-    upstream: api
-    limits:
-      - name: per-key
-        key: ["header:x-api-key"]
-        requests: {requests}
-        window: {window}
-"#
-    )
+fn config(store: &Store, upstream: &str, requests: u32, window: &str) -> Policy {
+    let per_ip = |requests, window| Limit::requests("per-ip", requests, window);
+    let per_key =
+        |requests, window| Limit::requests("per-key", requests, window).key(["header:x-api-key"]);
+    Policy::new()
+        .store(store)
+        .upstream(
+            "api",
+            UpstreamSpec::new(upstream)
+                .connect_timeout("2s")
+                .timeout("10s"),
+        )
+        .route(
+            Route::new("multi", "/multi")
+                .upstream("api")
+                .limit(per_ip(4, "1m"))
+                .limit(per_key(2, "1m")),
+        )
+        .route(
+            Route::new("ip", "/ip")
+                .upstream("api")
+                .limit(per_ip(2, "30s")),
+        )
+        .route(
+            Route::new("combo", "/combo").upstream("api").limit(
+                Limit::requests("ip-and-key", 2, "30s").key(["client_ip", "header:x-api-key"]),
+            ),
+        )
+        .route(
+            Route::new("demo", "/demo")
+                .respond(200, "hello\n")
+                .limit(per_ip(3, "10s")),
+        )
+        .route(
+            Route::new("default", "/")
+                .upstream("api")
+                .limit(per_key(requests, window)),
+        )
 }
 
 /// Starts the store, an upstream and sluice with `config(.., requests, window)`. The store is
@@ -82,7 +62,7 @@ routes:
 async fn start(kind: StoreKind, requests: u32, window: &str) -> (Store, Upstream, Sluice) {
     let store = Store::start(kind).await;
     let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&store.yaml, &up.url(), requests, window)).await;
+    let sluice = Sluice::start(&config(&store, &up.url(), requests, window)).await;
     (store, up, sluice)
 }
 
@@ -561,7 +541,7 @@ async fn a_lowered_limit_waits_for_enough_entries_to_leave() {
     let c = support::client();
     let t0;
     {
-        let sluice = Sluice::start(&config(&store.yaml, &up.url(), 5, "4s")).await;
+        let sluice = Sluice::start(&config(&store, &up.url(), 5, "4s")).await;
         let url = format!("{}/lowered", sluice.url());
         assert_eq!(send(&c, &url, Some("warmup")).await.status(), 200);
         t0 = Instant::now();
@@ -571,7 +551,7 @@ async fn a_lowered_limit_waits_for_enough_entries_to_leave() {
             assert_eq!(send(&c, &url, Some("k")).await.status(), 200);
         }
     }
-    let sluice = Sluice::start(&config(&store.yaml, &up.url(), 2, "4s")).await;
+    let sluice = Sluice::start(&config(&store, &up.url(), 2, "4s")).await;
     let url = format!("{}/lowered", sluice.url());
     tokio::time::sleep_until((t0 + Duration::from_millis(1800)).into()).await;
     let asked = t0.elapsed();

@@ -4,26 +4,27 @@
 use crate::support;
 
 use futures_util::StreamExt;
-use support::{metric_sum, parse_metrics, Sluice};
+use support::{metric_sum, parse_metrics, Limit, Node, Policy, Route, Sluice};
 
 const MAX_KEYS: usize = 1024;
 const IDENTITIES: usize = 4000;
 
+/// The in-process store bounded to `max_keys`; one request per `window` per `x-api-key`.
+fn bounded(max_keys: usize, window: &str) -> Policy {
+    let max_keys = u64::try_from(max_keys).expect("fits");
+    Policy::new()
+        .store_setting("local", Node::map([("max_keys", max_keys)]))
+        .route(
+            Route::new("api", "/")
+                .respond(200, "ok")
+                .limit(Limit::requests("per-key", 1, window).key(["header:x-api-key"])),
+        )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_identities_is_bounded_and_evictions_are_counted() {
     let _heavy = support::heavy().await;
-    let yaml = format!(
-        r#"store:
-  local: {{ max_keys: {MAX_KEYS} }}
-routes:
-  - name: api
-    match: {{ path_prefix: / }}
-    respond: {{ status: 200, body: ok }}
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: 1, window: 1m }}
-"#
-    );
-    let sluice = Sluice::start(&yaml).await;
+    let sluice = Sluice::start(&bounded(MAX_KEYS, "1m")).await;
     let client = support::client();
     let url = format!("{}/", sluice.url());
     let statuses: Vec<u16> = futures_util::stream::iter(0..IDENTITIES)
@@ -114,10 +115,7 @@ async fn max_keys_live_identities_are_all_kept() {
     let _heavy = support::heavy().await;
     // 1024 is the least `max_keys` the config accepts.
     for max_keys in [1024, 4096, 10_000] {
-        let yaml = format!(
-            "store:\n  local: {{ max_keys: {max_keys} }}\nroutes:\n  - name: api\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200, body: ok }}\n    limits:\n      - {{ name: per-key, key: [\"header:x-api-key\"], requests: 1, window: 5m }}\n"
-        );
-        let sluice = Sluice::start(&yaml).await;
+        let sluice = Sluice::start(&bounded(max_keys, "5m")).await;
         let first = each_once(&sluice, "live", max_keys).await;
         assert!(
             first.iter().all(|&s| s == 200),

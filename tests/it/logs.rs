@@ -13,28 +13,32 @@ use std::process::{Child, ChildStderr, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use support::{metric_sum, parse_metrics, Sluice, Upstream};
+use support::{metric_sum, parse_metrics, Limit, Policy, Route, Sluice, Upstream};
 
 /// sluice's report interval (`sluice::log::REPORT_INTERVAL`), plus room for a loaded machine.
 const REPORT_WAIT: Duration = Duration::from_secs(25);
 
+/// One route that answers 200 itself, `requests` an hour per `x-api-key`.
+fn per_key_per_hour(requests: u32) -> Policy {
+    Policy::new().route(
+        Route::new("api", "/")
+            .respond_status(200)
+            .limit(Limit::requests("per-key", requests, "1h").key(["header:x-api-key"])),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_lines_request_ids_and_rejections_without_identities() {
     let upstream = Upstream::start().await;
-    let yaml = format!(
-        r#"log_format: json
-upstreams:
-  api: {{ url: "{}" }}
-routes:
-  - name: api
-    match: {{ path_prefix: / }}
-    upstream: api
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: 1, window: 1m }}
-"#,
-        upstream.url()
-    );
-    let sluice = Sluice::start(&yaml).await;
+    let policy = Policy::new()
+        .set("log_format", "json")
+        .upstream("api", upstream.url())
+        .route(
+            Route::new("api", "/")
+                .upstream("api")
+                .limit(Limit::requests("per-key", 1, "1m").key(["header:x-api-key"])),
+        );
+    let sluice = Sluice::start(&policy).await;
     let client = support::client();
     const SECRET: &str = "sk-live-very-secret-0001";
     let send = |id: Option<&str>| {
@@ -262,14 +266,7 @@ impl Accounted {
 async fn a_flood_of_one_key_writes_a_few_lines_with_the_exact_count() {
     let _heavy = support::heavy().await;
     const FLOOD: usize = 100_000;
-    let yaml = r#"routes:
-  - name: api
-    match: { path_prefix: / }
-    respond: { status: 200 }
-    limits:
-      - { name: per-key, key: ["header:x-api-key"], requests: 10, window: 1h }
-"#;
-    let sluice = Sluice::start(yaml).await;
+    let sluice = Sluice::start(&per_key_per_hour(10)).await;
     let started = Instant::now();
     let statuses = pipelined_flood(sluice.addr(), FLOOD, |_| {
         "GET /x HTTP/1.1\r\nhost: sluice\r\nx-api-key: k1\r\n\r\n".to_owned()
@@ -314,14 +311,7 @@ async fn a_flood_of_one_key_writes_a_few_lines_with_the_exact_count() {
 async fn ten_thousand_identities_write_bounded_output() {
     let _heavy = support::heavy().await;
     const IDENTITIES: usize = 10_000;
-    let yaml = r#"routes:
-  - name: api
-    match: { path_prefix: / }
-    respond: { status: 200 }
-    limits:
-      - { name: per-key, key: ["header:x-api-key"], requests: 1, window: 1h }
-"#;
-    let sluice = Sluice::start(yaml).await;
+    let sluice = Sluice::start(&per_key_per_hour(1)).await;
     let started = Instant::now();
     // Each identity twice: admitted, then rejected.
     let statuses = pipelined_flood(sluice.addr(), 2 * IDENTITIES, |i| {
@@ -378,17 +368,13 @@ async fn ten_thousand_identities_write_bounded_output() {
 async fn upstream_failures_are_logged_by_rate_not_by_traffic() {
     let _heavy = support::heavy().await;
     const REQUESTS: usize = 2_000;
-    let yaml = format!(
-        r#"upstreams:
-  down: {{ url: "http://127.0.0.1:{}" }}
-routes:
-  - name: api
-    match: {{ path_prefix: / }}
-    upstream: down
-"#,
-        support::closed_port()
-    );
-    let sluice = Sluice::start(&yaml).await;
+    let policy = Policy::new()
+        .upstream(
+            "down",
+            format!("http://127.0.0.1:{}", support::closed_port()),
+        )
+        .route(Route::new("api", "/").upstream("down"));
+    let sluice = Sluice::start(&policy).await;
     let client = flood_client();
     let url = format!("{}/x", sluice.url());
     let started = Instant::now();
@@ -499,24 +485,25 @@ impl Drop for StalledSluice {
     }
 }
 
-const STALLED_YAML: &str = r#"server: { shutdown_grace: 3s }
-routes:
-  - name: flood
-    match: { path_prefix: /flood }
-    respond: { status: 200 }
-    limits:
-      - { name: per-key, key: ["header:x-api-key"], requests: 1, window: 1h }
-  - name: normal
-    match: { path_prefix: / }
-    respond: { status: 200, body: "ok" }
-"#;
+/// `/flood`: one request an hour per `x-api-key`; everything else answered at once.
+fn stalled_policy() -> String {
+    Policy::new()
+        .server("shutdown_grace", "3s")
+        .route(
+            Route::new("flood", "/flood")
+                .respond_status(200)
+                .limit(Limit::requests("per-key", 1, "1h").key(["header:x-api-key"])),
+        )
+        .route(Route::new("normal", "/").respond(200, "ok"))
+        .to_yaml()
+}
 
 /// (a) 20 000 rejections with standard error stalled: lines are dropped and counted, and a
 /// request on another route is still answered at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_stderr_never_slows_a_request() {
     let _heavy = support::heavy().await;
-    let sluice = StalledSluice::start(STALLED_YAML).await;
+    let sluice = StalledSluice::start(&stalled_policy()).await;
     let client = flood_client();
     let flood_url = format!("{}/flood", sluice.url());
     let statuses = flood(20_001, 50, |_| {
@@ -551,7 +538,7 @@ async fn a_stalled_stderr_never_slows_a_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_a_sluice_whose_stderr_is_stalled() {
     let _heavy = support::heavy().await;
-    let mut sluice = StalledSluice::start(STALLED_YAML).await;
+    let mut sluice = StalledSluice::start(&stalled_policy()).await;
     let client = flood_client();
     let flood_url = format!("{}/flood", sluice.url());
     flood(3_000, 50, |_| {

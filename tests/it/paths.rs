@@ -21,7 +21,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
-use support::{raw_http, Sluice, StoreKind};
+use support::{raw_http, Limit, Policy, Route, Sluice, StoreKind};
 
 /// An upstream with one handler worth protecting, reached the permissive way.
 struct PermissiveUpstream {
@@ -119,20 +119,17 @@ fn permissive_route(raw: &str) -> String {
     format!("/{}", segments.join("/"))
 }
 
-const LOGIN_ROUTES: &str = r#"
-routes:
-  - name: login
-    match: { path_prefix: /login }
-    upstream: app
-    limits:
-      - { name: per-ip, key: [client_ip], requests: 2, window: 1m }
-  - name: default
-    match: { path_prefix: / }
-    upstream: app
-"#;
-
-fn config(upstream: &str, store: &str) -> String {
-    format!("{store}upstreams:\n  app: {{ url: \"{upstream}\" }}\n{LOGIN_ROUTES}")
+/// `/login` limited to two requests per client address, everything else open; `login` is the
+/// login route's prefix as written in the policy.
+fn config(upstream: &str, store: Policy, login: &str) -> Policy {
+    store
+        .upstream("app", upstream)
+        .route(
+            Route::new("login", login)
+                .upstream("app")
+                .limit(Limit::requests("per-ip", 2, "1m")),
+        )
+        .route(Route::new("default", "/").upstream("app"))
 }
 
 async fn get(sluice: &Sluice, path: &str) -> support::RawResponse {
@@ -174,7 +171,12 @@ const SPELLINGS: &[(&str, u16)] = &[
 async fn no_spelling_reaches_login(kind: StoreKind) {
     let upstream = PermissiveUpstream::start().await;
     let store = support::Store::start(kind).await;
-    let sluice = Sluice::start(&config(&upstream.url(), &store.yaml)).await;
+    let sluice = Sluice::start(&config(
+        &upstream.url(),
+        Policy::new().store(&store),
+        "/login",
+    ))
+    .await;
 
     for _ in 0..2 {
         assert_eq!(get(&sluice, "/login").await.status, 200);
@@ -231,7 +233,7 @@ async fn no_spelling_of_a_limited_path_reaches_the_upstream_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_upstream_receives_the_canonical_path_and_the_query_as_sent() {
     let upstream = PermissiveUpstream::start().await;
-    let sluice = Sluice::start(&config(&upstream.url(), "")).await;
+    let sluice = Sluice::start(&config(&upstream.url(), Policy::new(), "/login")).await;
     for (sent, forwarded) in [
         (
             "//%6Cogin?next=%2e%2E/%2F&a=%41",
@@ -276,8 +278,7 @@ routes:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_in_the_config_is_read_in_canonical_form() {
     let upstream = PermissiveUpstream::start().await;
-    let yaml = config(&upstream.url(), "").replace("path_prefix: /login", "path_prefix: //%6Cogin");
-    let sluice = Sluice::start(&yaml).await;
+    let sluice = Sluice::start(&config(&upstream.url(), Policy::new(), "//%6Cogin")).await;
     for _ in 0..2 {
         assert_eq!(get(&sluice, "/login").await.status, 200);
     }

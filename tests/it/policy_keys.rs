@@ -3,18 +3,15 @@
 
 use crate::support;
 
-use support::{client_from, Sluice};
+use support::{client_from, Limit, Node, Policy, Route, Sluice};
 
-/// A route limited to `requests` per minute on `key`, answering 200 directly.
-fn one_route(head: &str, key: &str, requests: u32) -> String {
-    format!(
-        r#"{head}routes:
-  - name: api
-    match: {{ path_prefix: / }}
-    respond: {{ status: 200, body: ok }}
-    limits:
-      - {{ name: l, key: {key}, requests: {requests}, window: 1m }}
-"#
+/// A route limited to `requests` per minute on `key`, answering 200 directly; `head` sets
+/// the policy's other fields.
+fn one_route<const N: usize>(head: Policy, key: [&str; N], requests: u32) -> Policy {
+    head.route(
+        Route::new("api", "/")
+            .respond(200, "ok")
+            .limit(Limit::requests("l", requests, "1m").key(key)),
     )
 }
 
@@ -34,8 +31,8 @@ async fn statuses(sluice: &Sluice, from: &str, requests: &[(&str, &[(&str, &str)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spoofed_forwarded_for_from_an_untrusted_peer_changes_nothing() {
-    let head = "trusted_proxies: [127.0.0.2]\n";
-    let sluice = Sluice::start(&one_route(head, "[client_ip]", 2)).await;
+    let head = Policy::new().set("trusted_proxies", ["127.0.0.2"]);
+    let sluice = Sluice::start(&one_route(head, ["client_ip"], 2)).await;
     // 127.0.0.1 is not trusted: each request claims another client, all count as one.
     let got = statuses(
         &sluice,
@@ -52,8 +49,8 @@ async fn a_spoofed_forwarded_for_from_an_untrusted_peer_changes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn behind_trusted_proxies_each_real_client_has_its_own_limit() {
-    let head = "trusted_proxies: [127.0.0.2, 10.0.0.0/8]\n";
-    let sluice = Sluice::start(&one_route(head, "[client_ip]", 2)).await;
+    let head = Policy::new().set("trusted_proxies", ["127.0.0.2", "10.0.0.0/8"]);
+    let sluice = Sluice::start(&one_route(head, ["client_ip"], 2)).await;
     // Through two trusted proxies (10.1.1.1 and the peer 127.0.0.2): the client is the
     // rightmost untrusted address, whatever the client wrote to the left of it.
     let chain = "198.51.100.7, 10.1.1.1";
@@ -80,8 +77,10 @@ async fn behind_trusted_proxies_each_real_client_has_its_own_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rfc_7239_forwarded_header_when_configured() {
-    let head = "trusted_proxies: [127.0.0.2]\nforwarded_header: forwarded\n";
-    let sluice = Sluice::start(&one_route(head, "[client_ip]", 1)).await;
+    let head = Policy::new()
+        .set("trusted_proxies", ["127.0.0.2"])
+        .set("forwarded_header", "forwarded");
+    let sluice = Sluice::start(&one_route(head, ["client_ip"], 1)).await;
     let got = statuses(
         &sluice,
         "127.0.0.2",
@@ -101,7 +100,7 @@ async fn the_rfc_7239_forwarded_header_when_configured() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn query_cookie_method_host_and_path_parts() {
     // A query parameter, decoded: spellings the upstream reads alike are one identity.
-    let sluice = Sluice::start(&one_route("", "[\"query:api_key\"]", 1)).await;
+    let sluice = Sluice::start(&one_route(Policy::new(), ["query:api_key"], 1)).await;
     let got = statuses(
         &sluice,
         "127.0.0.1",
@@ -115,7 +114,7 @@ async fn query_cookie_method_host_and_path_parts() {
     assert_eq!(got, [200, 429, 200]);
     drop(sluice);
 
-    let sluice = Sluice::start(&one_route("", "[\"cookie:session\"]", 1)).await;
+    let sluice = Sluice::start(&one_route(Policy::new(), ["cookie:session"], 1)).await;
     let got = statuses(
         &sluice,
         "127.0.0.1",
@@ -130,7 +129,7 @@ async fn query_cookie_method_host_and_path_parts() {
     drop(sluice);
 
     // Path and method: `/Users/1` and `/users/1` are one path on a case-insensitive route.
-    let sluice = Sluice::start(&one_route("", "[path, method]", 1)).await;
+    let sluice = Sluice::start(&one_route(Policy::new(), ["path", "method"], 1)).await;
     let client = client_from("127.0.0.1");
     let url = |path: &str| format!("{}{path}", sluice.url());
     assert_eq!(
@@ -160,7 +159,7 @@ async fn query_cookie_method_host_and_path_parts() {
     );
     drop(sluice);
 
-    let sluice = Sluice::start(&one_route("", "[host]", 1)).await;
+    let sluice = Sluice::start(&one_route(Policy::new(), ["host"], 1)).await;
     let got = statuses(
         &sluice,
         "127.0.0.1",
@@ -176,7 +175,7 @@ async fn query_cookie_method_host_and_path_parts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_key_is_one_bucket_for_the_route() {
-    let sluice = Sluice::start(&one_route("", "[]", 3)).await;
+    let sluice = Sluice::start(&one_route(Policy::new(), [], 3)).await;
     let mut got = Vec::new();
     for from in ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"] {
         got.extend(statuses(&sluice, from, &[("/", &[("x-api-key", from)])]).await);
@@ -186,28 +185,28 @@ async fn an_empty_key_is_one_bucket_for_the_route() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_header_styles() {
-    let yaml = r#"response_headers: legacy
-routes:
-  - name: legacy
-    match: { path_prefix: /legacy }
-    respond: { status: 200 }
-    limits:
-      - { name: per-ip, key: [client_ip], requests: 5, window: 1m }
-      - { name: tight, key: [client_ip], requests: 2, window: 30s }
-  - name: both
-    match: { path_prefix: /both }
-    respond: { status: 200 }
-    response_headers: both
-    limits:
-      - { name: per-ip, key: [client_ip], requests: 5, window: 1m }
-  - name: none
-    match: { path_prefix: /none }
-    respond: { status: 200 }
-    response_headers: none
-    limits:
-      - { name: per-ip, key: [client_ip], requests: 5, window: 1m }
-"#;
-    let sluice = Sluice::start(yaml).await;
+    let per_ip = || Limit::requests("per-ip", 5, "1m");
+    let policy = Policy::new()
+        .set("response_headers", "legacy")
+        .route(
+            Route::new("legacy", "/legacy")
+                .respond_status(200)
+                .limit(per_ip())
+                .limit(Limit::requests("tight", 2, "30s")),
+        )
+        .route(
+            Route::new("both", "/both")
+                .respond_status(200)
+                .set("response_headers", "both")
+                .limit(per_ip()),
+        )
+        .route(
+            Route::new("none", "/none")
+                .respond_status(200)
+                .set("response_headers", "none")
+                .limit(per_ip()),
+        );
+    let sluice = Sluice::start(&policy).await;
     let client = support::client();
     let get = |path: &str| client.get(format!("{}{path}", sluice.url())).send();
 
@@ -235,28 +234,34 @@ routes:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiers_by_header_and_conditions_on_method() {
-    let yaml = r#"routes:
-  - name: api
-    match: { path_prefix: / }
-    respond: { status: 200 }
-    limits:
-      - name: free
-        key: ["header:x-api-key"]
-        requests: 2
-        window: 1m
-        when: [{ header: x-plan, equals: free }]
-      - name: paid
-        key: ["header:x-api-key"]
-        requests: 4
-        window: 1m
-        when: [{ header: x-plan, one_of: [paid, enterprise] }]
-      - name: anonymous
-        key: [client_ip]
-        requests: 1
-        window: 1m
-        when: [{ header: x-plan, present: false }, { method: [POST] }]
-"#;
-    let sluice = Sluice::start(yaml).await;
+    let plan = |condition: (&str, Node)| {
+        Node::map([("header", Node::from("x-plan")), (condition.0, condition.1)])
+    };
+    let policy = Policy::new().route(
+        Route::new("api", "/")
+            .respond_status(200)
+            .limit(
+                Limit::requests("free", 2, "1m")
+                    .key(["header:x-api-key"])
+                    .set("when", vec![plan(("equals", "free".into()))]),
+            )
+            .limit(
+                Limit::requests("paid", 4, "1m")
+                    .key(["header:x-api-key"])
+                    .set(
+                        "when",
+                        vec![plan(("one_of", ["paid", "enterprise"].into()))],
+                    ),
+            )
+            .limit(Limit::requests("anonymous", 1, "1m").set(
+                "when",
+                vec![
+                    plan(("present", false.into())),
+                    Node::map([("method", ["POST"])]),
+                ],
+            )),
+    );
+    let sluice = Sluice::start(&policy).await;
     let client = support::client();
     let send = |plan: Option<&str>, post: bool| {
         let url = format!("{}/", sluice.url());
@@ -343,17 +348,14 @@ fn check_names_a_bad_condition_and_a_bad_key_part_with_line_and_column() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_path_parameter_keys_a_limit() {
-    let yaml = r#"routes:
-  - name: orders
-    match: { path_prefix: "/users/{id}/orders" }
-    respond: { status: 200 }
-    limits:
-      - { name: per-user, key: ["param:id"], requests: 2, window: 1m }
-  - name: other
-    match: { path_prefix: / }
-    respond: { status: 204 }
-"#;
-    let sluice = Sluice::start(yaml).await;
+    let policy = Policy::new()
+        .route(
+            Route::new("orders", "/users/{id}/orders")
+                .respond_status(200)
+                .limit(Limit::requests("per-user", 2, "1m").key(["param:id"])),
+        )
+        .route(Route::new("other", "/").respond_status(204));
+    let sluice = Sluice::start(&policy).await;
     let got = statuses(
         &sluice,
         "127.0.0.1",

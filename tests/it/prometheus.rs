@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 use serde_json::Value;
 use support::{
-    client, closed_port, free_port, redis_store_yaml, wait_for, Redis, Sluice, Upstream,
+    client, closed_port, free_port, wait_for, Limit, Policy, Redis, Route, Sluice, Upstream,
+    UpstreamSpec,
 };
 
 /// Requests a client may make on the limited route per window.
@@ -316,37 +317,30 @@ fn comparisons_become_bool_outside_matchers() {
     );
 }
 
-fn sluice_config(store: &str, up: &str, dead_port: u16) -> String {
-    format!(
-        r#"{store}upstreams:
-  api: {{ url: "{up}" }}
-  dead: {{ url: "http://127.0.0.1:{dead_port}", connect_timeout: 1s, timeout: 2s }}
-routes:
-  - name: status
-    match: {{ path_prefix: /status }}
-    respond: {{ status: 200, body: "ok\n" }}
-  - name: dead
-    match: {{ path_prefix: /dead }}
-    upstream: dead
-  - name: limited
-    match: {{ path_prefix: /limited }}
-    upstream: api
-    limits:
-      - {{ name: per-ip, key: [client_ip], requests: {ALLOWED}, window: 1h }}
-"#
-    )
+fn sluice_config(redis: &Redis, up: &str, dead_port: u16) -> Policy {
+    Policy::new()
+        .store_redis(redis)
+        .upstream("api", up)
+        .upstream(
+            "dead",
+            UpstreamSpec::new(&format!("http://127.0.0.1:{dead_port}"))
+                .connect_timeout("1s")
+                .timeout("2s"),
+        )
+        .route(Route::new("status", "/status").respond(200, "ok\n"))
+        .route(Route::new("dead", "/dead").upstream("dead"))
+        .route(
+            Route::new("limited", "/limited")
+                .upstream("api")
+                .limit(Limit::requests("per-ip", ALLOWED as u32, "1h")),
+        )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_scrapes_sluice_and_the_dashboard_and_alerts_query_real_series() {
     let redis = Redis::start().await;
     let upstream = Upstream::start().await;
-    let sluice = Sluice::start(&sluice_config(
-        &redis_store_yaml(&redis.url()),
-        &upstream.url(),
-        closed_port(),
-    ))
-    .await;
+    let sluice = Sluice::start(&sluice_config(&redis, &upstream.url(), closed_port())).await;
     let target = sluice.admin_url().trim_start_matches("http://").to_owned();
     let prometheus = Prometheus::start(&target).await;
 

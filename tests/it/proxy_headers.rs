@@ -6,55 +6,34 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use support::{metric_sum, parse_metrics, raw_http, Sluice, Upstream};
+use support::{metric_sum, parse_metrics, raw_http, Policy, Route, Sluice, Upstream, UpstreamSpec};
 
-fn config(up: &str, closed_port: u16) -> String {
-    format!(
-        r#"upstreams:
-  main:
-    url: "{up}"
-    connect_timeout: 2s
-    timeout: 10s
-  dead:
-    url: "http://127.0.0.1:{closed_port}"
-    connect_timeout: 1s
-    timeout: 5s
-  slowup:
-    url: "{up}"
-    connect_timeout: 2s
-    timeout: 300ms
-routes:
-  - name: login
-    match:
-      path_prefix: /login
-      methods: [POST]
-    respond:
-      status: 201
-      body: "login\n"
-  - name: status
-    match:
-      path_prefix: /status
-    respond:
-      status: 200
-      body: "ok\n"
-  - name: dead
-    match:
-      path_prefix: /dead
-    upstream: dead
-  - name: slow
-    match:
-      path_prefix: /slow
-    upstream: slowup
-  - name: hop
-    match:
-      path_prefix: /hop-response
-    upstream: main
-  - name: api
-    match:
-      path_prefix: /api
-    upstream: main
-"#
-    )
+fn config(up: &str, closed_port: u16) -> Policy {
+    Policy::new()
+        .upstream(
+            "main",
+            UpstreamSpec::new(up).connect_timeout("2s").timeout("10s"),
+        )
+        .upstream(
+            "dead",
+            UpstreamSpec::new(&format!("http://127.0.0.1:{closed_port}"))
+                .connect_timeout("1s")
+                .timeout("5s"),
+        )
+        .upstream(
+            "slowup",
+            UpstreamSpec::new(up).connect_timeout("2s").timeout("300ms"),
+        )
+        .route(
+            Route::new("login", "/login")
+                .methods(["POST"])
+                .respond(201, "login\n"),
+        )
+        .route(Route::new("status", "/status").respond(200, "ok\n"))
+        .route(Route::new("dead", "/dead").upstream("dead"))
+        .route(Route::new("slow", "/slow").upstream("slowup"))
+        .route(Route::new("hop", "/hop-response").upstream("main"))
+        .route(Route::new("api", "/api").upstream("main"))
 }
 
 async fn setup() -> (Upstream, Sluice) {

@@ -7,25 +7,22 @@ use crate::support;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use support::{Redis, Sluice};
+use support::{Limit, OnStoreError, Policy, Redis, Route, Sluice};
 
 const TIMEOUT_MS: u64 = 200;
 
 async fn start(redis: &Redis) -> Sluice {
-    let yaml = format!(
-        r#"store:
-  redis: {{ url: "{}", timeout: {TIMEOUT_MS}ms, pool_size: 2 }}
-  on_store_error: deny
-routes:
-  - name: api
-    match: {{ path_prefix: / }}
-    respond: {{ status: 200, body: ok }}
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: 1000000, window: 1m }}
-"#,
-        redis.url()
-    );
-    Sluice::start(&yaml).await
+    let policy = Policy::new()
+        .store_redis(redis)
+        .redis_setting("timeout", format!("{TIMEOUT_MS}ms"))
+        .redis_setting("pool_size", 2)
+        .on_store_error(OnStoreError::Deny)
+        .route(
+            Route::new("api", "/")
+                .respond(200, "ok")
+                .limit(Limit::requests("per-key", 1_000_000, "1m").key(["header:x-api-key"])),
+        );
+    Sluice::start(&policy).await
 }
 
 /// Sends `count` requests, 16 at a time, and returns their statuses.

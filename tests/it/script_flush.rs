@@ -3,7 +3,7 @@
 
 use crate::support;
 
-use support::{metric_sum, parse_metrics, redis_store_yaml, Redis, Sluice, Upstream};
+use support::{metric_sum, parse_metrics, Limit, Policy, Redis, Route, Sluice, Upstream};
 
 async fn status(c: &reqwest::Client, url: &str, key: &str) -> u16 {
     c.get(url)
@@ -24,24 +24,16 @@ async fn store_errors(s: &Sluice) -> f64 {
 async fn decisions_survive_script_flush() {
     let redis = Redis::start().await;
     let up = Upstream::start().await;
-    let sluice = Sluice::start(&format!(
-        r#"{store}upstreams:
-  api:
-    url: "{up}"
-routes:
-  - name: default
-    match:
-      path_prefix: /
-    upstream: api
-    limits:
-      - name: per-key
-        key: ["header:x-api-key"]
-        requests: 5
-        window: 1m
-"#,
-        store = redis_store_yaml(&redis.url()),
-        up = up.url(),
-    ))
+    let sluice = Sluice::start(
+        &Policy::new()
+            .store_redis(&redis)
+            .upstream("api", up.url())
+            .route(
+                Route::new("default", "/")
+                    .upstream("api")
+                    .limit(Limit::requests("per-key", 5, "1m").key(["header:x-api-key"])),
+            ),
+    )
     .await;
     let c = support::client();
     let url = format!("{}/flush", sluice.url());

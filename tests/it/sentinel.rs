@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::{
-    closed_port, command_at, sluice_check, wait_for, write_config, Redis, SentinelCluster, Sluice,
-    Upstream, MASTER_NAME,
+    closed_port, command_at, sluice_check, wait_for, write_config, Limit, OnStoreError, Policy,
+    Redis, Route, SentinelCluster, Sluice, Upstream, MASTER_NAME,
 };
 
 /// The store timeout sluice is given; no request may take much longer than this.
@@ -25,41 +25,23 @@ const REQUEST_BOUND: Duration = Duration::from_millis(1_500);
 /// 0.1–0.2 s; the README states this bound.
 const SWITCH_BOUND: Duration = Duration::from_secs(1);
 
-fn config(nodes: &[String], upstream: &str) -> String {
-    let nodes = nodes
-        .iter()
-        .map(|n| format!("\"{n}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
-    format!(
-        r#"store:
-  redis:
-    sentinel:
-      master_name: {MASTER_NAME}
-      nodes: [{nodes}]
-    timeout: {STORE_TIMEOUT_MS}ms
-    pool_size: 2
-  # The exactness across a failover is measured in Redis: during the switch, `default`
-  # refuses (503) rather than deciding locally. `local` shows the default choice.
-  on_store_error: deny
-  key_prefix: sluice-test
-upstreams:
-  api:
-    url: "{upstream}"
-routes:
-  - name: local
-    match: {{ path_prefix: /local }}
-    upstream: api
-    on_store_error: local
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: 20, window: 5m }}
-  - name: default
-    match: {{ path_prefix: / }}
-    upstream: api
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: 20, window: 5m }}
-"#
-    )
+fn config(nodes: &[String], upstream: &str) -> Policy {
+    let per_key = || Limit::requests("per-key", 20, "5m").key(["header:x-api-key"]);
+    Policy::new()
+        .store_sentinel(MASTER_NAME, nodes)
+        .redis_setting("timeout", format!("{STORE_TIMEOUT_MS}ms"))
+        .redis_setting("pool_size", 2)
+        // The exactness across a failover is measured in Redis: during the switch, `default`
+        // refuses (503) rather than deciding locally. `local` shows the default choice.
+        .on_store_error(OnStoreError::Deny)
+        .upstream("api", upstream)
+        .route(
+            Route::new("local", "/local")
+                .upstream("api")
+                .on_store_error(OnStoreError::Local)
+                .limit(per_key()),
+        )
+        .route(Route::new("default", "/").upstream("api").limit(per_key()))
 }
 
 /// What one request of the steady load got.
@@ -454,17 +436,16 @@ async fn passwords_for_the_nodes_and_the_sentinels() {
     let cluster =
         SentinelCluster::start_with_passwords(Some("data-secret"), Some("sentinel-secret")).await;
     let up = Upstream::start().await;
-    let with_passwords = config(&cluster.nodes(), &up.url()).replace(
-        "      nodes:",
-        "      password: data-secret\n      sentinel_password: sentinel-secret\n      nodes:",
-    );
+    let with_passwords = config(&cluster.nodes(), &up.url())
+        .sentinel_setting("password", "data-secret")
+        .sentinel_setting("sentinel_password", "sentinel-secret");
     let sluice = Sluice::start(&with_passwords).await;
     let got = statuses(&sluice.url(), "/x", "k", 3).await;
     assert_eq!(got, vec![200; 3], "{}", sluice.log());
     assert_eq!(cluster.first_master.commandstat("evalsha").await, 3);
 
     // Without the sentinels' password no master is found, and limited requests get 503.
-    let without = with_passwords.replace("      sentinel_password: sentinel-secret\n", "");
+    let without = config(&cluster.nodes(), &up.url()).sentinel_setting("password", "data-secret");
     let refused = Sluice::start(&without).await;
     refused.expect_store_faults();
     assert_eq!(statuses(&refused.url(), "/x", "k", 2).await, vec![503; 2]);

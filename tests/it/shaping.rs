@@ -16,7 +16,10 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use support::{client, metric_sum, parse_metrics, Redis, Sluice, Store, StoreKind, Upstream};
+use support::{
+    client, metric_sum, parse_metrics, Limit, Policy, Redis, Route, Sluice, Store, StoreKind,
+    Upstream,
+};
 
 const SLACK: Duration = Duration::from_millis(80);
 
@@ -46,20 +49,39 @@ async fn decisions(sluices: &[Sluice], decision: &str) -> f64 {
     total
 }
 
-fn policy(store_yaml: &str, upstream: &Upstream, limit: &str, route_extra: &str) -> String {
-    format!(
-        "{store_yaml}upstreams:\n  api: {{ url: \"{}\" }}\nroutes:\n  - name: api\n    match: {{ path_prefix: / }}\n    upstream: api\n{route_extra}    limits:\n      - {limit}\n",
-        upstream.url()
-    )
+/// One route `api` to `upstream` with `limits`; `max_delayed`: the route's, if set.
+fn policy(
+    store: Policy,
+    upstream: &Upstream,
+    limits: Vec<Limit>,
+    max_delayed: Option<u32>,
+) -> Policy {
+    let mut route = Route::new("api", "/").upstream("api");
+    if let Some(max) = max_delayed {
+        route = route.set("max_delayed", max);
+    }
+    store
+        .upstream("api", upstream.url())
+        .route(limits.into_iter().fold(route, Route::limit))
+}
+
+/// `requests` per `window` by method, an over-limit request held up to `max_delay`.
+fn shaped(name: &str, requests: u32, window: &str, max_delay: &str) -> Limit {
+    Limit::requests(name, requests, window)
+        .key(["method"])
+        .delay(max_delay)
 }
 
 /// One instance on the in-process store, or two sharing one Redis.
-async fn instances(kind: StoreKind, yaml: impl Fn(&str) -> String) -> (Option<Redis>, Vec<Sluice>) {
+async fn instances(
+    kind: StoreKind,
+    yaml: impl Fn(Policy) -> Policy,
+) -> (Option<Redis>, Vec<Sluice>) {
     let store = Store::start(kind).await;
     let count = if store.redis.is_some() { 2 } else { 1 };
     let mut sluices = Vec::new();
     for _ in 0..count {
-        sluices.push(Sluice::start(&yaml(&store.yaml)).await);
+        sluices.push(Sluice::start(&yaml(Policy::new().store(&store))).await);
     }
     (store.redis, sluices)
 }
@@ -116,8 +138,9 @@ fn busiest_window(arrivals: &[Instant], length: Duration) -> usize {
 
 async fn a_shaped_flood_never_crowds_a_window(kind: StoreKind) {
     let upstream = Upstream::start().await;
-    let limit = "{ name: shaped, key: [method], requests: 5, window: 1s, on_exceed: delay, max_delay: 1500ms }";
-    let (_redis, sluices) = instances(kind, |s| policy(s, &upstream, limit, "")).await;
+    let limit = shaped("shaped", 5, "1s", "1500ms");
+    let (_redis, sluices) =
+        instances(kind, |s| policy(s, &upstream, vec![limit.clone()], None)).await;
     // 36 requests within about 0.5 s against 5 per second, held up to 1.5 s: about 5 now,
     // 10 held, the rest refused.
     let answers = flood(&sluices, 6, 6, Duration::from_millis(100)).await;
@@ -187,8 +210,9 @@ async fn a_shaped_flood_never_crowds_a_window_memory() {
 /// k forwarded requests in a row span at least (k − b)·T.
 async fn a_shaped_flood_keeps_gcra_spacing(kind: StoreKind) {
     let upstream = Upstream::start().await;
-    let limit = "{ name: shaped, key: [method], algorithm: gcra, requests: 5, window: 1s, burst: 2, on_exceed: delay, max_delay: 1s }";
-    let (_redis, sluices) = instances(kind, |s| policy(s, &upstream, limit, "")).await;
+    let limit = shaped("shaped", 5, "1s", "1s").algorithm("gcra").burst(2);
+    let (_redis, sluices) =
+        instances(kind, |s| policy(s, &upstream, vec![limit.clone()], None)).await;
     let answers = flood(&sluices, 5, 5, Duration::from_millis(80)).await;
     let forwarded = answers.iter().filter(|(s, _)| *s == 200).count();
     let mut arrivals = upstream.arrivals();
@@ -227,13 +251,13 @@ async fn a_shaped_flood_keeps_gcra_spacing_memory() {
 
 async fn max_delayed_bounds_the_requests_held(kind: StoreKind) {
     let upstream = Upstream::start().await;
-    let limit = "{ name: shaped, key: [method], requests: 1, window: 1s, on_exceed: delay, max_delay: 10s }";
+    let limit = shaped("shaped", 1, "1s", "10s");
     let store = Store::start(kind).await;
     let sluice = Sluice::start(&policy(
-        &store.yaml,
+        Policy::new().store(&store),
         &upstream,
-        limit,
-        "    max_delayed: 2\n",
+        vec![limit],
+        Some(2),
     ))
     .await;
     let c = client();
@@ -318,10 +342,15 @@ async fn max_delayed_bounds_the_requests_held_memory() {
 
 async fn a_held_client_that_leaves_gives_its_place_back(kind: StoreKind) {
     let upstream = Upstream::start().await;
-    let limit =
-        "{ name: shaped, key: [method], requests: 1, window: 2s, on_exceed: delay, max_delay: 5s }";
+    let limit = shaped("shaped", 1, "2s", "5s");
     let store = Store::start(kind).await;
-    let sluice = Sluice::start(&policy(&store.yaml, &upstream, limit, "")).await;
+    let sluice = Sluice::start(&policy(
+        Policy::new().store(&store),
+        &upstream,
+        vec![limit],
+        None,
+    ))
+    .await;
     let c = client();
     let started = Instant::now();
     assert_eq!(
@@ -391,9 +420,8 @@ async fn a_held_client_that_leaves_gives_its_place_back_memory() {
 async fn a_delayed_response_carries_the_fields_as_at_admission() {
     let _heavy = support::heavy().await;
     let upstream = Upstream::start().await;
-    let limit =
-        "{ name: shaped, key: [method], requests: 1, window: 1s, on_exceed: delay, max_delay: 2s }";
-    let sluice = Sluice::start(&policy("", &upstream, limit, "")).await;
+    let limit = shaped("shaped", 1, "1s", "2s");
+    let sluice = Sluice::start(&policy(Policy::new(), &upstream, vec![limit], None)).await;
     let c = client();
     c.get(format!("{}/a", sluice.url())).send().await.unwrap();
     let sent = Instant::now();
@@ -417,9 +445,19 @@ async fn a_delayed_response_carries_the_fields_as_at_admission() {
 /// is full.
 async fn several_limits_record_at_the_longest_wait(kind: StoreKind) {
     let upstream = Upstream::start().await;
-    let limits = "{ name: fast, key: [method], requests: 1, window: 1s, on_exceed: delay, max_delay: 5s }\n      - { name: slow, key: [method], requests: 1, window: 2s, on_exceed: delay, max_delay: 5s }\n      - { name: cap, key: [method], requests: 2, window: 1m }";
+    let limits = vec![
+        shaped("fast", 1, "1s", "5s"),
+        shaped("slow", 1, "2s", "5s"),
+        Limit::requests("cap", 2, "1m").key(["method"]),
+    ];
     let store = Store::start(kind).await;
-    let sluice = Sluice::start(&policy(&store.yaml, &upstream, limits, "")).await;
+    let sluice = Sluice::start(&policy(
+        Policy::new().store(&store),
+        &upstream,
+        limits,
+        None,
+    ))
+    .await;
     let c = client();
     let get = |path: &'static str| {
         let (c, url) = (c.clone(), format!("{}{path}", sluice.url()));

@@ -6,7 +6,7 @@ use crate::support;
 use std::io::ErrorKind;
 use std::time::{Duration, Instant};
 
-use support::{Sluice, Upstream};
+use support::{Policy, Route, Sluice, Upstream};
 
 /// How long the upstream takes to answer the request in flight: long enough that every check
 /// of the drain happens while it is still running, even on a slow machine.
@@ -15,17 +15,10 @@ const SLOW_MS: u64 = 4000;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_refuses_new_connections_while_requests_in_flight_finish() {
     let up = Upstream::start().await;
-    let yaml = format!(
-        r#"upstreams:
-  api: {{ url: "{}" }}
-routes:
-  - name: default
-    match: {{ path_prefix: / }}
-    upstream: api
-"#,
-        up.url()
-    );
-    let mut sluice = Sluice::start(&yaml).await;
+    let policy = Policy::new()
+        .upstream("api", up.url())
+        .route(Route::new("default", "/").upstream("api"));
+    let mut sluice = Sluice::start(&policy).await;
     let slow = tokio::spawn({
         let url = format!("{}/slow/{SLOW_MS}", sluice.url());
         let client = support::client();

@@ -27,7 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use support::grpc::{channel_body, h2c_client};
-use support::{metric_sum, parse_metrics, Sluice};
+use support::{metric_sum, parse_metrics, Policy, Route, Sluice};
 
 /// The body every trickling client announces; at one byte per [`TRICKLE`] it would take
 /// 100 s, far beyond every bound the tests wait for.
@@ -151,20 +151,19 @@ async fn serve_raw(mut stream: TcpStream, seen: Arc<Mutex<Vec<Seen>>>) {
 /// Four routes to one upstream: `/deadline/*` under `server.body_timeout` (1 s, no minimum
 /// rate), `/rate/*` with the route's own 60 s deadline and a 1 KiB/s minimum after the
 /// server's 1 s grace.
-fn config(upstream: SocketAddr) -> String {
-    let mut yaml = format!(
-        "server:\n  body_timeout: 1s\n  body_min_rate: 0\n  body_rate_grace: 1s\n\
-         upstreams:\n  raw:\n    url: http://{upstream}\nroutes:\n"
-    );
-    for (name, pace) in [
-        ("deadline", ""),
-        ("rate", "    body_timeout: 60s\n    body_min_rate: 1KiB\n"),
-    ] {
-        yaml.push_str(&format!(
-            "  - name: {name}\n    match: {{ path_prefix: /{name} }}\n    upstream: raw\n{pace}"
-        ));
-    }
-    yaml
+fn config(upstream: SocketAddr) -> Policy {
+    Policy::new()
+        .server("body_timeout", "1s")
+        .server("body_min_rate", 0)
+        .server("body_rate_grace", "1s")
+        .upstream("raw", format!("http://{upstream}"))
+        .route(Route::new("deadline", "/deadline").upstream("raw"))
+        .route(
+            Route::new("rate", "/rate")
+                .upstream("raw")
+                .set("body_timeout", "60s")
+                .set("body_min_rate", "1KiB"),
+        )
 }
 
 async fn refused_slow(sluice: &Sluice) -> f64 {

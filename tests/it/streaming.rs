@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use support::{pattern_chunk, pattern_matches, Sluice, Upstream};
+use support::{pattern_chunk, pattern_matches, Policy, Route, Sluice, Upstream, UpstreamSpec};
 
 const SIZE: u64 = 50 * 1024 * 1024;
 /// How much sluice's peak RSS may grow over a 50 MB transfer. Buffering the
@@ -15,20 +15,13 @@ const SIZE: u64 = 50 * 1024 * 1024;
 /// on growth, not on the absolute figure, which moves with the binary's size.
 const MAX_GROWTH_KB: u64 = 12 * 1024;
 
-fn config(up: &str) -> String {
-    format!(
-        r#"upstreams:
-  api:
-    url: "{up}"
-    connect_timeout: 2s
-    timeout: 60s
-routes:
-  - name: default
-    match:
-      path_prefix: /
-    upstream: api
-"#
-    )
+fn config(up: &str) -> Policy {
+    Policy::new()
+        .upstream(
+            "api",
+            UpstreamSpec::new(up).connect_timeout("2s").timeout("60s"),
+        )
+        .route(Route::new("default", "/").upstream("api"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

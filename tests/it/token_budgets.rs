@@ -12,18 +12,33 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use support::{
-    chat_body, client, closed_port, metric_sum, parse_metrics, LlmUpstream, Sluice, Store,
-    StoreKind,
+    chat_body, client, closed_port, metric_sum, parse_metrics, Limit, LlmUpstream, Node,
+    OnStoreError, Policy, Route, Sluice, Store, StoreKind, UpstreamSpec,
 };
 
 /// A route `/v1/` to `upstream_url` with one token limit, keyed by `x-api-key`.
-fn policy(store_yaml: &str, upstream_url: &str, tokens: u32, window: &str, settle: &str) -> String {
-    format!(
-        "{store_yaml}upstreams:\n  llm: {{ url: \"{upstream_url}\", timeout: 10s }}\nroutes:\n  - name: chat\n    match: {{ path_prefix: /v1/ }}\n    upstream: llm\n    limits:\n      - name: tpm\n        key: [header:x-api-key]\n        tokens: {tokens}\n        window: {window}\n        reserve: {{ default_output: 256, max_output: 4096, max_body: 16KiB }}\n        settle: {settle}\n"
-    )
+fn policy(store: Policy, upstream_url: &str, tokens: u32, window: &str, settle: Node) -> Policy {
+    let reserve = Node::map([
+        ("default_output", Node::from(256)),
+        ("max_output", Node::from(4096)),
+        ("max_body", Node::from("16KiB")),
+    ]);
+    store
+        .upstream("llm", UpstreamSpec::new(upstream_url).timeout("10s"))
+        .route(
+            Route::new("chat", "/v1/").upstream("llm").limit(
+                Limit::tokens("tpm", tokens, window)
+                    .key(["header:x-api-key"])
+                    .set("reserve", reserve)
+                    .set("settle", settle),
+            ),
+        )
 }
 
-const USAGE: &str = "{ from: usage }";
+/// Settled to the usage the answer's body reports.
+fn usage() -> Node {
+    Node::map([("from", "usage")])
+}
 
 async fn send(sluice: &Sluice, key: &str, body: String) -> reqwest::Response {
     client()
@@ -46,9 +61,9 @@ fn metric(metrics: &str, name: &str) -> f64 {
 
 /// Each request reserves about 4,150 of 6,000 tokens: a second one fits only once the first
 /// is settled to the 100 it used.
-async fn settlement_frees_the_unused_tokens(mode: &str, settle: &str) {
+async fn settlement_frees_the_unused_tokens(mode: &str, settle: Node) {
     let upstream = LlmUpstream::start().await;
-    let sluice = Sluice::start(&policy("", &upstream.url(), 6000, "1m", settle)).await;
+    let sluice = Sluice::start(&policy(Policy::new(), &upstream.url(), 6000, "1m", settle)).await;
     let mut reserved = 0;
     for n in 0..5 {
         let body = chat_body(4000, json!({"usage": 100, "mode": mode}));
@@ -90,22 +105,26 @@ async fn settlement_frees_the_unused_tokens(mode: &str, settle: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_json_usage_settles_the_reservation() {
-    settlement_frees_the_unused_tokens("json", USAGE).await;
+    settlement_frees_the_unused_tokens("json", usage()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_openai_event_stream_settles_the_reservation() {
-    settlement_frees_the_unused_tokens("sse", USAGE).await;
+    settlement_frees_the_unused_tokens("sse", usage()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_anthropic_event_stream_settles_the_reservation() {
-    settlement_frees_the_unused_tokens("anthropic", USAGE).await;
+    settlement_frees_the_unused_tokens("anthropic", usage()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_usage_header_settles_the_reservation() {
-    settlement_frees_the_unused_tokens("header", "{ from: header, header: x-tokens-used }").await;
+    settlement_frees_the_unused_tokens(
+        "header",
+        Node::map([("from", "header"), ("header", "x-tokens-used")]),
+    )
+    .await;
 }
 
 /// An answer without a figure (any status) keeps the whole reservation: the next request
@@ -113,7 +132,7 @@ async fn a_usage_header_settles_the_reservation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_figure_the_reservation_is_kept() {
     let upstream = LlmUpstream::start().await;
-    let sluice = Sluice::start(&policy("", &upstream.url(), 6000, "1m", USAGE)).await;
+    let sluice = Sluice::start(&policy(Policy::new(), &upstream.url(), 6000, "1m", usage())).await;
     let cases = [
         ("no-usage", json!({"mode": "none"}), 200),
         ("error", json!({"mode": "none", "status": 500}), 500),
@@ -142,7 +161,14 @@ async fn without_a_figure_the_reservation_is_kept() {
 async fn an_overrun_is_charged(kind: StoreKind) {
     let upstream = LlmUpstream::start().await;
     let store = Store::start(kind).await;
-    let sluice = Sluice::start(&policy(&store.yaml, &upstream.url(), 6000, "10s", USAGE)).await;
+    let sluice = Sluice::start(&policy(
+        Policy::new().store(&store),
+        &upstream.url(),
+        6000,
+        "10s",
+        usage(),
+    ))
+    .await;
     let mut excess = 0;
     for (key, mode, usage) in [
         ("json", "json", 5000),
@@ -215,7 +241,7 @@ async fn an_overrun_is_charged_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_upstream_gives_everything_back() {
     let down = format!("http://127.0.0.1:{}", closed_port());
-    let sluice = Sluice::start(&policy("", &down, 6000, "1m", USAGE)).await;
+    let sluice = Sluice::start(&policy(Policy::new(), &down, 6000, "1m", usage())).await;
     for n in 0..4 {
         let answer = send(&sluice, "k", chat_body(4000, json!({}))).await;
         assert_eq!(answer.status(), 502, "request {n}");
@@ -232,7 +258,7 @@ async fn an_unreachable_upstream_gives_everything_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_mid_stream_keeps_the_reservation() {
     let upstream = LlmUpstream::start().await;
-    let sluice = Sluice::start(&policy("", &upstream.url(), 6000, "1m", USAGE)).await;
+    let sluice = Sluice::start(&policy(Policy::new(), &upstream.url(), 6000, "1m", usage())).await;
     let body = chat_body(
         4000,
         json!({"mode": "sse", "usage": 100, "gate": true, "events": 5}),
@@ -263,7 +289,7 @@ async fn a_client_gone_mid_stream_keeps_the_reservation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreservable_requests_are_refused_with_a_problem() {
     let upstream = LlmUpstream::start().await;
-    let sluice = Sluice::start(&policy("", &upstream.url(), 3000, "1m", USAGE)).await;
+    let sluice = Sluice::start(&policy(Policy::new(), &upstream.url(), 3000, "1m", usage())).await;
     let too_big = chat_body(10, json!({"pad": "x".repeat(20 * 1024)}));
     let cases = [
         (too_big, 413, "larger than 16384 bytes"),
@@ -317,7 +343,7 @@ async fn unreservable_requests_are_refused_with_a_problem() {
 async fn streaming_stays_streaming_in_bounded_memory() {
     let _heavy = support::heavy().await;
     let upstream = LlmUpstream::start().await;
-    let sluice = Sluice::start(&policy("", &upstream.url(), 6000, "1m", USAGE)).await;
+    let sluice = Sluice::start(&policy(Policy::new(), &upstream.url(), 6000, "1m", usage())).await;
     // Warm up, so the peak below is the stream's, not the first connection's.
     let warm = send(&sluice, "warm", chat_body(100, json!({"mode": "sse"}))).await;
     warm.bytes().await.expect("the warm-up answer");
@@ -372,11 +398,11 @@ async fn concurrent_budgets_never_overshoot(kind: StoreKind) {
     for _ in 0..instances {
         sluices.push(
             Sluice::start(&policy(
-                &store.yaml,
+                Policy::new().store(&store),
                 &upstream.url(),
                 LIMIT as u32,
                 "3s",
-                USAGE,
+                usage(),
             ))
             .await,
         );
@@ -478,11 +504,16 @@ async fn concurrent_budgets_never_overshoot_memory() {
 async fn token_limits_in_different_cluster_slots_settle_in_each() {
     let cluster = support::RedisCluster::start().await;
     let upstream = LlmUpstream::start().await;
-    let yaml = format!(
-        "{}upstreams:\n  llm: {{ url: \"{}\", timeout: 10s }}\nroutes:\n  - name: chat\n    match: {{ path_prefix: /v1/ }}\n    upstream: llm\n    on_store_error: deny\n    limits:\n      - {{ name: tpm, key: [header:x-api-key], tokens: 6000, window: 1m }}\n      - {{ name: all, key: [], tokens: 7000, window: 1m }}\n",
-        cluster.store_yaml(),
-        upstream.url()
-    );
+    let yaml = Policy::new()
+        .store_cluster(&cluster)
+        .upstream("llm", UpstreamSpec::new(&upstream.url()).timeout("10s"))
+        .route(
+            Route::new("chat", "/v1/")
+                .upstream("llm")
+                .on_store_error(OnStoreError::Deny)
+                .limit(Limit::tokens("tpm", 6000, "1m").key(["header:x-api-key"]))
+                .limit(Limit::tokens("all", 7000, "1m").key([])),
+        );
     let sluice = Sluice::start(&yaml).await;
     let checks = [
         "sluice:chat:tpm:weighted_log:{h:x-api-key=k}",
@@ -517,10 +548,10 @@ async fn token_limits_in_different_cluster_slots_settle_in_each() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_daily_token_quota_settles_too() {
     let upstream = LlmUpstream::start().await;
-    let yaml = format!(
-        "upstreams:\n  llm: {{ url: \"{}\", timeout: 10s }}\nroutes:\n  - name: chat\n    match: {{ path_prefix: /v1/ }}\n    upstream: llm\n    limits:\n      - {{ name: tpm, key: [header:x-api-key], tokens: 6000, quota: day }}\n",
-        upstream.url()
-    );
+    let daily = Limit::tokens_quota("tpm", 6000, "day").key(["header:x-api-key"]);
+    let yaml = Policy::new()
+        .upstream("llm", UpstreamSpec::new(&upstream.url()).timeout("10s"))
+        .route(Route::new("chat", "/v1/").upstream("llm").limit(daily));
     let sluice = Sluice::start(&yaml).await;
     for n in 0..5 {
         let answer = send(
@@ -568,7 +599,7 @@ fn decoded(encoding: &str, bytes: &[u8]) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compressed_answers_settle_to_their_usage() {
     let upstream = LlmUpstream::start().await;
-    let sluice = Sluice::start(&policy("", &upstream.url(), 6000, "1m", USAGE)).await;
+    let sluice = Sluice::start(&policy(Policy::new(), &upstream.url(), 6000, "1m", usage())).await;
     let mut answers = 0;
     for encoding in ["gzip", "deflate", "deflate-raw", "br", "zstd"] {
         for mode in ["json", "sse", "anthropic"] {
@@ -626,7 +657,7 @@ async fn compressed_answers_settle_to_their_usage() {
 async fn a_decompression_bomb_keeps_the_reservation_in_bounded_memory() {
     let _heavy = support::heavy().await;
     let upstream = LlmUpstream::start().await;
-    let sluice = Sluice::start(&policy("", &upstream.url(), 6000, "1m", USAGE)).await;
+    let sluice = Sluice::start(&policy(Policy::new(), &upstream.url(), 6000, "1m", usage())).await;
     let warm = send(&sluice, "warm", chat_body(100, json!({"encoding": "gzip"}))).await;
     warm.bytes().await.expect("the warm-up answer");
     let peak_before = sluice.peak_rss_kb();

@@ -15,12 +15,12 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
 use support::websocket::{Client, EchoServer, Ended};
-use support::{metric_sum, parse_metrics, Sluice};
+use support::{metric_sum, parse_metrics, Limit, Policy, Route, Sluice, UpstreamSpec};
 
 /// Generous bound on each step.
 const STEP: Duration = Duration::from_secs(10);
 
-fn config(upstream: SocketAddr, requests: u32, idle_timeout: &str) -> String {
+fn config(upstream: SocketAddr, requests: u32, idle_timeout: &str) -> Policy {
     config_with(upstream, requests, idle_timeout, 10_000)
 }
 
@@ -29,28 +29,20 @@ fn config_with(
     requests: u32,
     idle_timeout: &str,
     max_connections: u32,
-) -> String {
-    format!(
-        r#"server:
-  idle_timeout: {idle_timeout}
-  max_connections: {max_connections}
-  shutdown_grace: 3s
-upstreams:
-  echo:
-    url: "http://{upstream}"
-    timeout: 10s
-routes:
-  - name: ws
-    match:
-      path_prefix: /ws
-    upstream: echo
-    limits:
-      - name: upgrades
-        key: [client_ip]
-        requests: {requests}
-        window: 1m
-"#
-    )
+) -> Policy {
+    Policy::new()
+        .server("idle_timeout", idle_timeout)
+        .server("max_connections", max_connections)
+        .server("shutdown_grace", "3s")
+        .upstream(
+            "echo",
+            UpstreamSpec::new(&format!("http://{upstream}")).timeout("10s"),
+        )
+        .route(
+            Route::new("ws", "/ws")
+                .upstream("echo")
+                .limit(Limit::requests("upgrades", requests, "1m")),
+        )
 }
 
 async fn connect(sluice: &Sluice, path: &str) -> Result<Client, WsError> {

@@ -8,27 +8,19 @@ use crate::support;
 use std::time::{Duration, Instant};
 
 use support::wire::{NoResponse, Wire};
-use support::{metric_sum, parse_metrics, Sluice, Upstream};
+use support::{metric_sum, parse_metrics, Policy, Route, Sluice, Upstream, UpstreamSpec};
 
 /// Generous bound for one answer on a shared 2-core machine.
 const WITHIN: Duration = Duration::from_secs(10);
 
-fn config(up: &str, server: &str) -> String {
-    format!(
-        r#"server:
-{server}
-upstreams:
-  api:
-    url: "{up}"
-    connect_timeout: 2s
-    timeout: 10s
-routes:
-  - name: default
-    match:
-      path_prefix: /
-    upstream: api
-"#
-    )
+/// `server` adds the test's `server:` settings.
+fn config(up: &str, server: impl FnOnce(Policy) -> Policy) -> Policy {
+    server(Policy::new())
+        .upstream(
+            "api",
+            UpstreamSpec::new(up).connect_timeout("2s").timeout("10s"),
+        )
+        .route(Route::new("default", "/").upstream("api"))
 }
 
 fn get(path: &str) -> Vec<u8> {
@@ -51,7 +43,7 @@ async fn accepted_by(sluice: &Sluice, worker: &str) -> f64 {
 #[tokio::test]
 async fn with_two_workers_both_accept_and_serve_connections() {
     let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&up.url(), "  workers: 2")).await;
+    let sluice = Sluice::start(&config(&up.url(), |p| p.server("workers", 2))).await;
     for i in 0..40 {
         let mut wire = Wire::connect(sluice.addr()).await;
         wire.send(&get(&format!("/spread/{i}"))).await.unwrap();
@@ -75,7 +67,10 @@ async fn with_two_workers_both_accept_and_serve_connections() {
 #[tokio::test]
 async fn max_connections_bounds_all_workers_together() {
     let up = Upstream::start().await;
-    let sluice = Sluice::start(&config(&up.url(), "  workers: 2\n  max_connections: 3")).await;
+    let sluice = Sluice::start(&config(&up.url(), |p| {
+        p.server("workers", 2).server("max_connections", 3)
+    }))
+    .await;
     let mut held = Vec::new();
     for i in 0..3 {
         let mut wire = Wire::connect(sluice.addr()).await;

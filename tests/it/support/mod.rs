@@ -3,6 +3,8 @@
 //!   `MONITOR`, and the store (Redis or in-process) a limit test runs against;
 //! - [`sentinel`] and [`cluster`]: Redis Sentinel and Redis Cluster setups of real processes;
 //! - [`upstream`]: the fake HTTP backend (in-process hyper on 127.0.0.1);
+//! - [`policy`]: a typed builder for the policy files tests run sluice with, written out as
+//!   YAML; a built policy tells the harness whether it uses Redis;
 //! - [`sluice_process`]: the `sluice` binary itself, spawned as a child process with a YAML
 //!   config written to a temporary file, with the store guard its `Drop` runs;
 //! - [`metrics`] and [`ratelimit_fields`]: parsing what sluice answers;
@@ -19,6 +21,7 @@ pub mod cluster;
 pub mod grpc;
 pub mod llm_upstream;
 pub mod metrics;
+pub mod policy;
 pub mod ratelimit_fields;
 pub mod redis_server;
 pub mod sentinel;
@@ -30,6 +33,7 @@ pub mod wire;
 pub use cluster::*;
 pub use llm_upstream::{chat_body, LlmUpstream};
 pub use metrics::*;
+pub use policy::{Limit, Node, OnStoreError, Policy, Route, UpstreamSpec};
 pub use ratelimit_fields::*;
 pub use redis_server::*;
 pub use sentinel::*;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{client, free_port, metric_sum, parse_metrics, samples};
+use super::{client, free_port, metric_sum, parse_metrics, samples, Policy};
 
 /// Path of the sluice binary under test.
 pub const SLUICE_BIN: &str = env!("CARGO_BIN_EXE_sluice");
@@ -34,14 +34,16 @@ impl Sluice {
     /// config file, start sluice and wait (up to 15 s) for `/healthz` = 200.
     /// A port picked free can be taken by another test before sluice binds it;
     /// when sluice says it cannot listen, it is started again on new ports.
-    pub async fn start(yaml_rest: &str) -> Sluice {
-        Sluice::start_with_env(yaml_rest, &[]).await
+    /// `config` is a [`Policy`] (built, it says whether it uses Redis) or a raw YAML string.
+    pub async fn start(config: impl Into<SluiceConfig>) -> Sluice {
+        Sluice::start_with_env(config, &[]).await
     }
 
     /// As `start`, with these environment variables set for sluice.
-    pub async fn start_with_env(yaml_rest: &str, env: &[(&str, &str)]) -> Sluice {
+    pub async fn start_with_env(config: impl Into<SluiceConfig>, env: &[(&str, &str)]) -> Sluice {
+        let config = config.into();
         for attempt in 1..=3 {
-            match Sluice::try_start(yaml_rest, env).await {
+            match Sluice::try_start(&config, env).await {
                 Ok(sluice) => return sluice,
                 Err(log) if attempt < 3 && log.contains("cannot listen on") => {
                     eprintln!("sluice could not listen; retrying on other ports:\n{log}");
@@ -53,7 +55,8 @@ impl Sluice {
     }
 
     /// Starts sluice; `Err(log)` if it exits during startup.
-    async fn try_start(yaml_rest: &str, env: &[(&str, &str)]) -> Result<Sluice, String> {
+    async fn try_start(start: &SluiceConfig, env: &[(&str, &str)]) -> Result<Sluice, String> {
+        let yaml_rest = &start.yaml;
         let dir = tempfile::tempdir().expect("tempdir for sluice");
         let port = free_port();
         let mut admin_port = free_port();
@@ -83,7 +86,7 @@ impl Sluice {
             dir,
             config_path,
             log_path,
-            redis_store: names_redis_store(yaml_rest),
+            redis_store: start.redis_store,
             store_faults_expected: std::sync::atomic::AtomicBool::new(false),
         };
         let c = client();
@@ -273,7 +276,52 @@ impl Sluice {
     }
 }
 
-/// Whether a config's `store:` section names Redis (`redis:` standalone, Sentinel or Cluster).
+/// What `Sluice::start` runs: a policy file's text (without `listen` and `admin_listen`) and
+/// whether its store is Redis, for the end-of-test guard.
+pub struct SluiceConfig {
+    yaml: String,
+    redis_store: bool,
+}
+
+impl From<&Policy> for SluiceConfig {
+    fn from(policy: &Policy) -> SluiceConfig {
+        SluiceConfig {
+            yaml: policy.to_yaml(),
+            redis_store: policy.uses_redis(),
+        }
+    }
+}
+
+impl From<Policy> for SluiceConfig {
+    fn from(policy: Policy) -> SluiceConfig {
+        SluiceConfig::from(&policy)
+    }
+}
+
+/// A raw YAML string, for the tests that remain written that way: whether it uses Redis is
+/// read from its `store:` section.
+impl From<&str> for SluiceConfig {
+    fn from(yaml: &str) -> SluiceConfig {
+        SluiceConfig {
+            yaml: yaml.to_owned(),
+            redis_store: names_redis_store(yaml),
+        }
+    }
+}
+
+impl From<&String> for SluiceConfig {
+    fn from(yaml: &String) -> SluiceConfig {
+        SluiceConfig::from(yaml.as_str())
+    }
+}
+
+impl From<String> for SluiceConfig {
+    fn from(yaml: String) -> SluiceConfig {
+        SluiceConfig::from(yaml.as_str())
+    }
+}
+
+/// Whether a raw config's `store:` section names Redis (`redis:` standalone, Sentinel or Cluster).
 fn names_redis_store(yaml: &str) -> bool {
     let mut in_store = false;
     for line in yaml.lines() {
