@@ -152,7 +152,14 @@ async fn counted_for(
     let route = policy
         .route(&head.method, head.uri.path())
         .expect("a route");
-    let plan = crate::plan::plan_identified(&policy, route, &head, PEER.ip(), None);
+    let plan = crate::request::checks::from_head(
+        &policy,
+        route,
+        &head,
+        PEER.ip(),
+        None,
+        crate::request::Now::read().calendar,
+    );
     let mut counts = Vec::new();
     for check in &plan.checks {
         let (peek, _) = gateway
@@ -280,10 +287,10 @@ async fn identify_rejects_a_missing_token_and_keys_a_valid_one_by_its_claim() {
     let file = std::path::Path::new("t.yaml");
     let config = crate::config::parse(&yaml, file).expect("a valid config");
     // The verifiers' keys are read from their files by the caller of `compile_with`.
-    let verifiers = crate::identity::Verifiers::load(&config.jwt, file).expect("the keys");
+    let verifiers = crate::jwt::Verifiers::load(&config.jwt, file).expect("the keys");
     let metrics = Metrics::new().expect("metrics");
     let tls = crate::tls::UpstreamTlsSet::default();
-    let policy = Policy::compile_with(&config, file, &tls, &verifiers)
+    let policy = Policy::compile(&config, file, &tls, &verifiers)
         .expect("a valid policy")
         .metered(&metrics);
     let store = crate::limiter::Store::local(1000, &metrics);
@@ -653,7 +660,7 @@ fn every_stop_has_its_status_and_fault() {
         ),
         (Stop::NoRoute, StatusCode::NOT_FOUND, Fault::Client),
         (
-            Stop::Unauthenticated(crate::identity::Invalid::Missing),
+            Stop::Unauthenticated(crate::jwt::Invalid::Missing),
             StatusCode::UNAUTHORIZED,
             Fault::Client,
         ),
