@@ -1440,7 +1440,7 @@ def scaling(opts: Options, servers: Servers, state: Path, redis: Redis, up_port:
     for t, _, _ in targets:
         servers.stop(t.server)
 
-    identities = (1_000,) if smoke else SCALING_IDENTITIES
+    identities = (200, 1_000) if smoke else SCALING_IDENTITIES  # smoke: the copies too
     for algorithm, extra in REDIS_ALGORITHMS.items():
         out["memory"][algorithm] = redis_memory(opts, servers, state, redis, up_port, algorithm,
                                                 extra, identities)

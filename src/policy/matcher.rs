@@ -158,12 +158,15 @@ pub struct RouteIndex {
 struct Node {
     /// The routes whose prefix ends at this node, in file order.
     routes: Vec<usize>,
-    /// Literal segments, by the hash of their lower-cased bytes: the lower-cased segment and
-    /// its node (several only when hashes collide).
-    children: HashMap<u64, Vec<(Box<[u8]>, usize)>>,
+    /// Literal segments, by the hash of their lower-cased bytes (several only when hashes
+    /// collide).
+    children: HashMap<u64, Vec<Edge>>,
     /// The node after a parameter segment, which takes any one non-empty segment.
     param: Option<usize>,
 }
+
+/// A literal segment, lower-cased, and the node it leads to.
+type Edge = (Box<[u8]>, usize);
 
 impl RouteIndex {
     /// The index of these matchers; route `i` is the `i`-th.

@@ -37,8 +37,8 @@ use hyper::client::conn::http1::{self as client, SendRequest};
 use hyper::server::conn::http1 as server;
 use hyper::{Request, Response, StatusCode, Uri};
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use socket2::{Domain, Socket, Type};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -319,7 +319,10 @@ async fn decide(
     key.extend_from_slice(start.to_string().as_bytes());
     let mut commands = Vec::with_capacity(2 * key.len() + 64);
     encode(&mut commands, &[b"INCRBY", &key, b"1"]);
-    encode(&mut commands, &[b"EXPIRE", &key, args.window.to_string().as_bytes()]);
+    encode(
+        &mut commands,
+        &[b"EXPIRE", &key, args.window.to_string().as_bytes()],
+    );
     let (tx, rx) = oneshot::channel();
     redis
         .send(Decision {
