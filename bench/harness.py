@@ -1403,15 +1403,16 @@ def scaling_rounds(opts: Options, redis: Redis, targets: list[tuple[Target, str,
     return runs
 
 
-def scaling(opts: Options, servers: Servers, state: Path, redis: Redis, up_port: int) -> dict:
+def scaling(opts: Options, servers: Servers, state: Path, redis: Redis, up_port: int,
+            parts: tuple[str, ...] = ("routes", "limits", "memory")) -> dict:
     """sluice's CPU per request as routes and limits per route grow, and Redis's memory per
-    identity per algorithm as identities grow."""
+    identity per algorithm as identities grow (the `parts` asked for)."""
     smoke = opts.smoke
     rounds, duration = (1, 1) if smoke else (opts.rounds, opts.duration)
     out: dict = {"rounds": rounds, "duration": duration, "routes": {}, "limits": {},
                  "memory": {}}
     route_counts = (10, 1_000) if smoke else SCALING_ROUTES
-    for kind, (pattern, path) in ROUTE_KINDS.items():
+    for kind, (pattern, path) in ROUTE_KINDS.items() if "routes" in parts else ():
         progress(f"scaling: routes matched by {kind} ({', '.join(map(str, route_counts))})")
         targets = []
         for n in route_counts:
@@ -1426,6 +1427,8 @@ def scaling(opts: Options, servers: Servers, state: Path, redis: Redis, up_port:
             servers.stop(t.server)
 
     limit_counts = (1, 8) if smoke else SCALING_LIMITS
+    if "limits" not in parts:
+        limit_counts = ()
     progress(f"scaling: limits per route ({', '.join(map(str, limit_counts))}), in-process, admit")
     targets = []
     for k in limit_counts:
@@ -1435,13 +1438,13 @@ def scaling(opts: Options, servers: Servers, state: Path, redis: Redis, up_port:
         yaml = scaling_yaml(port, admin, up_port, local_store(max_keys=1_000_000), ["/"], limits)
         targets.append((start_scaling_sluice(servers, state, f"limits-{k}", yaml, port, admin),
                         "admit", "/"))
-    runs = scaling_rounds(opts, redis, targets, rounds, duration)
+    runs = scaling_rounds(opts, redis, targets, rounds, duration) if targets else {}
     out["limits"] = {k: runs[t.name] for k, (t, _, _) in zip(limit_counts, targets)}
     for t, _, _ in targets:
         servers.stop(t.server)
 
     identities = (200, 1_000) if smoke else SCALING_IDENTITIES  # smoke: the copies too
-    for algorithm, extra in REDIS_ALGORITHMS.items():
+    for algorithm, extra in REDIS_ALGORITHMS.items() if "memory" in parts else ():
         out["memory"][algorithm] = redis_memory(opts, servers, state, redis, up_port, algorithm,
                                                 extra, identities)
     return out
@@ -1598,7 +1601,7 @@ def scaling_text(sc: dict) -> str:
     lines += ["", "Limits per route (in-process store, admit: 10 000 keys, every limit keyed "
               "by `x-api-key`):", ""]
     rows = []
-    base = sc["limits"][min(sc["limits"])]
+    base = sc["limits"][min(sc["limits"])] if sc["limits"] else []
     for k, runs in sc["limits"].items():
         rows.append([f"{k}", f"{statistics.median(r.rps for r in runs):,.0f}", f"{cpu(runs):.1f}",
                      f"[{min(per_round(runs)):.1f}–{max(per_round(runs)):.1f}]", vs(runs, base)])
@@ -2320,6 +2323,8 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
                    help="skip the scaling step (routes, limits per route, Redis memory per "
                    "identity)")
     p.add_argument("--scaling-only", action="store_true", help="only the scaling step")
+    p.add_argument("--scaling-parts", default="routes,limits,memory",
+                   help="the scaling step's parts (default routes,limits,memory)")
     p.add_argument("--no-tokens", action="store_true",
                    help="skip the streamed-token step")
     p.add_argument("--tokens-only", action="store_true",
@@ -2446,7 +2451,8 @@ def main(argv: list[str]) -> int:
         if a.tokens_only or (not a.no_tokens and not one_step and opts.only is None):
             toks = token_streams(opts, servers, state, redis)
         if a.scaling_only or (not a.no_scaling and not one_step and opts.only is None):
-            scale = scaling(opts, servers, state, redis, up_port)
+            scale = scaling(opts, servers, state, redis, up_port,
+                            tuple(a.scaling_parts.split(",")))
         if opts.smoke and not one_step and opts.only is None:
             # The A/B mode's own code, checked with this binary against itself.
             self_ab = ab(opts, servers, state, redis, up_port, upstream, SLUICE_BIN, SLUICE_BIN,
