@@ -6,7 +6,8 @@ state directory and then runs this file; run it through run.sh, not by hand. Sta
 only.
 
 What it does, in order:
-  1. starts Redis, the upstream (nginx `return 200`, 1 worker) and every target on free
+  1. starts Redis, the upstream (nginx `return 200`, 1 worker) and every target (the peers,
+     the bare-hyper floor of bench/floor, sluice per store and algorithm) on free
      loopback ports, from the templates in bench/peers/ and bench/sluice/, and checks each
      answers as configured (limited targets must answer 429 past the limit);
   2. warms every target up (not in --smoke);
@@ -16,7 +17,8 @@ What it does, in order:
   4. the pinned layout: nginx, Traefik and sluice again with one worker each, alone on one
      CPU, wrk + the upstream + Redis on the other (taskset), admit and flood;
   5. measures Redis's memory per sliding-log key and sluice's resident memory per tracked key,
-     the shaped flood and count-by-outcome, and what logging costs under a flood;
+     the shaped flood and count-by-outcome, what logging costs under a flood, streamed
+     tokens, and how cost grows (routes, limits per route, Redis memory per identity);
   6. prints the tables (CPU per request split into user and kernel, issue 20's targets with
      PASS/MISS, the Redis path per algorithm; for each layout) and the PASS/FAIL lines, and
      (full runs only) writes bench/RESULTS.md.
