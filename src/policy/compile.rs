@@ -135,7 +135,7 @@ impl Compiled {
                 }
             })
             .collect();
-        let index = RouteIndex::new(&routes);
+        let index = RouteIndex::new(routes.iter().map(|route| &route.matcher));
         let connection_guarded = fields::connection_guarded(
             &routes,
             !config.trusted_proxies.is_empty(),

@@ -1,79 +1,21 @@
-//! The route index: which routes can match a path, found by its first segment.
-
-use std::collections::HashMap;
+//! Finding a request's route: the first route in file order whose matcher takes it, looked
+//! up through the trie of the routes' prefixes (`matcher::RouteIndex`), so routing costs the
+//! same with 10 routes or 10,000 (bench/RESULTS.md, "How cost grows with the work").
 
 use http::Method;
 
+pub(super) use super::matcher::RouteIndex;
 use super::{Metering, Policy, Route};
-
-/// Which routes can match a path, by its first segment, so that routing costs a hash lookup
-/// and a few comparisons however many routes there are. Prefixes match whole segments, so a
-/// route whose prefix starts with segment `api` can only match a path whose first segment is
-/// `api` (ASCII case aside); a prefix of `/` can match any path.
-pub(super) struct RouteIndex {
-    /// By the ASCII lower-cased first segment: the routes starting with it and the routes
-    /// matching any path, in file order.
-    by_segment: HashMap<Vec<u8>, Vec<usize>>,
-    /// The routes matching any path, for every other first segment.
-    any_path: Vec<usize>,
-}
-
-/// First segments up to this length are looked up without allocating; longer ones (rare)
-/// are matched against every route.
-const INDEXED_SEGMENT_LEN: usize = 64;
-
-impl RouteIndex {
-    pub(super) fn new<M: Metering>(routes: &[Route<M>]) -> RouteIndex {
-        let any_path: Vec<usize> = (0..routes.len())
-            .filter(|&i| routes[i].matcher.first_segment().is_none())
-            .collect();
-        let mut by_segment: HashMap<Vec<u8>, Vec<usize>> = HashMap::new();
-        for route in routes {
-            if let Some(segment) = route.matcher.first_segment() {
-                by_segment
-                    .entry(segment.to_ascii_lowercase().into_bytes())
-                    .or_default();
-            }
-        }
-        for (segment, candidates) in &mut by_segment {
-            candidates.extend((0..routes.len()).filter(
-                |&i| match routes[i].matcher.first_segment() {
-                    None => true,
-                    Some(first) => first.as_bytes().eq_ignore_ascii_case(segment),
-                },
-            ));
-        }
-        RouteIndex {
-            by_segment,
-            any_path,
-        }
-    }
-
-    /// The routes to try for `path`, in file order; `None`: try every route.
-    fn candidates(&self, path: &str) -> Option<&[usize]> {
-        let rest = path.strip_prefix('/').unwrap_or(path);
-        let segment = rest.split('/').next().unwrap_or(rest).as_bytes();
-        if segment.len() > INDEXED_SEGMENT_LEN {
-            return None;
-        }
-        let mut lower = [0u8; INDEXED_SEGMENT_LEN];
-        let lower = &mut lower[..segment.len()];
-        lower.copy_from_slice(segment);
-        lower.make_ascii_lowercase();
-        Some(self.by_segment.get(&*lower).unwrap_or(&self.any_path))
-    }
-}
 
 impl<M: Metering> Policy<M> {
     /// The first route, in file order, that matches the request. `path` is canonical (see
     /// `crate::path::normalize`); its `;` parameters are ignored here.
     pub fn route(&self, method: &Method, path: &str) -> Option<&Route<M>> {
         let path = crate::path::without_parameters(path);
-        let matches = |route: &&Route<M>| route.matcher.matches(method, &path);
-        match self.index.candidates(&path) {
-            Some(candidates) => candidates.iter().map(|&i| &self.routes[i]).find(matches),
-            None => self.routes.iter().find(matches),
-        }
+        let first = self
+            .index
+            .first(&path, |i| self.routes[i].matcher.matches(method, &path))?;
+        self.routes.get(first)
     }
 }
 

@@ -4,6 +4,13 @@
 //!
 //! A prefix may have parameter segments, `/users/{id}/orders`: `{id}` takes any one non-empty
 //! segment, whose value a limit can key on (`param:id`).
+//!
+//! [`RouteIndex`] finds the first route, in file order, whose matcher takes a request, in time
+//! that grows with the path's segments and not with the number of routes: a trie of the
+//! prefixes' segments, walked along the path.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher, RandomState};
 
 use http::Method;
 
@@ -61,14 +68,6 @@ impl Matcher {
     /// Whether the prefix is compared case-sensitively.
     pub fn case_sensitive(&self) -> bool {
         self.case_sensitive
-    }
-
-    /// The first segment of the prefix, which a request's path must start with for this route
-    /// to match; `None` when the prefix is `/` or starts with a parameter (any first segment).
-    pub fn first_segment(&self) -> Option<&str> {
-        let rest = self.path_prefix.strip_prefix('/')?;
-        let segment = rest.split('/').next().unwrap_or(rest);
-        (!segment.is_empty() && param_name(segment).is_none()).then_some(segment)
     }
 
     /// The names of the prefix's parameters.
@@ -138,6 +137,148 @@ impl Matcher {
     }
 }
 
+/// Which routes can match a path: a trie of the routes' prefixes, one edge per segment
+/// (ASCII lower-cased, as prefixes are compared case-insensitively unless a route asks
+/// otherwise), with a parameter segment as one wildcard edge per node. A prefix matches whole
+/// segments, so a route whose prefix is `/a/b` can only take a path whose first segments are
+/// `a` and `b` (ASCII case aside), and it sits on the node that walking `a`, `b` reaches.
+/// Walking a path visits at most one literal child and one wildcard child per segment, and
+/// each visited node's routes are checked with their full [`Matcher`] (case, trailing `/`,
+/// methods), so the index only narrows which routes are tried; the answer is the lowest route
+/// number that matches, which is the first route in file order, as a scan of every route
+/// would find. Before it (issue 29), the routes were indexed by their first segment only, and
+/// routes sharing one (`/api/v1/...` ×N) were scanned one by one.
+pub struct RouteIndex {
+    nodes: Vec<Node>,
+    /// Keys the segment hashes: a client cannot choose segments that collide.
+    hasher: RandomState,
+}
+
+#[derive(Default)]
+struct Node {
+    /// The routes whose prefix ends at this node, in file order.
+    routes: Vec<usize>,
+    /// Literal segments, by the hash of their lower-cased bytes (several only when hashes
+    /// collide).
+    children: HashMap<u64, Vec<Edge>>,
+    /// The node after a parameter segment, which takes any one non-empty segment.
+    param: Option<usize>,
+}
+
+/// A literal segment, lower-cased, and the node it leads to.
+type Edge = (Box<[u8]>, usize);
+
+impl RouteIndex {
+    /// The index of these matchers; route `i` is the `i`-th.
+    pub fn new<'m>(matchers: impl IntoIterator<Item = &'m Matcher>) -> RouteIndex {
+        let mut index = RouteIndex {
+            nodes: vec![Node::default()],
+            hasher: RandomState::new(),
+        };
+        for (route, matcher) in matchers.into_iter().enumerate() {
+            let mut node = 0;
+            for segment in matcher.path_prefix.split('/').filter(|s| !s.is_empty()) {
+                node = match param_name(segment) {
+                    Some(_) => index.param_child(node),
+                    None => index.literal_child(node, segment.as_bytes()),
+                };
+            }
+            index.nodes[node].routes.push(route);
+        }
+        index
+    }
+
+    fn param_child(&mut self, node: usize) -> usize {
+        if let Some(child) = self.nodes[node].param {
+            return child;
+        }
+        let child = self.nodes.len();
+        self.nodes.push(Node::default());
+        self.nodes[node].param = Some(child);
+        child
+    }
+
+    fn literal_child(&mut self, node: usize, segment: &[u8]) -> usize {
+        if let Some(child) = self.literal(node, segment) {
+            return child;
+        }
+        let child = self.nodes.len();
+        let hash = self.fold_hash(segment);
+        self.nodes.push(Node::default());
+        self.nodes[node]
+            .children
+            .entry(hash)
+            .or_default()
+            .push((segment.to_ascii_lowercase().into_boxed_slice(), child));
+        child
+    }
+
+    /// The child of `node` for literal `segment`, ASCII case aside.
+    fn literal(&self, node: usize, segment: &[u8]) -> Option<usize> {
+        let same = self.nodes[node].children.get(&self.fold_hash(segment))?;
+        same.iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(segment))
+            .map(|&(_, child)| child)
+    }
+
+    /// The hash of `segment` lower-cased, without allocating: lower-cased through a small
+    /// buffer, chunk by chunk.
+    fn fold_hash(&self, segment: &[u8]) -> u64 {
+        let mut hasher = self.hasher.build_hasher();
+        let mut buffer = [0u8; 32];
+        for chunk in segment.chunks(buffer.len()) {
+            let lower = &mut buffer[..chunk.len()];
+            lower.copy_from_slice(chunk);
+            lower.make_ascii_lowercase();
+            hasher.write(lower);
+        }
+        hasher.write_usize(segment.len());
+        hasher.finish()
+    }
+
+    /// The lowest route number for which `matches` holds, among the routes whose prefix's
+    /// segments begin `path`'s (canonical, without `;` parameters); `matches(i)` is asked of
+    /// those only, and only of numbers below the best found so far.
+    pub fn first(&self, path: &str, mut matches: impl FnMut(usize) -> bool) -> Option<usize> {
+        let mut best = None;
+        self.walk(0, path, &mut matches, &mut best);
+        best
+    }
+
+    fn walk(
+        &self,
+        node: usize,
+        rest: &str,
+        matches: &mut impl FnMut(usize) -> bool,
+        best: &mut Option<usize>,
+    ) {
+        let here = &self.nodes[node];
+        for &route in &here.routes {
+            if best.is_some_and(|b| route >= b) {
+                break;
+            }
+            if matches(route) {
+                *best = Some(route);
+                break;
+            }
+        }
+        let rest = rest.trim_start_matches('/');
+        if rest.is_empty() {
+            return;
+        }
+        let end = rest.find('/').unwrap_or(rest.len());
+        let (segment, rest) = rest.split_at(end);
+        if let Some(child) = here.param {
+            self.walk(child, rest, matches, best);
+        }
+        if !here.children.is_empty() {
+            if let Some(child) = self.literal(node, segment.as_bytes()) {
+                self.walk(child, rest, matches, best);
+            }
+        }
+    }
+}
+
 /// `{id}` → `id`.
 fn param_name(segment: &str) -> Option<&str> {
     segment.strip_prefix('{')?.strip_suffix('}')
@@ -181,9 +322,7 @@ mod tests {
         assert_eq!(orders.param("/users/42/orders/7", "id"), Some("42"));
         assert_eq!(orders.param("/users/42/orders", "other"), None);
         assert_eq!(orders.params().collect::<Vec<_>>(), ["id"]);
-        assert_eq!(orders.first_segment(), Some("users"));
         let any = matcher("/{tenant}/api", &[]);
-        assert_eq!(any.first_segment(), None);
         assert!(any.matches(&Method::GET, "/acme/api/x"));
     }
 
@@ -221,5 +360,122 @@ mod tests {
         let login = matcher("/login", &[Method::POST]);
         assert!(login.matches(&Method::POST, "/login"));
         assert!(!login.matches(&Method::GET, "/login"));
+    }
+
+    fn index_first(
+        index: &RouteIndex,
+        routes: &[Matcher],
+        method: &Method,
+        path: &str,
+    ) -> Option<usize> {
+        index.first(path, |i| routes[i].matches(method, path))
+    }
+
+    #[test]
+    fn the_index_takes_the_first_route_in_file_order() {
+        let routes = [
+            matcher("/api/v1/items/{id}", &[Method::POST]),
+            matcher("/api/v1/items", &[]),
+            matcher("/api/{version}/items/{id}", &[]),
+            matcher("/API/v1/", &[]),
+            matcher("/", &[]),
+        ];
+        let index = RouteIndex::new(&routes);
+        let first = |method: &Method, path: &str| index_first(&index, &routes, method, path);
+        assert_eq!(first(&Method::POST, "/api/v1/items/7"), Some(0));
+        assert_eq!(
+            first(&Method::GET, "/api/v1/items/7"),
+            Some(1),
+            "longer prefix, later route"
+        );
+        assert_eq!(first(&Method::GET, "/Api/V2/items/7"), Some(2));
+        assert_eq!(first(&Method::GET, "/api/v1/other"), Some(3));
+        assert_eq!(
+            first(&Method::GET, "/api/v1"),
+            Some(4),
+            "`/API/v1/` needs more than `/api/v1`"
+        );
+        assert_eq!(first(&Method::GET, "/elsewhere"), Some(4));
+        let none = RouteIndex::new(&routes[..1]);
+        assert_eq!(
+            index_first(&none, &routes[..1], &Method::GET, "/api/v1/items/7"),
+            None
+        );
+    }
+
+    /// 10,000 routes under one first segment (where the first-segment index of before scanned
+    /// them all): a lookup asks the full matcher about the few routes on the path's nodes.
+    #[test]
+    fn a_lookup_does_not_try_every_route() {
+        let mut routes: Vec<Matcher> = (0..10_000)
+            .map(|i| matcher(&format!("/api/v1/r{i}"), &[]))
+            .collect();
+        routes.push(matcher("/api", &[]));
+        let index = RouteIndex::new(&routes);
+        for (path, expected) in [
+            ("/api/v1/r9999/x", 9_999),
+            ("/api/v1/r0", 0),
+            ("/api/v1/none", 10_000),
+        ] {
+            let mut asked = 0;
+            let found = index.first(path, |i| {
+                asked += 1;
+                routes[i].matches(&Method::GET, path)
+            });
+            assert_eq!(found, Some(expected), "{path}");
+            assert!(asked <= 2, "{path}: asked about {asked} routes");
+        }
+    }
+
+    use proptest::prelude::*;
+
+    fn segment() -> impl Strategy<Value = String> {
+        proptest::sample::select(vec!["a", "A", "b", "api", "Api", "{id}", "{x}", "%C3%A9"])
+            .prop_map(str::to_owned)
+    }
+
+    fn prefix() -> impl Strategy<Value = String> {
+        (proptest::collection::vec(segment(), 0..4), any::<bool>()).prop_map(|(segments, slash)| {
+            let mut path = format!("/{}", segments.join("/"));
+            if slash && !segments.is_empty() {
+                path.push('/');
+            }
+            path
+        })
+    }
+
+    fn path() -> impl Strategy<Value = String> {
+        prefix().prop_map(|p| p.replace("{id}", "7").replace("{x}", "B"))
+    }
+
+    fn method() -> impl Strategy<Value = Vec<Method>> {
+        proptest::sample::select(vec![vec![], vec![Method::GET], vec![Method::POST]])
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// The trie answers what a scan of every route in file order answers, parameters,
+        /// trailing slashes, case and methods included.
+        #[test]
+        fn the_index_finds_what_a_scan_finds(
+            routes in proptest::collection::vec((prefix(), any::<bool>(), method()), 1..12),
+            paths in proptest::collection::vec(path(), 1..8),
+            post in any::<bool>(),
+        ) {
+            let routes: Vec<Matcher> = routes
+                .iter()
+                .map(|(prefix, case_sensitive, methods)| Matcher {
+                    case_sensitive: *case_sensitive,
+                    ..matcher(prefix, methods)
+                })
+                .collect();
+            let index = RouteIndex::new(&routes);
+            let method = if post { Method::POST } else { Method::GET };
+            for path in &paths {
+                let scanned = routes.iter().position(|m| m.matches(&method, path));
+                prop_assert_eq!(index_first(&index, &routes, &method, path), scanned, "{}", path);
+            }
+        }
     }
 }

@@ -4,8 +4,8 @@
 //! proxy.
 //!
 //! By job: `model` holds the types the request path reads (`Policy`, `Route`, `Limit`,
-//! `Upstream`), `index` finds the routes a path can match by its first segment, `compile`
-//! turns a parsed config into a policy (a pure function of it and of the TLS settings and JWT
+//! `Upstream`), `index` finds the route a path matches (through `matcher`'s trie of
+//! prefixes), `compile` turns a parsed config into a policy (a pure function of it and of the TLS settings and JWT
 //! verifiers read beforehand: it reads no file and creates no metric series) and attaches the
 //! metric handles once the policy is put in force (`Compiled::metered`, so a refused file
 //! leaves no series behind), and `rules` is the table of which limit options go together.
