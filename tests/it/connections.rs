@@ -97,9 +97,14 @@ async fn slowloris(addr: std::net::SocketAddr, ready: Arc<AtomicUsize>) -> Slow 
     }
     let head_sent = Instant::now();
     ready.fetch_add(1, Ordering::SeqCst);
-    let closed = || Slow::Closed {
-        since_start: start.elapsed(),
-        since_head: head_sent.elapsed(),
+    // One reading of the clock for both, so that `since_start - since_head` (the connect and
+    // send) cannot come out negative on a loaded machine.
+    let closed = || {
+        let now = Instant::now();
+        Slow::Closed {
+            since_start: now - start,
+            since_head: now - head_sent,
+        }
     };
     let second = Duration::from_secs(1);
     let mut tick = tokio::time::interval_at((head_sent + second).into(), second);
