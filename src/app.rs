@@ -60,6 +60,8 @@ pub struct Version {
     /// The JWT verifiers the policy's routes hold: kept to start the `jwks_url` fetches of
     /// the version put in force (`check` and `explain` fetch nothing).
     pub verifiers: Verifiers,
+    /// The rate limit service's rules (`rls:`), read with the version.
+    pub rls: Option<crate::rls::Compiled>,
 }
 
 /// Whether a version reads the listener's certificate files.
@@ -88,6 +90,7 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
     // key file that cannot be used refuses the version whole.
     let verifiers = Verifiers::load(&source.config.jwt, file)?;
     let policy = Compiled::compile_with(&source.config, file, &upstream_tls, &verifiers)?;
+    let rls = crate::rls::Compiled::load(&source.config, file)?;
     let listener_tls = match (&source.config.tls, listener) {
         (Some(tls), ListenerFiles::Read) => Some(ListenerTls::load(tls, file)?),
         _ => None,
@@ -97,6 +100,7 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
         policy,
         listener_tls,
         verifiers,
+        rls,
     })
 }
 
@@ -105,6 +109,8 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
 struct GatewayVersions {
     gateway: Arc<Gateway>,
     metrics: Arc<Metrics>,
+    /// The rate limit service, when it was started (its listener is fixed at start).
+    rls: Option<Arc<crate::rls::Service>>,
 }
 
 impl Versions for GatewayVersions {
@@ -123,6 +129,9 @@ impl Versions for GatewayVersions {
         version.verifiers.start(&jwks_metrics(&self.metrics));
         let routes = policy.routes.len();
         self.gateway.install(policy);
+        if let Some(rls) = &self.rls {
+            rls.install(version.rls);
+        }
         (version.source, routes)
     }
 }
@@ -131,8 +140,12 @@ impl Versions for GatewayVersions {
 pub fn check(file: &Path) -> Result<String, ConfigError> {
     let loaded = load(file, ListenerFiles::Read)?;
     let config = &loaded.source.config;
+    let rls = loaded.rls.as_ref().map_or(String::new(), |rls| {
+        let (domains, rules) = rls.rules.count();
+        format!(", rls: {domains} domains, {rules} rules")
+    });
     Ok(format!(
-        "{}: ok ({} routes, {} upstreams, store: {}{})",
+        "{}: ok ({} routes, {} upstreams, store: {}{}{rls})",
         file.display(),
         loaded.policy.routes.len(),
         config.upstreams.len(),
@@ -171,6 +184,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         policy,
         listener_tls,
         verifiers,
+        rls,
     } = loaded;
     let config = &source.config;
     // Before anything is bound or connected: a token that cannot be read stops the start.
@@ -203,6 +217,18 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
             what: "",
             source,
         })?;
+    let rls_listener = match &config.rls {
+        Some(section) => {
+            Some(
+                server::bind(section.value.listen).map_err(|source| StartError::Listen {
+                    addr: section.value.listen,
+                    what: " (rls.listen)",
+                    source,
+                })?,
+            )
+        }
+        None => None,
+    };
     let admin_listener =
         server::bind(config.admin_listen.value).map_err(|source| StartError::Listen {
             addr: config.admin_listen.value,
@@ -248,9 +274,27 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     };
     let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
     let admin_metrics = Arc::clone(&metrics);
+    let rls_service = match (rls, rls_listener) {
+        (Some(rls), Some(listener)) => {
+            let rls_metrics = crate::rls::RlsMetrics::new(&metrics)?;
+            let service = Arc::new(crate::rls::Service::new(
+                rls,
+                gateway.shared_store(),
+                rls_metrics,
+            ));
+            tokio::spawn(crate::rls::serve(
+                Arc::clone(&service),
+                listener,
+                stopping.clone(),
+            ));
+            Some(service)
+        }
+        _ => None,
+    };
     let versions = GatewayVersions {
         gateway: Arc::clone(&gateway),
         metrics: Arc::clone(&metrics),
+        rls: rls_service,
     };
     let reloader = Reloader::new(file, source, versions, metrics);
     let admin = Arc::new(Admin {

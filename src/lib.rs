@@ -40,6 +40,7 @@ pub mod proxy;
 pub mod ratelimit_field;
 pub mod reload;
 pub mod response;
+pub mod rls;
 pub mod server;
 pub mod tls;
 pub mod worker;

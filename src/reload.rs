@@ -444,7 +444,9 @@ impl<V: Versions> Reloader<V> {
 
 /// A watch of the JWT key files `config` (the contents of `file`) names, as they are now.
 fn key_watch(file: &Path, config: &Config) -> FileWatch {
-    let paths = crate::identity::key_files(&config.jwt, file);
+    let mut paths = crate::identity::key_files(&config.jwt, file);
+    // The rate limit service's rule files reload the config file the same way.
+    paths.extend(crate::rls::files(config, file));
     let bytes: Vec<Vec<u8>> = paths
         .iter()
         .map(|path| std::fs::read(path).unwrap_or_default())
