@@ -422,7 +422,7 @@ descriptors:
                 .expect("refused")
                 .to_string();
         assert!(
-            err.contains("rules.yaml:4") && err.contains("descriptors[0].rate_limit"),
+            err.contains("rules.yaml:5:7: descriptors[0].rate_limit"),
             "{err}"
         );
         let err = rules("domain: d\ndescriptors:\n  - key: a\n  - key: a\n")
