@@ -162,6 +162,29 @@ pub fn check(file: &Path) -> Result<String, ConfigError> {
     ))
 }
 
+/// `sluice explain-rls`: the rate limit service's answer to one call, from the files alone.
+pub fn explain_rls(
+    file: &Path,
+    domain: &str,
+    descriptors: &[String],
+    hits: u32,
+) -> anyhow::Result<String> {
+    let loaded = load(file, ListenerFiles::Skip)?;
+    let Some(rls) = loaded.rls else {
+        anyhow::bail!("{}: has no `rls:` section", file.display());
+    };
+    let descriptors = descriptors
+        .iter()
+        .map(|text| crate::rls::explain::descriptor(text))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(crate::rls::explain::explain(
+        &rls,
+        domain,
+        descriptors,
+        hits,
+    )?)
+}
+
 /// One worker's runtime: current-thread, so a connection and everything its requests do run
 /// on the worker's own thread (see `server`).
 pub fn worker_runtime() -> Result<tokio::runtime::Runtime, StartError> {

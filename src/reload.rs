@@ -338,15 +338,15 @@ impl<V: Versions> Reloader<V> {
         match self.key_files.settled(self.settle, now) {
             Ok(look) => {
                 if look.skipped {
-                    self.skipped("a JWT key file");
+                    self.skipped("a JWT key or rate limit rule file");
                 }
                 if look.settled.is_some() {
-                    tracing::info!(file = %self.file.display(), "a JWT key file changed: reloading the config file");
+                    tracing::info!(file = %self.file.display(), "a JWT key or rate limit rule file changed: reloading the config file");
                     let _ = self.reload_file();
                 }
             }
             Err(err) => {
-                tracing::debug!(error = %err, "cannot read a JWT key file");
+                tracing::debug!(error = %err, "cannot read a JWT key or rate limit rule file");
             }
         }
     }

@@ -52,8 +52,10 @@ pub enum Invalid {
 /// What applies to one descriptor of the call.
 #[derive(Debug, Clone)]
 pub enum Applies {
-    /// No rule, or a rule another one in the same call replaces: OK, not counted.
+    /// No rule: OK, not counted.
     Nothing,
+    /// A rule another one in the same call replaces (`replaces:`): OK, not counted.
+    Replaced(Arc<Rule>),
     /// `unlimited: true`: OK, not counted.
     Unlimited(Arc<Rule>),
     /// Counted in `checks[check]`.
@@ -302,7 +304,7 @@ pub fn answer(
     let mut outcomes = Vec::with_capacity(planned.applies.len());
     for applied in &planned.applies {
         let (status, outcome) = match applied {
-            Applies::Nothing => (ok_without_limit(0), Outcome::NotCounted),
+            Applies::Nothing | Applies::Replaced(_) => (ok_without_limit(0), Outcome::NotCounted),
             Applies::Unlimited(_) => (ok_without_limit(u32::MAX), Outcome::NotCounted),
             Applies::Counted {
                 rule,

@@ -301,3 +301,102 @@ async fn a_python_grpc_client_checks_without_counting_and_decides_all_or_nothing
     );
     assert!(lines[9].starts_with("OVER_LIMIT OVER_LIMIT 0 "), "{out}");
 }
+
+/// One call for `user=<user>` in domain `api` through the Python client: `overall remaining`.
+fn call_user(rls: u16, user: &str) -> String {
+    let call = format!(r#"{{"domain":"api","descriptors":[{{"entries":[["user","{user}"]]}}]}}"#);
+    let out = python(CLIENT, &[&format!("127.0.0.1:{rls}"), &call]);
+    let fields: Vec<&str> = out.split_whitespace().collect();
+    format!("{} {}", fields[0], fields[2])
+}
+
+#[tokio::test]
+async fn a_month_is_a_calendar_month() {
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("ratelimit.yaml");
+    std::fs::write(&file, "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: month, requests_per_unit: 1}\n").expect("write");
+    let port = free_port();
+    let yaml = format!(
+        "rls:\n  listen: 127.0.0.1:{port}\n  config: [{}]\nroutes: []\n",
+        file.display()
+    );
+    // 3 s before February: a 30-day window (envoyproxy/ratelimit's month) would not end there.
+    let started = std::time::Instant::now();
+    let _sluice = Sluice::start_with_env(
+        &yaml,
+        &[("SLUICE_TEST_CLOCK_START", "2026-01-31T23:59:57Z")],
+    )
+    .await;
+    assert_eq!(call_user(port, "m"), "OK 0");
+    assert_eq!(call_user(port, "m"), "OVER_LIMIT 0");
+    let february = started + std::time::Duration::from_millis(3_500);
+    tokio::time::sleep_until(february.into()).await;
+    assert_eq!(call_user(port, "m"), "OK 0", "a new month, a new count");
+}
+
+#[tokio::test]
+async fn rule_files_reload_with_the_policy_and_check_names_their_lines() {
+    let dir = tempfile::tempdir().expect("dir");
+    let rules = |n: u32| {
+        format!("domain: api\ndescriptors:\n  - key: user\n    rate_limit: {{unit: minute, requests_per_unit: {n}}}\n")
+    };
+    let (sluice, rls) = sluice_rls(dir.path(), &rules(1), "", "").await;
+    assert_eq!(call_user(rls, "r"), "OK 0");
+    assert_eq!(call_user(rls, "r"), "OVER_LIMIT 0");
+    support::replace_file(&dir.path().join("ratelimit.yaml"), &rules(3));
+    support::wait_for(
+        std::time::Duration::from_secs(10),
+        "the rule file's reload",
+        || async { call_user(rls, "r2") == "OK 2" },
+    )
+    .await;
+    // A broken rule file is refused with its place; the rules in force stay.
+    support::replace_file(&dir.path().join("ratelimit.yaml"), "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n");
+    let (status, _, stderr) = support::sluice_check(sluice.config_path());
+    assert!(!status.success());
+    assert!(
+        stderr.contains(
+            "ratelimit.yaml:4:24: descriptors[0].rate_limit.unit: unknown unit `fortnight`"
+        ),
+        "{stderr}"
+    );
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert_eq!(
+        call_user(rls, "r3"),
+        "OK 2",
+        "the last good rules still serve"
+    );
+    support::replace_file(&dir.path().join("ratelimit.yaml"), &rules(3));
+    let out = support::run_sluice(
+        &[
+            "explain-rls",
+            "--config",
+            sluice.config_path().to_str().expect("utf-8"),
+            "api",
+            "user=alice",
+            "other=x",
+        ],
+        std::time::Duration::from_secs(20),
+    );
+    assert!(out.status.success(), "{}", out.stderr);
+    assert!(
+        out.stdout.contains("rule user (")
+            && out
+                .stdout
+                .contains("limit: 3 per minute, counted with sliding_log"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains("store key: sluice:rls:api:{user=alice}:minute3"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains("descriptor 1: other=x\n  no rule applies"),
+        "{}",
+        out.stdout
+    );
+}
