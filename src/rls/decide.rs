@@ -199,10 +199,10 @@ fn drop_replaced(applies: &mut [Applies]) {
         return;
     }
     for applied in applies.iter_mut() {
-        if rule_of(applied)
-            .is_some_and(|rule| !rule.name.is_empty() && replaced.contains(&rule.name))
-        {
-            *applied = Applies::Nothing;
+        let named =
+            rule_of(applied).filter(|rule| !rule.name.is_empty() && replaced.contains(&rule.name));
+        if let Some(rule) = named {
+            *applied = Applies::Replaced(rule);
         }
     }
 }
