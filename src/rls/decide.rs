@@ -436,3 +436,147 @@ fn unit_of_proto(unit: i32) -> Option<UnitName> {
         _ => return None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::LimitState;
+
+    fn rule(shadow: bool) -> Arc<Rule> {
+        Arc::new(Rule {
+            domain: "d".into(),
+            name: "r".into(),
+            path: "k".into(),
+            limit: RuleLimit::Counted(LIMIT),
+            shadow,
+            replaces: Vec::new(),
+            file: "f.yaml".into(),
+            line: 1,
+        })
+    }
+
+    const LIMIT: Counted = Counted {
+        requests: 10,
+        unit: UnitName::Minute,
+        algorithm: RlsAlgorithm::Exact,
+    };
+
+    fn settings(shadow_mode: bool) -> Settings {
+        Settings {
+            shadow_mode,
+            algorithm: RlsAlgorithm::Exact,
+            on_store_error: OnStoreError::Allow,
+            key_prefix: "p".into(),
+        }
+    }
+
+    /// Two counted descriptors; the second had no room.
+    fn planned(shadow_rule: bool) -> (Planned, Decision) {
+        let counted = |check, rule| Applies::Counted {
+            rule: Some(rule),
+            limit: LIMIT,
+            hits: 1,
+            check,
+        };
+        let planned = Planned {
+            applies: vec![
+                counted(0, rule(false)),
+                counted(1, rule(shadow_rule)),
+                Applies::Nothing,
+            ],
+            checks: vec![Check::default(), Check::default()],
+        };
+        let state = |remaining, secs| {
+            Some(LimitState {
+                remaining,
+                reset: Duration::from_secs(secs),
+            })
+        };
+        let decision = Decision {
+            admitted: shadow_rule,
+            retry_after: Duration::from_secs(7),
+            limits: vec![state(1, 3), state(0, 7)],
+            rejecting: vec![false, true],
+            admission: None,
+        };
+        (planned, decision)
+    }
+
+    fn codes(response: &RateLimitResponse) -> (i32, Vec<i32>) {
+        let statuses = response.statuses.iter().map(|s| s.code).collect();
+        (response.overall_code, statuses)
+    }
+
+    const OK: i32 = Code::Ok as i32;
+    const OVER: i32 = Code::OverLimit as i32;
+
+    #[test]
+    fn statuses_in_order_with_the_true_wait() {
+        let (planned, decision) = planned(false);
+        let (response, outcomes) = answer(&settings(false), &planned, Some(&decision), None);
+        assert_eq!(codes(&response), (OVER, vec![OK, OVER, OK]));
+        let first = &response.statuses[0];
+        assert_eq!(
+            (
+                first.limit_remaining,
+                first.duration_until_reset.map(|d| d.seconds)
+            ),
+            (1, Some(3))
+        );
+        assert_eq!(
+            response.statuses[1].duration_until_reset.map(|d| d.seconds),
+            Some(7)
+        );
+        assert_eq!(response.statuses[2].current_limit, None);
+        assert_eq!(
+            outcomes,
+            [
+                Outcome::Within { near: true },
+                Outcome::Over,
+                Outcome::NotCounted
+            ]
+        );
+    }
+
+    #[test]
+    fn shadow_rules_answer_ok_and_global_shadow_mode_answers_ok_overall() {
+        let (planned, decision) = planned(true);
+        let (response, outcomes) = answer(&settings(false), &planned, Some(&decision), None);
+        assert_eq!(
+            codes(&response),
+            (OK, vec![OK, OK, OK]),
+            "a shadow rule's descriptor is OK"
+        );
+        assert_eq!(outcomes[1], Outcome::Over, "and counted as over its limit");
+        let (planned, decision) = planned_global();
+        let (response, _) = answer(&settings(true), &planned, Some(&decision), None);
+        assert_eq!(
+            codes(&response),
+            (OK, vec![OK, OVER, OK]),
+            "global: the descriptor says OVER_LIMIT, the answer OK"
+        );
+    }
+
+    fn planned_global() -> (Planned, Decision) {
+        let (planned, mut decision) = planned(false);
+        decision.admitted = true;
+        (planned, decision)
+    }
+
+    #[test]
+    fn a_failed_store_allows_or_denies_as_configured() {
+        let (planned, _) = planned(false);
+        let allow = StoreFailed {
+            deny: false,
+            error: String::new(),
+        };
+        let (response, _) = answer(&settings(false), &planned, None, Some(&allow));
+        assert_eq!(codes(&response), (OK, vec![OK, OK, OK]));
+        let deny = StoreFailed {
+            deny: true,
+            error: String::new(),
+        };
+        let (response, _) = answer(&settings(false), &planned, None, Some(&deny));
+        assert_eq!(codes(&response), (OVER, vec![OVER, OVER, OK]));
+    }
+}

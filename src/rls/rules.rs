@@ -234,7 +234,9 @@ impl Walk<'_> {
                         let taken = branch.prefixes.iter().any(|(p, _)| p == prefix);
                         branch.prefixes.push((prefix.to_owned(), child));
                         // Longest first: the most specific wildcard wins.
-                        branch.prefixes.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+                        branch
+                            .prefixes
+                            .sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
                         taken
                     }
                     _ if value.value.contains('*') => {
@@ -409,8 +411,7 @@ descriptors:
     #[test]
     fn errors_name_file_line_and_field() {
         let err = rules("domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n")
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         assert!(
             err.contains("rules.yaml:5:13") && err.contains("unit") && err.contains("fortnight"),
@@ -418,24 +419,21 @@ descriptors:
         );
         let err =
             rules("domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: second\n")
-                .err()
-                .expect("refused")
+                .expect_err("refused")
                 .to_string();
         assert!(
             err.contains("rules.yaml:5:7: descriptors[0].rate_limit"),
             "{err}"
         );
         let err = rules("domain: d\ndescriptors:\n  - key: a\n  - key: a\n")
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         assert!(
             err.contains("descriptors[1].key") && err.contains("twice"),
             "{err}"
         );
         let err = rules("domain: d\ndescriptors:\n  - key: a\n    value: x*y\n")
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         assert!(
             err.contains("descriptors[0].value") && err.contains("wildcard"),
