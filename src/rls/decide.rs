@@ -251,29 +251,30 @@ fn build_check(
     }
 }
 
-/// Decides `planned` in one store call; a failed store follows `on_store_error`.
-/// `None`: the store failed and the answer is `allow`/`deny` without a decision.
+/// Decides `planned` in one store call; a failed store follows `on_store_error`, and
+/// `fallback` is told which action it took (for `sluice_store_fallback_decisions_total`).
+/// `Ok(None)`: nothing to count.
 pub async fn decide(
     store: &Store,
     settings: &Settings,
     planned: &Planned,
+    fallback: impl FnOnce(OnStoreError),
 ) -> Result<Option<Decision>, StoreFailed> {
     if planned.checks.is_empty() {
         return Ok(None);
     }
-    match store.decide(&planned.checks).await {
-        Ok(decision) => Ok(Some(decision)),
-        Err(err) => match settings.on_store_error {
-            OnStoreError::Local => Ok(Some(store.decide_locally(&planned.checks))),
-            OnStoreError::Allow => Err(StoreFailed {
-                deny: false,
-                error: err.to_string(),
-            }),
-            OnStoreError::Deny => Err(StoreFailed {
-                deny: true,
-                error: err.to_string(),
-            }),
-        },
+    let err = match store.decide(&planned.checks).await {
+        Ok(decision) => return Ok(Some(decision)),
+        Err(err) => err,
+    };
+    let action = settings.on_store_error;
+    fallback(action);
+    match action {
+        OnStoreError::Local => Ok(Some(store.decide_locally(&planned.checks))),
+        OnStoreError::Allow | OnStoreError::Deny => Err(StoreFailed {
+            deny: action == OnStoreError::Deny,
+            error: err.to_string(),
+        }),
     }
 }
 

@@ -24,6 +24,8 @@ pub struct RlsMetrics {
     near_limit: IntCounterVec,
     within_limit: IntCounterVec,
     shadow_mode: IntCounterVec,
+    /// sluice's `sluice_store_fallback_decisions_total`, with the route label `rls:<domain>`.
+    fallback: IntCounterVec,
 }
 
 impl RlsMetrics {
@@ -49,6 +51,7 @@ impl RlsMetrics {
             )
         };
         let this = RlsMetrics {
+            fallback: metrics.store_fallback_decisions.clone(),
             calls,
             duration,
             total_hits: per_rule("total_hits", "Hits counted against a rule (envoyproxy/ratelimit's total_hits).")?,
@@ -74,6 +77,14 @@ impl RlsMetrics {
     pub fn call(&self, domain: &str, code: &str, seconds: f64) {
         self.calls.with_label_values(&[domain, code]).inc();
         self.duration.observe(seconds);
+    }
+
+    /// A call decided without the store (`rls.on_store_error`), as routes count theirs.
+    pub fn fallback(&self, domain: &str, action: &str) {
+        let route = format!("rls:{domain}");
+        self.fallback
+            .with_label_values(&[route.as_str(), action])
+            .inc();
     }
 
     /// One descriptor's hits under `rule`.

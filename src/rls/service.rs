@@ -66,7 +66,15 @@ impl Service {
                 return Err(tonic::Status::invalid_argument(invalid.to_string()));
             }
         };
-        let (decision, failed) = match decide::decide(&self.store, &active.settings, &planned).await
+        let fallback =
+            |action: crate::config::OnStoreError| self.metrics.fallback(domain, action.label());
+        let (decision, failed) = match decide::decide(
+            &self.store,
+            &active.settings,
+            &planned,
+            fallback,
+        )
+        .await
         {
             Ok(decision) => (decision, None),
             Err(failed) => {

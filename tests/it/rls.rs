@@ -400,3 +400,26 @@ async fn rule_files_reload_with_the_policy_and_check_names_their_lines() {
         out.stdout
     );
 }
+
+#[tokio::test]
+async fn a_failed_store_answers_as_on_store_error_says() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut redis = Redis::start().await;
+    let store = support::redis_store_yaml(&redis.url());
+    let rules = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 5}\n";
+    let (sluice, rls) = sluice_rls(dir.path(), rules, &store, "  on_store_error: deny\n").await;
+    sluice.expect_store_faults();
+    assert_eq!(call_user(rls, "f"), "OK 4");
+    redis.stop();
+    assert_eq!(
+        call_user(rls, "f"),
+        "OVER_LIMIT 0",
+        "deny: OVER_LIMIT without the store"
+    );
+    let metrics = sluice.metrics().await;
+    assert!(
+        metrics
+            .contains("sluice_store_fallback_decisions_total{action=\"deny\",route=\"rls:api\"} 1"),
+        "{metrics}"
+    );
+}
