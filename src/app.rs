@@ -62,6 +62,8 @@ pub struct Version {
     pub verifiers: Verifiers,
     /// The rate limit service's rules (`rls:`), read with the version.
     pub rls: Option<crate::rls::Compiled>,
+    /// `rls.tls`'s certificate and key, read when the listener's are.
+    pub rls_tls: Option<ListenerTls>,
 }
 
 /// Whether a version reads the listener's certificate files.
@@ -91,6 +93,13 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
     let verifiers = Verifiers::load(&source.config.jwt, file)?;
     let policy = Compiled::compile_with(&source.config, file, &upstream_tls, &verifiers)?;
     let rls = crate::rls::Compiled::load(&source.config, file)?;
+    let rls_tls = match (&source.config.rls, listener) {
+        (Some(section), ListenerFiles::Read) => match &section.value.tls {
+            Some(tls) => Some(ListenerTls::load(tls, file).map_err(rls_tls_field)?),
+            None => None,
+        },
+        _ => None,
+    };
     let listener_tls = match (&source.config.tls, listener) {
         (Some(tls), ListenerFiles::Read) => Some(ListenerTls::load(tls, file)?),
         _ => None,
@@ -101,6 +110,7 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
         listener_tls,
         verifiers,
         rls,
+        rls_tls,
     })
 }
 
@@ -208,6 +218,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         listener_tls,
         verifiers,
         rls,
+        rls_tls,
     } = loaded;
     let config = &source.config;
     // Before anything is bound or connected: a token that cannot be read stops the start.
@@ -297,6 +308,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     };
     let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
     let admin_metrics = Arc::clone(&metrics);
+    let rls_tls = rls_tls.map(|tls| tls.acceptor());
     let rls_service = match (rls, rls_listener) {
         (Some(rls), Some(listener)) => {
             let rls_metrics = crate::rls::RlsMetrics::new(&metrics)?;
@@ -308,6 +320,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
             tokio::spawn(crate::rls::serve(
                 Arc::clone(&service),
                 listener,
+                rls_tls,
                 stopping.clone(),
             ));
             Some(service)
@@ -430,6 +443,24 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     // The counts since the last report, so a rejection summary is never lost at exit.
     request_log.report();
     Ok(())
+}
+
+/// An error of `rls.tls`'s files, named as the field it is (`ListenerTls` names `tls.*`).
+fn rls_tls_field(err: ConfigError) -> ConfigError {
+    match err {
+        ConfigError::Invalid {
+            file,
+            position,
+            field,
+            message,
+        } => ConfigError::Invalid {
+            file,
+            position,
+            field: format!("rls.{field}"),
+            message,
+        },
+        other => other,
+    }
 }
 
 /// SIGTERM (Kubernetes, Docker) or Ctrl-C.

@@ -15,8 +15,12 @@ use super::{OnStoreError, Spanned};
 #[derive(Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RlsConfig {
-    /// The gRPC listener (HTTP/2 without TLS: Envoy's `grpc_service` with a cleartext cluster).
+    /// The gRPC listener: HTTP/2 without TLS (h2c), or with `tls`.
     pub listen: SocketAddr,
+    /// TLS on `listen`, with the same fields and checks as the gateway's `tls:` (applied at
+    /// start; the files are read once).
+    #[schemars(with = "Option<super::ListenerTlsConfig>")]
+    pub tls: Option<Spanned<super::ListenerTlsConfig>>,
     /// envoyproxy/ratelimit configuration files, or directories whose `*.yaml` / `*.yml` files
     /// are read (not recursively), relative to this file. One `domain` per file; a domain may
     /// appear in one file only. Reloaded with this file.

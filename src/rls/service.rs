@@ -126,21 +126,38 @@ impl RateLimitService for Handler {
     }
 }
 
-/// Serves `service` on `listener` until `stopping` turns true, then finishes the calls in
-/// flight.
+/// Serves `service` on `listener` (with TLS when `tls` is given) until `stopping` turns
+/// true, then finishes the calls in flight.
 pub async fn serve(
     service: Arc<Service>,
     listener: tokio::net::TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     mut stopping: watch::Receiver<bool>,
 ) {
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let stop = async move {
         let _ = stopping.wait_for(|stop| *stop).await;
     };
-    let served = tonic::transport::Server::builder()
-        .add_service(RateLimitServiceServer::new(Handler(service)))
-        .serve_with_incoming_shutdown(incoming, stop)
-        .await;
+    let router = tonic::transport::Server::builder()
+        .add_service(RateLimitServiceServer::new(Handler(service)));
+    let served = match tls {
+        None => {
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            router.serve_with_incoming_shutdown(incoming, stop).await
+        }
+        Some(acceptor) => {
+            let (ready, connections) = tokio::sync::mpsc::channel(64);
+            tokio::spawn(super::tls::accept(listener, acceptor, ready));
+            let incoming =
+                futures_util::stream::unfold(connections, |mut connections| async move {
+                    connections
+                        .recv()
+                        .await
+                        .map(|connection| (connection, connections))
+                });
+            router.serve_with_incoming_shutdown(incoming, stop).await
+        }
+    };
     if let Err(err) = served {
         tracing::error!(target: "sluice::rls", error = %err, "the rate limit service stopped");
     }

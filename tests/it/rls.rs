@@ -228,7 +228,11 @@ const CLIENT: &str = r#"
 import json, sys, grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-stub = rls_pb2_grpc.RateLimitServiceStub(grpc.insecure_channel(sys.argv[1]))
+import os
+ca = os.environ.get("RLS_CA")
+channel = (grpc.secure_channel(sys.argv[1], grpc.ssl_channel_credentials(open(ca, "rb").read()))
+           if ca else grpc.insecure_channel(sys.argv[1]))
+stub = rls_pb2_grpc.RateLimitServiceStub(channel)
 for arg in sys.argv[2:]:
     call = json.loads(arg)
     request = rls_pb2.RateLimitRequest(domain=call["domain"], hits_addend=call.get("hits_addend", 0))
@@ -421,5 +425,47 @@ async fn a_failed_store_answers_as_on_store_error_says() {
         metrics
             .contains("sluice_store_fallback_decisions_total{action=\"deny\",route=\"rls:api\"} 1"),
         "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn the_service_speaks_tls_when_rls_tls_is_set() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ca = support::certs::Ca::new("rls test CA");
+    let leaf = ca.server("sluice rls");
+    let (cert, key, ca_file) = (
+        dir.path().join("rls.crt"),
+        dir.path().join("rls.key"),
+        dir.path().join("ca.pem"),
+    );
+    std::fs::write(&cert, &leaf.cert).expect("cert");
+    std::fs::write(&key, &leaf.key).expect("key");
+    std::fs::write(&ca_file, ca.pem()).expect("ca");
+    let tls = format!(
+        "  tls: {{ cert: {}, key: {} }}\n",
+        cert.display(),
+        key.display()
+    );
+    let rules = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
+    let (_sluice, rls) = sluice_rls(dir.path(), rules, "", &tls).await;
+    let call = r#"{"domain":"api","descriptors":[{"entries":[["user","t"]]}]}"#;
+    let out = support::envoy::python_with_env(
+        CLIENT,
+        &[&format!("localhost:{rls}"), call, call, call],
+        &[("RLS_CA", ca_file.to_str().expect("utf-8"))],
+    );
+    let overall: Vec<&str> = out
+        .lines()
+        .map(|line| line.split(' ').next().unwrap_or(""))
+        .collect();
+    assert_eq!(overall, ["OK", "OK", "OVER_LIMIT"], "{out}");
+    // A cleartext client gets no answer from the TLS listener.
+    let cleartext = std::process::Command::new(support::envoy::tools_dir().join("bin/python3"))
+        .args(["-c", CLIENT, &format!("127.0.0.1:{rls}"), call])
+        .output()
+        .expect("python");
+    assert!(
+        !cleartext.status.success(),
+        "h2c on the TLS listener answered"
     );
 }

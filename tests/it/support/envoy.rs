@@ -162,10 +162,16 @@ impl Drop for Envoy {
 /// Runs `script` with the tools venv's Python (grpcio and xds-protos installed); its
 /// standard output, or a panic with its standard error.
 pub fn python(script: &str, args: &[&str]) -> String {
+    python_with_env(script, args, &[])
+}
+
+/// As `python`, with these environment variables set.
+pub fn python_with_env(script: &str, args: &[&str], env: &[(&str, &str)]) -> String {
     let out = Command::new(tool("python3"))
         .arg("-c")
         .arg(script)
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .expect("run python");
     assert!(
