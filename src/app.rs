@@ -60,6 +60,10 @@ pub struct Version {
     /// The JWT verifiers the policy's routes hold: kept to start the `jwks_url` fetches of
     /// the version put in force (`check` and `explain` fetch nothing).
     pub verifiers: Verifiers,
+    /// The rate limit service's rules (`rls:`), read with the version.
+    pub rls: Option<crate::rls::Compiled>,
+    /// `rls.tls`'s certificate and key, read when the listener's are.
+    pub rls_tls: Option<ListenerTls>,
 }
 
 /// Whether a version reads the listener's certificate files.
@@ -88,6 +92,14 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
     // key file that cannot be used refuses the version whole.
     let verifiers = Verifiers::load(&source.config.jwt, file)?;
     let policy = Compiled::compile(&source.config, file, &upstream_tls, &verifiers)?;
+    let rls = crate::rls::Compiled::load(&source.config, file)?;
+    let rls_tls = match (&source.config.rls, listener) {
+        (Some(section), ListenerFiles::Read) => match &section.value.tls {
+            Some(tls) => Some(ListenerTls::load(tls, file).map_err(rls_tls_field)?),
+            None => None,
+        },
+        _ => None,
+    };
     let listener_tls = match (&source.config.tls, listener) {
         (Some(tls), ListenerFiles::Read) => Some(ListenerTls::load(tls, file)?),
         _ => None,
@@ -97,6 +109,8 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
         policy,
         listener_tls,
         verifiers,
+        rls,
+        rls_tls,
     })
 }
 
@@ -105,6 +119,8 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
 struct GatewayVersions {
     gateway: Arc<Gateway>,
     metrics: Arc<Metrics>,
+    /// The rate limit service, when it was started (its listener is fixed at start).
+    rls: Option<Arc<crate::rls::Service>>,
 }
 
 impl Versions for GatewayVersions {
@@ -123,6 +139,9 @@ impl Versions for GatewayVersions {
         version.verifiers.start(&jwks_metrics(&self.metrics));
         let routes = policy.routes.len();
         self.gateway.install(policy);
+        if let Some(rls) = &self.rls {
+            rls.install(version.rls);
+        }
         (version.source, routes)
     }
 }
@@ -131,8 +150,12 @@ impl Versions for GatewayVersions {
 pub fn check(file: &Path) -> Result<String, ConfigError> {
     let loaded = load(file, ListenerFiles::Read)?;
     let config = &loaded.source.config;
+    let rls = loaded.rls.as_ref().map_or(String::new(), |rls| {
+        let (domains, rules) = rls.rules.count();
+        format!(", rls: {domains} domains, {rules} rules")
+    });
     Ok(format!(
-        "{}: ok ({} routes, {} upstreams, store: {}{})",
+        "{}: ok ({} routes, {} upstreams, store: {}{}{rls})",
         file.display(),
         loaded.policy.routes.len(),
         config.upstreams.len(),
@@ -147,6 +170,29 @@ pub fn check(file: &Path) -> Result<String, ConfigError> {
             ""
         }
     ))
+}
+
+/// `sluice explain-rls`: the rate limit service's answer to one call, from the files alone.
+pub fn explain_rls(
+    file: &Path,
+    domain: &str,
+    descriptors: &[String],
+    hits: u32,
+) -> anyhow::Result<String> {
+    let loaded = load(file, ListenerFiles::Skip)?;
+    let Some(rls) = loaded.rls else {
+        anyhow::bail!("{}: has no `rls:` section", file.display());
+    };
+    let descriptors = descriptors
+        .iter()
+        .map(|text| crate::rls::explain::descriptor(text))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(crate::rls::explain::explain(
+        &rls,
+        domain,
+        descriptors,
+        hits,
+    )?)
 }
 
 /// One worker's runtime: current-thread, so a connection and everything its requests do run
@@ -171,6 +217,8 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         policy,
         listener_tls,
         verifiers,
+        rls,
+        rls_tls,
     } = loaded;
     let config = &source.config;
     // Before anything is bound or connected: a token that cannot be read stops the start.
@@ -203,6 +251,18 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
             what: "",
             source,
         })?;
+    let rls_listener = match &config.rls {
+        Some(section) => {
+            Some(
+                server::bind(section.value.listen).map_err(|source| StartError::Listen {
+                    addr: section.value.listen,
+                    what: " (rls.listen)",
+                    source,
+                })?,
+            )
+        }
+        None => None,
+    };
     let admin_listener =
         server::bind(config.admin_listen.value).map_err(|source| StartError::Listen {
             addr: config.admin_listen.value,
@@ -248,9 +308,29 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     };
     let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
     let admin_metrics = Arc::clone(&metrics);
+    let rls_tls = rls_tls.map(|tls| tls.acceptor());
+    let rls_service = match (rls, rls_listener) {
+        (Some(rls), Some(listener)) => {
+            let rls_metrics = crate::rls::RlsMetrics::new(&metrics)?;
+            let service = Arc::new(crate::rls::Service::new(
+                rls,
+                gateway.shared_store(),
+                rls_metrics,
+            ));
+            tokio::spawn(crate::rls::serve(
+                Arc::clone(&service),
+                listener,
+                rls_tls,
+                stopping.clone(),
+            ));
+            Some(service)
+        }
+        _ => None,
+    };
     let versions = GatewayVersions {
         gateway: Arc::clone(&gateway),
         metrics: Arc::clone(&metrics),
+        rls: rls_service,
     };
     let reloader = Reloader::new(file, source, versions, metrics);
     let admin = Arc::new(Admin {
@@ -363,6 +443,24 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     // The counts since the last report, so a rejection summary is never lost at exit.
     request_log.report();
     Ok(())
+}
+
+/// An error of `rls.tls`'s files, named as the field it is (`ListenerTls` names `tls.*`).
+fn rls_tls_field(err: ConfigError) -> ConfigError {
+    match err {
+        ConfigError::Invalid {
+            file,
+            position,
+            field,
+            message,
+        } => ConfigError::Invalid {
+            file,
+            position,
+            field: format!("rls.{field}"),
+            message,
+        },
+        other => other,
+    }
 }
 
 /// SIGTERM (Kubernetes, Docker) or Ctrl-C.

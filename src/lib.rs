@@ -39,6 +39,7 @@ pub mod ratelimit_field;
 pub mod reload;
 pub mod request;
 pub mod response;
+pub mod rls;
 pub mod runtime;
 pub mod server;
 pub mod tls;

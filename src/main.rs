@@ -48,6 +48,20 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1")]
         from: std::net::IpAddr,
     },
+    /// Show what the rate limit service (`rls:`) would do with one ShouldRateLimit call: each
+    /// descriptor's rule, limit, algorithm and store key, without touching the store.
+    ExplainRls {
+        #[arg(long, default_value = "config/sluice.yaml")]
+        config: PathBuf,
+        /// The call's domain.
+        domain: String,
+        /// One descriptor per argument: `key=value[,key=value...]`, in order.
+        #[arg(required = true)]
+        descriptors: Vec<String>,
+        /// The call's hits_addend (0 counts as 1, as Envoy sends it).
+        #[arg(long, default_value_t = 0)]
+        hits: u32,
+    },
 }
 
 fn main() -> ExitCode {
@@ -79,6 +93,15 @@ fn main() -> ExitCode {
                 })
                 .map(|text| print!("{text}"))
         }
+        Command::ExplainRls {
+            config,
+            domain,
+            descriptors,
+            hits,
+        } => sluice::runtime::clock::init()
+            .map_err(anyhow::Error::from)
+            .and_then(|_| app::explain_rls(&config, &domain, &descriptors, hits))
+            .map(|text| print!("{text}")),
         Command::Run { config } => run(&config),
     };
     match result {

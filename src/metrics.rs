@@ -259,6 +259,12 @@ const STORE_BUCKETS: &[f64] = &[
 ];
 
 impl Metrics {
+    /// Registers a collector defined next to what it measures (the rate limit service's
+    /// metrics, `rls::metrics`), so `/metrics` exports it with the rest.
+    pub fn register(&self, collector: Box<dyn Collector>) -> Result<(), prometheus::Error> {
+        self.registry.register(collector)
+    }
+
     pub fn new() -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
         let requests = IntCounterVec::new(

@@ -225,15 +225,15 @@ impl<V: Versions> Reloader<V> {
         match self.key_files.settled(self.settle, now) {
             Ok(look) => {
                 if look.skipped {
-                    self.skipped("a JWT key file");
+                    self.skipped("a JWT key or rate limit rule file");
                 }
                 if look.settled.is_some() {
-                    tracing::info!(file = %self.file.display(), "a JWT key file changed: reloading the config file");
+                    tracing::info!(file = %self.file.display(), "a JWT key or rate limit rule file changed: reloading the config file");
                     let _ = self.reload_file();
                 }
             }
             Err(err) => {
-                tracing::debug!(error = %err, "cannot read a JWT key file");
+                tracing::debug!(error = %err, "cannot read a JWT key or rate limit rule file");
             }
         }
     }
@@ -331,7 +331,9 @@ impl<V: Versions> Reloader<V> {
 
 /// A watch of the JWT key files `config` (the contents of `file`) names, as they are now.
 fn key_watch(file: &Path, config: &Config) -> FileWatch {
-    let paths = crate::jwt::key_files(&config.jwt, file);
+    let mut paths = crate::jwt::key_files(&config.jwt, file);
+    // The rate limit service's rule files reload the config file the same way.
+    paths.extend(crate::rls::files(config, file));
     let bytes: Vec<Vec<u8>> = paths
         .iter()
         .map(|path| std::fs::read(path).unwrap_or_default())

@@ -49,6 +49,15 @@ pub fn read_error(file: &Path, source: std::io::Error) -> ConfigError {
 
 /// Parses policy text; `file` is only used to name the source in errors.
 pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
+    let mut config: Config = parse_as(text, file)?;
+    config.store.topology = config.store.read_topology(file)?;
+    admin::check(&config.admin_listen, &config.admin, file)?;
+    Ok(config)
+}
+
+/// Parses YAML text into `T` with the policy file's limits and errors (file, line, column,
+/// field as written): also used for the files other sections name (`rls.config`).
+pub fn parse_as<T: serde::de::DeserializeOwned>(text: &str, file: &Path) -> Result<T, ConfigError> {
     let mut failed_at = String::new();
     let result = serde_saphyr::with_deserializer_from_str_with_options(text, options(), |de| {
         serde_path_to_error::deserialize(de).map_err(|err| {
@@ -56,7 +65,7 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
             err.into_inner()
         })
     });
-    let config: Config = result.map_err(|err| {
+    result.map_err(|err| {
         let position = err
             .location()
             .map(|l| Position {
@@ -70,11 +79,7 @@ pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
             field_of(&failed_at, &err),
             plain_message(&err),
         )
-    })?;
-    let mut config = config;
-    config.store.topology = config.store.read_topology(file)?;
-    admin::check(&config.admin_listen, &config.admin, file)?;
-    Ok(config)
+    })
 }
 
 /// Policy text as a JSON value (aliases resolved), read with the same limits as `parse`: for

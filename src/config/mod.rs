@@ -23,6 +23,7 @@ mod duration;
 mod error;
 mod load;
 mod restart;
+mod rls;
 mod schema;
 mod topology;
 mod tree;
@@ -33,7 +34,8 @@ pub use serde_saphyr::Spanned;
 pub use admin::{split_host_port, AdminConfig, AdminHost, EnvName};
 pub use duration::ConfigDuration;
 pub use error::{ConfigError, Position};
-pub use load::{from_bytes, load, parse, read_error, to_json, Source};
+pub use load::{from_bytes, load, parse, parse_as, read_error, to_json, Source};
+pub use rls::{RlsAlgorithm, RlsConfig};
 pub use schema::json_schema;
 pub use tree::{
     ClusterConfig, ConditionConfig, Config, CountConfig, JwtAlgorithm, JwtConfig, JwtKeyConfig,

@@ -6,6 +6,7 @@
 //! (applied by a reload). `reload` refuses a file whose [`Config::restart_change`] is not
 //! `None`.
 
+use super::rls::RlsConfig;
 use super::{
     AdminConfig, Config, ListenerTlsConfig, RedisConfig, ServerConfig, Spanned, StoreConfig,
 };
@@ -24,6 +25,8 @@ impl Config {
             server,
             store,
             log_format,
+            // Whether there is one, its `listen` and `tls` (restart-only); its rules reload.
+            rls,
             // Applied by a reload.
             trusted_proxies: _,
             forwarded_header: _,
@@ -64,6 +67,13 @@ impl Config {
                     .to_owned(),
             );
         }
+        if rls_listener(rls) != rls_listener(&new.rls) {
+            return Some(
+                "`rls` changed: the rate limit service's listener (whether there is one, \
+                 `rls.listen`, `rls.tls`) is bound at start; its rule files reload"
+                    .to_owned(),
+            );
+        }
         if let Some(field) = server.restart_change(&new.server) {
             return Some(format!("`server.{field}` changed"));
         }
@@ -71,6 +81,29 @@ impl Config {
             .restart_change(&new.store)
             .map(|field| format!("`store.{field}` changed"))
     }
+}
+
+/// What of `rls:` is bound at start: its address and which TLS files.
+type RlsListener = (
+    std::net::SocketAddr,
+    Option<(std::path::PathBuf, std::path::PathBuf)>,
+);
+
+fn rls_listener(rls: &Option<Spanned<RlsConfig>>) -> Option<RlsListener> {
+    let RlsConfig {
+        listen,
+        tls,
+        // Applied by a reload.
+        config: _,
+        shadow_mode: _,
+        algorithm: _,
+        on_store_error: _,
+    } = &rls.as_ref()?.value;
+    let files = tls.as_ref().map(|tls| {
+        let ListenerTlsConfig { cert, key } = &tls.value;
+        (cert.value.clone(), key.value.clone())
+    });
+    Some((*listen, files))
 }
 
 impl ServerConfig {

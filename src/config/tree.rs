@@ -106,6 +106,9 @@ pub struct Config {
     #[serde(default)]
     pub models: Vec<ModelConfig>,
     pub routes: Vec<RouteConfig>,
+    /// Envoy's rate limit service on a listener of its own (`crate::rls`); absent: off.
+    #[schemars(with = "Option<super::rls::RlsConfig>")]
+    pub rls: Option<Spanned<super::rls::RlsConfig>>,
 }
 
 /// How a change of the config file (or of a JWT key file it names) is applied.

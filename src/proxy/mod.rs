@@ -122,6 +122,11 @@ impl Gateway {
         &self.store
     }
 
+    /// The store, shared with the rate limit service (`crate::rls`).
+    pub fn shared_store(&self) -> Arc<Store> {
+        Arc::clone(&self.store)
+    }
+
     /// Puts `policy` in force for every request that starts from now on.
     pub fn install(&self, policy: Policy) {
         let clients = self.upstreams.clients_for(&policy);

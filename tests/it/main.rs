@@ -46,6 +46,7 @@ mod proxy_headers;
 mod redis_path;
 mod release;
 mod reload;
+mod rls;
 mod schema;
 mod script_flush;
 mod sentinel;

@@ -659,6 +659,13 @@ const FIELD_CHANGES: &[FieldChange] = &[
     FieldChange { field: "store.local", yaml: "store:\n  local:\n    max_keys: 5000\n", refused: Some("`store.local` changed") },
     FieldChange { field: "store.key_prefix", yaml: "store:\n  key_prefix: other\n", refused: Some("`store.key_prefix` changed") },
     FieldChange { field: "store.on_store_error", yaml: "store:\n  on_store_error: deny\n", refused: None },
+    FieldChange { field: "rls.listen", yaml: "rls:\n  listen: 127.0.0.1:1\n  config: []\n", refused: Some("`rls` changed") },
+    FieldChange { field: "rls.tls", yaml: "rls:\n  listen: 127.0.0.1:1\n  tls: { cert: c.pem, key: k.pem }\n  config: []\n", refused: Some("`rls` changed") },
+    // Reloaded when the service runs; here, the first `rls:` section, which is refused.
+    FieldChange { field: "rls.config", yaml: "rls:\n  listen: 127.0.0.1:1\n  config: []\n", refused: Some("`rls` changed") },
+    FieldChange { field: "rls.shadow_mode", yaml: "rls:\n  listen: 127.0.0.1:1\n  config: []\n  shadow_mode: true\n", refused: Some("`rls` changed") },
+    FieldChange { field: "rls.algorithm", yaml: "rls:\n  listen: 127.0.0.1:1\n  config: []\n  algorithm: gcra\n", refused: Some("`rls` changed") },
+    FieldChange { field: "rls.on_store_error", yaml: "rls:\n  listen: 127.0.0.1:1\n  config: []\n  on_store_error: deny\n", refused: Some("`rls` changed") },
     FieldChange { field: "trusted_proxies", yaml: "trusted_proxies: [10.0.0.0/8]\n", refused: None },
     FieldChange { field: "forwarded_header", yaml: "forwarded_header: forwarded\n", refused: None },
     FieldChange { field: "response_headers", yaml: "response_headers: legacy\n", refused: None },

@@ -18,6 +18,7 @@
 
 pub mod certs;
 pub mod cluster;
+pub mod envoy;
 pub mod grpc;
 pub mod llm_upstream;
 pub mod metrics;

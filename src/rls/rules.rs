@@ -1,0 +1,443 @@
+//! The compiled view of envoyproxy/ratelimit's files: per domain a tree of descriptor rules,
+//! and the lookup that finds the rule a request's descriptor falls under.
+//!
+//! The lookup follows envoyproxy/ratelimit's: walk the descriptor's entries in order; at each
+//! level take the child whose `key` and exact `value` match, else the longest wildcard
+//! (`value: prefix*`) that matches, else the child with the `key` and no `value`; the rule is
+//! the `rate_limit` of the node where the entries end. Any entry without a child, or an end
+//! node without `rate_limit`, means no rule: the descriptor is allowed and not counted.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::config::{ConfigError, Position, RlsAlgorithm, Spanned};
+
+use super::file::{self, DescriptorRule, DomainFile, UnitName};
+
+/// Every domain the service answers for.
+#[derive(Debug, Default)]
+pub struct Rules {
+    domains: HashMap<String, Node>,
+    /// The files the rules were read from (watched for reload).
+    pub files: Vec<PathBuf>,
+}
+
+/// One level of a domain's tree.
+#[derive(Debug, Default)]
+struct Node {
+    rule: Option<Arc<Rule>>,
+    children: HashMap<String, Branch>,
+}
+
+/// The children of one node that share a `key`.
+#[derive(Debug, Default)]
+struct Branch {
+    exact: HashMap<String, Node>,
+    /// `value: prefix*`, longest prefix first.
+    prefixes: Vec<(String, Node)>,
+    /// The child with no `value`: every value counts on its own.
+    any: Option<Box<Node>>,
+}
+
+/// What applies to a descriptor that ends at a node with `rate_limit`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    pub domain: String,
+    /// `rate_limit.name`, empty when none.
+    pub name: String,
+    /// envoyproxy/ratelimit's stat key of the rule without its domain: `key_value.key2`.
+    pub path: String,
+    pub limit: RuleLimit,
+    pub shadow: bool,
+    /// Names of the rules this one replaces.
+    pub replaces: Vec<String>,
+    /// Where the rule is written, for `explain`.
+    pub file: PathBuf,
+    pub line: u64,
+}
+
+/// A rule's limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleLimit {
+    /// `unlimited: true`: OK, never counted.
+    Unlimited,
+    Counted(Counted),
+}
+
+/// A counted limit: `requests_per_unit` per `unit`, counted with `algorithm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counted {
+    pub requests: u32,
+    pub unit: UnitName,
+    pub algorithm: RlsAlgorithm,
+}
+
+impl Rules {
+    /// Reads and compiles the files `entries` name (relative to `file`, the sluice config).
+    pub fn load(
+        entries: &[Spanned<PathBuf>],
+        algorithm: RlsAlgorithm,
+        file: &Path,
+    ) -> Result<Rules, ConfigError> {
+        let mut rules = Rules {
+            files: file::paths(entries, file, "rls.config")?,
+            ..Rules::default()
+        };
+        let mut seen: HashMap<String, PathBuf> = HashMap::new();
+        for path in rules.files.clone() {
+            let parsed = file::read(&path)?;
+            let domain = parsed.domain.value.clone();
+            let refuse = |message: String| {
+                ConfigError::invalid(&path, (&parsed.domain).into(), "domain", message)
+            };
+            if domain.is_empty() {
+                return Err(refuse("a domain must not be empty".into()));
+            }
+            if let Some(other) = seen.insert(domain.clone(), path.clone()) {
+                return Err(refuse(format!(
+                    "domain `{domain}` is already defined in {}",
+                    other.display()
+                )));
+            }
+            let node = compile_domain(&parsed, algorithm, &path)?;
+            rules.domains.insert(domain, node);
+        }
+        Ok(rules)
+    }
+
+    /// Whether `domain` is configured.
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
+    }
+
+    /// The rule a descriptor with these `(key, value)` entries falls under, if any.
+    pub fn find<'a, I>(&self, domain: &str, entries: I) -> Option<&Arc<Rule>>
+    where
+        I: IntoIterator<Item = (&'a str, &'a str)>,
+    {
+        let mut node = self.domains.get(domain)?;
+        let mut any = false;
+        for (key, value) in entries {
+            any = true;
+            node = node.children.get(key)?.find(value)?;
+        }
+        if !any {
+            return None;
+        }
+        node.rule.as_ref()
+    }
+
+    /// How many domains and rules there are, for `sluice check`'s summary.
+    pub fn count(&self) -> (usize, usize) {
+        let rules = self.domains.values().map(Node::rules).sum();
+        (self.domains.len(), rules)
+    }
+}
+
+impl Branch {
+    fn find(&self, value: &str) -> Option<&Node> {
+        if let Some(node) = self.exact.get(value) {
+            return Some(node);
+        }
+        let wildcard = self
+            .prefixes
+            .iter()
+            .find(|(prefix, _)| value.starts_with(prefix.as_str()))
+            .map(|(_, node)| node);
+        wildcard.or(self.any.as_deref())
+    }
+}
+
+impl Node {
+    fn rules(&self) -> usize {
+        let own = usize::from(self.rule.is_some());
+        let below: usize = self
+            .children
+            .values()
+            .map(|branch| {
+                branch.exact.values().map(Node::rules).sum::<usize>()
+                    + branch
+                        .prefixes
+                        .iter()
+                        .map(|(_, n)| n.rules())
+                        .sum::<usize>()
+                    + branch.any.as_ref().map_or(0, |n| n.rules())
+            })
+            .sum();
+        own + below
+    }
+}
+
+fn compile_domain(
+    parsed: &DomainFile,
+    algorithm: RlsAlgorithm,
+    path: &Path,
+) -> Result<Node, ConfigError> {
+    let mut root = Node::default();
+    let at = Walk {
+        domain: &parsed.domain.value,
+        algorithm,
+        path,
+    };
+    at.children(&mut root, &parsed.descriptors, "descriptors", "")?;
+    Ok(root)
+}
+
+/// What compiling one domain carries down its tree.
+struct Walk<'a> {
+    domain: &'a str,
+    algorithm: RlsAlgorithm,
+    path: &'a Path,
+}
+
+impl Walk<'_> {
+    fn children(
+        &self,
+        node: &mut Node,
+        rules: &[DescriptorRule],
+        field: &str,
+        stat: &str,
+    ) -> Result<(), ConfigError> {
+        for (index, rule) in rules.iter().enumerate() {
+            let field = format!("{field}[{index}]");
+            let key = &rule.key.value;
+            if key.is_empty() {
+                return Err(self.refuse(
+                    (&rule.key).into(),
+                    &format!("{field}.key"),
+                    "a descriptor key must not be empty",
+                ));
+            }
+            let mut child = Node::default();
+            let own = match &rule.value {
+                Some(value) => format!("{key}_{}", value.value),
+                None => key.clone(),
+            };
+            let stat = if stat.is_empty() {
+                own
+            } else {
+                format!("{stat}.{own}")
+            };
+            child.rule = self.rule(rule, &field, &stat)?;
+            self.children(
+                &mut child,
+                &rule.descriptors,
+                &format!("{field}.descriptors"),
+                &stat,
+            )?;
+            let branch = node.children.entry(key.clone()).or_default();
+            let duplicate = match &rule.value {
+                None => branch.any.replace(Box::new(child)).is_some(),
+                Some(value) => match value.value.strip_suffix('*') {
+                    Some(prefix) if !prefix.contains('*') => {
+                        let taken = branch.prefixes.iter().any(|(p, _)| p == prefix);
+                        branch.prefixes.push((prefix.to_owned(), child));
+                        // Longest first: the most specific wildcard wins.
+                        branch
+                            .prefixes
+                            .sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
+                        taken
+                    }
+                    _ if value.value.contains('*') => {
+                        return Err(self.refuse(
+                            value.into(),
+                            &format!("{field}.value"),
+                            "a wildcard `*` may only end a value (`prefix*`)",
+                        ))
+                    }
+                    _ => branch.exact.insert(value.value.clone(), child).is_some(),
+                },
+            };
+            if duplicate {
+                return Err(self.refuse(
+                    (&rule.key).into(),
+                    &format!("{field}.key"),
+                    &format!("the descriptor `{}` is defined twice at this level", stat),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn rule(
+        &self,
+        rule: &DescriptorRule,
+        field: &str,
+        stat: &str,
+    ) -> Result<Option<Arc<Rule>>, ConfigError> {
+        let Some(spanned) = &rule.rate_limit else {
+            return Ok(None);
+        };
+        let limit = &spanned.value;
+        let field = format!("{field}.rate_limit");
+        let position: Position = spanned.into();
+        let counted = match (limit.unlimited, &limit.unit, &limit.requests_per_unit) {
+            (true, None, None) => RuleLimit::Unlimited,
+            (true, _, _) => {
+                return Err(self.refuse(
+                    position,
+                    &field,
+                    "an `unlimited` rate limit takes no `unit` or `requests_per_unit`",
+                ))
+            }
+            (false, Some(unit), Some(requests)) => {
+                if requests.value == 0 {
+                    return Err(self.refuse(
+                        requests.into(),
+                        &format!("{field}.requests_per_unit"),
+                        "must be at least 1 (to refuse every request, answer 429 from Envoy's route instead)",
+                    ));
+                }
+                RuleLimit::Counted(Counted {
+                    requests: requests.value,
+                    unit: unit.value,
+                    algorithm: limit.algorithm.unwrap_or(self.algorithm),
+                })
+            }
+            (false, _, _) => {
+                return Err(self.refuse(
+                    position,
+                    &field,
+                    "a rate limit needs `unit` and `requests_per_unit`, or `unlimited: true`",
+                ))
+            }
+        };
+        Ok(Some(Arc::new(Rule {
+            domain: self.domain.to_owned(),
+            name: limit
+                .name
+                .as_ref()
+                .map(|n| n.value.clone())
+                .unwrap_or_default(),
+            path: stat.to_owned(),
+            limit: counted,
+            shadow: rule.shadow_mode,
+            replaces: limit.replaces.iter().map(|r| r.name.clone()).collect(),
+            file: self.path.to_owned(),
+            line: position.line,
+        })))
+    }
+
+    fn refuse(&self, position: Position, field: &str, message: &str) -> ConfigError {
+        ConfigError::invalid(self.path, position, field, message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(yaml: &str) -> Result<Rules, ConfigError> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("rules.yaml");
+        std::fs::write(&path, yaml).expect("write");
+        let sluice = dir.path().join("sluice.yaml");
+        let entry: Vec<Spanned<PathBuf>> =
+            crate::config::parse_as("[rules.yaml]", &sluice).expect("list");
+        Rules::load(&entry, RlsAlgorithm::Exact, &sluice)
+    }
+
+    const README: &str = "
+domain: messaging
+descriptors:
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        rate_limit:
+          unit: day
+          requests_per_unit: 5
+  - key: to_number
+    rate_limit:
+      unit: day
+      requests_per_unit: 100
+  - key: key1
+    value: value1*
+    rate_limit: {unit: minute, requests_per_unit: 20}
+  - key: key1
+    value: value1a*
+    rate_limit: {unit: minute, requests_per_unit: 30}
+  - key: key1
+    value: value1ab
+    rate_limit: {unit: minute, requests_per_unit: 40}
+  - key: key1
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: internal
+    rate_limit: {unlimited: true}
+  - key: nolimit
+";
+
+    fn requests(rules: &Rules, entries: &[(&str, &str)]) -> Option<u32> {
+        match rules.find("messaging", entries.iter().copied())?.limit {
+            RuleLimit::Counted(c) => Some(c.requests),
+            RuleLimit::Unlimited => Some(u32::MAX),
+        }
+    }
+
+    #[test]
+    fn the_most_specific_rule_wins() {
+        let rules = rules(README).expect("valid");
+        let at = |e: &[(&str, &str)]| requests(&rules, e);
+        assert_eq!(
+            at(&[("message_type", "marketing"), ("to_number", "1")]),
+            Some(5)
+        );
+        assert_eq!(at(&[("to_number", "1")]), Some(100));
+        // message_type alone ends at a node without rate_limit.
+        assert_eq!(at(&[("message_type", "marketing")]), None);
+        assert_eq!(
+            at(&[("key1", "value1ab")]),
+            Some(40),
+            "exact before wildcard"
+        );
+        assert_eq!(at(&[("key1", "value1abc")]), Some(30), "longest wildcard");
+        assert_eq!(at(&[("key1", "value1x")]), Some(20));
+        assert_eq!(at(&[("key1", "other")]), Some(10), "key without value");
+        assert_eq!(at(&[("internal", "x")]), Some(u32::MAX));
+        assert_eq!(at(&[("nolimit", "x")]), None);
+        assert_eq!(at(&[("unknown", "x")]), None);
+        assert_eq!(rules.find("other", [("to_number", "1")]), None);
+        let rule = rules.find(
+            "messaging",
+            [("message_type", "marketing"), ("to_number", "1")],
+        );
+        assert_eq!(
+            rule.map(|r| r.path.as_str()),
+            Some("message_type_marketing.to_number")
+        );
+    }
+
+    #[test]
+    fn errors_name_file_line_and_field() {
+        let err = rules("domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n")
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            err.contains("rules.yaml:5:13") && err.contains("unit") && err.contains("fortnight"),
+            "{err}"
+        );
+        let err =
+            rules("domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: second\n")
+                .expect_err("refused")
+                .to_string();
+        assert!(
+            err.contains("rules.yaml:5:7: descriptors[0].rate_limit"),
+            "{err}"
+        );
+        let err = rules("domain: d\ndescriptors:\n  - key: a\n  - key: a\n")
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            err.contains("descriptors[1].key") && err.contains("twice"),
+            "{err}"
+        );
+        let err = rules("domain: d\ndescriptors:\n  - key: a\n    value: x*y\n")
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            err.contains("descriptors[0].value") && err.contains("wildcard"),
+            "{err}"
+        );
+    }
+}
