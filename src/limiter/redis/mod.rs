@@ -29,6 +29,7 @@
 //! (the Lua sources and reading their replies), `calls` (decide, release, peek and reset, each
 //! one script call or one per cluster slot).
 
+mod batch;
 mod calls;
 mod connection;
 mod follow;
@@ -41,6 +42,7 @@ use std::time::Duration;
 
 use redis::{Client, Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind};
 
+use self::batch::{Lane, Writer};
 use self::connection::{open_connections, script_error, Connection, Master, Shared};
 use self::follow::Follower;
 use self::scripts::{DECIDE, PEEK, RELEASE};
@@ -140,6 +142,10 @@ impl RedisStore {
                 release: Script::new(RELEASE),
                 peek: Script::new(PEEK),
                 timeout,
+                writer: Writer {
+                    script: Script::new(DECIDE),
+                    timeout,
+                },
             }),
             link: Link::Single,
             next: AtomicUsize::new(0),
@@ -198,6 +204,11 @@ impl RedisStore {
         .await
     }
 
+    /// The bound on every call, and on a decision's wait in its connection's queue.
+    pub fn timeout(&self) -> Duration {
+        self.shared.timeout
+    }
+
     pub async fn ping(&self) -> Result<(), StoreError> {
         let mut conn = self.connection()?;
         self.bounded(async {
@@ -217,6 +228,12 @@ impl RedisStore {
         if let Link::Cluster(cluster) = &self.link {
             return cluster.connection().map(Connection::Cluster);
         }
+        Ok(Connection::Node(self.lane()?.conn))
+    }
+
+    /// The next connection to the current master with its batch queue, chosen as
+    /// `connection` chooses (not for a cluster, whose `shared.master` is empty).
+    fn lane(&self) -> Result<Lane, StoreError> {
         let master = self.shared.current();
         if master.connections.is_empty() {
             self.rediscover();
@@ -227,7 +244,7 @@ impl RedisStore {
         }
         let mine = crate::worker::share(master.connections.len());
         let index = mine.start + self.next.fetch_add(1, Ordering::Relaxed) % mine.len();
-        Ok(Connection::Node(master.connections[index].clone()))
+        Ok(master.connections[index].clone())
     }
 
     /// Classifies a failed call, and asks for a new lookup of the master when a failover
