@@ -321,7 +321,11 @@ async fn a_flood_costs_redis_under_a_twentieth_of_a_command_per_rejection() {
             rejected > 1_000,
             "{algorithm}: the flood was too thin to test: {rejected} rejections"
         );
-        assert_eq!(up.hits() - warm_up, admitted, "{algorithm}: the upstream's record");
+        assert_eq!(
+            up.hits() - warm_up,
+            admitted,
+            "{algorithm}: the upstream's record"
+        );
         assert!(
             per_rejection < 0.05,
             "{algorithm}: {commands} Redis commands for {rejected} rejections ({per_rejection:.4} each)"
