@@ -12,9 +12,14 @@
 //! The added latency is bounded: a decision waits for at most the calls queued ahead of it
 //! on its connection, at most `QUEUE / MAX_BATCH` calls of at most `MAX_BATCH` decisions
 //! each, and never longer than the store timeout, which bounds the whole decision (queue and
-//! call). A decision that finds its queue full is not queued: it fails at once with
-//! `StoreError::Busy`, counted in `sluice_store_errors_total{kind="queue_full"}`, and the route
+//! call). A decision that finds every queue of its worker's connections full is not queued:
+//! it fails at once with `StoreError::Busy`, counted in `sluice_store_errors_total{kind="queue_full"}`, and the route
 //! answers as its `on_store_error` says.
+//!
+//! A worker queues its decisions on the first connection of its share (`worker::share`), and
+//! on the next only when that one's queue is full: spreading them round robin would split
+//! the batches and cost Redis more per decision. One connection carries a worker's decisions
+//! at one call in flight, `MAX_BATCH` decisions a round trip.
 //!
 //! The writer is spawned on the runtime of the first decision that uses the connection (each
 //! connection is used by one worker, `worker::share`), and again if that runtime has gone.
@@ -32,8 +37,10 @@ use tokio::sync::{mpsc, oneshot};
 use super::super::{Check, StoreError};
 use super::connection::script_error;
 
-/// Most decisions in one call. Measured on a 2-core machine, Redis's CPU per decision falls
-/// steeply up to about 16 per call and little after; 32 leaves room for bursts.
+/// Most decisions in one call: enough to spread Redis's per-call cost thin (a GCRA script
+/// costs Redis 14–16 µs of CPU called alone and 6.8 µs pipelined 16 deep on the 2-core bench
+/// machine, issue 29), few enough that one call stays short (a call of 32 decides in well
+/// under a millisecond).
 pub(super) const MAX_BATCH: usize = 32;
 
 /// Most decisions waiting on one connection (beyond the call in flight).
@@ -113,14 +120,13 @@ impl Lane {
     }
 
     /// Queues `pending` for the next call on this connection, starting the writer if it is
-    /// not running; `StoreError::Busy` when the queue is full. Must be called on a Tokio
-    /// runtime.
-    pub(super) fn enqueue(&self, pending: Pending, writer: &Writer) -> Result<(), StoreError> {
+    /// not running; gives it back when the queue is full. Must be called on a Tokio runtime.
+    pub(super) fn enqueue(&self, pending: Pending, writer: &Writer) -> Result<(), Pending> {
         let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
         let pending = match queue.as_ref() {
             Some(sender) => match sender.try_send(pending) {
                 Ok(()) => return Ok(()),
-                Err(mpsc::error::TrySendError::Full(_)) => return Err(StoreError::Busy),
+                Err(mpsc::error::TrySendError::Full(pending)) => return Err(pending),
                 // The writer's runtime has gone: start another here.
                 Err(mpsc::error::TrySendError::Closed(pending)) => pending,
             },
@@ -128,7 +134,10 @@ impl Lane {
         };
         let (sender, receiver) = mpsc::channel(QUEUE);
         tokio::spawn(write(self.conn.clone(), receiver, writer.clone()));
-        let sent = sender.try_send(pending).map_err(|_| StoreError::Busy);
+        let sent = sender.try_send(pending).map_err(|refused| match refused {
+            mpsc::error::TrySendError::Full(pending)
+            | mpsc::error::TrySendError::Closed(pending) => pending,
+        });
         *queue = Some(sender);
         sent
     }

@@ -41,7 +41,7 @@ impl RedisStore {
             self.run::<Vec<i64>>(&cmd, Some(&self.shared.script))
                 .await?
         } else {
-            self.lane()?.enqueue(pending, &self.shared.writer)?;
+            self.enqueue(pending)?;
             let result = self
                 .bounded(async {
                     answer.await.unwrap_or_else(|_| {

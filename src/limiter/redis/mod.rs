@@ -42,7 +42,7 @@ use std::time::Duration;
 
 use redis::{Client, Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind};
 
-use self::batch::{Lane, Writer};
+use self::batch::{Lane, Pending, Writer};
 use self::connection::{open_connections, script_error, Connection, Master, Shared};
 use self::follow::Follower;
 use self::scripts::{DECIDE, PEEK, RELEASE};
@@ -231,9 +231,30 @@ impl RedisStore {
         Ok(Connection::Node(self.lane()?.conn))
     }
 
-    /// The next connection to the current master with its batch queue, chosen as
-    /// `connection` chooses (not for a cluster, whose `shared.master` is empty).
+    /// The next connection to the current master, round robin among the current worker's
+    /// share, with its batch queue (not for a cluster, whose `shared.master` is empty).
     fn lane(&self) -> Result<Lane, StoreError> {
+        let master = self.master()?;
+        let mine = crate::worker::share(master.connections.len());
+        let index = mine.start + self.next.fetch_add(1, Ordering::Relaxed) % mine.len();
+        Ok(master.connections[index].clone())
+    }
+
+    /// Queues a decision on the first connection of the current worker's share whose queue
+    /// has room (see `batch`); `StoreError::Busy` when none has.
+    fn enqueue(&self, mut pending: Pending) -> Result<(), StoreError> {
+        let master = self.master()?;
+        for lane in &master.connections[crate::worker::share(master.connections.len())] {
+            match lane.enqueue(pending, &self.shared.writer) {
+                Ok(()) => return Ok(()),
+                Err(refused) => pending = refused,
+            }
+        }
+        Err(StoreError::Busy)
+    }
+
+    /// The master as last known, if it has connections.
+    fn master(&self) -> Result<Arc<Master>, StoreError> {
         let master = self.shared.current();
         if master.connections.is_empty() {
             self.rediscover();
@@ -242,9 +263,7 @@ impl RedisStore {
                     .to_owned(),
             ));
         }
-        let mine = crate::worker::share(master.connections.len());
-        let index = mine.start + self.next.fetch_add(1, Ordering::Relaxed) % mine.len();
-        Ok(master.connections[index].clone())
+        Ok(master)
     }
 
     /// Classifies a failed call, and asks for a new lookup of the master when a failover
