@@ -453,6 +453,51 @@ mod tests {
     }
 
     #[test]
+    fn after_a_denial_expires_one_request_asks_and_the_others_wait_for_its_answer() {
+        let cache = DenyCache::new();
+        let sent = Instant::now();
+        let checks = [check("a", 5, 60)];
+        cache.remember(&checks, &rejected(vec![full(5)]), sent);
+        let expired = sent + Duration::from_secs(5);
+        let Lookup::Ask(asking) = cache.lookup(&checks, expired) else {
+            panic!("the first request after the expiry asks");
+        };
+        let Lookup::Wait(mut answered) = cache.lookup(&checks, expired) else {
+            panic!("the next one waits");
+        };
+        // The asker is rejected again: the waiters read the new denial.
+        cache.remember(&checks, &rejected(vec![full(3)]), expired);
+        cache.asked(asking, &checks, Some(&rejected(vec![full(3)])));
+        assert!(answered.has_changed().is_err(), "the waiters are woken");
+        assert!(matches!(cache.lookup(&checks, expired), Lookup::Denied(_)));
+
+        // The next asker fails: the waiters ask as usual.
+        let later = expired + Duration::from_secs(3);
+        let Lookup::Ask(asking) = cache.lookup(&checks, later) else {
+            panic!("asks again after the new denial");
+        };
+        cache.asked(asking, &checks, None);
+        assert!(matches!(cache.lookup(&checks, later), Lookup::Miss));
+    }
+
+    #[test]
+    fn an_asker_that_is_cancelled_leaves_the_key_to_the_next_request() {
+        let cache = DenyCache::new();
+        let sent = Instant::now();
+        let checks = [check("a", 5, 60)];
+        cache.remember(&checks, &rejected(vec![full(1)]), sent);
+        let expired = sent + Duration::from_secs(1);
+        let Lookup::Ask(asking) = cache.lookup(&checks, expired) else {
+            panic!("asks");
+        };
+        drop(asking);
+        assert!(matches!(cache.lookup(&checks, expired), Lookup::Ask(_)));
+        // Long after the expiry the key is decided as any other.
+        let quiet = expired + COALESCE_FOR + Duration::from_secs(1);
+        assert!(matches!(cache.lookup(&checks, quiet), Lookup::Miss));
+    }
+
+    #[test]
     fn the_cache_is_bounded() {
         let cache = DenyCache::new();
         let sent = Instant::now();

@@ -447,6 +447,9 @@ async fn script_flush_under_load_costs_no_request_an_error() {
         "sluice_store_call_duration_seconds_count",
         &[("store", "redis")],
     );
-    assert!(decided as usize >= statuses.len(), "{decided} decisions sent");
+    assert!(
+        decided as usize >= statuses.len(),
+        "{decided} decisions sent"
+    );
     assert!(redis.commandstat("evalsha").await > 0);
 }
