@@ -462,7 +462,7 @@ mod tests {
         let Lookup::Ask(asking) = cache.lookup(&checks, expired) else {
             panic!("the first request after the expiry asks");
         };
-        let Lookup::Wait(mut answered) = cache.lookup(&checks, expired) else {
+        let Lookup::Wait(answered) = cache.lookup(&checks, expired) else {
             panic!("the next one waits");
         };
         // The asker is rejected again: the waiters read the new denial.
