@@ -63,6 +63,21 @@ async fn concurrent_decisions_leave_batched_and_nothing_else_is_sent() {
         "{} calls for 500 concurrent decisions: not batched",
         commands.len()
     );
+    // Concurrent decisions share the configured two connections (and nothing is pooled
+    // beyond them): CLIENT LIST counts our connection for the query, plus sluice's.
+    let clients = match redis.cmd(&["CLIENT", "LIST"]).await {
+        redis::Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        redis::Value::VerbatimString { text, .. } => text,
+        other => panic!("CLIENT LIST answered {other:?}"),
+    };
+    let sluice_connections = clients
+        .lines()
+        .filter(|l| !l.contains("cmd=client"))
+        .count();
+    assert!(
+        sluice_connections <= 2,
+        "sluice holds {sluice_connections} connections:\n{clients}"
+    );
     // Every decision of every batch was recorded: the 50 keys' logs hold all 520 admissions.
     let redis::Value::Array(keys) = redis.cmd(&["KEYS", "*"]).await else {
         panic!("KEYS answered no array");
@@ -80,21 +95,6 @@ async fn concurrent_decisions_leave_batched_and_nothing_else_is_sent() {
         recorded += entries;
     }
     assert_eq!(recorded, 520, "admissions recorded in Redis");
-    // Concurrent decisions share the configured two connections (and nothing is pooled
-    // beyond them): CLIENT LIST counts our connection for the query, plus sluice's.
-    let clients = match redis.cmd(&["CLIENT", "LIST"]).await {
-        redis::Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-        redis::Value::VerbatimString { text, .. } => text,
-        other => panic!("CLIENT LIST answered {other:?}"),
-    };
-    let sluice_connections = clients
-        .lines()
-        .filter(|l| !l.contains("cmd=client"))
-        .count();
-    assert!(
-        sluice_connections <= 2,
-        "sluice holds {sluice_connections} connections:\n{clients}"
-    );
 }
 
 /// A decision alone on its connection is sent at once: no timer waits for others to join
