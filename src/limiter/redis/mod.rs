@@ -1,9 +1,9 @@
 //! The Redis store: every limit of a request, of any mix of algorithms, decided by one call of
 //! one script: `scripts/decide.lua`, after each algorithm's check and record functions.
 //!
-//! Decisions travel over a few long-lived multiplexed connections: concurrent requests share
-//! them, and their commands leave in pipelined writes instead of one round trip per pooled
-//! connection. A connection that breaks is re-established in the background by the `redis`
+//! Decisions travel over a few long-lived multiplexed connections, and the decisions waiting
+//! on one leave together as one call of the decide script (`batch`); on a cluster each
+//! decision is a call of its own. A connection that breaks is re-established in the background by the `redis`
 //! crate's `ConnectionManager`; no command is spent checking a connection before use.
 //!
 //! The script is loaded at start-up and run with EVALSHA only; when Redis has lost it (restart,
@@ -25,7 +25,7 @@
 //! get the store error; the fence lifts by itself after `FENCE_LIMIT` if they never do.
 //!
 //! The files, by job: `connection` (the connections to a node or a cluster, and the master
-//! as last known), `follow` (finding and following the master through Sentinel), `scripts`
+//! as last known), `batch` (each connection's queue and the writer that drains it), `follow` (finding and following the master through Sentinel), `scripts`
 //! (the Lua sources and reading their replies), `calls` (decide, release, peek and reset, each
 //! one script call or one per cluster slot).
 
