@@ -300,7 +300,7 @@ impl Metrics {
         let store_errors = IntCounterVec::new(
             Opts::new(
                 "sluice_store_errors_total",
-                "Store calls that failed, by store and kind (timeout, connection, script).",
+                "Store calls that failed, by store and kind (timeout, connection, script), and decisions refused because too many were waiting for the store (queue_full).",
             ),
             &["store", "kind"],
         )?;

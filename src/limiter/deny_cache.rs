@@ -26,6 +26,16 @@
 //!   ends, and the next period's requests ask Redis under their own key. The window, which
 //!   is that time left and differs per request, is not compared (`same_limit`).
 //!
+//! When a denial expires under a flood, the requests waiting on that key would all miss at
+//! once and all ask Redis, though only the first can be admitted (room comes back one
+//! request at a time for the exact algorithms). So the misses are coalesced: the first
+//! request after the expiry asks the store (`Lookup::Ask`), and the others wait for its
+//! answer (`Lookup::Wait`, at most the store timeout), then look again: a new denial answers
+//! them from memory. When the asker was admitted and left its limit full, the key stays
+//! coalesced and the next waiter asks; when it left room, or failed, the waiters do what they
+//! did before, each asking the store. Only a denial that expired within `COALESCE_FOR` is
+//! coalesced, so a key quiet for a while is never held back.
+//!
 //! Entries are keyed by the store key *and* every parameter that changes a decision
 //! (algorithm, `requests`, `window`, `burst`, `cost`), so a changed limit never reuses a stale
 //! denial (envoy ratelimit's cache is wrong there, their #1077).
@@ -38,6 +48,8 @@ use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use tokio::sync::watch;
+
 use super::{Check, Decision, LimitState, Spec};
 
 const SHARDS: usize = 16;
@@ -45,9 +57,38 @@ const SHARDS: usize = 16;
 /// Most denials remembered at once, over all shards.
 pub const MAX_ENTRIES: usize = 65_536;
 
+/// How long after its expiry a denial's key is still coalesced: a flood keeps asking within
+/// this time; a key quiet for longer is decided as any other.
+const COALESCE_FOR: Duration = Duration::from_secs(1);
+
 struct Denial {
     spec: Spec,
+    /// Denied until then; after it, the key is coalesced for `COALESCE_FOR`.
     until: Instant,
+    /// Some request is asking the store for this key: its answer wakes this (the asker's
+    /// sender is dropped).
+    asking: Option<watch::Receiver<()>>,
+}
+
+/// What the cache says about a request's checks.
+pub enum Lookup {
+    /// A remembered denial answers it.
+    Denied(Decision),
+    /// Nothing is known: ask the store.
+    Miss,
+    /// A denial of one of its keys has just expired: ask the store, and tell the cache the
+    /// answer (`DenyCache::asked`), which the requests waiting on this key then read.
+    Ask(Asking),
+    /// Another request is asking the store for one of its keys: wait until `changed()` ends
+    /// (its answer, or its failure), then look again.
+    Wait(watch::Receiver<()>),
+}
+
+/// The request that asks the store for a key whose denial has expired. Dropping it wakes the
+/// requests waiting on that key.
+pub struct Asking {
+    key: String,
+    waiters: watch::Sender<()>,
 }
 
 pub struct DenyCache {
@@ -68,6 +109,72 @@ impl DenyCache {
         self.shards[index]
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// What to do with a request of `checks` at `now`: answer a remembered denial, wait for
+    /// another request asking about one of its keys, ask the store on their behalf, or ask it
+    /// as usual.
+    pub fn lookup(&self, checks: &[Check], now: Instant) -> Lookup {
+        if let Some(decision) = self.answer(checks, now) {
+            return Lookup::Denied(decision);
+        }
+        let mut open = None;
+        for check in checks {
+            let mut shard = self.shard(&check.key);
+            let Some(denial) = shard.get_mut(&check.key) else {
+                continue;
+            };
+            if !same_limit(&denial.spec, &check.spec) || denial.until + COALESCE_FOR <= now {
+                continue;
+            }
+            match &denial.asking {
+                // An asker that went away without an answer (its request was cancelled) wakes
+                // its waiters as it goes; the key is open again.
+                Some(asking) if asking.has_changed().is_ok() => {
+                    return Lookup::Wait(asking.clone());
+                }
+                _ if open.is_none() => {
+                    let (waiters, asking) = watch::channel(());
+                    denial.asking = Some(asking);
+                    open = Some(Asking {
+                        key: check.key.clone(),
+                        waiters,
+                    });
+                }
+                _ => {}
+            }
+        }
+        open.map_or(Lookup::Miss, Lookup::Ask)
+    }
+
+    /// Records what the store answered the request that was `asking` (after `remember`, for
+    /// a decision), then wakes the requests waiting on its key. A new denial has replaced
+    /// the entry already. An admission that left the key's limit full keeps the key
+    /// coalesced (the next request asks while the others wait); room left, or a failed
+    /// call, ends it: the waiters ask the store as usual.
+    pub fn asked(&self, asking: Asking, checks: &[Check], result: Option<&Decision>) {
+        let full = result.is_some_and(|decision| {
+            checks.iter().zip(&decision.limits).any(|(check, state)| {
+                check.key == asking.key && state.is_some_and(|s| s.remaining == 0)
+            })
+        });
+        let mut shard = self.shard(&asking.key);
+        if let Some(denial) = shard.get_mut(&asking.key) {
+            let ours = denial
+                .asking
+                .as_ref()
+                .is_some_and(|rx| rx.same_channel(&asking.waiters.subscribe()));
+            if ours {
+                if full && result.is_some_and(|decision| decision.admitted) {
+                    denial.asking = None;
+                    denial.until = Instant::now();
+                } else {
+                    shard.remove(&asking.key);
+                }
+            }
+        }
+        drop(shard);
+        drop(asking);
     }
 
     /// The rejection for `checks` if any of them is remembered as denied at `now`: exhausted
@@ -103,7 +210,7 @@ impl DenyCache {
         let shard = self.shard(&check.key);
         let denial = shard.get(&check.key)?;
         let same_limit = same_limit(&denial.spec, &check.spec);
-        (same_limit && denial.until > now).then_some(denial.until)
+        (same_limit && denial.until > now && denial.asking.is_none()).then_some(denial.until)
     }
 
     /// Forgets the denials of these keys: their room grew other than with time (a release).
@@ -147,11 +254,12 @@ impl DenyCache {
             let denial = Denial {
                 spec: check.spec,
                 until: sent + wait,
+                asking: None,
             };
             let mut shard = self.shard(&check.key);
             if shard.len() >= MAX_ENTRIES / SHARDS && !shard.contains_key(&check.key) {
                 let now = Instant::now();
-                shard.retain(|_, denial| denial.until > now);
+                shard.retain(|_, denial| denial.until + COALESCE_FOR > now);
                 if shard.len() >= MAX_ENTRIES / SHARDS {
                     continue;
                 }
@@ -342,6 +450,51 @@ mod tests {
         assert!(cache
             .answer(&[raised], sent + Duration::from_secs(1))
             .is_none());
+    }
+
+    #[test]
+    fn after_a_denial_expires_one_request_asks_and_the_others_wait_for_its_answer() {
+        let cache = DenyCache::new();
+        let sent = Instant::now();
+        let checks = [check("a", 5, 60)];
+        cache.remember(&checks, &rejected(vec![full(5)]), sent);
+        let expired = sent + Duration::from_secs(5);
+        let Lookup::Ask(asking) = cache.lookup(&checks, expired) else {
+            panic!("the first request after the expiry asks");
+        };
+        let Lookup::Wait(answered) = cache.lookup(&checks, expired) else {
+            panic!("the next one waits");
+        };
+        // The asker is rejected again: the waiters read the new denial.
+        cache.remember(&checks, &rejected(vec![full(3)]), expired);
+        cache.asked(asking, &checks, Some(&rejected(vec![full(3)])));
+        assert!(answered.has_changed().is_err(), "the waiters are woken");
+        assert!(matches!(cache.lookup(&checks, expired), Lookup::Denied(_)));
+
+        // The next asker fails: the waiters ask as usual.
+        let later = expired + Duration::from_secs(3);
+        let Lookup::Ask(asking) = cache.lookup(&checks, later) else {
+            panic!("asks again after the new denial");
+        };
+        cache.asked(asking, &checks, None);
+        assert!(matches!(cache.lookup(&checks, later), Lookup::Miss));
+    }
+
+    #[test]
+    fn an_asker_that_is_cancelled_leaves_the_key_to_the_next_request() {
+        let cache = DenyCache::new();
+        let sent = Instant::now();
+        let checks = [check("a", 5, 60)];
+        cache.remember(&checks, &rejected(vec![full(1)]), sent);
+        let expired = sent + Duration::from_secs(1);
+        let Lookup::Ask(asking) = cache.lookup(&checks, expired) else {
+            panic!("asks");
+        };
+        drop(asking);
+        assert!(matches!(cache.lookup(&checks, expired), Lookup::Ask(_)));
+        // Long after the expiry the key is decided as any other.
+        let quiet = expired + COALESCE_FOR + Duration::from_secs(1);
+        assert!(matches!(cache.lookup(&checks, quiet), Lookup::Miss));
     }
 
     #[test]

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use prometheus::{Histogram, IntCounter};
 
 use self::breaker::{Breaker, BreakerMetrics};
-use self::deny_cache::DenyCache;
+use self::deny_cache::{DenyCache, Lookup};
 use self::local::{LocalMetrics, LocalStore};
 pub use self::redis::{slot_of, ClusterSettings};
 pub use self::redis::{RedisStore, SentinelSettings, Topology};
@@ -214,7 +214,7 @@ pub struct Forgotten {
     pub fallback: bool,
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("the store did not answer within {0:?}")]
     Timeout(Duration),
@@ -226,6 +226,10 @@ pub enum StoreError {
     /// answers a probe again.
     #[error("the store is failing; not calling it until it answers again")]
     Unavailable,
+    /// Too many decisions are already waiting for the store on this connection: Redis is not
+    /// keeping up with the requests (see `redis::batch`). Nothing was sent.
+    #[error("too many decisions are waiting for the store")]
+    Busy,
 }
 
 impl StoreError {
@@ -235,6 +239,7 @@ impl StoreError {
             StoreError::Timeout(_) => Some(StoreErrorKind::Timeout),
             StoreError::Connection(_) => Some(StoreErrorKind::Connection),
             StoreError::Script(_) => Some(StoreErrorKind::Script),
+            StoreError::Busy => Some(StoreErrorKind::QueueFull),
             StoreError::Unavailable => None,
         }
     }
@@ -246,6 +251,8 @@ pub enum StoreErrorKind {
     Timeout,
     Connection,
     Script,
+    /// Not a call that failed: the decision found its connection's queue full.
+    QueueFull,
 }
 
 impl StoreErrorKind {
@@ -254,6 +261,7 @@ impl StoreErrorKind {
             StoreErrorKind::Timeout => "timeout",
             StoreErrorKind::Connection => "connection",
             StoreErrorKind::Script => "script",
+            StoreErrorKind::QueueFull => "queue_full",
         }
     }
 }
@@ -263,6 +271,7 @@ struct ErrorCounters {
     timeout: IntCounter,
     connection: IntCounter,
     script: IntCounter,
+    queue_full: IntCounter,
 }
 
 impl ErrorCounters {
@@ -276,6 +285,7 @@ impl ErrorCounters {
             timeout: counter(StoreErrorKind::Timeout),
             connection: counter(StoreErrorKind::Connection),
             script: counter(StoreErrorKind::Script),
+            queue_full: counter(StoreErrorKind::QueueFull),
         }
     }
 
@@ -285,6 +295,7 @@ impl ErrorCounters {
             StoreErrorKind::Timeout => &self.timeout,
             StoreErrorKind::Connection => &self.connection,
             StoreErrorKind::Script => &self.script,
+            StoreErrorKind::QueueFull => &self.queue_full,
         })
     }
 }
@@ -364,11 +375,30 @@ impl Store {
                 ..
             } => {
                 // A remembered denial is exact whatever state Redis is in.
-                if let Some(decision) = denials.answer(checks, started) {
-                    cache_answers.inc();
-                    return Ok(decision);
-                }
+                let asking = match denials.lookup(checks, started) {
+                    Lookup::Denied(decision) => {
+                        cache_answers.inc();
+                        return Ok(decision);
+                    }
+                    Lookup::Miss => None,
+                    Lookup::Ask(asking) => Some(asking),
+                    Lookup::Wait(answered) => {
+                        // Boxed for the same reason as the call below.
+                        match Box::pin(wait_for_asker(denials, checks, answered, store.timeout()))
+                            .await
+                        {
+                            Ok(decision) => {
+                                cache_answers.inc();
+                                return Ok(decision);
+                            }
+                            Err(asking) => asking,
+                        }
+                    }
+                };
                 if breaker.is_open() {
+                    if let Some(asking) = asking {
+                        denials.asked(asking, checks, None);
+                    }
                     return Err(StoreError::Unavailable);
                 }
                 // Boxed: the Redis call's future is large, and inline it would make every
@@ -379,6 +409,9 @@ impl Store {
                         breaker.record_success();
                         denials.remember(checks, decision, started);
                     }
+                    // Not Redis failing: this instance has more decisions waiting than it
+                    // lets queue. The breaker's probe would find Redis answering.
+                    Err(StoreError::Busy) => {}
                     Err(_) => {
                         if breaker.record_failure() {
                             let store = Arc::clone(store);
@@ -388,6 +421,10 @@ impl Store {
                             }));
                         }
                     }
+                }
+                if let Some(asking) = asking {
+                    // After `remember`, so that the waiters find the new denial.
+                    denials.asked(asking, checks, result.as_ref().ok());
                 }
                 result
             }
@@ -518,6 +555,34 @@ impl Store {
                     fallback,
                 })
             }
+        }
+    }
+}
+
+/// Waits (at most `bound`) while other requests ask the store about a key of `checks` whose
+/// denial has just expired, looking again after each answer: the rejection a new denial
+/// gives, or, when the key has room or the wait is over, whether this request is to ask the
+/// store as the first one (`Some`) or as any other (`None`).
+async fn wait_for_asker(
+    denials: &DenyCache,
+    checks: &[Check],
+    mut answered: tokio::sync::watch::Receiver<()>,
+    bound: Duration,
+) -> Result<Decision, Option<deny_cache::Asking>> {
+    let deadline = tokio::time::Instant::now() + bound;
+    loop {
+        // Ends with the asker's answer (its sender dropped), never with a value.
+        if tokio::time::timeout_at(deadline, answered.changed())
+            .await
+            .is_err()
+        {
+            return Err(None);
+        }
+        match denials.lookup(checks, Instant::now()) {
+            Lookup::Denied(decision) => return Ok(decision),
+            Lookup::Miss => return Err(None),
+            Lookup::Ask(asking) => return Err(Some(asking)),
+            Lookup::Wait(next) => answered = next,
         }
     }
 }

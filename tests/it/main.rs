@@ -18,6 +18,7 @@ mod admin;
 mod admin_api;
 mod admin_browsers;
 mod algorithms;
+mod batching;
 mod calendar_quotas;
 mod check_cli;
 mod cluster;

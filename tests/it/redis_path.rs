@@ -1,5 +1,6 @@
-//! The Redis path: one EVALSHA per decision and nothing else, concurrent decisions sharing
-//! a few connections, every decision bounded by the store timeout (also while Redis hangs),
+//! The Redis path: concurrent decisions sharing a few connections and leaving together (one
+//! EVALSHA for the decisions waiting on a connection, and nothing else), a lone decision
+//! leaving at once, every decision bounded by the store timeout (also while Redis hangs),
 //! and a lost connection re-established by itself, with `/readyz` following.
 
 use crate::support;
@@ -40,7 +41,7 @@ async fn burst(sluice: &Sluice, count: usize) -> Vec<u16> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_evalsha_per_decision_and_no_ping() {
+async fn concurrent_decisions_leave_batched_and_nothing_else_is_sent() {
     let redis = Redis::start().await;
     let sluice = start(&redis).await;
     // Warm up (the script is loaded at start; connections open on first use).
@@ -48,11 +49,17 @@ async fn one_evalsha_per_decision_and_no_ping() {
     let monitor = redis.monitor().await;
     let statuses = burst(&sluice, 500).await;
     assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
-    // Every command sluice sent, whatever its name: one EVALSHA per decision and nothing
-    // else (no PING, no EVAL with the script's text, no SCRIPT LOAD, no MULTI).
+    // Every command sluice sent, whatever its name, is an EVALSHA of the decide script (no
+    // PING, no EVAL with the script's text, no SCRIPT LOAD, no MULTI), and decisions that
+    // waited on a connection together left in one: fewer calls than decisions.
     let commands = monitor.commands().await;
-    assert_eq!(commands.len(), 500, "commands for 500 decisions");
+    println!("{} EVALSHA for 500 decisions", commands.len());
     assert!(commands.iter().all(|c| c == "EVALSHA"), "{commands:?}");
+    assert!(
+        commands.len() <= 375,
+        "{} calls for 500 concurrent decisions: not batched",
+        commands.len()
+    );
     // Concurrent decisions share the configured two connections (and nothing is pooled
     // beyond them): CLIENT LIST counts our connection for the query, plus sluice's.
     let clients = match redis.cmd(&["CLIENT", "LIST"]).await {
@@ -67,6 +74,86 @@ async fn one_evalsha_per_decision_and_no_ping() {
     assert!(
         sluice_connections <= 2,
         "sluice holds {sluice_connections} connections:\n{clients}"
+    );
+    // Every decision of every batch was recorded: the 50 keys' logs hold all 520 admissions.
+    let redis::Value::Array(keys) = redis.cmd(&["KEYS", "*"]).await else {
+        panic!("KEYS answered no array");
+    };
+    assert_eq!(keys.len(), 50, "one key per identity");
+    let mut recorded = 0;
+    for key in keys {
+        let redis::Value::BulkString(key) = key else {
+            panic!("a key that is not a string: {key:?}");
+        };
+        let key = String::from_utf8(key).expect("a UTF-8 key");
+        let redis::Value::Int(entries) = redis.cmd(&["ZCARD", &key]).await else {
+            panic!("ZCARD {key}");
+        };
+        recorded += entries;
+    }
+    assert_eq!(recorded, 520, "admissions recorded in Redis");
+}
+
+/// A decision alone on its connection is sent at once: no timer waits for others to join
+/// it. Sequential requests each cost one call, and the fastest limited request takes less
+/// than a millisecond more than the fastest unlimited one (a batching window of a
+/// millisecond, the usual timer, would add at least that to every lone decision).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_decision_leaves_at_once() {
+    let redis = Redis::start().await;
+    let yaml = format!(
+        r#"store:
+  redis: {{ url: "{}", timeout: {TIMEOUT_MS}ms, pool_size: 2 }}
+routes:
+  - name: plain
+    match: {{ path_prefix: /plain }}
+    respond: {{ status: 200, body: ok }}
+  - name: api
+    match: {{ path_prefix: / }}
+    respond: {{ status: 200, body: ok }}
+    limits:
+      - {{ name: per-key, key: ["header:x-api-key"], requests: 1000000, window: 1m }}
+"#,
+        redis.url()
+    );
+    let sluice = Sluice::start(&yaml).await;
+    let client = support::client();
+    let time = |path: &'static str| {
+        let request = client
+            .get(format!("{}{path}", sluice.url()))
+            .header("x-api-key", "alone");
+        async move {
+            let started = Instant::now();
+            let status = request.send().await.unwrap().status();
+            assert_eq!(status, 200, "{path}");
+            started.elapsed()
+        }
+    };
+    for _ in 0..20 {
+        time("/plain").await;
+        time("/limited").await;
+    }
+    redis.cmd(&["CONFIG", "RESETSTAT"]).await;
+    let (mut plain, mut limited) = (Vec::new(), Vec::new());
+    for _ in 0..200 {
+        plain.push(time("/plain").await);
+        limited.push(time("/limited").await);
+    }
+    assert_eq!(
+        redis.commandstat("evalsha").await,
+        200,
+        "one call per lone decision"
+    );
+    // The fastest of each: a timer would add its wait to every lone decision, while the
+    // noise of a busy machine only ever adds.
+    let (plain, limited) = (
+        plain.iter().min().copied().unwrap_or_default(),
+        limited.iter().min().copied().unwrap_or_default(),
+    );
+    println!("fastest: {plain:?} unlimited, {limited:?} limited");
+    assert!(
+        limited < plain + Duration::from_micros(1000),
+        "the fastest lone decision took {limited:?}, against {plain:?} without a limit"
     );
 }
 

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::super::{Admission, Check, Decision, Peek, StoreError};
+use super::batch::{self, Pending};
 use super::cluster;
 use super::scripts::decision_from_reply;
 use super::{Link, RedisStore};
@@ -24,8 +25,9 @@ impl RedisStore {
         self.decide_in_one_call(checks.iter(), member, true).await
     }
 
-    /// One call of the decide script over `checks`, whose keys must share a slot on a cluster;
-    /// without `may_delay`, delay limits reject instead.
+    /// One decision of `checks`, whose keys must share a slot on a cluster; without
+    /// `may_delay`, delay limits reject instead. On a node it joins the batch of its
+    /// connection (`batch`); on a cluster it is a call of its own.
     async fn decide_in_one_call<'a>(
         &self,
         checks: impl ExactSizeIterator<Item = &'a Check> + Clone,
@@ -33,23 +35,28 @@ impl RedisStore {
         may_delay: bool,
     ) -> Result<Decision, StoreError> {
         let count = checks.len();
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(self.shared.script.get_hash()).arg(count);
-        for check in checks.clone() {
-            cmd.arg(&check.key);
-        }
-        cmd.arg(&member);
-        for check in checks {
-            let spec = check.spec;
-            cmd.arg(spec.algorithm.label())
-                .arg(spec.requests)
-                .arg(spec.window_us())
-                .arg(spec.burst)
-                .arg(spec.cost)
-                .arg(u8::from(spec.shadow))
-                .arg(if may_delay { spec.max_delay_us() } else { 0 });
-        }
-        let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.script)).await?;
+        let (pending, answer) = Pending::new(checks, member.clone(), may_delay);
+        let reply = if matches!(self.link, Link::Cluster(_)) {
+            let cmd = batch::command(&self.shared.script, std::slice::from_ref(&pending));
+            self.run::<Vec<i64>>(&cmd, Some(&self.shared.script))
+                .await?
+        } else {
+            self.enqueue(pending)?;
+            let result = self
+                .bounded(async {
+                    answer.await.unwrap_or_else(|_| {
+                        Err(StoreError::Connection(
+                            "the connection's writer stopped".to_owned(),
+                        ))
+                    })
+                })
+                .await;
+            if let Err(StoreError::Connection(_) | StoreError::Timeout(_)) = &result {
+                // A failover would explain it (`failed`).
+                self.rediscover();
+            }
+            result?
+        };
         decision_from_reply(&reply, count, member)
     }
 

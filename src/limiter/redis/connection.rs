@@ -9,6 +9,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Client, Cmd, RedisError, RedisFuture, RedisResult, Script};
 
 use super::super::StoreError;
+use super::batch::{Lane, Writer};
 use super::cluster;
 use super::sentinel::MasterAddr;
 
@@ -23,13 +24,15 @@ pub(super) struct Shared {
     /// costs the request path nothing.
     pub(super) peek: Script,
     pub(super) timeout: Duration,
+    /// What each connection's batch writer runs: the decide script, bounded by `timeout`.
+    pub(super) writer: Writer,
 }
 
 /// The connections to one Redis node: the master as last known.
 pub(super) struct Master {
     /// `None` for a fixed URL, or before the sentinels have named a master.
     pub(super) addr: Option<MasterAddr>,
-    pub(super) connections: Vec<ConnectionManager>,
+    pub(super) connections: Vec<Lane>,
 }
 
 impl Shared {
@@ -92,12 +95,13 @@ impl ConnectionLike for Connection {
     }
 }
 
-/// `connections` lazily opened connection managers to the Redis `client` points at.
+/// `connections` lazily opened connection managers to the Redis `client` points at, each with
+/// its (not yet started) batch writer.
 pub(super) fn open_connections(
     client: &Client,
     connections: usize,
     timeout: Duration,
-) -> Result<Vec<ConnectionManager>, StoreError> {
+) -> Result<Vec<Lane>, StoreError> {
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(timeout))
         // The call's own timeout bounds every wait. A broken connection is reconnected
@@ -106,7 +110,9 @@ pub(super) fn open_connections(
         .set_response_timeout(None)
         .set_number_of_retries(0);
     (0..connections.max(1))
-        .map(|_| ConnectionManager::new_lazy_with_config(client.clone(), config.clone()))
+        .map(|_| {
+            ConnectionManager::new_lazy_with_config(client.clone(), config.clone()).map(Lane::new)
+        })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| StoreError::Connection(e.to_string()))
 }

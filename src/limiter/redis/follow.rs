@@ -194,7 +194,7 @@ pub(super) async fn follow_once(
     let connections = open_connections(&client, nodes.connections, shared.timeout)?;
     let mut first = connections
         .first()
-        .cloned()
+        .map(|lane| lane.conn.clone())
         .ok_or_else(|| StoreError::Connection("no connections configured".to_owned()))?;
     let check = async {
         let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut first).await?;

@@ -1,9 +1,9 @@
 //! The Redis store: every limit of a request, of any mix of algorithms, decided by one call of
 //! one script: `scripts/decide.lua`, after each algorithm's check and record functions.
 //!
-//! Decisions travel over a few long-lived multiplexed connections: concurrent requests share
-//! them, and their commands leave in pipelined writes instead of one round trip per pooled
-//! connection. A connection that breaks is re-established in the background by the `redis`
+//! Decisions travel over a few long-lived multiplexed connections, and the decisions waiting
+//! on one leave together as one call of the decide script (`batch`); on a cluster each
+//! decision is a call of its own. A connection that breaks is re-established in the background by the `redis`
 //! crate's `ConnectionManager`; no command is spent checking a connection before use.
 //!
 //! The script is loaded at start-up and run with EVALSHA only; when Redis has lost it (restart,
@@ -25,10 +25,11 @@
 //! get the store error; the fence lifts by itself after `FENCE_LIMIT` if they never do.
 //!
 //! The files, by job: `connection` (the connections to a node or a cluster, and the master
-//! as last known), `follow` (finding and following the master through Sentinel), `scripts`
+//! as last known), `batch` (each connection's queue and the writer that drains it), `follow` (finding and following the master through Sentinel), `scripts`
 //! (the Lua sources and reading their replies), `calls` (decide, release, peek and reset, each
 //! one script call or one per cluster slot).
 
+mod batch;
 mod calls;
 pub(super) mod cluster;
 mod connection;
@@ -43,6 +44,7 @@ use std::time::Duration;
 
 use redis::{Client, Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind};
 
+use self::batch::{Lane, Pending, Writer};
 use self::cluster::ClusterLink;
 pub use self::cluster::{slot_of, ClusterSettings};
 use self::connection::{open_connections, script_error, Connection, Master, Shared};
@@ -143,6 +145,10 @@ impl RedisStore {
                 release: Script::new(RELEASE),
                 peek: Script::new(PEEK),
                 timeout,
+                writer: Writer {
+                    script: Script::new(DECIDE),
+                    timeout,
+                },
             }),
             link: Link::Single,
             next: AtomicUsize::new(0),
@@ -201,6 +207,11 @@ impl RedisStore {
         .await
     }
 
+    /// The bound on every call, and on a decision's wait in its connection's queue.
+    pub fn timeout(&self) -> Duration {
+        self.shared.timeout
+    }
+
     pub async fn ping(&self) -> Result<(), StoreError> {
         let mut conn = self.connection()?;
         self.bounded(async {
@@ -220,6 +231,33 @@ impl RedisStore {
         if let Link::Cluster(cluster) = &self.link {
             return cluster.connection().map(Connection::Cluster);
         }
+        Ok(Connection::Node(self.lane()?.conn))
+    }
+
+    /// The next connection to the current master, round robin among the current worker's
+    /// share, with its batch queue (not for a cluster, whose `shared.master` is empty).
+    fn lane(&self) -> Result<Lane, StoreError> {
+        let master = self.master()?;
+        let mine = crate::runtime::worker::share(master.connections.len());
+        let index = mine.start + self.next.fetch_add(1, Ordering::Relaxed) % mine.len();
+        Ok(master.connections[index].clone())
+    }
+
+    /// Queues a decision on the first connection of the current worker's share whose queue
+    /// has room (see `batch`); `StoreError::Busy` when none has.
+    fn enqueue(&self, mut pending: Pending) -> Result<(), StoreError> {
+        let master = self.master()?;
+        for lane in &master.connections[crate::runtime::worker::share(master.connections.len())] {
+            match lane.enqueue(pending, &self.shared.writer) {
+                Ok(()) => return Ok(()),
+                Err(refused) => pending = refused,
+            }
+        }
+        Err(StoreError::Busy)
+    }
+
+    /// The master as last known, if it has connections.
+    fn master(&self) -> Result<Arc<Master>, StoreError> {
         let master = self.shared.current();
         if master.connections.is_empty() {
             self.rediscover();
@@ -228,9 +266,7 @@ impl RedisStore {
                     .to_owned(),
             ));
         }
-        let mine = crate::runtime::worker::share(master.connections.len());
-        let index = mine.start + self.next.fetch_add(1, Ordering::Relaxed) % mine.len();
-        Ok(Connection::Node(master.connections[index].clone()))
+        Ok(master)
     }
 
     /// Classifies a failed call, and asks for a new lookup of the master when a failover

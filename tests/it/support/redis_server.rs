@@ -194,6 +194,35 @@ impl Redis {
             .map_or(0, |calls| calls.parse().expect("a call count")))
     }
 
+    /// Every command Redis ran since start or the last `CONFIG RESETSTAT`, those run inside
+    /// scripts included (`INFO commandstats`, all commands), less the `INFO` and `CONFIG`
+    /// calls a test makes to read and reset them.
+    pub async fn commands_total(&self) -> u64 {
+        let value = command_with_password(
+            self.port,
+            self.password.as_deref(),
+            &["INFO", "commandstats"],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("INFO commandstats failed: {e}"));
+        let info = match value {
+            redis::Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            redis::Value::VerbatimString { text, .. } => text,
+            other => panic!("INFO answered {other:?}"),
+        };
+        info.lines()
+            .filter_map(|line| line.strip_prefix("cmdstat_"))
+            .filter(|line| !line.starts_with("info:") && !line.starts_with("config|"))
+            .filter_map(|line| line.split_once(":calls="))
+            .map(|(_, rest)| {
+                rest.split(',')
+                    .next()
+                    .and_then(|calls| calls.parse::<u64>().ok())
+                    .expect("a call count")
+            })
+            .sum()
+    }
+
     /// Starts watching every command clients send to this server (`MONITOR`), until
     /// [`Monitor::commands`]. Unlike per-command statistics, it sees commands no test thought
     /// to name, and unlike `total_commands_processed`, it tells a client's command from the
