@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use lru::LruCache;
 use prometheus::{IntCounter, IntGauge};
+use smallvec::SmallVec;
 
 use super::{calendar, fixed_window, gcra, sliding_log, sliding_window, weighted_log};
 use super::{Admission, Algorithm, Check, Decision, LimitState, Peek, Room, Spec};
@@ -35,6 +36,10 @@ const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// requests for longer than one shard takes, and requests for different keys rarely wait on
 /// each other.
 const SHARDS: usize = 64;
+
+/// Checks of one decision held on the stack: a route rarely has more limits than this, and a
+/// decision then allocates nothing of its own beyond the answer it returns.
+type PerCheck<T> = SmallVec<[T; 4]>;
 
 /// One limit's state, of the kind its algorithm keeps.
 enum Cell {
@@ -280,13 +285,13 @@ impl LocalStore {
     /// Locks every shard the checks touch, in ascending order (so two requests can never wait
     /// on each other in a cycle), for one whole step over all of them, as in the Redis
     /// script. Returns the guards and, per check, the index of its shard's guard.
-    fn lock_all(&self, checks: &[Check]) -> (Vec<MutexGuard<'_, Logs>>, Vec<usize>) {
-        let shard_of: Vec<usize> = checks.iter().map(|c| self.shards.index(&c.key)).collect();
+    fn lock_all(&self, checks: &[Check]) -> (PerCheck<MutexGuard<'_, Logs>>, PerCheck<usize>) {
+        let shard_of: PerCheck<usize> = checks.iter().map(|c| self.shards.index(&c.key)).collect();
         let mut order = shard_of.clone();
         order.sort_unstable();
         order.dedup();
         // Where each check's shard guard sits in `guards` (always found: `order` holds them all).
-        let slot: Vec<usize> = shard_of
+        let slot: PerCheck<usize> = shard_of
             .iter()
             .map(|shard| order.binary_search(shard).unwrap_or_default())
             .collect();
@@ -299,13 +304,15 @@ impl LocalStore {
 
     pub fn decide(&self, checks: &[Check]) -> Decision {
         let (mut guards, slot) = self.lock_all(checks);
+        // Read under the locks, so the times recorded under one key never go backwards.
         let now = micros_since(self.epoch);
 
         let mut admitted = true;
         let mut retry_after = 0;
         // The longest wait among the limits that delay the request instead of rejecting it.
         let mut delay = 0;
-        let mut states = Vec::with_capacity(checks.len());
+        // The answer's own vectors, filled in place (the only allocations of a decision).
+        let mut states: Vec<Option<LimitState>> = Vec::with_capacity(checks.len());
         let mut rejecting = Vec::with_capacity(checks.len());
         for (check, &slot) in checks.iter().zip(&slot) {
             let spec = check.spec;
@@ -328,7 +335,7 @@ impl LocalStore {
                 retry_after = retry_after.max(room.wait);
             }
             rejecting.push(!room.admits);
-            states.push(room.state);
+            states.push(Some(room.state));
         }
         let at = now + delay;
         if admitted {
@@ -340,7 +347,7 @@ impl LocalStore {
             {
                 // Recorded: every limit with room, and every limit that delays it.
                 if !rejects || !check.spec.shadow {
-                    *state = self.record(&mut guards[slot], check, now, at);
+                    *state = Some(self.record(&mut guards[slot], check, now, at));
                 }
             }
         }
@@ -348,7 +355,7 @@ impl LocalStore {
         Decision {
             admitted,
             retry_after: Duration::from_micros(if admitted { 0 } else { retry_after }),
-            limits: states.into_iter().map(Some).collect(),
+            limits: states,
             rejecting,
             admission: admitted.then(|| Admission {
                 member: String::new(),
@@ -393,22 +400,24 @@ impl LocalStore {
     /// Records an admitted request under `check.key`, creating its state if needed.
     fn record(&self, logs: &mut Logs, check: &Check, now: u64, at: u64) -> LimitState {
         let spec = check.spec;
-        let fresh = logs
-            .peek(check.key.as_str())
-            .is_none_or(|log| log.cell.algorithm() != spec.algorithm);
-        if fresh {
-            if logs.pop(check.key.as_str()).is_none() {
-                let shard = self.shards.index(&check.key);
-                self.shards.add_key(logs, shard, now);
+        // One lookup for a key already held under this algorithm (the usual case).
+        if let Some(log) = logs.peek_mut(check.key.as_str()) {
+            if log.cell.algorithm() == spec.algorithm {
+                return log.cell.record(&spec, now, at);
             }
-            logs.push(
-                check.key.clone(),
-                Log {
-                    cell: Cell::new(spec.algorithm),
-                    window_us: spec.window_us(),
-                },
-            );
         }
+        // New, or last used by another algorithm (after a reload): it starts afresh.
+        if logs.pop(check.key.as_str()).is_none() {
+            let shard = self.shards.index(&check.key);
+            self.shards.add_key(logs, shard, now);
+        }
+        logs.push(
+            check.key.clone(),
+            Log {
+                cell: Cell::new(spec.algorithm),
+                window_us: spec.window_us(),
+            },
+        );
         match logs.peek_mut(check.key.as_str()) {
             Some(log) => log.cell.record(&spec, now, at),
             None => Cell::new(spec.algorithm).record(&spec, now, at),

@@ -1,36 +1,97 @@
-//! A stream that notes when a byte last moved through it, for idle timeouts: the server's
+//! A stream that notes that a byte moved through it, for idle timeouts: the server's
 //! connections (closed after `server.idle_timeout` of silence) and both sides of a WebSocket
-//! tunnel share this one clock instead of each arming a timer per read.
+//! tunnel share this one mark instead of each arming a timer per read.
+//!
+//! A read or a write only sets a flag (no clock is read on the I/O path: a stamp per read and
+//! per write was a clock read and a 128-bit division each, several per request). The one who
+//! enforces the timeout looks at the flag on a coarse tick ([`IdleWatch`], a quarter of the
+//! timeout): a connection is closed after between one and one and a quarter idle timeouts of
+//! silence.
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Instant;
 
-/// `io`, noting in `activity` the milliseconds since `epoch` of the last byte read or
-/// written. Several streams may share one `activity` (the two sides of a tunnel).
-pub struct StampedIo<T> {
-    io: T,
-    epoch: Instant,
-    activity: Arc<AtomicU64>,
-}
+/// Whether a byte moved since the last look. Several streams may share one (the two sides
+/// of a tunnel).
+#[derive(Clone, Default)]
+pub struct Activity(Arc<AtomicBool>);
 
-impl<T> StampedIo<T> {
-    pub fn new(io: T, epoch: Instant, activity: &Arc<AtomicU64>) -> StampedIo<T> {
-        StampedIo {
-            io,
-            epoch,
-            activity: Arc::clone(activity),
+impl Activity {
+    fn touch(&self) {
+        // A load first: the flag is usually set already, and a store would take the cache
+        // line from the core that last looked.
+        if !self.0.load(Ordering::Relaxed) {
+            self.0.store(true, Ordering::Relaxed);
         }
     }
 
-    fn touch(&self) {
-        let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.activity.store(now, Ordering::Relaxed);
+    /// Whether a byte moved since the last call (and clears the mark).
+    fn take(&self) -> bool {
+        self.0.swap(false, Ordering::Relaxed)
+    }
+}
+
+/// Ticks a quarter of the idle timeout: `TICKS` ticks in a row without activity are silence.
+const TICKS: u32 = 4;
+
+/// Watches one [`Activity`] for `idle` of silence, on a tick of `idle / 4`: one timer per
+/// tick for the connection, none per request.
+pub struct IdleWatch {
+    activity: Activity,
+    tick: Duration,
+    /// Ticks in a row that found no activity.
+    quiet: u32,
+    next: Instant,
+}
+
+impl IdleWatch {
+    pub fn new(activity: Activity, idle: Duration) -> IdleWatch {
+        let tick = (idle / TICKS).max(Duration::from_millis(1));
+        IdleWatch {
+            activity,
+            tick,
+            quiet: 0,
+            next: Instant::now() + tick,
+        }
+    }
+
+    /// When to look next ([`IdleWatch::look`]).
+    pub fn next(&self) -> Instant {
+        self.next
+    }
+
+    /// Called at [`IdleWatch::next`]: whether the stream has been silent for the idle
+    /// timeout (at least `TICKS` whole ticks since the tick that last saw a byte move).
+    pub fn look(&mut self) -> bool {
+        if self.activity.take() {
+            self.quiet = 0;
+        } else {
+            self.quiet += 1;
+        }
+        self.next += self.tick;
+        self.quiet >= TICKS
+    }
+}
+
+/// `io`, marking `activity` whenever a byte is read or written.
+pub struct StampedIo<T> {
+    io: T,
+    activity: Activity,
+}
+
+impl<T> StampedIo<T> {
+    pub fn new(io: T, activity: &Activity) -> StampedIo<T> {
+        StampedIo {
+            io,
+            activity: activity.clone(),
+        }
     }
 }
 
@@ -44,7 +105,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for StampedIo<T> {
         let before = buf.filled().len();
         let result = Pin::new(&mut this.io).poll_read(cx, buf);
         if buf.filled().len() > before {
-            this.touch();
+            this.activity.touch();
         }
         result
     }
@@ -59,7 +120,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StampedIo<T> {
         let this = self.get_mut();
         let result = Pin::new(&mut this.io).poll_write(cx, buf);
         if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            this.touch();
+            this.activity.touch();
         }
         result
     }
@@ -72,7 +133,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StampedIo<T> {
         let this = self.get_mut();
         let result = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
         if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            this.touch();
+            this.activity.touch();
         }
         result
     }
@@ -87,5 +148,33 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StampedIo<T> {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silence_is_four_quiet_ticks_after_the_tick_that_saw_a_byte() {
+        let activity = Activity::default();
+        let mut watch = IdleWatch::new(activity.clone(), Duration::from_secs(4));
+        let first = watch.next();
+        activity.touch();
+        assert!(!watch.look(), "a byte moved");
+        for tick in 1..TICKS {
+            assert!(!watch.look(), "quiet tick {tick} of {TICKS}");
+        }
+        activity.touch();
+        assert!(!watch.look(), "a byte moved again: the count starts over");
+        for _ in 1..TICKS {
+            assert!(!watch.look());
+        }
+        assert!(watch.look(), "the fourth quiet tick in a row is silence");
+        assert_eq!(
+            watch.next() - first,
+            Duration::from_secs(9),
+            "one tick a second"
+        );
     }
 }

@@ -121,7 +121,8 @@ pub async fn forward(
     );
     let tls_client = parts.extensions.get::<crate::tls::ClientTls>().is_some();
     let mut request = Request::from_parts(parts, body);
-    let host = request.headers().get(HOST).cloned().or_else(|| {
+    // Taken out: the upstream's own goes in (HTTP/1.1, `pool`) or none (HTTP/2: `:authority`).
+    let host = request.headers_mut().remove(HOST).or_else(|| {
         request
             .uri()
             .authority()
@@ -136,21 +137,16 @@ pub async fn forward(
         Version::HTTP_11
     };
     let headers = request.headers_mut();
-    headers::remove_hop_by_hop(headers);
+    // One pass over the names for both edits.
+    let found = headers::scan(headers);
+    headers::remove_scanned(headers, &found);
     if let Some(upgrade) = &upgrade {
         tunnel::set_upgrade_fields(headers, upgrade.protocol.clone());
     }
     if wants_trailers {
         headers.insert(TE, HeaderValue::from_static("trailers"));
     }
-    headers.remove(HOST);
-    headers::add_forwarded(headers, peer.ip(), host);
-    if tls_client {
-        headers.insert(
-            http::header::HeaderName::from_static("x-forwarded-proto"),
-            http::HeaderValue::from_static("https"),
-        );
-    }
+    headers::add_forwarded(headers, &found, peer.ip(), host, tls_client);
 
     let sent = client.connector.send(request, upgrade.is_some());
     let result = match tokio::time::timeout(upstream.timeout, sent).await {

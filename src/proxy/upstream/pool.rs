@@ -139,7 +139,9 @@ thread_local! {
 }
 
 impl Pools {
-    fn pool(&mut self, connector: &Arc<Connector>) -> &mut Pool {
+    /// The pool of `connector`, and the time now: the one clock read of a checkout or a
+    /// give-back, shared by the sweep and the caller.
+    fn pool(&mut self, connector: &Arc<Connector>) -> (&mut Pool, Instant) {
         let now = Instant::now();
         if self
             .swept
@@ -152,13 +154,15 @@ impl Pools {
                 pool.connector.strong_count() > 0
             });
         }
-        self.by_connector
+        let pool = self
+            .by_connector
             .entry(Arc::as_ptr(connector) as usize)
             .or_insert_with(|| Pool {
                 connector: Arc::downgrade(connector),
                 http1: Vec::new(),
                 http2: None,
-            })
+            });
+        (pool, now)
     }
 }
 
@@ -294,7 +298,7 @@ impl Connector {
         self: &Arc<Self>,
         request: Request<RequestBody>,
     ) -> Result<Response<UpstreamBody>, ForwardError> {
-        let cached = with_pool(self, |pool| pool.http2.clone()).flatten();
+        let cached = with_pool(self, |pool, _| pool.http2.clone()).flatten();
         let mut sender = match cached {
             Some(sender) if !sender.is_closed() => sender,
             _ => self.connect_http2().await?,
@@ -315,9 +319,9 @@ impl Connector {
     /// A pooled connection of this worker, the most recently used first (its socket is the
     /// likeliest to still be open and warm).
     fn checkout(self: &Arc<Self>) -> Option<Box<Http1>> {
-        with_pool(self, |pool| {
+        with_pool(self, |pool, now| {
             while let Some(idle) = pool.http1.pop() {
-                if idle.idle_since.elapsed() < IDLE_TIMEOUT {
+                if now.saturating_duration_since(idle.idle_since) < IDLE_TIMEOUT {
                     return Some(idle);
                 }
             }
@@ -327,8 +331,8 @@ impl Connector {
     }
 
     fn give_back(self: &Arc<Self>, mut conn: Box<Http1>) {
-        conn.idle_since = Instant::now();
-        with_pool(self, |pool| {
+        with_pool(self, |pool, now| {
+            conn.idle_since = now;
             if pool.http1.len() < MAX_IDLE {
                 pool.http1.push(conn);
             }
@@ -384,15 +388,20 @@ impl Connector {
                 tracing::debug!(error = %err, "an HTTP/2 upstream connection failed");
             }
         });
-        with_pool(self, |pool| pool.http2 = Some(sender.clone()));
+        with_pool(self, |pool, _| pool.http2 = Some(sender.clone()));
         Ok(sender)
     }
 }
 
-/// Runs `f` on this worker's pool of `connector`; `None` while the thread is being torn down.
-fn with_pool<T>(connector: &Arc<Connector>, f: impl FnOnce(&mut Pool) -> T) -> Option<T> {
+/// Runs `f` on this worker's pool of `connector`, with the time now; `None` while the thread
+/// is being torn down.
+fn with_pool<T>(connector: &Arc<Connector>, f: impl FnOnce(&mut Pool, Instant) -> T) -> Option<T> {
     POOLS
-        .try_with(|pools| f(pools.borrow_mut().pool(connector)))
+        .try_with(|pools| {
+            let mut pools = pools.borrow_mut();
+            let (pool, now) = pools.pool(connector);
+            f(pool, now)
+        })
         .ok()
 }
 

@@ -4,16 +4,12 @@
 //! until either side closes or the tunnel has been idle for the listener's idle timeout.
 //! sluice does not parse WebSocket frames: the upgrade request is what is rate-limited.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
 use http::header::{HeaderMap, HeaderValue, CONNECTION, UPGRADE};
 use http::{Request, Version};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
-use crate::runtime::activity::StampedIo;
+use crate::runtime::activity::{Activity, IdleWatch, StampedIo};
 use crate::server::ConnectionHold;
 
 /// Whether `request` asks to switch its HTTP/1.1 connection to WebSocket (RFC 6455 §4.1):
@@ -90,13 +86,12 @@ pub fn spawn(client: ClientSide, upstream: OnUpgrade, route: String) {
             }
         };
         let idle_timeout = hold.as_ref().map(|hold| hold.idle_timeout);
-        let epoch = Instant::now();
-        let activity = Arc::new(AtomicU64::new(0));
-        let mut client_io = StampedIo::new(TokioIo::new(client_io), epoch, &activity);
-        let mut upstream_io = StampedIo::new(TokioIo::new(upstream_io), epoch, &activity);
+        let activity = Activity::default();
+        let mut client_io = StampedIo::new(TokioIo::new(client_io), &activity);
+        let mut upstream_io = StampedIo::new(TokioIo::new(upstream_io), &activity);
         let copy = tokio::io::copy_bidirectional(&mut client_io, &mut upstream_io);
         let ended = match idle_timeout {
-            Some(idle) => until_idle(copy, epoch, &activity, idle).await,
+            Some(idle) => until_idle(copy, IdleWatch::new(activity, idle)).await,
             None => Some(copy.await),
         };
         match ended {
@@ -112,21 +107,13 @@ pub fn spawn(client: ClientSide, upstream: OnUpgrade, route: String) {
 }
 
 /// Runs `copy` until it ends (`Some`), or until no byte has moved for `idle` (`None`).
-async fn until_idle<F: std::future::Future>(
-    copy: F,
-    epoch: Instant,
-    activity: &AtomicU64,
-    idle: Duration,
-) -> Option<F::Output> {
+async fn until_idle<F: std::future::Future>(copy: F, mut idle: IdleWatch) -> Option<F::Output> {
     let mut copy = std::pin::pin!(copy);
     loop {
-        let last = Duration::from_millis(activity.load(Ordering::Relaxed));
-        let idle_at = epoch + last + idle;
         tokio::select! {
             ended = copy.as_mut() => return Some(ended),
-            _ = tokio::time::sleep_until(idle_at.into()) => {
-                let last = Duration::from_millis(activity.load(Ordering::Relaxed));
-                if epoch + last + idle <= Instant::now() {
+            _ = tokio::time::sleep_until(idle.next()) => {
+                if idle.look() {
                     return None;
                 }
             }
