@@ -35,7 +35,7 @@ use redis::{Cmd, ErrorKind, FromRedisValue, Script, ServerErrorKind};
 use tokio::sync::{mpsc, oneshot};
 
 use super::super::{Check, StoreError};
-use super::connection::script_error;
+use super::scripts::script_error;
 
 /// Most decisions in one call: enough to spread Redis's per-call cost thin (a GCRA script
 /// costs Redis 14–16 µs of CPU called alone and 6.8 µs pipelined 16 deep on the 2-core bench

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{Client, Cmd, RedisError, RedisFuture, RedisResult, Script};
+use redis::{Client, Cmd, RedisFuture, RedisResult, Script};
 
 use super::super::StoreError;
 use super::batch::{Lane, Writer};
@@ -115,23 +115,4 @@ pub(super) fn open_connections(
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| StoreError::Connection(e.to_string()))
-}
-
-/// A failover shows as a connection that drops or is refused, or as a demoted master
-/// refusing writes (READONLY, also when it comes wrapped in a script error): all of them
-/// are the store being unreachable, not a wrong script.
-pub(super) fn script_error(err: RedisError) -> StoreError {
-    if err.is_connection_dropped()
-        || err.is_connection_refusal()
-        || err.is_io_error()
-        || err.code() == Some("READONLY")
-        // A cluster that is failing over or resharding beyond the retries.
-        || err.is_cluster_error()
-        // Older servers wrap it in the script's own error.
-        || err.to_string().contains("READONLY")
-    {
-        StoreError::Connection(err.to_string())
-    } else {
-        StoreError::Script(err.to_string())
-    }
 }

@@ -9,7 +9,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use super::super::StoreError;
-use super::connection::{open_connections, script_error, Master, Shared};
+use super::connection::{open_connections, Master, Shared};
+use super::scripts::script_error;
 use super::sentinel::{watch_failovers, MasterAddr, SentinelSettings, Sentinels};
 use super::{Link, RedisStore};
 

@@ -47,8 +47,9 @@ use redis::{Client, Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerEr
 use self::batch::{Lane, Pending, Writer};
 use self::cluster::ClusterLink;
 pub use self::cluster::{slot_of, ClusterSettings};
-use self::connection::{open_connections, script_error, Connection, Master, Shared};
+use self::connection::{open_connections, Connection, Master, Shared};
 use self::follow::Follower;
+use self::scripts::script_error;
 use self::scripts::{DECIDE, PEEK, RELEASE};
 pub use self::sentinel::SentinelSettings;
 use super::StoreError;

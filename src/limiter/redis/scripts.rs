@@ -1,7 +1,9 @@
 //! The Lua the Redis store runs (one file per algorithm under `../scripts/`, and a driver
-//! per call), and reading the decide script's reply.
+//! per call), reading the decide script's reply, and telling a failed call's kind.
 
 use std::time::Duration;
+
+use redis::RedisError;
 
 use super::super::{Admission, Decision, LimitState, StoreError};
 
@@ -73,6 +75,25 @@ pub(super) fn decision_from_reply(
             local: false,
         }),
     })
+}
+
+/// A failover shows as a connection that drops or is refused, or as a demoted master
+/// refusing writes (READONLY, also when it comes wrapped in a script error): all of them
+/// are the store being unreachable, not a wrong script.
+pub(super) fn script_error(err: RedisError) -> StoreError {
+    if err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.is_io_error()
+        || err.code() == Some("READONLY")
+        // A cluster that is failing over or resharding beyond the retries.
+        || err.is_cluster_error()
+        // Older servers wrap it in the script's own error.
+        || err.to_string().contains("READONLY")
+    {
+        StoreError::Connection(err.to_string())
+    } else {
+        StoreError::Script(err.to_string())
+    }
 }
 
 #[cfg(test)]
