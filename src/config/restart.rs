@@ -52,15 +52,7 @@ impl Config {
         if new.log_format != *log_format {
             return Some("`log_format` changed".to_owned());
         }
-        let files = |tls: &Option<Spanned<ListenerTlsConfig>>| {
-            tls.as_ref().map(|tls| {
-                // Which files: their contents are watched and reloaded on their own
-                // (`tls::listener`).
-                let ListenerTlsConfig { cert, key } = &tls.value;
-                (cert.value.clone(), key.value.clone())
-            })
-        };
-        if files(tls) != files(&new.tls) {
+        if tls_files(tls) != tls_files(&new.tls) {
             return Some(
                 "`tls` changed (the certificate files' contents are reloaded; which files, or \
                  whether there is TLS, is not)"
@@ -83,11 +75,20 @@ impl Config {
     }
 }
 
+/// A listener's TLS certificate and key files.
+type TlsFiles = (std::path::PathBuf, std::path::PathBuf);
+
+/// Which files a listener's TLS reads, if it has TLS: their contents are watched and reloaded
+/// on their own (`tls::listener`), which files (or whether there is TLS) only at start.
+fn tls_files(tls: &Option<Spanned<ListenerTlsConfig>>) -> Option<TlsFiles> {
+    tls.as_ref().map(|tls| {
+        let ListenerTlsConfig { cert, key } = &tls.value;
+        (cert.value.clone(), key.value.clone())
+    })
+}
+
 /// What of `rls:` is bound at start: its address and which TLS files.
-type RlsListener = (
-    std::net::SocketAddr,
-    Option<(std::path::PathBuf, std::path::PathBuf)>,
-);
+type RlsListener = (std::net::SocketAddr, Option<TlsFiles>);
 
 fn rls_listener(rls: &Option<Spanned<RlsConfig>>) -> Option<RlsListener> {
     let RlsConfig {
@@ -99,11 +100,7 @@ fn rls_listener(rls: &Option<Spanned<RlsConfig>>) -> Option<RlsListener> {
         algorithm: _,
         on_store_error: _,
     } = &rls.as_ref()?.value;
-    let files = tls.as_ref().map(|tls| {
-        let ListenerTlsConfig { cert, key } = &tls.value;
-        (cert.value.clone(), key.value.clone())
-    });
-    Some((*listen, files))
+    Some((*listen, tls_files(tls)))
 }
 
 impl ServerConfig {
