@@ -275,11 +275,12 @@ def pin(pids: list[int], cpus: set[int]) -> None:
                 pass  # a thread that exited meanwhile
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory now (`VmRSS`) or at its peak so far (`VmHWM`), in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise HarnessError(f"no VmRSS for pid {pid}")
+    raise HarnessError(f"no {field} for pid {pid}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1958,6 +1959,7 @@ def ab(opts: Options, servers: Servers, state: Path, redis: Redis, up_port: int,
         if not os.access(binary, os.X_OK):
             raise HarnessError(f"A/B: {binary} is not an executable")
     results: dict[tuple[str, str, str, str], list[Run]] = {}
+    peaks: dict[tuple[str, str, str], int] = {}
     kinds = [k for k in ab_kinds(redis) if only is None or only.search(k[0])]
     if not kinds:
         raise HarnessError("A/B: --only selects none of sluice's targets")
@@ -1996,18 +1998,25 @@ def ab(opts: Options, servers: Servers, state: Path, redis: Redis, up_port: int,
                                      f"{side:<6} {run.rps:>9,.0f} req/s  CPU "
                                      f"{1e6 * run.cpu_user_s / run.requests:5.1f} + "
                                      f"{1e6 * run.cpu_sys_s / run.requests:5.1f} µs/req")
-            for _, pair in pairs:
+            for name, pair in pairs:
                 for target in pair:
+                    # Peak resident memory over the whole A/B of this target (warm-up, every
+                    # round and scenario), read just before the process is stopped.
+                    side = target.name.split("@")[1]
+                    peaks[(layout.name, name, side)] = rss_bytes(target.server.popen.pid, "VmHWM")
                     servers.stop(target.server)
-    return {"results": results, "before": binary_label(before), "after": binary_label(after),
+    return {"results": results, "peaks": peaks,
+            "before": binary_label(before), "after": binary_label(after),
             "workers_field": workers_field, "layouts": [lay.name for lay in layouts],
             "rounds": opts.rounds, "duration": opts.duration, "connections": opts.connections}
 
 
 def ab_text(result: dict, date: str) -> str:
     """The A/B as Markdown: per layout, scenario and target, CPU per request of each round and
-    in all (user + kernel), the change, the median req/s, Redis's CPU per request."""
+    in all (user + kernel), the change, the median req/s, Redis's CPU per request, and each
+    binary's peak resident memory over its target's whole A/B."""
     res = result["results"]
+    peaks = result.get("peaks", {})
     lines = []
     for (layout, scenario, name, side) in res:
         if side != "before" or (layout, scenario, name, "after") not in res:
@@ -2030,6 +2039,7 @@ def ab_text(result: dict, date: str) -> str:
             f"{per_req(a, 'cpu_user_s'):.1f} + {per_req(a, 'cpu_sys_s'):.1f}",
             f"{statistics.median(r.rps for r in b):,.0f}",
             f"{statistics.median(r.rps for r in a):,.0f}", redis,
+            peak_change(peaks.get((layout, name, "before")), peaks.get((layout, name, "after"))),
         ])
     fields = ", ".join(f"{side}: {'`server.workers`' if known else 'TOKIO_WORKER_THREADS only'}"
                        for side, known in result["workers_field"].items())
@@ -2048,7 +2058,14 @@ def ab_text(result: dict, date: str) -> str:
     return "\n".join(head) + markdown_table(
         ["layout", "scenario", "target", "before: CPU µs/req (rounds)", "after", "change",
          "before: user + kernel", "after: user + kernel", "before req/s (median)", "after",
-         "Redis CPU µs/req"], lines, left=5)
+         "Redis CPU µs/req", "peak RSS (VmHWM)"], lines, left=5)
+
+
+def peak_change(before: int | None, after: int | None) -> str:
+    """Two peak resident sizes as `B → A MB`, or `-` when one is unknown."""
+    if before is None or after is None:
+        return "-"
+    return f"{before / 2**20:.1f} → {after / 2**20:.1f} MB"
 
 
 # ---------------------------------------------------------------------------------------------
