@@ -187,8 +187,10 @@ impl Gateway {
                 {
                     self.count_invalid(route, *reason);
                 }
-                exchange.connection = unread_body::drop_unread(head.version, body).await;
-                return Err(refused.why.into());
+                let body = ClientBody::Streaming(body);
+                return exchange
+                    .refuse(head.version, body, refused.why.into())
+                    .await;
             }
         };
         let request::Planned {
@@ -214,8 +216,8 @@ impl Gateway {
                     Err(stop) => Err(stop),
                 };
                 if let Err(stop) = room {
-                    exchange.connection = unread_body::drop_unread(head.version, body).await;
-                    return Err(stop);
+                    let body = ClientBody::Streaming(body);
+                    return exchange.refuse(head.version, body, stop).await;
                 }
                 let body = Box::pin(tokens::read_body(
                     route,
@@ -252,12 +254,7 @@ impl Gateway {
         .await;
         let prices = match decided {
             Ok(prices) => prices,
-            Err(stop) => {
-                if let ClientBody::Streaming(body) = body {
-                    exchange.connection = unread_body::drop_unread(head.version, body).await;
-                }
-                return Err(stop);
-            }
+            Err(stop) => return exchange.refuse(head.version, body, stop).await,
         };
         let mut acted = self
             .act(
@@ -302,9 +299,7 @@ impl Gateway {
         let upstream = match &route.action {
             Action::Respond(direct) => {
                 let (head, body) = request.into_parts();
-                if let ClientBody::Streaming(body) = body {
-                    *connection = unread_body::drop_unread(head.version, body).await;
-                }
+                *connection = unread_body::drop_unread(head.version, body).await;
                 return Ok(Answered {
                     outcome: Outcome::Responded,
                     response: direct_response(direct),
@@ -428,6 +423,19 @@ impl Exchange<'_> {
 
     fn id(&self) -> &str {
         self.request_id.to_str().unwrap_or("-")
+    }
+
+    /// Refuses the request with `stop`, its body unread: a refusal reads and drops a small
+    /// body first, and learns whether its connection can carry the next request
+    /// (`unread_body`). Every refusal before the act phase goes through here.
+    async fn refuse<B: ForwardBody, T>(
+        &mut self,
+        version: http::Version,
+        body: ClientBody<B>,
+        stop: Stop,
+    ) -> Result<T, Stop> {
+        self.connection = unread_body::drop_unread(version, body).await;
+        Err(stop)
     }
 
     fn note_shadow_rejection(&mut self, limit: &str) {

@@ -22,6 +22,7 @@ use std::time::Duration;
 use http::header::{HeaderValue, CONNECTION};
 use http::HeaderMap;
 
+use crate::proxy::request_body::ClientBody;
 use crate::proxy::ForwardBody;
 
 /// Most body bytes read and dropped to keep a refused request's connection.
@@ -61,8 +62,19 @@ pub fn after_forward(version: http::Version, read_to_end: bool) -> Connection {
 }
 
 /// Reads and drops what is left of `body` when it is small and arrives soon; `Close` when
-/// it does not and the connection is HTTP/1.x.
-pub async fn drop_unread<B: ForwardBody>(version: http::Version, body: B) -> Connection {
+/// it does not and the connection is HTTP/1.x. A body already read whole (a token route's)
+/// left nothing on the connection.
+pub async fn drop_unread<B: ForwardBody>(
+    version: http::Version,
+    body: ClientBody<B>,
+) -> Connection {
+    match body {
+        ClientBody::Streaming(body) => drain(version, body).await,
+        ClientBody::Read(_) => Connection::Kept,
+    }
+}
+
+async fn drain<B: ForwardBody>(version: http::Version, body: B) -> Connection {
     // A request without a body (most refused ones: a flood of GETs) costs nothing here.
     if version >= http::Version::HTTP_2 || body.is_end_stream() {
         return Connection::Kept;
