@@ -566,16 +566,8 @@ routes:
     let mut statuses = Vec::new();
     // `/upload` reads the body at the upstream; `/open` is answered by sluice itself.
     for path in ["/upload", "/upload", "/open", "/upload", "/upload", "/open"] {
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: x\r\nx-api-key: k\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        );
-        let sent = async {
-            wire.send(head.as_bytes()).await?;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            wire.send(body.as_bytes()).await
-        };
-        sent.await
+        wire.post_body_after_head(path, "x-api-key: k\r\n", body.as_bytes())
+            .await
             .unwrap_or_else(|e| panic!("{path} after {statuses:?} on the kept connection: {e}"));
         match wire.try_response(WITHIN).await {
             Ok(answer) => statuses.push(answer.status),
@@ -608,13 +600,9 @@ async fn an_upstream_answer_before_the_whole_body_says_the_connection_closes() {
     let (up, sluice) = setup(|p| p).await;
     let mut wire = Wire::connect(sluice.addr()).await;
     let small = "x".repeat(2000);
-    let head = format!(
-        "POST /upload HTTP/1.1\r\nHost: t\r\ncontent-length: {}\r\n\r\n",
-        small.len()
-    );
-    wire.send(head.as_bytes()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    wire.send(small.as_bytes()).await.unwrap();
+    wire.post_body_after_head("/upload", "", small.as_bytes())
+        .await
+        .unwrap();
     let read = wire.response(WITHIN).await;
     assert_eq!(
         (read.status, &read.body[..]),

@@ -378,17 +378,10 @@ async fn exhausted_identity_is_refused_unread(kind: StoreKind) {
     // "connection closed before message completed").
     let mut wire = support::wire::Wire::connect(sluice.addr()).await;
     let body = body_reserving("fake-1", 1000, &json!({"mode": "none"}));
+    let fields = "x-api-key: spent\r\ncontent-type: application/json\r\n";
     for n in 0..10 {
-        let head = format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-api-key: spent\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        );
-        let sent = async {
-            wire.send(head.as_bytes()).await?;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            wire.send(body.as_bytes()).await
-        };
-        sent.await
+        wire.post_body_after_head("/v1/chat/completions", fields, body.as_bytes())
+            .await
             .unwrap_or_else(|e| panic!("request {n} on the kept connection: {e}"));
         let answer = wire.response(Duration::from_secs(5)).await;
         assert_eq!(answer.status, 429, "request {n} on the kept connection");
