@@ -219,7 +219,7 @@ impl Gateway {
                     let body = ClientBody::Streaming(body);
                     return exchange.refuse(head.version, body, stop).await;
                 }
-                let body = Box::pin(tokens::read_body(
+                let read = Box::pin(tokens::read_body(
                     route,
                     limit,
                     &mut head,
@@ -227,7 +227,15 @@ impl Gateway {
                     &self.body_refusals,
                     &self.body_budget,
                 ))
-                .await?;
+                .await;
+                let body = match read {
+                    Ok(body) => body,
+                    // Dropped unread or part read: the connection closes after the answer.
+                    Err(stop) => {
+                        exchange.connection = unread_body::after_reading(head.version, false);
+                        return Err(stop);
+                    }
+                };
                 // Planned again now that the body is read: the limits on its `model`, and
                 // each calendar quota's period at the decision's time, not the head's.
                 let model = tokens::body_model(&plan, &body)?;

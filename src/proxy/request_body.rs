@@ -7,7 +7,7 @@
 //! there aborts the upstream request, which frees the upstream connection, and drops the
 //! client's body, so the client's connection closes once its response is written (an HTTP/2
 //! stream is reset instead); that response says so, as does any answer that comes before the
-//! client's body was read to its end (`BodyProgress`, `unread_body::after_forward`). So every
+//! client's body was read to its end (`BodyProgress`, `unread_body::after_reading`). So every
 //! fault is counted here, once, when it happens.
 
 use std::future::Future;

@@ -1,7 +1,7 @@
 //! The body of a request answered without being read: one refused before its body (a 429
 //! from a limit, a 401, a 400 from the one-reading rules, a token route's room check), one a
-//! route answers itself (`respond:`), and one whose upstream answered (or the forward
-//! failed) before the client had sent all of it.
+//! route answers itself (`respond:`), one whose upstream answered (or the forward failed)
+//! before the client had sent all of it, and one cut while sluice read it whole.
 //!
 //! On HTTP/1.x a connection can carry the next request only once this one's body has been
 //! read. Answered with its body unread, hyper closes the connection after the answer, and
@@ -13,9 +13,10 @@
 //! says `Connection: close`. Nothing is kept, so the memory bound holds. An upstream's answer
 //! relayed while the client's body is still arriving (an upload the upstream refuses with a
 //! 413 or 401 at once) cannot be drained so: the body is the upstream's to read, and it may
-//! never read more. That answer says `Connection: close` too (`after_forward`), as Envoy and
-//! nginx do. An HTTP/2 stream is refused (reset) on its own and needs none of this; its
-//! connection carries on.
+//! never read more. That answer says `Connection: close` too (`after_reading`), as Envoy's
+//! does; so does one to a body sluice reads whole and stops reading part way (a token
+//! route's, over its bound or too slow). An HTTP/2 stream is refused (reset) on its own and
+//! needs none of this; its connection carries on.
 
 use std::time::Duration;
 
@@ -48,12 +49,13 @@ impl Connection {
     }
 }
 
-/// For an answer to a forwarded request: `Close` when the client's body had not been read to
-/// its end (`read_to_end`) when the answer came, on HTTP/1.x. Once its body is dropped
-/// unread, hyper closes the connection after the answer; a body the upstream goes on reading
-/// may still end, but the answer does not wait to learn it: it says `close`, and the
-/// connection ends with this exchange.
-pub fn after_forward(version: http::Version, read_to_end: bool) -> Connection {
+/// For an answer that comes once the client's body has begun to be read, by the upstream
+/// or whole by sluice (a token route's, which a fault or the budget can cut): `Close` when
+/// that body had not been read to its end (`read_to_end`), on HTTP/1.x. Once its body is
+/// dropped part read, hyper closes the connection after the answer; a body the upstream goes
+/// on reading may still end, but the answer does not wait to learn it: it says `close`, and
+/// the connection ends with this exchange.
+pub fn after_reading(version: http::Version, read_to_end: bool) -> Connection {
     if version >= http::Version::HTTP_2 || read_to_end {
         Connection::Kept
     } else {

@@ -652,3 +652,37 @@ fn check_refuses_model_outside_token_limits() {
         );
     }
 }
+
+/// A body sluice reads whole and cuts part way (a chunked one growing past the 1 KiB this
+/// route reads) leaves the rest on the client's HTTP/1.1 connection, which then closes: the
+/// 413 says `Connection: close`, so the client sends no next request into it, and the
+/// upstream gets nothing.
+#[tokio::test]
+async fn a_body_cut_while_read_whole_says_the_connection_closes() {
+    let upstream = LlmUpstream::start().await;
+    let limit = "{ name: tpm, key: [header:x-api-key], tokens: 100000000, window: 1m, reserve: { default_output: 256, max_output: 4096, max_body: 1KiB } }";
+    let yaml = policy("", "  body_timeout: 10s\n", &upstream.url(), &[limit]);
+    let sluice = Sluice::start(&yaml).await;
+    let mut wire = support::wire::Wire::connect(sluice.addr()).await;
+    wire.send(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-api-key: k\r\n\
+          content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    // Two chunks of 600 bytes (0x258), and no end.
+    let chunk = format!("258\r\n{}\r\n", "x".repeat(600));
+    wire.send(chunk.repeat(2).as_bytes()).await.unwrap();
+    let answer = wire.response(Duration::from_secs(5)).await;
+    assert_eq!(answer.status, 413, "{answer:?}");
+    assert_eq!(
+        answer.header("connection"),
+        Some("close"),
+        "the 413 of a body cut while read whole says the connection closes: {answer:?}"
+    );
+    assert!(
+        wire.closed_within(Duration::from_secs(5)).await.is_some(),
+        "and the connection closes"
+    );
+    assert!(upstream.bodies().is_empty(), "nothing was forwarded");
+}

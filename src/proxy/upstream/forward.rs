@@ -88,7 +88,7 @@ impl UpstreamErrors {
 /// with hop-by-hop fields removed. A WebSocket upgrade the upstream accepts becomes a tunnel
 /// (see `tunnel`) named after `route`. With it, what the answer (the upstream's, or sluice's
 /// when the forward fails) must say of the client's connection: one whose body was not read
-/// to its end by then closes (`unread_body::after_forward`).
+/// to its end by then closes (`unread_body::after_reading`).
 pub async fn forward(
     upstream: &Upstream,
     client: &UpstreamClient,
@@ -138,7 +138,7 @@ pub async fn forward(
     // Told with the answer, the upstream's or sluice's: whether the client's body was read
     // to its end by then. A WebSocket tunnel takes the connection over, no longer HTTP.
     let connection =
-        |switched: bool| unread_body::after_forward(version, switched || progress.read_to_end());
+        |switched: bool| unread_body::after_reading(version, switched || progress.read_to_end());
     match upstream_uri(upstream, request.uri()) {
         Ok(uri) => *request.uri_mut() = uri,
         Err(err) => return (Err(err), connection(false)),
