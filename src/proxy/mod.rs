@@ -215,6 +215,8 @@ impl Gateway {
                     Ok(()) => Box::pin(tokens::check_room(&self.store, &plan, exchange)).await,
                     Err(stop) => Err(stop),
                 };
+                let room =
+                    room.and_then(|()| tokens::refuse_declared(limit, body.size_hint().lower()));
                 if let Err(stop) = room {
                     let body = ClientBody::Streaming(body);
                     return exchange.refuse(head.version, body, stop).await;
@@ -230,7 +232,7 @@ impl Gateway {
                 .await;
                 let body = match read {
                     Ok(body) => body,
-                    // Dropped unread or part read: the connection closes after the answer.
+                    // Dropped part read: the connection closes after the answer.
                     Err(stop) => {
                         exchange.connection = unread_body::after_reading(head.version, false);
                         return Err(stop);

@@ -653,10 +653,11 @@ fn check_refuses_model_outside_token_limits() {
     }
 }
 
-/// A body sluice reads whole and cuts part way (a chunked one growing past the 1 KiB this
-/// route reads) leaves the rest on the client's HTTP/1.1 connection, which then closes: the
-/// 413 says `Connection: close`, so the client sends no next request into it, and the
-/// upstream gets nothing.
+/// A body declared over the 1 KiB this route reads is refused (413) from its head, a small
+/// one read and dropped first, so the connection carries the next request. A body sluice
+/// reads whole and cuts part way (a chunked one growing past the 1 KiB) leaves the rest on
+/// the client's HTTP/1.1 connection, which then closes: that 413 says `Connection: close`,
+/// so the client sends no next request into it. The upstream gets nothing.
 #[tokio::test]
 async fn a_body_cut_while_read_whole_says_the_connection_closes() {
     let upstream = LlmUpstream::start().await;
@@ -664,6 +665,15 @@ async fn a_body_cut_while_read_whole_says_the_connection_closes() {
     let yaml = policy("", "  body_timeout: 10s\n", &upstream.url(), &[limit]);
     let sluice = Sluice::start(&yaml).await;
     let mut wire = support::wire::Wire::connect(sluice.addr()).await;
+    let fields = "x-api-key: k\r\ncontent-type: application/json\r\n";
+    for n in 0..2 {
+        wire.post_body_after_head("/v1/chat/completions", fields, &[b'x'; 1500])
+            .await
+            .unwrap_or_else(|e| panic!("request {n} on the kept connection: {e}"));
+        let answer = wire.response(Duration::from_secs(5)).await;
+        assert_eq!(answer.status, 413, "{answer:?}");
+        assert_eq!(answer.header("connection"), None, "kept: {answer:?}");
+    }
     wire.send(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-api-key: k\r\n\
           content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
