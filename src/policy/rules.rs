@@ -395,14 +395,10 @@ const LIMIT_RULES: &[LimitRule] = &[
         field: "key[]",
         broken: |s| {
             let params = path_params(s.route);
-            s.limit
-                .key
-                .value
-                .iter()
-                .position(
-                    |part| matches!(part, KeyPart::Param(name) if !params.contains(&name.as_str())),
-                )
-                .map(|index| at_item(&s.limit.key, index))
+            first_key_part(
+                s.limit,
+                |part| matches!(part, KeyPart::Param(name) if !params.contains(&name.as_str())),
+            )
         },
         says: Says::Made(|s, at| {
             let name = match &s.limit.key.value[at.index] {
@@ -510,13 +506,7 @@ const LIMIT_RULES: &[LimitRule] = &[
     Rule {
         field: "key[]",
         broken: |s| {
-            let index = s
-                .limit
-                .key
-                .value
-                .iter()
-                .position(|p| *p == KeyPart::Model)?;
-            (!budget(s.limit)).then(|| at_item(&s.limit.key, index))
+            first_key_part(s.limit, |part| *part == KeyPart::Model).filter(|_| !budget(s.limit))
         },
         says: Says::Made(|_, _| format!("the key part `model` {READS_MODEL}")),
     },
@@ -532,13 +522,8 @@ const LIMIT_RULES: &[LimitRule] = &[
     Rule {
         field: "key[]",
         broken: |s| {
-            let index = s
-                .limit
-                .key
-                .value
-                .iter()
-                .position(|p| matches!(p, KeyPart::Jwt(_)))?;
-            s.route.jwt.is_none().then(|| at_item(&s.limit.key, index))
+            first_key_part(s.limit, |part| matches!(part, KeyPart::Jwt(_)))
+                .filter(|_| s.route.jwt.is_none())
         },
         says: Says::Text(
             "a `jwt:` key part needs a verified token: give the route `jwt: { verifier: NAME }`",
@@ -630,6 +615,13 @@ fn at_item<T>(spanned: &Spanned<T>, index: usize) -> At {
         position: Position::from(spanned),
         index,
     }
+}
+
+/// Where the first of the limit's key parts that `is` stands: a rule about one kind of key
+/// part points at the first of its kind.
+fn first_key_part(limit: &LimitConfig, is: impl Fn(&KeyPart) -> bool) -> Option<At> {
+    let index = limit.key.value.iter().position(is)?;
+    Some(at_item(&limit.key, index))
 }
 
 /// Whether the limit is a token or money budget.
@@ -840,5 +832,38 @@ mod tests {
             models: &models,
         };
         assert!(check_limit(&seen, Path::new("t.yaml"), "l").is_ok());
+    }
+
+    /// A rule about one kind of key part points at the first part of that kind, not at the
+    /// key's first part.
+    #[test]
+    fn a_key_part_rule_points_at_the_first_part_of_its_kind() {
+        for (key, says) in [
+            (
+                r#"["param:tenant", "param:user", "param:team"]"#,
+                "has no `{user}` segment",
+            ),
+            ("[client_ip, model, model]", "the key part `model` reads"),
+            (
+                r#"[client_ip, "jwt:sub", "jwt:org"]"#,
+                "a `jwt:` key part needs",
+            ),
+        ] {
+            let config = config(&format!("requests: 5, window: 1m, key: {key}"));
+            let models = crate::llm::config::models(&config, Path::new("t.yaml")).expect("valid");
+            let route = &config.routes[0];
+            let seen = Seen {
+                limit: &route.limits[0],
+                route,
+                models: &models,
+            };
+            let err = check_limit(&seen, Path::new("t.yaml"), "routes[0].limits[0]")
+                .expect_err("refused")
+                .to_string();
+            assert!(
+                err.contains("routes[0].limits[0].key[1]") && err.contains(says),
+                "`key: {key}`: {err}"
+            );
+        }
     }
 }

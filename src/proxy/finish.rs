@@ -6,14 +6,13 @@
 
 use std::sync::Arc;
 
-use http::header::{HeaderValue, CONNECTION, RETRY_AFTER, WWW_AUTHENTICATE};
+use http::header::{HeaderValue, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Response, StatusCode};
 use prometheus::{IntCounter, IntCounterVec};
 
 use super::decide::Decided;
 use super::request_id::X_REQUEST_ID;
 use super::stop::Stop;
-use super::unread_body;
 use super::upstream::forward::ForwardError;
 use super::upstream::grpc;
 use super::Exchange;
@@ -84,11 +83,7 @@ impl Finisher {
             .insert(X_REQUEST_ID, exchange.request_id.clone());
         // hyper closes an HTTP/1.x connection whose request body was left unread after
         // this answer: the answer says so, and no client sends its next request into it.
-        if exchange.connection == unread_body::Connection::Close {
-            response
-                .headers_mut()
-                .insert(CONNECTION, HeaderValue::from_static("close"));
-        }
+        exchange.connection.mark(response.headers_mut());
         // An answer to HEAD has no body (RFC 9110 §9.3.2). hyper drops sluice's own bodies
         // (429, problems) on HTTP/1.1 but sends them on HTTP/2, where the client then resets
         // the stream as malformed.

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use http::header::{HeaderValue, CONNECTION, CONTENT_TYPE};
+use http::header::{HeaderValue, CONTENT_TYPE};
 use http::{Method, Request, Response, Uri};
 use hyper::body::Incoming;
 
@@ -187,8 +187,10 @@ impl Gateway {
                 {
                     self.count_invalid(route, *reason);
                 }
-                exchange.connection = unread_body::drop_unread(head.version, body).await;
-                return Err(refused.why.into());
+                let body = ClientBody::Streaming(body);
+                return exchange
+                    .refuse(head.version, body, refused.why.into())
+                    .await;
             }
         };
         let request::Planned {
@@ -213,11 +215,13 @@ impl Gateway {
                     Ok(()) => Box::pin(tokens::check_room(&self.store, &plan, exchange)).await,
                     Err(stop) => Err(stop),
                 };
+                let room =
+                    room.and_then(|()| tokens::refuse_declared(limit, body.size_hint().lower()));
                 if let Err(stop) = room {
-                    exchange.connection = unread_body::drop_unread(head.version, body).await;
-                    return Err(stop);
+                    let body = ClientBody::Streaming(body);
+                    return exchange.refuse(head.version, body, stop).await;
                 }
-                let body = Box::pin(tokens::read_body(
+                let read = Box::pin(tokens::read_body(
                     route,
                     limit,
                     &mut head,
@@ -225,7 +229,15 @@ impl Gateway {
                     &self.body_refusals,
                     &self.body_budget,
                 ))
-                .await?;
+                .await;
+                let body = match read {
+                    Ok(body) => body,
+                    // Dropped part read: the connection closes after the answer.
+                    Err(stop) => {
+                        exchange.connection = unread_body::after_reading(head.version, false);
+                        return Err(stop);
+                    }
+                };
                 // Planned again now that the body is read: the limits on its `model`, and
                 // each calendar quota's period at the decision's time, not the head's.
                 let model = tokens::body_model(&plan, &body)?;
@@ -252,15 +264,16 @@ impl Gateway {
         .await;
         let prices = match decided {
             Ok(prices) => prices,
-            Err(stop) => {
-                if let ClientBody::Streaming(body) = body {
-                    exchange.connection = unread_body::drop_unread(head.version, body).await;
-                }
-                return Err(stop);
-            }
+            Err(stop) => return exchange.refuse(head.version, body, stop).await,
         };
         let mut acted = self
-            .act(active, route, Request::from_parts(head, body), peer)
+            .act(
+                active,
+                route,
+                Request::from_parts(head, body),
+                peer,
+                &mut exchange.connection,
+            )
             .await;
         if let Some(decided) = &exchange.decided {
             let status = match &acted {
@@ -283,30 +296,23 @@ impl Gateway {
             .inc();
     }
 
-    /// The route's action: forward to its upstream, or its direct response.
+    /// The route's action: forward to its upstream, or its direct response. `connection`
+    /// learns whether the client's connection can carry the next request after the answer.
     async fn act<B: ForwardBody>(
         &self,
         active: &Active,
         route: &Route,
         request: Request<ClientBody<B>>,
         peer: SocketAddr,
+        connection: &mut unread_body::Connection,
     ) -> Result<Answered, Stop> {
         let upstream = match &route.action {
             Action::Respond(direct) => {
-                let mut response = direct_response(direct);
                 let (head, body) = request.into_parts();
-                if let ClientBody::Streaming(body) = body {
-                    if unread_body::drop_unread(head.version, body).await
-                        == unread_body::Connection::Close
-                    {
-                        response
-                            .headers_mut()
-                            .insert(CONNECTION, HeaderValue::from_static("close"));
-                    }
-                }
+                *connection = unread_body::drop_unread(head.version, body).await;
                 return Ok(Answered {
                     outcome: Outcome::Responded,
-                    response,
+                    response: direct_response(direct),
                 });
             }
             Action::Forward(upstream) => upstream,
@@ -318,7 +324,10 @@ impl Gateway {
             .ok_or(Stop::Internal("no client for this upstream"))?;
         // Awaited where it is made: a future bound to a name first takes its room twice in
         // this one (and it is the largest part of a request's future).
-        match B::forward(upstream, client, request, peer, route, &self.body_refusals).await {
+        let (forwarded, after) =
+            B::forward(upstream, client, request, peer, route, &self.body_refusals).await;
+        *connection = after;
+        match forwarded {
             Ok(response) => Ok(Answered {
                 outcome: Outcome::Forwarded,
                 response,
@@ -333,6 +342,9 @@ impl Gateway {
     }
 }
 
+/// An upstream's answer, or why there is none.
+pub type Forwarded = Result<Response<ProxyBody>, ForwardError>;
+
 /// A request body the act phase can send to an upstream: hyper's, read from a client's
 /// connection. The phases before it never read a body, so they run on any body type; the
 /// in-process tests of the phases use one that has no upstream to go to.
@@ -344,7 +356,7 @@ pub trait ForwardBody: http_body::Body + Send + Sized + 'static {
         peer: SocketAddr,
         route: &'a Route,
         refusals: &'a Arc<BodyRefusals>,
-    ) -> impl Future<Output = Result<Response<ProxyBody>, ForwardError>> + Send + 'a;
+    ) -> impl Future<Output = (Forwarded, unread_body::Connection)> + Send + 'a;
 
     /// Reads the body whole, within `limit` bytes and `pace` (a fault counted in
     /// `refusals`) and the bytes `held` may grow to, for a route that must see it before
@@ -366,9 +378,13 @@ impl ForwardBody for Incoming {
         peer: SocketAddr,
         route: &'a Route,
         refusals: &'a Arc<BodyRefusals>,
-    ) -> Result<Response<ProxyBody>, ForwardError> {
-        let response = forward::forward(upstream, client, request, peer, route, refusals).await?;
-        Ok(response.map(ProxyBody::stream))
+    ) -> (Forwarded, unread_body::Connection) {
+        let (forwarded, connection) =
+            forward::forward(upstream, client, request, peer, route, refusals).await;
+        (
+            forwarded.map(|response| response.map(ProxyBody::stream)),
+            connection,
+        )
     }
 
     async fn read_whole(
@@ -417,6 +433,19 @@ impl Exchange<'_> {
 
     fn id(&self) -> &str {
         self.request_id.to_str().unwrap_or("-")
+    }
+
+    /// Refuses the request with `stop`, its body unread: a refusal reads and drops a small
+    /// body first, and learns whether its connection can carry the next request
+    /// (`unread_body`). Every refusal before the act phase goes through here.
+    async fn refuse<B: ForwardBody, T>(
+        &mut self,
+        version: http::Version,
+        body: ClientBody<B>,
+        stop: Stop,
+    ) -> Result<T, Stop> {
+        self.connection = unread_body::drop_unread(version, body).await;
+        Err(stop)
     }
 
     fn note_shadow_rejection(&mut self, limit: &str) {

@@ -6,10 +6,13 @@
 //! upstream has answered, when the client's hyper connection is still sending it. Failing it
 //! there aborts the upstream request, which frees the upstream connection, and drops the
 //! client's body, so the client's connection closes once its response is written (an HTTP/2
-//! stream is reset instead). So every fault is counted here, once, when it happens.
+//! stream is reset instead); that response says so, as does any answer that comes before the
+//! client's body was read to its end (`BodyProgress`, `unread_body::after_reading`). So every
+//! fault is counted here, once, when it happens.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -101,6 +104,33 @@ pub enum ReadError {
     Budget,
 }
 
+/// What the gateway learns of a body it has handed to the upstream client: the fault it
+/// failed on, and whether the client's body was read to its end. Shared with the body, which
+/// the upstream client owns and drops.
+#[derive(Default)]
+pub struct BodyProgress {
+    fault: OnceLock<BodyFault>,
+    /// Set once the client's body has been read to its end (or was read whole before).
+    read: AtomicBool,
+}
+
+impl BodyProgress {
+    /// Why the body failed, if it did.
+    pub fn fault(&self) -> Option<BodyFault> {
+        self.fault.get().copied()
+    }
+
+    /// Whether the client's body has been read to its end: until then, an answer leaves part
+    /// of it on the client's connection (see `unread_body`).
+    pub fn read_to_end(&self) -> bool {
+        self.read.load(Ordering::Acquire)
+    }
+
+    fn note_end(&self) {
+        self.read.store(true, Ordering::Release);
+    }
+}
+
 /// A client's request body on its way to the upstream, counted as it streams so that it can
 /// be cut at the route's `max_body` or when it falls behind the route's pace, and remembering
 /// a fault for the gateway to answer.
@@ -114,26 +144,36 @@ pub struct RequestBody {
     started: Option<Instant>,
     /// Wakes the reader when the body falls due; made the first time the body has to wait.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    fault: Arc<OnceLock<BodyFault>>,
+    progress: Arc<BodyProgress>,
     refusals: Arc<BodyRefusals>,
 }
 
 impl RequestBody {
-    /// `limit`: the most bytes forwarded (`u64::MAX` for no limit). The returned cell is set
-    /// if the body fails, and tells the gateway why the forward failed.
+    /// `limit`: the most bytes forwarded (`u64::MAX` for no limit). The returned progress
+    /// tells the gateway why the forward failed, if the body did, and whether the client's
+    /// body was read to its end.
     pub fn new(
         inner: ClientBody<Incoming>,
         limit: u64,
         pace: BodyPace,
         refusals: Arc<BodyRefusals>,
-    ) -> (RequestBody, Arc<OnceLock<BodyFault>>) {
-        let fault = Arc::new(OnceLock::new());
+    ) -> (RequestBody, Arc<BodyProgress>) {
+        let progress = Arc::new(BodyProgress::default());
         let inner = match inner {
-            ClientBody::Streaming(incoming) => Source::Streaming(incoming),
-            ClientBody::Read(read) => Source::Read {
-                bytes: Some(read.bytes).filter(|b| !b.is_empty()),
-                _held: read.held,
-            },
+            ClientBody::Streaming(incoming) => {
+                // An empty body (most GETs) is never polled.
+                if incoming.is_end_stream() {
+                    progress.note_end();
+                }
+                Source::Streaming(incoming)
+            }
+            ClientBody::Read(read) => {
+                progress.note_end();
+                Source::Read {
+                    bytes: Some(read.bytes).filter(|b| !b.is_empty()),
+                    _held: read.held,
+                }
+            }
         };
         let body = RequestBody {
             inner,
@@ -142,14 +182,14 @@ impl RequestBody {
             pace,
             started: None,
             timer: None,
-            fault: Arc::clone(&fault),
+            progress: Arc::clone(&progress),
             refusals,
         };
-        (body, fault)
+        (body, progress)
     }
 
     fn fail(&self, fault: BodyFault) -> Poll<Option<Result<Frame<Bytes>, BodyFault>>> {
-        if self.fault.set(fault).is_ok() {
+        if self.progress.fault.set(fault).is_ok() {
             self.refusals.count(fault);
         }
         Poll::Ready(Some(Err(fault)))
@@ -188,7 +228,7 @@ impl Body for RequestBody {
             }
         };
         let started = *this.started.get_or_insert_with(Instant::now);
-        match Pin::new(incoming).poll_frame(cx) {
+        match Pin::new(&mut *incoming).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     this.received = this.received.saturating_add(data.len() as u64);
@@ -196,10 +236,18 @@ impl Body for RequestBody {
                         return this.fail(BodyFault::TooLarge);
                     }
                 }
+                // A body of known length ends with its last frame: hyper does not poll
+                // it again.
+                if incoming.is_end_stream() {
+                    this.progress.note_end();
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(_))) => this.fail(BodyFault::Malformed),
-            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Ready(None) => {
+                this.progress.note_end();
+                Poll::Ready(None)
+            }
             Poll::Pending if this.overdue(started, cx) => this.fail(BodyFault::TooSlow),
             Poll::Pending => Poll::Pending,
         }
@@ -235,7 +283,7 @@ pub async fn read_whole(
     held: &mut Held,
 ) -> Result<Bytes, ReadError> {
     use http_body_util::BodyExt;
-    let (mut body, fault) = RequestBody::new(ClientBody::Streaming(body), limit, pace, refusals);
+    let (mut body, progress) = RequestBody::new(ClientBody::Streaming(body), limit, pace, refusals);
     // The declared length, taken up front (already checked against `limit` by the caller).
     let declared = body.size_hint().lower().min(limit);
     if !held.grow_to(declared) {
@@ -247,7 +295,7 @@ pub async fn read_whole(
     while let Some(frame) = body.frame().await {
         let frame = match frame {
             Ok(frame) => frame,
-            Err(err) => return Err(ReadError::Body(fault.get().copied().unwrap_or(err))),
+            Err(err) => return Err(ReadError::Body(progress.fault().unwrap_or(err))),
         };
         let Ok(data) = frame.into_data() else {
             continue;

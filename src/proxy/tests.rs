@@ -25,10 +25,9 @@ impl ForwardBody for Empty<Bytes> {
         _: SocketAddr,
         _: &'a Route,
         _: &'a Arc<BodyRefusals>,
-    ) -> Result<Response<ProxyBody>, ForwardError> {
-        Err(ForwardError::Other(
-            "no upstream in an in-process test".to_owned(),
-        ))
+    ) -> (Forwarded, unread_body::Connection) {
+        let error = ForwardError::Other("no upstream in an in-process test".to_owned());
+        (Err(error), unread_body::Connection::Kept)
     }
 
     async fn read_whole(

@@ -81,10 +81,30 @@ pub fn refuse_upgrade(route: &Route, head: &Parts) -> Result<(), Stop> {
     })
 }
 
-/// Reads the body whole, within `limit` bytes and the route's pace, and sets its
-/// `Content-Length`. The bytes held come out of `budget` as they arrive; an HTTP/2 stream
-/// also takes a place among its connection's readers (`body_budget`). Either bound reached:
-/// 503, the body dropped unread.
+/// Refuses a body whose declared length (`declared`) is over `limit`, the most the route
+/// reads (413), before a byte of it is read.
+pub fn refuse_declared(limit: u64, declared: u64) -> Result<(), Stop> {
+    if declared <= limit {
+        return Ok(());
+    }
+    Err(Stop::Refused {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        detail: body_too_large(limit),
+        reason: crate::metrics::Refusal::BodyTooLarge,
+    })
+}
+
+fn body_too_large(limit: u64) -> String {
+    format!(
+        "the request body is larger than {limit} bytes, the most this route reads to reserve \
+         tokens for it"
+    )
+}
+
+/// Reads the body whole (its declared length already checked, `refuse_declared`), within
+/// `limit` bytes and the route's pace, and sets its `Content-Length`. The bytes held come out
+/// of `budget` as they arrive; an HTTP/2 stream also takes a place among its connection's
+/// readers (`body_budget`). Either bound reached: 503, the body dropped unread.
 pub async fn read_body<B: ForwardBody>(
     route: &Route,
     limit: u64,
@@ -93,20 +113,6 @@ pub async fn read_body<B: ForwardBody>(
     refusals: &Arc<BodyRefusals>,
     budget: &Arc<BodyBudget>,
 ) -> Result<ClientBody<B>, Stop> {
-    let too_large = || {
-        format!(
-            "the request body is larger than {limit} bytes, the most this route reads to \
-             reserve tokens for it"
-        )
-    };
-    // A declared length over the bound is refused before a byte is read.
-    if body.size_hint().lower() > limit {
-        return Err(Stop::Refused {
-            status: StatusCode::PAYLOAD_TOO_LARGE,
-            detail: too_large(),
-            reason: crate::metrics::Refusal::BodyTooLarge,
-        });
-    }
     // Held while this stream reads; the bytes it keeps are the budget's from then on.
     let _reader = match head.extensions.get::<ConnectionReaders>() {
         None => None,
@@ -135,7 +141,7 @@ pub async fn read_body<B: ForwardBody>(
         Err(ReadError::Body(super::BodyFault::TooLarge)) => {
             return Err(Stop::Unreservable {
                 status: StatusCode::PAYLOAD_TOO_LARGE,
-                detail: too_large(),
+                detail: body_too_large(limit),
             })
         }
         Err(ReadError::Body(fault)) => return Err(Stop::Body(fault)),

@@ -1,6 +1,7 @@
 //! The body of a request answered without being read: one refused before its body (a 429
-//! from a limit, a 401, a 400 from the one-reading rules, a token route's room check), and
-//! one a route answers itself (`respond:`).
+//! from a limit, a 401, a 400 from the one-reading rules, a token route's room check), one a
+//! route answers itself (`respond:`), one whose upstream answered (or the forward failed)
+//! before the client had sent all of it, and one cut while sluice read it whole.
 //!
 //! On HTTP/1.x a connection can carry the next request only once this one's body has been
 //! read. Answered with its body unread, hyper closes the connection after the answer, and
@@ -9,11 +10,20 @@
 //! broken pipe on the request after a 429, `tests/it/connections.rs`). So a small body
 //! (at most `DRAIN_MAX` bytes, within `DRAIN_TIME`) is read and dropped before the answer,
 //! and the connection is kept; a larger or slower one is not waited for, and the answer
-//! says `Connection: close`. Nothing is kept, so the memory bound holds. An HTTP/2 stream is
-//! refused on its own and needs neither.
+//! says `Connection: close`. Nothing is kept, so the memory bound holds. An upstream's answer
+//! relayed while the client's body is still arriving (an upload the upstream refuses with a
+//! 413 or 401 at once) cannot be drained so: the body is the upstream's to read, and it may
+//! never read more. That answer says `Connection: close` too (`after_reading`), as Envoy's
+//! does; so does one to a body sluice reads whole and stops reading part way (a token
+//! route's, over its bound or too slow). An HTTP/2 stream is refused (reset) on its own and
+//! needs none of this; its connection carries on.
 
 use std::time::Duration;
 
+use http::header::{HeaderValue, CONNECTION};
+use http::HeaderMap;
+
+use crate::proxy::request_body::ClientBody;
 use crate::proxy::ForwardBody;
 
 /// Most body bytes read and dropped to keep a refused request's connection.
@@ -29,9 +39,44 @@ pub enum Connection {
     Close,
 }
 
+impl Connection {
+    /// Says so in the answer's `headers`: `Connection: close` when the connection closes
+    /// after it.
+    pub fn mark(self, headers: &mut HeaderMap) {
+        if self == Connection::Close {
+            headers.insert(CONNECTION, HeaderValue::from_static("close"));
+        }
+    }
+}
+
+/// For an answer that comes once the client's body has begun to be read, by the upstream
+/// or whole by sluice (a token route's, which a fault or the budget can cut): `Close` when
+/// that body had not been read to its end (`read_to_end`), on HTTP/1.x. Once its body is
+/// dropped part read, hyper closes the connection after the answer; a body the upstream goes
+/// on reading may still end, but the answer does not wait to learn it: it says `close`, and
+/// the connection ends with this exchange.
+pub fn after_reading(version: http::Version, read_to_end: bool) -> Connection {
+    if version >= http::Version::HTTP_2 || read_to_end {
+        Connection::Kept
+    } else {
+        Connection::Close
+    }
+}
+
 /// Reads and drops what is left of `body` when it is small and arrives soon; `Close` when
-/// it does not and the connection is HTTP/1.x.
-pub async fn drop_unread<B: ForwardBody>(version: http::Version, body: B) -> Connection {
+/// it does not and the connection is HTTP/1.x. A body already read whole (a token route's)
+/// left nothing on the connection.
+pub async fn drop_unread<B: ForwardBody>(
+    version: http::Version,
+    body: ClientBody<B>,
+) -> Connection {
+    match body {
+        ClientBody::Streaming(body) => drain(version, body).await,
+        ClientBody::Read(_) => Connection::Kept,
+    }
+}
+
+async fn drain<B: ForwardBody>(version: http::Version, body: B) -> Connection {
     // A request without a body (most refused ones: a flood of GETs) costs nothing here.
     if version >= http::Version::HTTP_2 || body.is_end_stream() {
         return Connection::Kept;

@@ -150,6 +150,123 @@ mod tests {
         assert_eq!(tagged, "sluice:rls:d:{k=%7D%7B%3A}:minute5");
     }
 
+    /// Text made mostly of the characters the key gives a meaning to, and of what their
+    /// escapes are written with (`%7B` is `{` escaped), with some unicode and a NUL.
+    fn text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let c = prop_oneof![
+            6 => proptest::sample::select(vec!['{', '}', ':', '%', ',', '=']),
+            3 => proptest::sample::select(vec!['7', 'B', 'D', '3', 'A', '2', 'C', '5', 'a']),
+            1 => proptest::sample::select(vec!['\0', ' ', 'é', '😀', '\u{FFFF}']),
+            1 => any::<char>(),
+        ];
+        proptest::collection::vec(c, 0..6).prop_map(|chars| chars.into_iter().collect())
+    }
+
+    /// A domain and a descriptor's entries (at least one: an empty descriptor is refused
+    /// before it has a key).
+    fn input() -> impl proptest::strategy::Strategy<Value = (String, Vec<(String, String)>)> {
+        (text(), proptest::collection::vec((text(), text()), 1..4))
+    }
+
+    fn key_of((domain, entries): &(String, Vec<(String, String)>), limit: Counted) -> String {
+        let pairs: Vec<(&str, &str)> = entries
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        store_key("sluice", domain, &descriptor(&pairs), limit)
+    }
+
+    /// One segment read back; `None` when it holds a character escaping keeps out of it.
+    fn unescape(segment: &str) -> Option<String> {
+        let mut out = String::new();
+        let mut chars = segment.chars();
+        while let Some(c) = chars.next() {
+            match c {
+                '%' => {
+                    let hex: String = chars.by_ref().take(2).collect();
+                    let byte = u8::from_str_radix(&hex, 16).ok()?;
+                    out.push(char::from(byte));
+                }
+                '{' | '}' | ':' | ',' | '=' => return None,
+                c => out.push(c),
+            }
+        }
+        Some(out)
+    }
+
+    /// The key read back as the module's doc states its shape, without the unit and limit
+    /// (`:minute5`, checked by the caller): the domain, then the entries in the one tag.
+    fn read_back(key: &str) -> Option<(String, Vec<(String, String)>)> {
+        let rest = key.strip_prefix("sluice:rls:")?;
+        let (domain, rest) = rest.split_once(':')?;
+        let (tag, rest) = rest.strip_prefix('{')?.split_once('}')?;
+        if rest != ":minute5" {
+            return None;
+        }
+        let entries = tag
+            .split(',')
+            .map(|entry| {
+                let (k, v) = entry.split_once('=')?;
+                Some((unescape(k)?, unescape(v)?))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some((unescape(domain)?, entries))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1024))]
+
+        /// Any domain and entries, separators, escapes and unicode included, are read back
+        /// whole from their key: so two different descriptors never share one.
+        #[test]
+        fn a_key_reads_back_as_its_descriptor(input in input()) {
+            let key = key_of(&input, LIMIT);
+            proptest::prop_assert_eq!(read_back(&key), Some(input), "{}", key);
+        }
+
+        /// Two descriptors apart, drawn at random or written alike (two entries, and one
+        /// whose value holds the `,` and `=` between them), never share a key.
+        #[test]
+        fn distinct_descriptors_never_share_a_key(
+            a in input(),
+            b in input(),
+            at in proptest::prelude::any::<proptest::sample::Index>(),
+        ) {
+            proptest::prop_assert_eq!(a == b, key_of(&a, LIMIT) == key_of(&b, LIMIT));
+            let (domain, mut entries) = a.clone();
+            if entries.len() > 1 {
+                let i = at.index(entries.len() - 1);
+                let (k, v) = entries.remove(i + 1);
+                entries[i].1 = format!("{},{k}={v}", entries[i].1);
+                let alike = (domain, entries);
+                proptest::prop_assert_ne!(key_of(&a, LIMIT), key_of(&alike, LIMIT));
+            }
+        }
+
+        /// One hash tag, the entries, whatever they hold: every count of one descriptor (any
+        /// unit, limit and period) lives in one Redis Cluster slot, and the tag is never
+        /// empty (an empty one would hash the whole key).
+        #[test]
+        fn the_entries_are_the_one_hash_tag(input in input()) {
+            let key = key_of(&input, LIMIT);
+            proptest::prop_assert_eq!(key.matches('{').count(), 1, "{}", &key);
+            proptest::prop_assert_eq!(key.matches('}').count(), 1, "{}", &key);
+            let open = key.find('{').unwrap_or(0);
+            let close = key.find('}').unwrap_or(0);
+            proptest::prop_assert!(open + 1 < close, "{}", &key);
+            let daily = Counted { requests: 9, unit: UnitName::Day, ..LIMIT };
+            let mut other = key_of(&input, daily);
+            let now: Timestamp = "2026-02-28T23:59:58Z".parse().expect("instant");
+            calendar_period(&mut other, UnitName::Day, now);
+            proptest::prop_assert_eq!(
+                crate::limiter::slot_of(&key),
+                crate::limiter::slot_of(&other),
+                "{} and {}", &key, &other
+            );
+        }
+    }
+
     #[test]
     fn calendar_and_epoch_windows() {
         let now: Timestamp = "2026-02-28T23:59:58Z".parse().expect("instant");

@@ -10,7 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
+use futures_util::StreamExt as _;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Empty, StreamBody};
+use hyper::body::Frame;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::wire::{NoResponse, Wire};
 use support::{
@@ -369,12 +372,17 @@ async fn past_max_connections_a_new_connection_waits_for_a_slot() {
 }
 
 /// An h2c connection to sluice, with its connection task.
-async fn h2c(
+async fn h2c<B>(
     sluice: &Sluice,
 ) -> (
-    hyper::client::conn::http2::SendRequest<Empty<Bytes>>,
+    hyper::client::conn::http2::SendRequest<B>,
     tokio::task::JoinHandle<Result<(), hyper::Error>>,
-) {
+)
+where
+    B: hyper::body::Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let stream = TcpStream::connect(sluice.addr()).await.unwrap();
     let (sender, connection) =
         hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
@@ -558,16 +566,8 @@ routes:
     let mut statuses = Vec::new();
     // `/upload` reads the body at the upstream; `/open` is answered by sluice itself.
     for path in ["/upload", "/upload", "/open", "/upload", "/upload", "/open"] {
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: x\r\nx-api-key: k\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        );
-        let sent = async {
-            wire.send(head.as_bytes()).await?;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            wire.send(body.as_bytes()).await
-        };
-        sent.await
+        wire.post_body_after_head(path, "x-api-key: k\r\n", body.as_bytes())
+            .await
             .unwrap_or_else(|e| panic!("{path} after {statuses:?} on the kept connection: {e}"));
         match wire.try_response(WITHIN).await {
             Ok(answer) => statuses.push(answer.status),
@@ -587,4 +587,84 @@ routes:
     let answer = wire.response(WITHIN).await;
     assert_eq!(answer.status, 429);
     assert_eq!(answer.header("connection"), Some("close"), "{answer:?}");
+}
+
+/// An upload the upstream answers from its head (413), before sluice has sent it the body,
+/// leaves the rest of that body on the client's HTTP/1.1 connection, which is then closed:
+/// the relayed 413 says `Connection: close`, so no keep-alive client sends its next request
+/// into it. A small body the upstream reads whole keeps the connection for the next request.
+/// On h2c the refused stream is reset alone: no `Connection` field, and the connection
+/// carries the next request.
+#[tokio::test]
+async fn an_upstream_answer_before_the_whole_body_says_the_connection_closes() {
+    let (up, sluice) = setup(|p| p).await;
+    let mut wire = Wire::connect(sluice.addr()).await;
+    let small = "x".repeat(2000);
+    wire.post_body_after_head("/upload", "", small.as_bytes())
+        .await
+        .unwrap();
+    let read = wire.response(WITHIN).await;
+    assert_eq!(
+        (read.status, &read.body[..]),
+        (200, &b"2000"[..]),
+        "{read:?}"
+    );
+    assert_eq!(read.header("connection"), None, "kept: {read:?}");
+    wire.send(&get("/after-upload")).await.unwrap();
+    assert_echo(&wire.response(WITHIN).await, "/after-upload");
+
+    // 1 MiB declared, 16 KiB sent: the upstream answers from the head and reads no more.
+    wire.send(b"POST /too-large HTTP/1.1\r\nHost: t\r\ncontent-length: 1048576\r\n\r\n")
+        .await
+        .unwrap();
+    wire.send(&[b'x'; 16 * 1024]).await.unwrap();
+    let refused = wire.response(WITHIN).await;
+    assert_eq!(refused.status, 413, "{refused:?}");
+    assert_eq!(
+        refused.header("connection"),
+        Some("close"),
+        "the upstream's early answer says the connection closes: {refused:?}"
+    );
+    assert!(
+        wire.closed_within(WITHIN).await.is_some(),
+        "and the connection is closed"
+    );
+
+    let (mut sender, _connection) = h2c::<BoxBody<Bytes, std::convert::Infallible>>(&sluice).await;
+    // A body that sends 16 KiB of its declared 1 MiB and then nothing.
+    let first = Frame::data(Bytes::from(vec![b'x'; 16 * 1024]));
+    let unending =
+        futures_util::stream::once(async { Ok(first) }).chain(futures_util::stream::pending());
+    let upload = http::Request::post("http://t/too-large")
+        .header("content-length", "1048576")
+        .body(BodyExt::boxed(StreamBody::new(unending)))
+        .unwrap();
+    let refused = tokio::time::timeout(WITHIN, sender.send_request(upload))
+        .await
+        .expect("an h2 answer in time")
+        .expect("the upstream's 413 on h2c");
+    assert_eq!(refused.status(), 413);
+    assert_eq!(
+        refused.headers().get("connection"),
+        None,
+        "no such field in HTTP/2"
+    );
+    let next = http::Request::get("http://t/after-h2")
+        .body(Empty::new().map_err(|never| match never {}).boxed())
+        .unwrap();
+    let next = tokio::time::timeout(WITHIN, sender.send_request(next))
+        .await
+        .expect("an h2 answer in time")
+        .expect("the h2c connection carries the next request");
+    assert_eq!(next.status(), 200);
+    assert_eq!(
+        up.paths(),
+        [
+            "/upload",
+            "/after-upload",
+            "/too-large",
+            "/too-large",
+            "/after-h2"
+        ]
+    );
 }

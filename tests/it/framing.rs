@@ -452,6 +452,11 @@ async fn bodies_over_max_body_get_413() {
         problem["detail"].as_str().unwrap().contains("1024"),
         "{problem}"
     );
+    assert_eq!(
+        r.header("connection"),
+        Some("close"),
+        "the 413 of a cut body says the connection closes: {r:?}"
+    );
     assert!(
         wire.closed_within(WITHIN).await.is_some(),
         "closed after a cut body"

@@ -378,17 +378,10 @@ async fn exhausted_identity_is_refused_unread(kind: StoreKind) {
     // "connection closed before message completed").
     let mut wire = support::wire::Wire::connect(sluice.addr()).await;
     let body = body_reserving("fake-1", 1000, &json!({"mode": "none"}));
+    let fields = "x-api-key: spent\r\ncontent-type: application/json\r\n";
     for n in 0..10 {
-        let head = format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-api-key: spent\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        );
-        let sent = async {
-            wire.send(head.as_bytes()).await?;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            wire.send(body.as_bytes()).await
-        };
-        sent.await
+        wire.post_body_after_head("/v1/chat/completions", fields, body.as_bytes())
+            .await
             .unwrap_or_else(|e| panic!("request {n} on the kept connection: {e}"));
         let answer = wire.response(Duration::from_secs(5)).await;
         assert_eq!(answer.status, 429, "request {n} on the kept connection");
@@ -658,4 +651,48 @@ fn check_refuses_model_outside_token_limits() {
             "{stderr}"
         );
     }
+}
+
+/// A body declared over the 1 KiB this route reads is refused (413) from its head, a small
+/// one read and dropped first, so the connection carries the next request. A body sluice
+/// reads whole and cuts part way (a chunked one growing past the 1 KiB) leaves the rest on
+/// the client's HTTP/1.1 connection, which then closes: that 413 says `Connection: close`,
+/// so the client sends no next request into it. The upstream gets nothing.
+#[tokio::test]
+async fn a_body_cut_while_read_whole_says_the_connection_closes() {
+    let upstream = LlmUpstream::start().await;
+    let limit = "{ name: tpm, key: [header:x-api-key], tokens: 100000000, window: 1m, reserve: { default_output: 256, max_output: 4096, max_body: 1KiB } }";
+    let yaml = policy("", "  body_timeout: 10s\n", &upstream.url(), &[limit]);
+    let sluice = Sluice::start(&yaml).await;
+    let mut wire = support::wire::Wire::connect(sluice.addr()).await;
+    let fields = "x-api-key: k\r\ncontent-type: application/json\r\n";
+    for n in 0..2 {
+        wire.post_body_after_head("/v1/chat/completions", fields, &[b'x'; 1500])
+            .await
+            .unwrap_or_else(|e| panic!("request {n} on the kept connection: {e}"));
+        let answer = wire.response(Duration::from_secs(5)).await;
+        assert_eq!(answer.status, 413, "{answer:?}");
+        assert_eq!(answer.header("connection"), None, "kept: {answer:?}");
+    }
+    wire.send(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-api-key: k\r\n\
+          content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    // Two chunks of 600 bytes (0x258), and no end.
+    let chunk = format!("258\r\n{}\r\n", "x".repeat(600));
+    wire.send(chunk.repeat(2).as_bytes()).await.unwrap();
+    let answer = wire.response(Duration::from_secs(5)).await;
+    assert_eq!(answer.status, 413, "{answer:?}");
+    assert_eq!(
+        answer.header("connection"),
+        Some("close"),
+        "the 413 of a body cut while read whole says the connection closes: {answer:?}"
+    );
+    assert!(
+        wire.closed_within(Duration::from_secs(5)).await.is_some(),
+        "and the connection closes"
+    );
+    assert!(upstream.bodies().is_empty(), "nothing was forwarded");
 }

@@ -67,9 +67,9 @@ impl ForwardBody for Full<Bytes> {
         _: std::net::SocketAddr,
         _: &'a Route,
         _: &'a Arc<BodyRefusals>,
-    ) -> Result<Response<ProxyBody>, ForwardError> {
+    ) -> (Forwarded, unread_body::Connection) {
         let answer = request.extensions().get::<Answer>().cloned();
-        match answer {
+        let forwarded = match answer {
             None => Err(ForwardError::Other("the test gave no answer".to_owned())),
             Some(Answer::Unreachable) => Err(ForwardError::Connect("refused".to_owned())),
             Some(Answer::Hanging { first }) => Ok(Response::new(ProxyBody::stream(HangingBody(
@@ -90,7 +90,9 @@ impl ForwardBody for Full<Bytes> {
                 }
                 Ok(response)
             }
-        }
+        };
+        // An in-process request has no client connection to keep or close.
+        (forwarded, unread_body::Connection::Kept)
     }
 
     async fn read_whole(

@@ -28,6 +28,7 @@ use super::tunnel;
 use crate::metrics::UpstreamErrorKind;
 use crate::policy::{Route, Upstream};
 use crate::proxy::request_body::{BodyRefusals, ClientBody, RequestBody};
+use crate::proxy::unread_body;
 use crate::tls::UpstreamTls;
 
 /// The HTTP/1.1 (or, for an `http2` upstream, HTTP/2) client of one upstream (over TLS for an
@@ -85,7 +86,9 @@ impl UpstreamErrors {
 /// Forwards `request` (from `peer`) to `upstream` through its `client`, its body held to
 /// `route`'s `max_body` and pace (faults counted in `refusals`), and returns the response
 /// with hop-by-hop fields removed. A WebSocket upgrade the upstream accepts becomes a tunnel
-/// (see `tunnel`) named after `route`.
+/// (see `tunnel`) named after `route`. With it, what the answer (the upstream's, or sluice's
+/// when the forward fails) must say of the client's connection: one whose body was not read
+/// to its end by then closes (`unread_body::after_reading`).
 pub async fn forward(
     upstream: &Upstream,
     client: &UpstreamClient,
@@ -93,7 +96,10 @@ pub async fn forward(
     peer: SocketAddr,
     route: &Route,
     refusals: &Arc<BodyRefusals>,
-) -> Result<Response<UpstreamBody>, ForwardError> {
+) -> (
+    Result<Response<UpstreamBody>, ForwardError>,
+    unread_body::Connection,
+) {
     // Extended CONNECT (RFC 8441) is not supported, so an HTTP/2 upstream gets no upgrade.
     let upgrade = (!upstream.http2 && tunnel::is_websocket_upgrade(&request))
         .then(|| tunnel::ClientSide::take(&mut request));
@@ -113,7 +119,8 @@ pub async fn forward(
             .flat_map(|value| value.split(','))
             .any(|item| item.trim().eq_ignore_ascii_case("trailers"));
     let (parts, body) = request.into_parts();
-    let (body, fault) = RequestBody::new(
+    let version = parts.version;
+    let (body, progress) = RequestBody::new(
         body,
         route.max_body.unwrap_or(u64::MAX),
         route.body_pace,
@@ -128,7 +135,15 @@ pub async fn forward(
             .authority()
             .and_then(|a| a.as_str().parse().ok())
     });
-    *request.uri_mut() = upstream_uri(upstream, request.uri())?;
+    // Told with the answer, the upstream's or sluice's: whether the client's body was read
+    // to its end by then. A WebSocket tunnel takes the connection over, no longer HTTP.
+    let connection =
+        |switched: bool| unread_body::after_reading(version, switched || progress.read_to_end());
+    match upstream_uri(upstream, request.uri()) {
+        Ok(uri) => *request.uri_mut() = uri,
+        Err(err) => return (Err(err), connection(false)),
+    }
+
     // The upstream speaks its own version whatever the client spoke; the client sets Host
     // (HTTP/1.1) or :authority (HTTP/2) from the URI.
     *request.version_mut() = if upstream.http2 {
@@ -158,21 +173,22 @@ pub async fn forward(
             let switched = upgrade.filter(|_| response.status() == StatusCode::SWITCHING_PROTOCOLS);
             let protocol = response.headers().get(http::header::UPGRADE).cloned();
             headers::remove_hop_by_hop(response.headers_mut());
+            let tunnel = switched.is_some();
             if let Some(client_side) = switched {
                 let protocol = protocol.unwrap_or_else(|| client_side.protocol.clone());
                 tunnel::set_upgrade_fields(response.headers_mut(), protocol);
                 let upstream_side = hyper::upgrade::on(&mut response);
                 tunnel::spawn(client_side, upstream_side, route.name.as_str().to_owned());
             }
-            Ok(response)
+            (Ok(response), connection(tunnel))
         }
         Err(err) => {
             // A failed body makes the upstream exchange fail too; the body is what to blame.
-            let err = fault.get().map_or(err, |fault| ForwardError::Body(*fault));
+            let err = progress.fault().map_or(err, ForwardError::Body);
             if let Some(counter) = client.errors.of(&err) {
                 counter.inc();
             }
-            Err(err)
+            (Err(err), connection(false))
         }
     }
 }

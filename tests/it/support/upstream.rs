@@ -77,6 +77,8 @@ pub enum UploadSeen {
 /// - `/download/<n>`: 200, streams n bytes of the pattern in chunks
 /// - `/upload`: consumes the body chunk by chunk, answers the byte count as
 ///   text, and `x-pattern-ok: true|false` (whether the bytes followed the pattern)
+/// - `/too-large`: 413 at once, its body unread (hyper then closes the connection unless
+///   the whole body had already arrived)
 /// - `/slow/<ms>`: sleeps, then 200 "slow"
 /// - `/login?password=right`: 200 "welcome"; `/login` with any other query: 401
 /// - `/hop-response`: like the echo, but also sends hop-by-hop response headers
@@ -236,6 +238,14 @@ async fn handle(req: Request<Incoming>, st: Arc<UpState>) -> Result<Response<UpB
             .header("content-type", "text/plain")
             .header("x-pattern-ok", if ok { "true" } else { "false" })
             .body(full(count.to_string()))
+            .unwrap());
+    }
+
+    if path == "/too-large" {
+        // Answered from the head alone, as an upload limit does, before the body is read.
+        return Ok(Response::builder()
+            .status(StatusCode::PAYLOAD_TOO_LARGE)
+            .body(full("too large"))
             .unwrap());
     }
 

@@ -180,6 +180,25 @@ impl Wire {
         self.stream.write_all(bytes).await
     }
 
+    /// Sends `POST path` with `fields` (each ending in CRLF) and `body`, in two writes 50 ms
+    /// apart: the head, then the body, so that the server reads the head alone and the body
+    /// arrives after it, as from a client that waits for `100 Continue` or a slow one. An
+    /// error (the server already closed) is returned, not a panic.
+    pub async fn post_body_after_head(
+        &mut self,
+        path: &str,
+        fields: &str,
+        body: &[u8],
+    ) -> std::io::Result<()> {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\n{fields}content-length: {}\r\n\r\n",
+            body.len()
+        );
+        self.send(head.as_bytes()).await?;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.send(body).await
+    }
+
     /// The next response, or a panic if none arrives whole within `within`.
     pub async fn response(&mut self, within: Duration) -> RawResponse {
         match self.try_response(within).await {
