@@ -41,86 +41,127 @@
 -- key written gets an expiry from its algorithm's record function. The clock is Redis TIME,
 -- so gateways with skewed clocks still agree.
 
-local algorithms = {
-  sliding_log = {check = sliding_log_check, record = sliding_log_record},
-  weighted_log = {check = weighted_log_check, record = weighted_log_record},
-  sliding_window = {check = sliding_window_check, record = sliding_window_record},
-  fixed_window = {check = fixed_window_check, record = fixed_window_record},
-  gcra = {check = gcra_check, record = gcra_record},
-  calendar = {check = calendar_check, record = calendar_record},
-}
+-- Each algorithm's check returns ok, wait_us, remaining, reset_us and two values of state its
+-- record takes back (no table per limit); the state of a request's limits waits in `pending`,
+-- one table reused by every request of the call. Numbers from ARGV are read once.
+
+local argv, keys = ARGV, KEYS
+
+local function check(algorithm, key, now, requests, window, burst, cost)
+  if algorithm == 'gcra' then
+    return gcra_check(key, now, requests, window, burst, cost)
+  elseif algorithm == 'sliding_window' then
+    return sliding_window_check(key, now, requests, window, burst, cost)
+  elseif algorithm == 'fixed_window' then
+    return fixed_window_check(key, now, requests, window, burst, cost)
+  elseif algorithm == 'sliding_log' then
+    return sliding_log_check(key, now, requests, window, burst, cost)
+  elseif algorithm == 'weighted_log' then
+    return weighted_log_check(key, now, requests, window, burst, cost)
+  elseif algorithm == 'calendar' then
+    return calendar_check(key, now, requests, window, burst, cost)
+  end
+  return nil
+end
+
+local function record(algorithm, key, now, requests, window, burst, cost, a, b, member, at,
+                      delays, cost_arg)
+  if algorithm == 'gcra' then
+    return gcra_record(key, now, requests, window, burst, cost, a, b, member, at)
+  elseif algorithm == 'sliding_window' then
+    return sliding_window_record(key, now, requests, window, burst, cost, a, b)
+  elseif algorithm == 'fixed_window' then
+    return fixed_window_record(key, now, requests, window, burst, cost, a, b, member, at,
+                               delays, cost_arg)
+  elseif algorithm == 'sliding_log' then
+    return sliding_log_record(key, now, requests, window, burst, cost, a, b, member, at, delays)
+  elseif algorithm == 'weighted_log' then
+    return weighted_log_record(key, now, requests, window, burst, cost, a, b, member, at,
+                               delays, cost_arg)
+  end
+  return calendar_record(key, now, requests, window, burst, cost, a, b, member, at, delays,
+                         cost_arg)
+end
+
+-- Per limit of the request being decided, 9 slots: requests, window, burst, cost, ok,
+-- remaining, reset_us and the two values of state.
+local pending = {}
 
 -- Decides one request whose keys are KEYS[first + 1 .. first + count] and whose limits start
--- at ARGV[base]; appends its answer to `result`. Nil, or an error reply to return.
-local function decide(first, count, base, member, now, result)
+-- at ARGV[base]; appends its answer to `result`, which holds `n` numbers. The new n, or nil
+-- and an error reply to return.
+local function decide(first, count, base, member, now, result, n)
   -- Whether some limit of the request may delay it: sliding_log keys may then hold future
-  -- entries, which their expiry must cover.
+  -- entries, which their expiry must cover. (Sluice sends integers: '0' is none.)
   local delays = false
   for i = 1, count do
-    if tonumber(ARGV[base + 7 * i - 1]) > 0 then
+    if argv[base + 7 * i - 1] ~= '0' then
       delays = true
     end
   end
 
-  local limits, states = {}, {}
   local admitted = 1
   local retry_after = 0
   local delay = 0
   for i = 1, count do
     local at = base + 7 * (i - 1)
-    local limit = {
-      algorithm = algorithms[ARGV[at]],
-      requests = tonumber(ARGV[at + 1]),
-      window = tonumber(ARGV[at + 2]),
-      burst = tonumber(ARGV[at + 3]),
-      cost = tonumber(ARGV[at + 4]),
-      shadow = ARGV[at + 5] == '1',
-      max_delay = tonumber(ARGV[at + 6]),
-      delays = delays,
-    }
-    if not limit.algorithm then
-      return redis.error_reply('unknown algorithm ' .. tostring(ARGV[at]))
+    local requests, window = tonumber(argv[at + 1]), tonumber(argv[at + 2])
+    local burst, cost = tonumber(argv[at + 3]), tonumber(argv[at + 4])
+    local ok, wait, remaining, reset, a, b = check(argv[at], keys[first + i], now, requests,
+                                                   window, burst, cost)
+    if ok == nil then
+      return nil, redis.error_reply('unknown algorithm ' .. tostring(argv[at]))
     end
-    limits[i] = limit
-    states[i] = limit.algorithm.check(KEYS[first + i], now, limit)
-    if not states[i].ok and not limit.shadow then
-      if states[i].wait <= limit.max_delay then
-        delay = math.max(delay, states[i].wait)
+    if not ok and argv[at + 5] ~= '1' then
+      if wait <= tonumber(argv[at + 6]) then
+        if wait > delay then
+          delay = wait
+        end
       else
         admitted = 0
       end
-      retry_after = math.max(retry_after, states[i].wait)
+      if wait > retry_after then
+        retry_after = wait
+      end
     end
+    local s = 9 * (i - 1)
+    pending[s + 1], pending[s + 2], pending[s + 3], pending[s + 4] = requests, window, burst, cost
+    pending[s + 5], pending[s + 6], pending[s + 7] = ok, remaining, reset
+    pending[s + 8], pending[s + 9] = a, b
   end
 
   if admitted == 1 then
     retry_after = 0
   end
   local at = now + delay
-  local n = #result
   result[n + 1], result[n + 2], result[n + 3], result[n + 4] = admitted, retry_after, now, at
   n = n + 4
   for i = 1, count do
-    local remaining, reset = states[i].remaining, states[i].reset
+    local s = 9 * (i - 1)
+    local arg = base + 7 * (i - 1)
+    local ok, remaining, reset = pending[s + 5], pending[s + 6], pending[s + 7]
     -- Recorded: every limit with room, and every limit that delays the request.
-    if admitted == 1 and (states[i].ok or not limits[i].shadow) then
-      remaining, reset = limits[i].algorithm.record(KEYS[first + i], now, limits[i], states[i],
-                                                    member, at)
+    if admitted == 1 and (ok or argv[arg + 5] ~= '1') then
+      remaining, reset = record(argv[arg], keys[first + i], now, pending[s + 1],
+                                pending[s + 2], pending[s + 3], pending[s + 4], pending[s + 8],
+                                pending[s + 9], member, at, delays, argv[arg + 4])
     end
-    result[n + 1], result[n + 2], result[n + 3] = remaining, reset, states[i].ok and 0 or 1
+    result[n + 1], result[n + 2], result[n + 3] = remaining, reset, ok and 0 or 1
     n = n + 3
   end
-  return nil
+  return n
 end
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local result = {}
+local n = 0
 local first, base = 0, 2
-for _ = 1, tonumber(ARGV[1]) do
-  local member, count = ARGV[base], tonumber(ARGV[base + 1])
-  local failed = decide(first, count, base + 2, member, now, result)
-  if failed then
+for _ = 1, tonumber(argv[1]) do
+  local count = tonumber(argv[base + 1])
+  local failed
+  n, failed = decide(first, count, base + 2, argv[base], now, result, n)
+  if not n then
     return failed
   end
   first = first + count

@@ -32,22 +32,18 @@ local check = checks[ARGV[1]]
 if not check then
   return redis.error_reply('unknown algorithm ' .. tostring(ARGV[1]))
 end
-local limit = {
-  requests = tonumber(ARGV[2]),
-  window = tonumber(ARGV[3]),
-  burst = tonumber(ARGV[4]),
-  cost = 1,
-}
+local requests, window, burst = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local st = check(KEYS[1], now, limit)
+local _, _, remaining, reset, counted = check(KEYS[1], now, requests, window, burst, 1)
 local count
 if ARGV[1] == 'sliding_log' or ARGV[1] == 'weighted_log' or ARGV[1] == 'fixed_window'
     or ARGV[1] == 'calendar' then
-  count = st.count
+  -- Their first value of state is the count.
+  count = counted
 elseif ARGV[1] == 'gcra' then
-  count = math.max(limit.burst - st.remaining, 0)
+  count = math.max(burst - remaining, 0)
 else
-  count = math.max(limit.requests - st.remaining, 0)
+  count = math.max(requests - remaining, 0)
 end
-return {count, st.remaining, st.reset}
+return {count, remaining, reset}
