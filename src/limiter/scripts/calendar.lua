@@ -1,5 +1,6 @@
 -- Calendar quota: one counter per identity and calendar period. Part of decide.lua and
--- peek.lua (concatenated at compile time).
+-- peek.lua (concatenated at compile time, after prelude.lua, whose floor, ceil and format it
+-- uses).
 --
 -- KEYS       the period's counter (a string holding an integer); its name ends with the
 --            period's label, found by sluice from its wall clock (zone rules cannot run here),
@@ -14,7 +15,6 @@
 -- the same counter instead of starting a fresh one under the old label.
 
 local calendar_slack_ms = 60000
-local calendar_ceil, calendar_format = math.ceil, string.format
 
 local function calendar_check(key, now, requests, window, burst, cost)
   local count = 0
@@ -37,7 +37,7 @@ local function calendar_record(key, now, requests, window, burst, cost, count, _
                                delays, cost_arg)
   count = redis.call('INCRBY', key, cost_arg)
   redis.call('PEXPIRE', key,
-             calendar_format('%d', calendar_ceil(window / 1000) + calendar_slack_ms))
+             format('%d', ceil(window / 1000) + calendar_slack_ms))
   local remaining = requests - count
   if remaining < 0 then
     remaining = 0

@@ -1,9 +1,9 @@
 -- The driver: one or more requests, each with every limit of its own (of any mix of
 -- algorithms), decided in order in one atomic call. The Redis store batches the decisions
 -- waiting on one connection into one call (see redis/batch.rs); a single decision is a batch
--- of one. Concatenated after sliding_log.lua, weighted_log.lua, sliding_window.lua,
--- fixed_window.lua, gcra.lua and calendar.lua at compile time (see src/limiter/redis/scripts.rs), whose
--- check and record functions it calls.
+-- of one. Concatenated after prelude.lua, sliding_log.lua, weighted_log.lua,
+-- sliding_window.lua, fixed_window.lua, gcra.lua and calendar.lua at compile time (see
+-- src/limiter/redis/scripts.rs), whose check and record functions it calls.
 --
 -- KEYS         every key of every request, request after request: request r's k_r keys, one
 --              per limit, of the type its algorithm keeps
@@ -43,9 +43,19 @@
 
 -- Each algorithm's check returns ok, wait_us, remaining, reset_us and two values of state its
 -- record takes back (no table per limit); the state of a request's limits waits in `pending`,
--- one table reused by every request of the call. Numbers from ARGV are read once.
+-- one table reused by every request of the call; numbers from ARGV are converted once per
+-- call. The driver runs in the script's body rather than in functions of its own: every
+-- function is a closure made anew on each call, and capturing upvalues is what costs.
 
 local argv, keys = ARGV, KEYS
+
+-- ARGV's numbers by their text: a batch repeats the same few limits, and strtod is not free.
+local numbers = {}
+local function number(text)
+  local value = tonumber(text)
+  numbers[text] = value
+  return value
+end
 
 local function check(algorithm, key, now, requests, window, burst, cost)
   if algorithm == 'gcra' then
@@ -83,88 +93,115 @@ local function record(algorithm, key, now, requests, window, burst, cost, a, b, 
                          cost_arg)
 end
 
--- Per limit of the request being decided, 9 slots: requests, window, burst, cost, ok,
+-- Per limit of a request with several, 9 slots: requests, window, burst, cost, ok,
 -- remaining, reset_us and the two values of state.
 local pending = {}
 
--- Decides one request whose keys are KEYS[first + 1 .. first + count] and whose limits start
--- at ARGV[base]; appends its answer to `result`, which holds `n` numbers. The new n, or nil
--- and an error reply to return.
-local function decide(first, count, base, member, now, result, n)
-  -- Whether some limit of the request may delay it: sliding_log keys may then hold future
-  -- entries, which their expiry must cover. (Sluice sends integers: '0' is none.)
-  local delays = false
-  for i = 1, count do
-    if argv[base + 7 * i - 1] ~= '0' then
-      delays = true
-    end
-  end
-
-  local admitted = 1
-  local retry_after = 0
-  local delay = 0
-  for i = 1, count do
-    local at = base + 7 * (i - 1)
-    local requests, window = tonumber(argv[at + 1]), tonumber(argv[at + 2])
-    local burst, cost = tonumber(argv[at + 3]), tonumber(argv[at + 4])
-    local ok, wait, remaining, reset, a, b = check(argv[at], keys[first + i], now, requests,
-                                                   window, burst, cost)
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local result, n = {}, 0
+-- Request r's keys are KEYS[first + 1 .. first + count]; its limits start at ARGV[base].
+local first, base = 0, 2
+for _ = 1, tonumber(argv[1]) do
+  local member, count = argv[base], tonumber(argv[base + 1])
+  base = base + 2
+  if count == 1 then
+    -- One limit (the most common): its state stays in locals.
+    local algorithm, key = argv[base], keys[first + 1]
+    local requests, window, burst, cost = argv[base + 1], argv[base + 2], argv[base + 3],
+      argv[base + 4]
+    requests, window = numbers[requests] or number(requests), numbers[window] or number(window)
+    burst, cost = numbers[burst] or number(burst), numbers[cost] or number(cost)
+    local ok, wait, remaining, reset, a, b = check(algorithm, key, now, requests, window, burst,
+                                                   cost)
     if ok == nil then
-      return nil, redis.error_reply('unknown algorithm ' .. tostring(argv[at]))
+      return redis.error_reply('unknown algorithm ' .. tostring(algorithm))
     end
-    if not ok and argv[at + 5] ~= '1' then
-      if wait <= tonumber(argv[at + 6]) then
-        if wait > delay then
+    local shadow = argv[base + 5] == '1'
+    local admitted, retry_after, delay = 1, 0, 0
+    if not ok and not shadow then
+      if wait <= tonumber(argv[base + 6]) then
+        if wait > 0 then
           delay = wait
         end
       else
         admitted = 0
-      end
-      if wait > retry_after then
-        retry_after = wait
+        if wait > 0 then
+          retry_after = wait
+        end
       end
     end
-    local s = 9 * (i - 1)
-    pending[s + 1], pending[s + 2], pending[s + 3], pending[s + 4] = requests, window, burst, cost
-    pending[s + 5], pending[s + 6], pending[s + 7] = ok, remaining, reset
-    pending[s + 8], pending[s + 9] = a, b
-  end
-
-  if admitted == 1 then
-    retry_after = 0
-  end
-  local at = now + delay
-  result[n + 1], result[n + 2], result[n + 3], result[n + 4] = admitted, retry_after, now, at
-  n = n + 4
-  for i = 1, count do
-    local s = 9 * (i - 1)
-    local arg = base + 7 * (i - 1)
-    local ok, remaining, reset = pending[s + 5], pending[s + 6], pending[s + 7]
-    -- Recorded: every limit with room, and every limit that delays the request.
-    if admitted == 1 and (ok or argv[arg + 5] ~= '1') then
-      remaining, reset = record(argv[arg], keys[first + i], now, pending[s + 1],
-                                pending[s + 2], pending[s + 3], pending[s + 4], pending[s + 8],
-                                pending[s + 9], member, at, delays, argv[arg + 4])
+    local at = now + delay
+    result[n + 1], result[n + 2], result[n + 3], result[n + 4] = admitted, retry_after, now, at
+    -- Recorded: a limit with room, or one that delays the request. (Sluice sends integers:
+    -- a max delay of '0' is none.)
+    if admitted == 1 and (ok or not shadow) then
+      remaining, reset = record(algorithm, key, now, requests, window, burst, cost, a, b,
+                                member, at, argv[base + 6] ~= '0', argv[base + 4])
     end
-    result[n + 1], result[n + 2], result[n + 3] = remaining, reset, ok and 0 or 1
-    n = n + 3
-  end
-  return n
-end
-
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local result = {}
-local n = 0
-local first, base = 0, 2
-for _ = 1, tonumber(argv[1]) do
-  local count = tonumber(argv[base + 1])
-  local failed
-  n, failed = decide(first, count, base + 2, argv[base], now, result, n)
-  if not n then
-    return failed
+    result[n + 5], result[n + 6], result[n + 7] = remaining, reset, ok and 0 or 1
+    n = n + 7
+  else
+    -- Whether some limit of the request may delay it: sliding_log keys may then hold future
+    -- entries, which their expiry must cover.
+    local delays = false
+    for i = 1, count do
+      if argv[base + 7 * i - 1] ~= '0' then
+        delays = true
+      end
+    end
+    local admitted, retry_after, delay = 1, 0, 0
+    for i = 1, count do
+      local at = base + 7 * (i - 1)
+      local requests, window, burst, cost = argv[at + 1], argv[at + 2], argv[at + 3],
+        argv[at + 4]
+      requests, window = numbers[requests] or number(requests), numbers[window] or number(window)
+      burst, cost = numbers[burst] or number(burst), numbers[cost] or number(cost)
+      local ok, wait, remaining, reset, a, b = check(argv[at], keys[first + i], now, requests,
+                                                     window, burst, cost)
+      if ok == nil then
+        return redis.error_reply('unknown algorithm ' .. tostring(argv[at]))
+      end
+      if not ok and argv[at + 5] ~= '1' then
+        if wait <= tonumber(argv[at + 6]) then
+          if wait > delay then
+            delay = wait
+          end
+        else
+          admitted = 0
+        end
+        if wait > retry_after then
+          retry_after = wait
+        end
+      end
+      local s = 9 * (i - 1)
+      pending[s + 1], pending[s + 2], pending[s + 3], pending[s + 4] = requests, window, burst,
+        cost
+      pending[s + 5], pending[s + 6], pending[s + 7] = ok, remaining, reset
+      pending[s + 8], pending[s + 9] = a, b
+    end
+    if admitted == 1 then
+      retry_after = 0
+    end
+    local at = now + delay
+    result[n + 1], result[n + 2], result[n + 3], result[n + 4] = admitted, retry_after, now, at
+    n = n + 4
+    for i = 1, count do
+      local s = 9 * (i - 1)
+      local arg = base + 7 * (i - 1)
+      local ok, remaining, reset = pending[s + 5], pending[s + 6], pending[s + 7]
+      -- Recorded: every limit with room, and every limit that delays the request.
+      if admitted == 1 and (ok or argv[arg + 5] ~= '1') then
+        remaining, reset = record(argv[arg], keys[first + i], now, pending[s + 1],
+                                  pending[s + 2], pending[s + 3], pending[s + 4],
+                                  pending[s + 8], pending[s + 9], member, at, delays,
+                                  argv[arg + 4])
+      end
+      result[n + 1], result[n + 2], result[n + 3] = remaining, reset, ok and 0 or 1
+      n = n + 3
+    end
   end
   first = first + count
-  base = base + 2 + 7 * count
+  base = base + 7 * count
 end
 return result

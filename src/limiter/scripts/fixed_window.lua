@@ -1,5 +1,6 @@
 -- Fixed window: one counter per limit, whose expiry is set by the first hit of its window.
--- Part of decide.lua (concatenated at compile time).
+-- Part of decide.lua (concatenated at compile time, after prelude.lua, whose floor, ceil and
+-- format it uses).
 --
 -- KEYS       the limit's counter (a string holding an integer); absent = an empty window.
 -- limit      requests, window (us), burst (unused), cost
@@ -9,7 +10,6 @@
 -- The window starts at the first hit, so up to twice `requests` can pass within one window's
 -- length across a boundary (a full window ending, a new one starting at once).
 
-local fixed_window_ceil, fixed_window_format = math.ceil, string.format
 
 local function fixed_window_check(key, now, requests, window, burst, cost)
   local count, ttl = 0, 0
@@ -39,9 +39,9 @@ local function fixed_window_record(key, now, requests, window, burst, cost, coun
                                    member, at, delays, cost_arg)
   local new = count + cost
   if count == 0 then
-    ttl = fixed_window_ceil(window / 1000) * 1000
-    redis.call('SET', key, fixed_window_format('%d', new), 'PX',
-               fixed_window_format('%d', ttl / 1000))
+    ttl = ceil(window / 1000) * 1000
+    redis.call('SET', key, format('%d', new), 'PX',
+               format('%d', ttl / 1000))
   else
     redis.call('INCRBY', key, cost_arg)
   end

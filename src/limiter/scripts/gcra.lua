@@ -1,5 +1,6 @@
 -- GCRA (generic cell rate algorithm): a token bucket kept as one number per limit, the
--- theoretical arrival time (TAT). Part of decide.lua (concatenated at compile time).
+-- theoretical arrival time (TAT). Part of decide.lua (concatenated at compile time,
+-- after prelude.lua, whose floor, ceil and format it uses).
 --
 -- KEYS       the limit's TAT in microseconds on the Redis server's clock (a string); absent
 --            = the TAT is now (the bucket is full). It expires when it falls behind the clock.
@@ -8,19 +9,16 @@
 -- Returns    check: ok, wait_us, remaining, reset_us, then its state for record: the new
 --            TAT and T; record: remaining, reset_us
 --
--- Multiple return values rather than tables, and integers formatted with '%d' (an integer
--- conversion, exact below 2^63) rather than '%.0f' or a number handed to redis.call (which
--- Redis prints with '%.17g'): both are float formatting, and tables are allocations and GC
--- work, which together were a third of this script's cost per decision.
+-- Multiple return values rather than tables (each an allocation and GC work), and integers
+-- turned into strings with prelude.lua's format('%d'), not float formatting.
 
-local gcra_floor, gcra_ceil, gcra_format = math.floor, math.ceil, string.format
 
 -- remaining, reset_us for a TAT `d` us ahead of now.
 local function gcra_state(d, t, burst)
   if d <= 0 then
     return burst, 0
   end
-  local remaining = gcra_floor((burst * t - d) / t)
+  local remaining = floor((burst * t - d) / t)
   if remaining < 0 then
     remaining = 0
   end
@@ -28,7 +26,7 @@ local function gcra_state(d, t, burst)
 end
 
 local function gcra_check(key, now, requests, window, burst, cost)
-  local t = gcra_ceil(window / requests)
+  local t = ceil(window / requests)
   local tat = now
   local stored = redis.call('GET', key)
   if stored then
@@ -52,7 +50,7 @@ local function gcra_record(key, now, requests, window, burst, cost, new, t, memb
   if later > new then
     new = later
   end
-  redis.call('SET', key, gcra_format('%d', new), 'PX',
-             gcra_format('%d', gcra_ceil((new - now) / 1000)))
+  redis.call('SET', key, format('%d', new), 'PX',
+             format('%d', ceil((new - now) / 1000)))
   return gcra_state(new - now, t, burst)
 end

@@ -1,9 +1,9 @@
 -- The admin API's read of one limit: where KEYS[1] stands for one more request of cost 1,
 -- computed by its algorithm's own check function, recording nothing. Concatenated after
--- sliding_log.lua, weighted_log.lua, sliding_window.lua, fixed_window.lua, gcra.lua and
--- calendar.lua at compile time (see src/limiter/redis/scripts.rs), like decide.lua. The
--- check functions drop what time has expired (the sliding log's old entries), which changes
--- no decision.
+-- prelude.lua, sliding_log.lua, weighted_log.lua, sliding_window.lua, fixed_window.lua,
+-- gcra.lua and calendar.lua at compile time (see src/limiter/redis/scripts.rs), like
+-- decide.lua. The check functions drop what time has expired (the sliding log's old
+-- entries), which changes no decision.
 --
 -- KEYS[1]   the limit's key, of the type its algorithm keeps
 -- ARGV[1]   algorithm (sliding_log | weighted_log | sliding_window | fixed_window | gcra |

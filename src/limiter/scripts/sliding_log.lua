@@ -1,5 +1,6 @@
 -- Sliding-window log: one sorted set per limit. Part of decide.lua (concatenated at compile
--- time); defines the functions the driver calls, touches only the key it is given.
+-- time, after prelude.lua, whose floor, ceil and format it uses); defines the functions the
+-- driver calls, touches only the key it is given.
 --
 -- KEYS       the limit's sorted set: members are admitted requests (one per unit of cost),
 --            scores their admission time in microseconds on the Redis server's clock.
@@ -10,20 +11,18 @@
 -- Entries can be in the future (a delayed request is recorded at the time it is forwarded):
 -- the check counts them, since it only removes entries that have left the window.
 --
--- Scores and indexes are written with '%d', an exact integer conversion: Lua would print a
--- 16-digit number with 14 significant digits, and a number handed to redis.call is printed
--- by Redis with '%.17g', float formatting that costs three times as much.
+-- Scores and indexes are written with format('%d') (prelude.lua), an exact integer
+-- conversion: Lua would print a 16-digit number with 14 significant digits.
 
-local sliding_log_format = string.format
 
 -- The score of the entry at `index` (0 = the oldest).
 local function sliding_log_score(key, index)
-  local i = sliding_log_format('%d', index)
+  local i = format('%d', index)
   return tonumber(redis.call('ZRANGE', key, i, i, 'WITHSCORES')[2])
 end
 
 local function sliding_log_check(key, now, requests, window, burst, cost)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', sliding_log_format('%d', now - window))
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - window))
   local n = redis.call('ZCARD', key)
   local remaining = requests - n
   if remaining < 0 then
@@ -57,7 +56,7 @@ end
 
 local function sliding_log_record(key, now, requests, window, burst, cost, n, pivot, member,
                                   at, delays)
-  local score = sliding_log_format('%d', at)
+  local score = format('%d', at)
   if cost == 1 then
     redis.call('ZADD', key, score, member .. ':1')
   else
@@ -83,7 +82,7 @@ local function sliding_log_record(key, now, requests, window, burst, cost, n, pi
     end
   end
   redis.call('PEXPIRE', key,
-             sliding_log_format('%d', math.ceil((newest - now + window) / 1000)))
+             format('%d', ceil((newest - now + window) / 1000)))
   local m = n + cost
   local index = m - requests
   if index < 0 then

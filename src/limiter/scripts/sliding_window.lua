@@ -1,6 +1,7 @@
 -- Sliding window counter (approximation): the current fixed window's count plus the previous
 -- window's, weighted by how much of the previous window the sliding window still covers.
--- Part of decide.lua (concatenated at compile time).
+-- Part of decide.lua (concatenated at compile time, after prelude.lua, whose floor, ceil and
+-- format it uses).
 --
 -- KEYS       the limit's hash: w = index of the current fixed window (now / window),
 --            c = its count, p = the previous window's count. Absent = both empty.
@@ -8,8 +9,6 @@
 -- Returns    check: ok, wait_us, remaining, reset_us, then its state for record: the current
 --            and previous windows' counts; record: remaining, reset_us
 
-local sliding_window_floor, sliding_window_ceil = math.floor, math.ceil
-local sliding_window_format = string.format
 
 -- Time until the weighted count falls to `target` or below, with no new admissions.
 local function sliding_window_wait(cur, prev, elapsed, window, target)
@@ -21,15 +20,15 @@ local function sliding_window_wait(cur, prev, elapsed, window, target)
     return 0
   end
   if cur <= target then
-    return sliding_window_ceil(window * (1 - (target - cur) / prev) - elapsed)
+    return ceil(window * (1 - (target - cur) / prev) - elapsed)
   end
-  return sliding_window_ceil((window - elapsed) + window * (1 - target / cur))
+  return ceil((window - elapsed) + window * (1 - target / cur))
 end
 
 -- remaining, reset_us for counts `cur` and `prev`, `elapsed` us into the current window.
 local function sliding_window_state(cur, prev, elapsed, requests, window)
   local count = cur + prev * (1 - elapsed / window)
-  local remaining = sliding_window_floor(requests - count)
+  local remaining = floor(requests - count)
   if remaining < 0 then
     remaining = 0
   end
@@ -37,7 +36,7 @@ local function sliding_window_state(cur, prev, elapsed, requests, window)
 end
 
 local function sliding_window_check(key, now, requests, window, burst, cost)
-  local index = sliding_window_floor(now / window)
+  local index = floor(now / window)
   local stored = redis.call('HMGET', key, 'w', 'c', 'p')
   local w = tonumber(stored[1])
   local cur, prev = 0, 0
@@ -57,11 +56,11 @@ end
 
 local function sliding_window_record(key, now, requests, window, burst, cost, cur, prev)
   -- The same index and elapsed time as the check's: the same `now`.
-  local index = sliding_window_floor(now / window)
+  local index = floor(now / window)
   local elapsed = now - index * window
   cur = cur + cost
-  redis.call('HSET', key, 'w', sliding_window_format('%d', index),
-             'c', sliding_window_format('%d', cur), 'p', sliding_window_format('%d', prev))
-  redis.call('PEXPIRE', key, sliding_window_format('%d', sliding_window_ceil(2 * window / 1000)))
+  redis.call('HSET', key, 'w', format('%d', index),
+             'c', format('%d', cur), 'p', format('%d', prev))
+  redis.call('PEXPIRE', key, format('%d', ceil(2 * window / 1000)))
   return sliding_window_state(cur, prev, elapsed, requests, window)
 end

@@ -2,7 +2,8 @@
 -- cost, for limits whose unit is not the request (token budgets). Exact like the sliding
 -- log (the same window, the same arithmetic over units), but a request reserving 4,000
 -- tokens is one entry, not 4,000. Part of decide.lua and peek.lua (concatenated at compile
--- time); defines the functions the driver calls, touches only the key it is given.
+-- time, after prelude.lua, whose floor, ceil and format it uses); defines the functions the
+-- driver calls, touches only the key it is given.
 --
 -- KEYS       the limit's sorted set: one member per admitted request, `<member>#<weight>`
 --            (the request's member prefix, then the units it holds), scored with its
@@ -15,12 +16,11 @@
 -- A check reads every entry of the window: O(requests in the window), which for a token
 -- budget is a few hundred at most where the plain sliding log would hold one entry per token.
 
-local weighted_log_format = string.format
 
 -- The entries of the window, oldest first, as a flat list score_1, weight_1, score_2, ...
 -- (ZRANGE's own reply, rewritten in place), and their total weight.
 local function weighted_log_entries(key, now, window)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', weighted_log_format('%d', now - window))
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - window))
   local flat = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
   local total = 0
   for j = 1, #flat, 2 do
@@ -95,7 +95,7 @@ end
 -- number gives below 10^14 (a cost is 32 bits).
 local function weighted_log_record(key, now, requests, window, burst, cost, total, flat,
                                    member, at, delays, cost_arg)
-  redis.call('ZADD', key, weighted_log_format('%d', at), member .. '#' .. cost_arg)
+  redis.call('ZADD', key, format('%d', at), member .. '#' .. cost_arg)
   local newest = at
   if delays then
     local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
@@ -104,7 +104,7 @@ local function weighted_log_record(key, now, requests, window, burst, cost, tota
     end
   end
   redis.call('PEXPIRE', key,
-             weighted_log_format('%d', math.ceil((newest - now + window) / 1000)))
+             format('%d', ceil((newest - now + window) / 1000)))
   -- The state with the new entry in its place among the others.
   return weighted_log_state(flat, total + cost, now, requests, window, at, cost)
 end
