@@ -10,7 +10,6 @@
 -- The window starts at the first hit, so up to twice `requests` can pass within one window's
 -- length across a boundary (a full window ending, a new one starting at once).
 
-
 local function fixed_window_check(key, now, requests, window, burst, cost)
   local count, ttl = 0, 0
   local stored = redis.call('GET', key)

@@ -12,7 +12,6 @@
 -- Multiple return values rather than tables (each an allocation and GC work), and integers
 -- turned into strings with prelude.lua's format('%d'), not float formatting.
 
-
 -- remaining, reset_us for a TAT `d` us ahead of now.
 local function gcra_state(d, t, burst)
   if d <= 0 then

@@ -14,7 +14,6 @@
 -- Scores and indexes are written with format('%d') (prelude.lua), an exact integer
 -- conversion: Lua would print a 16-digit number with 14 significant digits.
 
-
 -- The score of the entry at `index` (0 = the oldest).
 local function sliding_log_score(key, index)
   local i = format('%d', index)

@@ -9,7 +9,6 @@
 -- Returns    check: ok, wait_us, remaining, reset_us, then its state for record: the current
 --            and previous windows' counts; record: remaining, reset_us
 
-
 -- Time until the weighted count falls to `target` or below, with no new admissions.
 local function sliding_window_wait(cur, prev, elapsed, window, target)
   if target < 0 then

@@ -16,16 +16,17 @@
 -- A check reads every entry of the window: O(requests in the window), which for a token
 -- budget is a few hundred at most where the plain sliding log would hold one entry per token.
 
-
--- The entries of the window, oldest first, as a flat list score_1, weight_1, score_2, ...
--- (ZRANGE's own reply, rewritten in place), and their total weight.
+-- The entries of the window, oldest first, as a flat list weight_1, score_1, weight_2, ...
+-- (ZRANGE's own reply, its members replaced by their weights in place; the scores stay
+-- strings until read, since a walk rarely goes past the first few and a window can hold
+-- hundreds), and their total weight.
 local function weighted_log_entries(key, now, window)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - window))
   local flat = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
   local total = 0
   for j = 1, #flat, 2 do
     local weight = tonumber(string.match(flat[j], '#(%d+)$')) or 0
-    flat[j], flat[j + 1] = tonumber(flat[j + 1]), weight
+    flat[j] = weight
     total = total + weight
   end
   return flat, total
@@ -38,16 +39,16 @@ end
 local function weighted_log_until_freed(flat, units, now, window, extra, extra_weight)
   local freed = 0
   for j = 1, #flat, 2 do
-    if extra and flat[j] > extra then
+    if extra and tonumber(flat[j + 1]) > extra then
       freed = freed + extra_weight
       if freed >= units then
         return extra + window - now
       end
       extra = nil
     end
-    freed = freed + flat[j + 1]
+    freed = freed + flat[j]
     if freed >= units then
-      return flat[j] + window - now
+      return tonumber(flat[j + 1]) + window - now
     end
   end
   if extra then
