@@ -27,6 +27,7 @@ mod connections;
 mod count_outcome;
 mod deny_cache;
 mod distributed;
+mod exact_answers;
 mod explain;
 mod faults;
 mod framing;

@@ -7,10 +7,12 @@ use redis::RedisError;
 
 use super::super::{Admission, Decision, LimitState, StoreError};
 
-/// The script Redis runs: each algorithm's functions, then the driver that calls them. One
+/// The script Redis runs: the shared locals (`prelude.lua`), each algorithm's functions, then
+/// the driver that calls them. One
 /// script for all algorithms, so a request with limits of several algorithms is still decided
 /// in one atomic call.
 pub(super) const DECIDE: &str = concat!(
+    include_str!("../scripts/prelude.lua"),
     include_str!("../scripts/sliding_log.lua"),
     include_str!("../scripts/weighted_log.lua"),
     include_str!("../scripts/sliding_window.lua"),
@@ -20,9 +22,10 @@ pub(super) const DECIDE: &str = concat!(
     include_str!("../scripts/decide.lua"),
 );
 
-/// The admin API's read-only script: each algorithm's functions, then `peek.lua`, which calls
-/// one check function and records nothing.
+/// The admin API's read-only script: the prelude, each algorithm's functions, then
+/// `peek.lua`, which calls one check function and records nothing.
 pub(super) const PEEK: &str = concat!(
+    include_str!("../scripts/prelude.lua"),
     include_str!("../scripts/sliding_log.lua"),
     include_str!("../scripts/weighted_log.lua"),
     include_str!("../scripts/sliding_window.lua"),

@@ -1,11 +1,13 @@
 -- Calendar quota: one counter per identity and calendar period. Part of decide.lua and
--- peek.lua (concatenated at compile time).
+-- peek.lua (concatenated at compile time, after prelude.lua, whose floor, ceil and format it
+-- uses).
 --
 -- KEYS       the period's counter (a string holding an integer); its name ends with the
 --            period's label, found by sluice from its wall clock (zone rules cannot run here),
 --            so a new period is a new key. Absent = nothing used in this period.
--- limit      {requests, window = time left until the period ends (us), burst (unused), cost}
--- Returns    check: {ok, wait_us, remaining, reset_us}; record: {remaining, reset_us}
+-- limit      requests, window = time left until the period ends (us), burst (unused), cost
+-- Returns    check: ok, wait_us, remaining, reset_us, then its state for record: the count;
+--            record: remaining, reset_us
 --
 -- The count only grows within the period (and shrinks only by a give-back), so a quota
 -- without room admits again exactly when its period ends: the wait is the time left. The key
@@ -14,19 +16,31 @@
 
 local calendar_slack_ms = 60000
 
-local function calendar_check(key, now, limit)
-  local count = tonumber(redis.call('GET', key) or '0')
-  local st = {count = count, ok = true, wait = 0, reset = limit.window,
-              remaining = math.max(limit.requests - count, 0)}
-  if count + limit.cost > limit.requests then
-    st.ok = false
-    st.wait = limit.window
+local function calendar_check(key, now, requests, window, burst, cost)
+  local count = 0
+  local stored = redis.call('GET', key)
+  if stored then
+    count = tonumber(stored)
   end
-  return st
+  local remaining = requests - count
+  if remaining < 0 then
+    remaining = 0
+  end
+  if count + cost > requests then
+    return false, window, remaining, window, count
+  end
+  return true, 0, remaining, window, count
 end
 
-local function calendar_record(key, now, limit, st)
-  local count = redis.call('INCRBY', key, limit.cost)
-  redis.call('PEXPIRE', key, math.ceil(limit.window / 1000) + calendar_slack_ms)
-  return math.max(limit.requests - count, 0), limit.window
+-- `cost_arg`: the cost as sent (ARGV), which is how INCRBY would print it anyway.
+local function calendar_record(key, now, requests, window, burst, cost, count, _, member, at,
+                               delays, cost_arg)
+  count = redis.call('INCRBY', key, cost_arg)
+  redis.call('PEXPIRE', key,
+             format('%d', ceil(window / 1000) + calendar_slack_ms))
+  local remaining = requests - count
+  if remaining < 0 then
+    remaining = 0
+  end
+  return remaining, window
 end

@@ -1,9 +1,9 @@
 -- The driver: one or more requests, each with every limit of its own (of any mix of
 -- algorithms), decided in order in one atomic call. The Redis store batches the decisions
 -- waiting on one connection into one call (see redis/batch.rs); a single decision is a batch
--- of one. Concatenated after sliding_log.lua, weighted_log.lua, sliding_window.lua,
--- fixed_window.lua, gcra.lua and calendar.lua at compile time (see src/limiter/redis/scripts.rs), whose
--- check and record functions it calls.
+-- of one. Concatenated after prelude.lua, sliding_log.lua, weighted_log.lua,
+-- sliding_window.lua, fixed_window.lua, gcra.lua and calendar.lua at compile time (see
+-- src/limiter/redis/scripts.rs), whose check and record functions it calls.
 --
 -- KEYS         every key of every request, request after request: request r's k_r keys, one
 --              per limit, of the type its algorithm keeps
@@ -41,89 +41,167 @@
 -- key written gets an expiry from its algorithm's record function. The clock is Redis TIME,
 -- so gateways with skewed clocks still agree.
 
-local algorithms = {
-  sliding_log = {check = sliding_log_check, record = sliding_log_record},
-  weighted_log = {check = weighted_log_check, record = weighted_log_record},
-  sliding_window = {check = sliding_window_check, record = sliding_window_record},
-  fixed_window = {check = fixed_window_check, record = fixed_window_record},
-  gcra = {check = gcra_check, record = gcra_record},
-  calendar = {check = calendar_check, record = calendar_record},
-}
+-- Each algorithm's check returns ok, wait_us, remaining, reset_us and two values of state its
+-- record takes back (no table per limit); the state of a request's limits waits in `pending`,
+-- one table reused by every request of the call; numbers from ARGV are converted once per
+-- call. The driver runs in the script's body rather than in functions of its own: every
+-- function is a closure made anew on each call, and capturing upvalues is what costs.
 
--- Decides one request whose keys are KEYS[first + 1 .. first + count] and whose limits start
--- at ARGV[base]; appends its answer to `result`. Nil, or an error reply to return.
-local function decide(first, count, base, member, now, result)
-  -- Whether some limit of the request may delay it: sliding_log keys may then hold future
-  -- entries, which their expiry must cover.
-  local delays = false
-  for i = 1, count do
-    if tonumber(ARGV[base + 7 * i - 1]) > 0 then
-      delays = true
-    end
-  end
+local argv, keys = ARGV, KEYS
 
-  local limits, states = {}, {}
-  local admitted = 1
-  local retry_after = 0
-  local delay = 0
-  for i = 1, count do
-    local at = base + 7 * (i - 1)
-    local limit = {
-      algorithm = algorithms[ARGV[at]],
-      requests = tonumber(ARGV[at + 1]),
-      window = tonumber(ARGV[at + 2]),
-      burst = tonumber(ARGV[at + 3]),
-      cost = tonumber(ARGV[at + 4]),
-      shadow = ARGV[at + 5] == '1',
-      max_delay = tonumber(ARGV[at + 6]),
-      delays = delays,
-    }
-    if not limit.algorithm then
-      return redis.error_reply('unknown algorithm ' .. tostring(ARGV[at]))
-    end
-    limits[i] = limit
-    states[i] = limit.algorithm.check(KEYS[first + i], now, limit)
-    if not states[i].ok and not limit.shadow then
-      if states[i].wait <= limit.max_delay then
-        delay = math.max(delay, states[i].wait)
-      else
-        admitted = 0
-      end
-      retry_after = math.max(retry_after, states[i].wait)
-    end
-  end
+-- ARGV's numbers by their text: a batch repeats the same few limits, and strtod is not free.
+local numbers = {}
+local function number(text)
+  local value = tonumber(text)
+  numbers[text] = value
+  return value
+end
 
-  if admitted == 1 then
-    retry_after = 0
-  end
-  local at = now + delay
-  local n = #result
-  result[n + 1], result[n + 2], result[n + 3], result[n + 4] = admitted, retry_after, now, at
-  n = n + 4
-  for i = 1, count do
-    local remaining, reset = states[i].remaining, states[i].reset
-    -- Recorded: every limit with room, and every limit that delays the request.
-    if admitted == 1 and (states[i].ok or not limits[i].shadow) then
-      remaining, reset = limits[i].algorithm.record(KEYS[first + i], now, limits[i], states[i],
-                                                    member, at)
-    end
-    result[n + 1], result[n + 2], result[n + 3] = remaining, reset, states[i].ok and 0 or 1
-    n = n + 3
+local function check(algorithm, key, now, requests, window, burst, cost)
+  if algorithm == 'gcra' then
+    return gcra_check(key, now, requests, window, burst, cost)
+  elseif algorithm == 'sliding_window' then
+    return sliding_window_check(key, now, requests, window, burst, cost)
+  elseif algorithm == 'fixed_window' then
+    return fixed_window_check(key, now, requests, window, burst, cost)
+  elseif algorithm == 'sliding_log' then
+    return sliding_log_check(key, now, requests, window, burst, cost)
+  elseif algorithm == 'weighted_log' then
+    return weighted_log_check(key, now, requests, window, burst, cost)
+  elseif algorithm == 'calendar' then
+    return calendar_check(key, now, requests, window, burst, cost)
   end
   return nil
 end
 
+local function record(algorithm, key, now, requests, window, burst, cost, a, b, member, at,
+                      delays, cost_arg)
+  if algorithm == 'gcra' then
+    return gcra_record(key, now, requests, window, burst, cost, a, b, member, at)
+  elseif algorithm == 'sliding_window' then
+    return sliding_window_record(key, now, requests, window, burst, cost, a, b)
+  elseif algorithm == 'fixed_window' then
+    return fixed_window_record(key, now, requests, window, burst, cost, a, b, member, at,
+                               delays, cost_arg)
+  elseif algorithm == 'sliding_log' then
+    return sliding_log_record(key, now, requests, window, burst, cost, a, b, member, at, delays)
+  elseif algorithm == 'weighted_log' then
+    return weighted_log_record(key, now, requests, window, burst, cost, a, b, member, at,
+                               delays, cost_arg)
+  end
+  return calendar_record(key, now, requests, window, burst, cost, a, b, member, at, delays,
+                         cost_arg)
+end
+
+-- Per limit of a request with several, 9 slots: requests, window, burst, cost, ok,
+-- remaining, reset_us and the two values of state.
+local pending = {}
+
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local result = {}
+local result, n = {}, 0
+-- Request r's keys are KEYS[first + 1 .. first + count]; its limits start at ARGV[base].
 local first, base = 0, 2
-for _ = 1, tonumber(ARGV[1]) do
-  local member, count = ARGV[base], tonumber(ARGV[base + 1])
-  local failed = decide(first, count, base + 2, member, now, result)
-  if failed then
-    return failed
+for _ = 1, tonumber(argv[1]) do
+  local member, count = argv[base], tonumber(argv[base + 1])
+  base = base + 2
+  if count == 1 then
+    -- One limit (the most common): its state stays in locals.
+    local algorithm, key = argv[base], keys[first + 1]
+    local requests, window, burst, cost = argv[base + 1], argv[base + 2], argv[base + 3],
+      argv[base + 4]
+    requests, window = numbers[requests] or number(requests), numbers[window] or number(window)
+    burst, cost = numbers[burst] or number(burst), numbers[cost] or number(cost)
+    local ok, wait, remaining, reset, a, b = check(algorithm, key, now, requests, window, burst,
+                                                   cost)
+    if ok == nil then
+      return redis.error_reply('unknown algorithm ' .. tostring(algorithm))
+    end
+    local shadow = argv[base + 5] == '1'
+    local admitted, retry_after, delay = 1, 0, 0
+    if not ok and not shadow then
+      if wait <= tonumber(argv[base + 6]) then
+        if wait > 0 then
+          delay = wait
+        end
+      else
+        admitted = 0
+        if wait > 0 then
+          retry_after = wait
+        end
+      end
+    end
+    local at = now + delay
+    result[n + 1], result[n + 2], result[n + 3], result[n + 4] = admitted, retry_after, now, at
+    -- Recorded: a limit with room, or one that delays the request. (Sluice sends integers:
+    -- a max delay of '0' is none.)
+    if admitted == 1 and (ok or not shadow) then
+      remaining, reset = record(algorithm, key, now, requests, window, burst, cost, a, b,
+                                member, at, argv[base + 6] ~= '0', argv[base + 4])
+    end
+    result[n + 5], result[n + 6], result[n + 7] = remaining, reset, ok and 0 or 1
+    n = n + 7
+  else
+    -- Whether some limit of the request may delay it: sliding_log keys may then hold future
+    -- entries, which their expiry must cover.
+    local delays = false
+    for i = 1, count do
+      if argv[base + 7 * i - 1] ~= '0' then
+        delays = true
+      end
+    end
+    local admitted, retry_after, delay = 1, 0, 0
+    for i = 1, count do
+      local at = base + 7 * (i - 1)
+      local requests, window, burst, cost = argv[at + 1], argv[at + 2], argv[at + 3],
+        argv[at + 4]
+      requests, window = numbers[requests] or number(requests), numbers[window] or number(window)
+      burst, cost = numbers[burst] or number(burst), numbers[cost] or number(cost)
+      local ok, wait, remaining, reset, a, b = check(argv[at], keys[first + i], now, requests,
+                                                     window, burst, cost)
+      if ok == nil then
+        return redis.error_reply('unknown algorithm ' .. tostring(argv[at]))
+      end
+      if not ok and argv[at + 5] ~= '1' then
+        if wait <= tonumber(argv[at + 6]) then
+          if wait > delay then
+            delay = wait
+          end
+        else
+          admitted = 0
+        end
+        if wait > retry_after then
+          retry_after = wait
+        end
+      end
+      local s = 9 * (i - 1)
+      pending[s + 1], pending[s + 2], pending[s + 3], pending[s + 4] = requests, window, burst,
+        cost
+      pending[s + 5], pending[s + 6], pending[s + 7] = ok, remaining, reset
+      pending[s + 8], pending[s + 9] = a, b
+    end
+    if admitted == 1 then
+      retry_after = 0
+    end
+    local at = now + delay
+    result[n + 1], result[n + 2], result[n + 3], result[n + 4] = admitted, retry_after, now, at
+    n = n + 4
+    for i = 1, count do
+      local s = 9 * (i - 1)
+      local arg = base + 7 * (i - 1)
+      local ok, remaining, reset = pending[s + 5], pending[s + 6], pending[s + 7]
+      -- Recorded: every limit with room, and every limit that delays the request.
+      if admitted == 1 and (ok or argv[arg + 5] ~= '1') then
+        remaining, reset = record(argv[arg], keys[first + i], now, pending[s + 1],
+                                  pending[s + 2], pending[s + 3], pending[s + 4],
+                                  pending[s + 8], pending[s + 9], member, at, delays,
+                                  argv[arg + 4])
+      end
+      result[n + 1], result[n + 2], result[n + 3] = remaining, reset, ok and 0 or 1
+      n = n + 3
+    end
   end
   first = first + count
-  base = base + 2 + 7 * count
+  base = base + 7 * count
 end
 return result

@@ -1,9 +1,9 @@
 -- The admin API's read of one limit: where KEYS[1] stands for one more request of cost 1,
 -- computed by its algorithm's own check function, recording nothing. Concatenated after
--- sliding_log.lua, weighted_log.lua, sliding_window.lua, fixed_window.lua, gcra.lua and
--- calendar.lua at compile time (see src/limiter/redis/scripts.rs), like decide.lua. The
--- check functions drop what time has expired (the sliding log's old entries), which changes
--- no decision.
+-- prelude.lua, sliding_log.lua, weighted_log.lua, sliding_window.lua, fixed_window.lua,
+-- gcra.lua and calendar.lua at compile time (see src/limiter/redis/scripts.rs), like
+-- decide.lua. The check functions drop what time has expired (the sliding log's old
+-- entries), which changes no decision.
 --
 -- KEYS[1]   the limit's key, of the type its algorithm keeps
 -- ARGV[1]   algorithm (sliding_log | weighted_log | sliding_window | fixed_window | gcra |
@@ -32,22 +32,18 @@ local check = checks[ARGV[1]]
 if not check then
   return redis.error_reply('unknown algorithm ' .. tostring(ARGV[1]))
 end
-local limit = {
-  requests = tonumber(ARGV[2]),
-  window = tonumber(ARGV[3]),
-  burst = tonumber(ARGV[4]),
-  cost = 1,
-}
+local requests, window, burst = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local st = check(KEYS[1], now, limit)
+local _, _, remaining, reset, counted = check(KEYS[1], now, requests, window, burst, 1)
 local count
 if ARGV[1] == 'sliding_log' or ARGV[1] == 'weighted_log' or ARGV[1] == 'fixed_window'
     or ARGV[1] == 'calendar' then
-  count = st.count
+  -- Their first value of state is the count.
+  count = counted
 elseif ARGV[1] == 'gcra' then
-  count = math.max(limit.burst - st.remaining, 0)
+  count = math.max(burst - remaining, 0)
 else
-  count = math.max(limit.requests - st.remaining, 0)
+  count = math.max(requests - remaining, 0)
 end
-return {count, st.remaining, st.reset}
+return {count, remaining, reset}

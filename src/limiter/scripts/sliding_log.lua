@@ -1,72 +1,107 @@
 -- Sliding-window log: one sorted set per limit. Part of decide.lua (concatenated at compile
--- time); defines the functions the driver calls, touches only the key it is given.
+-- time, after prelude.lua, whose floor, ceil and format it uses); defines the functions the
+-- driver calls, touches only the key it is given.
 --
 -- KEYS       the limit's sorted set: members are admitted requests (one per unit of cost),
 --            scores their admission time in microseconds on the Redis server's clock.
--- limit      {requests, window (us), burst (unused), cost}
--- Returns    check: {ok, wait_us, remaining, reset_us}; record: {remaining, reset_us}
+-- limit      requests, window (us), burst (unused), cost
+-- Returns    check: ok, wait_us, remaining, reset_us, then its state for record: the number
+--            of entries and the pivot (below); record: remaining, reset_us
 --
 -- Entries can be in the future (a delayed request is recorded at the time it is forwarded):
 -- the check counts them, since it only removes entries that have left the window.
 --
--- Scores are written with %.0f: Lua would otherwise print a 16-digit number with 14
--- significant digits.
+-- Scores and indexes are written with format('%d') (prelude.lua), an exact integer
+-- conversion: Lua would print a 16-digit number with 14 significant digits.
 
-local function sliding_log_check(key, now, limit)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%.0f', now - limit.window))
-  local n = redis.call('ZCARD', key)
-  local st = {count = n, remaining = math.max(limit.requests - n, 0), reset = 0, ok = true, wait = 0}
-  if n > 0 then
-    -- The entry whose departure gives more room: for a full key the (n - requests)-th
-    -- oldest, otherwise the oldest.
-    local index = math.max(n - limit.requests, 0)
-    st.pivot = tonumber(redis.call('ZRANGE', key, index, index, 'WITHSCORES')[2])
-    st.reset = st.pivot + limit.window - now
-  end
-  if n + limit.cost > limit.requests then
-    st.ok = false
-    -- Room for `cost` more once the (n + cost - requests)-th oldest entry has left.
-    local index = n + limit.cost - limit.requests - 1
-    if index < n then
-      local score = tonumber(redis.call('ZRANGE', key, index, index, 'WITHSCORES')[2])
-      st.wait = score + limit.window - now
-    else
-      st.wait = limit.window
-    end
-  end
-  return st
+-- The score of the entry at `index` (0 = the oldest).
+local function sliding_log_score(key, index)
+  local i = format('%d', index)
+  return tonumber(redis.call('ZRANGE', key, i, i, 'WITHSCORES')[2])
 end
 
-local function sliding_log_record(key, now, limit, st, member, at)
-  local score = string.format('%.0f', at)
-  -- One entry per unit of cost, added in batches: unpack() is limited by Lua's C stack.
-  local args = {}
-  for j = 1, limit.cost do
-    args[#args + 1] = score
-    args[#args + 1] = member .. ':' .. j
-    if #args == 1000 or j == limit.cost then
-      redis.call('ZADD', key, unpack(args))
-      args = {}
+local function sliding_log_check(key, now, requests, window, burst, cost)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - window))
+  local n = redis.call('ZCARD', key)
+  local remaining = requests - n
+  if remaining < 0 then
+    remaining = 0
+  end
+  -- The pivot: the entry whose departure gives more room, for a full key the
+  -- (n - requests)-th oldest, otherwise the oldest.
+  local pivot_index = n - requests
+  if pivot_index < 0 then
+    pivot_index = 0
+  end
+  local reset, pivot = 0, 0
+  if n > 0 then
+    pivot = sliding_log_score(key, pivot_index)
+    reset = pivot + window - now
+  end
+  if n + cost > requests then
+    -- Room for `cost` more once the (n + cost - requests)-th oldest entry has left: for a
+    -- cost of 1, the pivot already read.
+    local index = n + cost - requests - 1
+    local wait = window
+    if index == pivot_index and n > 0 then
+      wait = pivot + window - now
+    elseif index < n then
+      wait = sliding_log_score(key, index) + window - now
+    end
+    return false, wait, remaining, reset, n, pivot
+  end
+  return true, 0, remaining, reset, n, pivot
+end
+
+local function sliding_log_record(key, now, requests, window, burst, cost, n, pivot, member,
+                                  at, delays)
+  local score = format('%d', at)
+  if cost == 1 then
+    redis.call('ZADD', key, score, member .. ':1')
+  else
+    -- One entry per unit of cost, added in batches: unpack() is limited by Lua's C stack.
+    local args = {}
+    for j = 1, cost do
+      args[#args + 1] = score
+      args[#args + 1] = member .. ':' .. j
+      if #args == 1000 or j == cost then
+        redis.call('ZADD', key, unpack(args))
+        args = {}
+      end
     end
   end
   -- The key lives until its newest entry leaves the window. Entries can be in the future
   -- only on a route with a delay limit (which then applies to every request of the route:
   -- `sluice check` refuses `when:` on it), so only there is the newest entry read.
   local newest = at
-  if limit.delays then
-    newest = math.max(at, tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]))
+  if delays then
+    local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
+    if last > newest then
+      newest = last
+    end
   end
-  redis.call('PEXPIRE', key, math.ceil((newest - now + limit.window) / 1000))
-  local n = st.count + limit.cost
-  local index = math.max(n - limit.requests, 0)
+  redis.call('PEXPIRE', key,
+             format('%d', ceil((newest - now + window) / 1000)))
+  local m = n + cost
+  local index = m - requests
+  if index < 0 then
+    index = 0
+  end
+  local before = n - requests
+  if before < 0 then
+    before = 0
+  end
   -- The pivot moves only when the key was empty, a cost above 1 passes it, or the new
   -- entries land before it (in the future, it can be later than now); otherwise no extra
   -- read is needed.
-  local pivot = st.pivot
-  if st.count == 0 then
+  if n == 0 then
     pivot = at
-  elseif index ~= math.max(st.count - limit.requests, 0) or st.pivot > at then
-    pivot = tonumber(redis.call('ZRANGE', key, index, index, 'WITHSCORES')[2])
+  elseif index ~= before or pivot > at then
+    pivot = sliding_log_score(key, index)
   end
-  return math.max(limit.requests - n, 0), pivot + limit.window - now
+  local remaining = requests - m
+  if remaining < 0 then
+    remaining = 0
+  end
+  return remaining, pivot + window - now
 end

@@ -2,90 +2,110 @@
 -- cost, for limits whose unit is not the request (token budgets). Exact like the sliding
 -- log (the same window, the same arithmetic over units), but a request reserving 4,000
 -- tokens is one entry, not 4,000. Part of decide.lua and peek.lua (concatenated at compile
--- time); defines the functions the driver calls, touches only the key it is given.
+-- time, after prelude.lua, whose floor, ceil and format it uses); defines the functions the
+-- driver calls, touches only the key it is given.
 --
 -- KEYS       the limit's sorted set: one member per admitted request, `<member>#<weight>`
 --            (the request's member prefix, then the units it holds), scored with its
 --            admission time in microseconds on the Redis server's clock. A settled request
 --            is re-added with its new weight and the same score (release.lua).
--- limit      {requests (the limit in units), window (us), burst (unused), cost}
--- Returns    check: {ok, wait_us, remaining, reset_us}; record: {remaining, reset_us}
+-- limit      requests (the limit in units), window (us), burst (unused), cost
+-- Returns    check: ok, wait_us, remaining, reset_us, then its state for record: the units
+--            in the window and its entries; record: remaining, reset_us
 --
 -- A check reads every entry of the window: O(requests in the window), which for a token
 -- budget is a few hundred at most where the plain sliding log would hold one entry per token.
 
--- The entries of the window, oldest first, as {score, weight} pairs, and their total weight.
+-- The entries of the window, oldest first, as a flat list weight_1, score_1, weight_2, ...
+-- (ZRANGE's own reply, its members replaced by their weights in place; the scores stay
+-- strings until read, since a walk rarely goes past the first few and a window can hold
+-- hundreds), and their total weight.
 local function weighted_log_entries(key, now, window)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%.0f', now - window))
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - window))
   local flat = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
-  local entries, total = {}, 0
+  local total = 0
   for j = 1, #flat, 2 do
     local weight = tonumber(string.match(flat[j], '#(%d+)$')) or 0
-    entries[#entries + 1] = {tonumber(flat[j + 1]), weight}
+    flat[j] = weight
     total = total + weight
   end
-  return entries, total
+  return flat, total
 end
 
 -- The time until `units` of the oldest entries have left the window; the window itself when
--- the entries do not hold that many (more than the limit was asked for).
-local function weighted_log_until_freed(entries, units, now, window)
+-- the entries do not hold that many (more than the limit was asked for). With `extra` (a
+-- score), the entries as if one more of weight `extra_weight` were among them, after those
+-- of the same score (where ZADD puts a newer member of an equal score).
+local function weighted_log_until_freed(flat, units, now, window, extra, extra_weight)
   local freed = 0
-  for _, entry in ipairs(entries) do
-    freed = freed + entry[2]
+  for j = 1, #flat, 2 do
+    if extra and tonumber(flat[j + 1]) > extra then
+      freed = freed + extra_weight
+      if freed >= units then
+        return extra + window - now
+      end
+      extra = nil
+    end
+    freed = freed + flat[j]
     if freed >= units then
-      return entry[1] + window - now
+      return tonumber(flat[j + 1]) + window - now
+    end
+  end
+  if extra then
+    freed = freed + extra_weight
+    if freed >= units then
+      return extra + window - now
     end
   end
   return window
 end
 
--- {remaining, reset_us} for `total` units in the window: the reset is the time until one
--- more unit fits than now (for a full log, until any fits), zero when it holds nothing.
-local function weighted_log_state(entries, total, now, limit)
+-- remaining, reset_us for `total` units in the window: the reset is the time until one more
+-- unit fits than now (for a full log, until any fits), zero when it holds nothing.
+local function weighted_log_state(flat, total, now, requests, window, extra, extra_weight)
   if total == 0 then
-    return limit.requests, 0
+    return requests, 0
   end
-  local units = math.max(total - limit.requests + 1, 1)
-  return math.max(limit.requests - total, 0),
-    weighted_log_until_freed(entries, units, now, limit.window)
+  local units = total - requests + 1
+  if units < 1 then
+    units = 1
+  end
+  local remaining = requests - total
+  if remaining < 0 then
+    remaining = 0
+  end
+  return remaining,
+    weighted_log_until_freed(flat, units, now, window, extra, extra_weight)
 end
 
-local function weighted_log_check(key, now, limit)
-  local entries, total = weighted_log_entries(key, now, limit.window)
-  local remaining, reset = weighted_log_state(entries, total, now, limit)
-  local st = {entries = entries, count = total, remaining = remaining, reset = reset,
-    ok = true, wait = 0}
-  local needed = total + limit.cost - limit.requests
+local function weighted_log_check(key, now, requests, window, burst, cost)
+  local flat, total = weighted_log_entries(key, now, window)
+  local remaining, reset = weighted_log_state(flat, total, now, requests, window)
+  local needed = total + cost - requests
   if needed > 0 then
-    st.ok = false
-    if limit.cost > limit.requests then
-      st.wait = limit.window
-    else
-      st.wait = weighted_log_until_freed(entries, needed, now, limit.window)
+    local wait = window
+    if cost <= requests then
+      wait = weighted_log_until_freed(flat, needed, now, window)
     end
+    return false, wait, remaining, reset, total, flat
   end
-  return st
+  return true, 0, remaining, reset, total, flat
 end
 
-local function weighted_log_record(key, now, limit, st, member, at)
-  redis.call('ZADD', key, string.format('%.0f', at), member .. '#' .. limit.cost)
+-- `cost_arg`: the cost as sent (ARGV), the canonical decimal Lua's own conversion of the
+-- number gives below 10^14 (a cost is 32 bits).
+local function weighted_log_record(key, now, requests, window, burst, cost, total, flat,
+                                   member, at, delays, cost_arg)
+  redis.call('ZADD', key, format('%d', at), member .. '#' .. cost_arg)
   local newest = at
-  if limit.delays then
-    newest = math.max(at, tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]))
-  end
-  redis.call('PEXPIRE', key, math.ceil((newest - now + limit.window) / 1000))
-  -- The new entry in its place among the others, for the state after it.
-  local entries, placed = {}, false
-  for _, entry in ipairs(st.entries) do
-    if not placed and entry[1] > at then
-      entries[#entries + 1] = {at, limit.cost}
-      placed = true
+  if delays then
+    local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
+    if last > newest then
+      newest = last
     end
-    entries[#entries + 1] = entry
   end
-  if not placed then
-    entries[#entries + 1] = {at, limit.cost}
-  end
-  return weighted_log_state(entries, st.count + limit.cost, now, limit)
+  redis.call('PEXPIRE', key,
+             format('%d', ceil((newest - now + window) / 1000)))
+  -- The state with the new entry in its place among the others.
+  return weighted_log_state(flat, total + cost, now, requests, window, at, cost)
 end
