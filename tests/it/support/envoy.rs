@@ -38,12 +38,35 @@ impl Envoy {
     /// Starts Envoy on a free port: every request goes to `upstream_port`, after the
     /// ratelimit filter asked the service at `rls_port` for `domain` with the descriptors
     /// `rate_limits` (a YAML list of the route's `rate_limits`, indented by 18 spaces).
+    ///
+    /// A port found free can be taken before Envoy binds it (by an outgoing connection of a
+    /// test running beside it, whose local port comes from the same range): Envoy then exits
+    /// with "Address already in use", and it is started again on other ports, up to 5 times.
     pub async fn start(
         domain: &str,
         rls_port: u16,
         upstream_port: u16,
         rate_limits: &str,
     ) -> Envoy {
+        let mut attempt = 1;
+        loop {
+            match Envoy::start_once(domain, rls_port, upstream_port, rate_limits).await {
+                Ok(envoy) => return envoy,
+                Err(log) if attempt < 5 && log.contains("Address already in use") => {
+                    attempt += 1;
+                }
+                Err(log) => panic!("envoy exited:\n{log}"),
+            }
+        }
+    }
+
+    /// One start on ports found free now: the running Envoy, or its log if it exited.
+    async fn start_once(
+        domain: &str,
+        rls_port: u16,
+        upstream_port: u16,
+        rate_limits: &str,
+    ) -> Result<Envoy, String> {
         let dir = tempfile::tempdir().expect("tempdir for envoy");
         let port = free_port();
         let admin = free_port();
@@ -122,11 +145,11 @@ static_resources:
         loop {
             if let Ok(r) = client().get(&ready).send().await {
                 if r.status() == 200 {
-                    return envoy;
+                    return Ok(envoy);
                 }
             }
             if let Ok(Some(status)) = envoy.child.try_wait() {
-                panic!("envoy exited ({status}):\n{}", envoy.log());
+                return Err(format!("({status})\n{}", envoy.log()));
             }
             assert!(
                 Instant::now() < deadline,
