@@ -778,6 +778,22 @@ mod tests {
         "requests: 5, window: 1m, when: [{ jwt: sub, present: true }]",
     ];
 
+    /// `look` at the first limit of `config`'s first route as the rules see it.
+    fn with_first_limit<T>(config: &crate::config::Config, look: impl FnOnce(&Seen) -> T) -> T {
+        let models = crate::llm::config::models(config, Path::new("t.yaml")).expect("valid");
+        let route = &config.routes[0];
+        look(&Seen {
+            limit: &route.limits[0],
+            route,
+            models: &models,
+        })
+    }
+
+    /// The rules' verdict on that limit, named as `compile` names it.
+    fn check_first_limit(seen: &Seen) -> Result<(), ConfigError> {
+        check_limit(seen, Path::new("t.yaml"), "routes[0].limits[0]")
+    }
+
     fn config(options: &str) -> crate::config::Config {
         let key = if options.contains("key:") {
             ""
@@ -797,25 +813,18 @@ mod tests {
     fn each_rule_is_the_first_broken_by_its_example() {
         assert_eq!(BREAKS.len(), LIMIT_RULES.len(), "one example per rule");
         for (index, options) in BREAKS.iter().enumerate() {
-            let config = config(options);
-            let models = crate::llm::config::models(&config, Path::new("t.yaml")).expect("valid");
-            let route = &config.routes[0];
-            let seen = Seen {
-                limit: &route.limits[0],
-                route,
-                models: &models,
-            };
-            let first = LIMIT_RULES
-                .iter()
-                .position(|rule| (rule.broken)(&seen).is_some());
+            let (first, err) = with_first_limit(&config(options), |seen| {
+                let first = LIMIT_RULES
+                    .iter()
+                    .position(|rule| (rule.broken)(seen).is_some());
+                (first, check_first_limit(seen))
+            });
             assert_eq!(
                 first,
                 Some(index),
                 "`{options}` breaks rule {first:?} first"
             );
-            let err = check_limit(&seen, Path::new("t.yaml"), "routes[0].limits[0]")
-                .expect_err("refused")
-                .to_string();
+            let err = err.expect_err("refused").to_string();
             let field = LIMIT_RULES[index].field.replacen("[]", "[0]", 1);
             assert!(
                 err.contains(&format!("routes[0].limits[0].{field}")),
@@ -824,14 +833,7 @@ mod tests {
             assert!(err.starts_with("t.yaml:11:"), "the limit's line: {err}");
         }
         let fine = config("requests: 5, window: 1m, key: [\"param:tenant\"]");
-        let models = crate::llm::config::models(&fine, Path::new("t.yaml")).expect("valid");
-        let route = &fine.routes[0];
-        let seen = Seen {
-            limit: &route.limits[0],
-            route,
-            models: &models,
-        };
-        assert!(check_limit(&seen, Path::new("t.yaml"), "l").is_ok());
+        assert!(with_first_limit(&fine, check_first_limit).is_ok());
     }
 
     /// A rule about one kind of key part points at the first part of that kind, not at the
@@ -850,14 +852,7 @@ mod tests {
             ),
         ] {
             let config = config(&format!("requests: 5, window: 1m, key: {key}"));
-            let models = crate::llm::config::models(&config, Path::new("t.yaml")).expect("valid");
-            let route = &config.routes[0];
-            let seen = Seen {
-                limit: &route.limits[0],
-                route,
-                models: &models,
-            };
-            let err = check_limit(&seen, Path::new("t.yaml"), "routes[0].limits[0]")
+            let err = with_first_limit(&config, check_first_limit)
                 .expect_err("refused")
                 .to_string();
             assert!(

@@ -53,6 +53,21 @@ local function sliding_log_check(key, now, requests, window, burst, cost)
   return true, 0, remaining, reset, n, pivot
 end
 
+-- A log (this file's, and weighted_log.lua's after it) lives until its newest entry leaves
+-- the window. Entries can be in the future only on a route with a delay limit (which then
+-- applies to every request of the route: `sluice check` refuses `when:` on it), so only there
+-- is the newest entry read; otherwise it is `at`, the entry just added.
+local function log_expire(key, now, window, at, delays)
+  local newest = at
+  if delays then
+    local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
+    if last > newest then
+      newest = last
+    end
+  end
+  redis.call('PEXPIRE', key, format('%d', ceil((newest - now + window) / 1000)))
+end
+
 local function sliding_log_record(key, now, requests, window, burst, cost, n, pivot, member,
                                   at, delays)
   local score = format('%d', at)
@@ -70,18 +85,7 @@ local function sliding_log_record(key, now, requests, window, burst, cost, n, pi
       end
     end
   end
-  -- The key lives until its newest entry leaves the window. Entries can be in the future
-  -- only on a route with a delay limit (which then applies to every request of the route:
-  -- `sluice check` refuses `when:` on it), so only there is the newest entry read.
-  local newest = at
-  if delays then
-    local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
-    if last > newest then
-      newest = last
-    end
-  end
-  redis.call('PEXPIRE', key,
-             format('%d', ceil((newest - now + window) / 1000)))
+  log_expire(key, now, window, at, delays)
   local m = n + cost
   local index = m - requests
   if index < 0 then

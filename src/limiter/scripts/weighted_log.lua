@@ -2,8 +2,9 @@
 -- cost, for limits whose unit is not the request (token budgets). Exact like the sliding
 -- log (the same window, the same arithmetic over units), but a request reserving 4,000
 -- tokens is one entry, not 4,000. Part of decide.lua and peek.lua (concatenated at compile
--- time, after prelude.lua, whose floor, ceil and format it uses); defines the functions the
--- driver calls, touches only the key it is given.
+-- time, after prelude.lua, whose floor, ceil and format it uses, and after sliding_log.lua,
+-- whose log_expire it shares); defines the functions the driver calls, touches only the key
+-- it is given.
 --
 -- KEYS       the limit's sorted set: one member per admitted request, `<member>#<weight>`
 --            (the request's member prefix, then the units it holds), scored with its
@@ -97,15 +98,7 @@ end
 local function weighted_log_record(key, now, requests, window, burst, cost, total, flat,
                                    member, at, delays, cost_arg)
   redis.call('ZADD', key, format('%d', at), member .. '#' .. cost_arg)
-  local newest = at
-  if delays then
-    local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
-    if last > newest then
-      newest = last
-    end
-  end
-  redis.call('PEXPIRE', key,
-             format('%d', ceil((newest - now + window) / 1000)))
+  log_expire(key, now, window, at, delays)
   -- The state with the new entry in its place among the others.
   return weighted_log_state(flat, total + cost, now, requests, window, at, cost)
 end
