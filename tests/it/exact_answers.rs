@@ -165,3 +165,86 @@ async fn every_admission_is_exact_to_the_microsecond() {
         assert_exact(&decision, 0, &one.spec, &[now], &one.key);
     }
 }
+
+/// A log's key lives until its newest entry leaves the window, even when that entry lies
+/// further in the future than the one just recorded: a request another limit delays is
+/// recorded late in every limit, and a later request the log admits at once must not cut
+/// the key's life short (`log_expire` in `sliding_log.lua`: with a delay limit in the
+/// request, it reads the newest entry). Otherwise the key would expire, and its late entry
+/// with it, while that entry still counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_lives_until_its_newest_entry_leaves_the_window() {
+    let redis = Redis::start().await;
+    let metrics = Metrics::new().unwrap();
+    let store = RedisStore::new(&redis.url(), 1, Duration::from_secs(2)).expect("a store");
+    store.load_script().await.expect("scripts load");
+    let store = Store::redis(store, 1000, &metrics);
+    let window = Duration::from_secs(10);
+    let delaying = |requests: u32, window: Duration| Spec {
+        algorithm: Algorithm::SlidingLog,
+        requests,
+        window,
+        burst: requests,
+        cost: 1,
+        max_delay: Duration::from_secs(60),
+        ..Spec::default()
+    };
+    let logs = [
+        ("sliding_log", delaying(3, window)),
+        (
+            "weighted_log",
+            Spec {
+                algorithm: Algorithm::WeightedLog,
+                requests: 300,
+                window,
+                burst: 300,
+                cost: 100,
+                ..Spec::default()
+            },
+        ),
+    ];
+    for (name, spec) in logs {
+        let key = format!("sluice-test:newest:{name}");
+        let log = |key: &str| Check {
+            key: key.to_string(),
+            spec,
+        };
+        // One request per 20 s, so the second request waits 20 s for it.
+        let slow = Check {
+            key: format!("sluice-test:newest:{name}:slow"),
+            spec: delaying(1, Duration::from_secs(20)),
+        };
+        let first = store.decide(&[log(&key), slow.clone()]).await.unwrap();
+        assert!(first.admitted, "{name}: the first request is admitted");
+        let second = store.decide(&[log(&key), slow.clone()]).await.unwrap();
+        let late = second
+            .admission
+            .as_ref()
+            .expect("the second is admitted, late");
+        let ahead = late.at_us - late.decided_us;
+        assert!(
+            (19_000_000..=20_000_000).contains(&ahead),
+            "{name}: the second request is recorded ~20 s ahead ({ahead} us)"
+        );
+        // The third has room in the log at once; its other limit, a fresh one, may delay.
+        let fresh = Check {
+            key: format!("sluice-test:newest:{name}:fresh"),
+            spec: delaying(1, window),
+        };
+        let third = store.decide(&[log(&key), fresh]).await.unwrap();
+        let now = third.admission.as_ref().expect("the third is admitted");
+        assert_eq!(
+            now.at_us, now.decided_us,
+            "{name}: the third is not delayed"
+        );
+        // The late entry leaves the window ~30 s from now; the third's own, in 10 s.
+        let redis::Value::Int(ttl) = redis.cmd(&["PTTL", &key]).await else {
+            panic!("{name}: PTTL is not an integer");
+        };
+        assert!(
+            (25_000..=30_100).contains(&ttl),
+            "{name}: the log lives until its newest entry leaves the window: PTTL {ttl} ms, \
+             expected about 30,000"
+        );
+    }
+}
