@@ -11,6 +11,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 
 use super::decide::{plan, Applies};
+use super::rules::Rule;
 use super::Compiled;
 
 /// Why a descriptor given on the command line cannot be read.
@@ -76,16 +77,15 @@ pub fn explain(
                 let _ = writeln!(out, "  no rule applies (none matches, or it ends where there is no rate_limit): OK, not counted");
             }
             Applies::Replaced(rule) => {
-                let _ = writeln!(out, "  rule {} ({}:{}) name={} is replaced by another rule in this call: OK, not counted", rule.path, rule.file.display(), rule.line, rule.name);
-            }
-            Applies::Unlimited(rule) => {
                 let _ = writeln!(
                     out,
-                    "  rule {} ({}:{}): unlimited: OK, not counted",
-                    rule.path,
-                    rule.file.display(),
-                    rule.line
+                    "  rule {} name={} is replaced by another rule in this call: OK, not counted",
+                    written(rule),
+                    rule.name
                 );
+            }
+            Applies::Unlimited(rule) => {
+                let _ = writeln!(out, "  rule {}: unlimited: OK, not counted", written(rule));
             }
             Applies::Counted {
                 rule,
@@ -100,13 +100,7 @@ pub fn explain(
                         } else {
                             format!(" name={}", rule.name)
                         };
-                        let _ = writeln!(
-                            out,
-                            "  rule {} ({}:{}){name}",
-                            rule.path,
-                            rule.file.display(),
-                            rule.line
-                        );
+                        let _ = writeln!(out, "  rule {}{name}", written(rule));
                     }
                     None => {
                         let _ = writeln!(out, "  the descriptor's own limit override");
@@ -136,4 +130,9 @@ pub fn explain(
         "decided in one store call over {counted} key(s): all or nothing"
     );
     Ok(out)
+}
+
+/// A rule as explain names it: its path and where it is written, `key_value.key2 (file:line)`.
+fn written(rule: &Rule) -> String {
+    format!("{} ({}:{})", rule.path, rule.file.display(), rule.line)
 }
