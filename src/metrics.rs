@@ -243,6 +243,8 @@ pub struct Metrics {
     pub tokens_returned: IntCounterVec,
     pub token_overruns: IntCounterVec,
     pub token_overrun_tokens: IntCounterVec,
+    pub concurrency_in_flight: IntGaugeVec,
+    pub concurrency_leases: IntCounterVec,
 }
 
 /// Buckets for whole requests: from a fast local answer to a slow upstream.
@@ -424,6 +426,20 @@ impl Metrics {
             ),
             &["route"],
         )?;
+        let concurrency_in_flight = IntGaugeVec::new(
+            Opts::new(
+                "sluice_concurrency_in_flight",
+                "Concurrency limits: leases this instance holds now (requests in flight it admitted), by route and limit; the sum over instances is the limit's use.",
+            ),
+            &["route", "limit"],
+        )?;
+        let concurrency_leases = IntCounterVec::new(
+            Opts::new(
+                "sluice_concurrency_leases_total",
+                "Concurrency leases by event: reclaimed (taken back by the store from an instance that stopped renewing them, counted by the instance that renews next), gone (a release found its lease already gone), restored (re-registered after the store forgot them: restarted empty, failed over), lost (a request cut because its lease could not be renewed in time), wait_timeout (a request that waited for a place up to max_delay and was refused).",
+            ),
+            &["event"],
+        )?;
         let token_counter = |name: &str, help: &str| {
             IntCounterVec::new(Opts::new(name, help), &["route", "limit", "unit"])
         };
@@ -491,6 +507,8 @@ impl Metrics {
         registry.register(Box::new(tokens_returned.clone()))?;
         registry.register(Box::new(token_overruns.clone()))?;
         registry.register(Box::new(token_overrun_tokens.clone()))?;
+        registry.register(Box::new(concurrency_in_flight.clone()))?;
+        registry.register(Box::new(concurrency_leases.clone()))?;
         registry.register(Box::new(log_lines_dropped))?;
         Ok(Metrics {
             registry,
@@ -524,6 +542,8 @@ impl Metrics {
             tokens_returned,
             token_overruns,
             token_overrun_tokens,
+            concurrency_in_flight,
+            concurrency_leases,
         })
     }
 
@@ -559,6 +579,7 @@ impl Metrics {
             delayed: counter(LimitDecision::Delayed),
             released: counter(LimitDecision::Released),
             tokens: None,
+            in_flight: None,
         }
     }
 
@@ -654,6 +675,8 @@ pub struct LimitMetrics {
     pub released: IntCounter,
     /// A limit counted in tokens: its token counters.
     pub tokens: Option<TokenMetrics>,
+    /// A concurrency limit: `sluice_concurrency_in_flight` of it.
+    pub in_flight: Option<IntGauge>,
 }
 
 /// The counters of a token budget, in tokens, by route and limit.

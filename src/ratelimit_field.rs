@@ -16,16 +16,16 @@ pub fn ceil_seconds(duration: Duration) -> u64 {
 
 /// One item per limit: the limit's name as a string, then integer parameters. Names are
 /// restricted (see `config::Name`) so they need no escaping inside the quotes.
-pub fn limit_items<'a>(
-    items: impl Iterator<Item = (&'a Name, [(char, u64); 2])>,
+pub fn limit_items<'a, P: IntoIterator<Item = (char, u64)>>(
+    items: impl Iterator<Item = (&'a Name, P)>,
 ) -> Option<HeaderValue> {
     limit_items_in(items.map(|(name, params)| (name, params, None)))
 }
 
 /// `limit_items` with a quota unit per item (`qu`, `"requests"` when absent): a token
-/// budget's policy item says `qu="tokens"`.
-pub fn limit_items_in<'a>(
-    items: impl Iterator<Item = (&'a Name, [(char, u64); 2], Option<&'a str>)>,
+/// budget's policy item says `qu="tokens"`, a concurrency limit's `qu="concurrent-requests"`.
+pub fn limit_items_in<'a, P: IntoIterator<Item = (char, u64)>>(
+    items: impl Iterator<Item = (&'a Name, P, Option<&'a str>)>,
 ) -> Option<HeaderValue> {
     // Written by hand and handed over without a copy: this runs for every limited answer,
     // and `write!` showed at 0.7 % of the proxy's CPU.

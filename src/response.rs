@@ -36,11 +36,13 @@ pub fn rate_limit(limits: &[&Limit], decision: &Decision) -> Option<HeaderValue>
             .zip(&decision.limits)
             .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
             .map(|(limit, state)| {
+                // A place of a concurrency limit frees at no time known in advance: no `t`.
+                let concurrent = limit.spec.algorithm == crate::limiter::Algorithm::Concurrency;
                 let params = [
-                    ('r', u64::from(state.remaining)),
-                    ('t', ceil_seconds(state.reset)),
+                    Some(('r', u64::from(state.remaining))),
+                    (!concurrent).then(|| ('t', ceil_seconds(state.reset))),
                 ];
-                (&limit.name, params)
+                (&limit.name, params.into_iter().flatten())
             }),
     )
 }

@@ -19,6 +19,12 @@ use crate::limiter::Topology;
 pub const DEFAULT_MAX_DELAYED: u32 = 1024;
 /// Longest `max_delay` accepted: a held request keeps its connection open.
 pub const MAX_MAX_DELAY_MS: u64 = 60_000;
+/// Default `lease` of a concurrency limit: an instance that dies has its places taken back
+/// within this.
+pub const DEFAULT_LEASE: std::time::Duration = std::time::Duration::from_secs(10);
+/// Shortest and longest `lease`: renewed every third of it, by one store call per period.
+pub const MIN_LEASE_MS: u64 = 1_000;
+pub const MAX_LEASE_MS: u64 = 3_600_000;
 
 /// Default timeout of one store call, including waiting for a pooled connection.
 pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 50;
@@ -471,6 +477,16 @@ pub struct LimitConfig {
     /// With `money:`: the currency its amount and the models' prices are in (`USD`).
     #[schemars(with = "Option<String>")]
     pub currency: Option<Spanned<String>>,
+    /// A concurrency limit instead of a rate: how many requests of one key may be in flight
+    /// at once, across every instance on the store. A request holds its place from admission
+    /// until its answer's last byte (a stream's end, a WebSocket's close).
+    #[schemars(with = "Option<Positive>")]
+    pub concurrent: Option<Spanned<Positive>>,
+    /// With `concurrent:`: how long an instance's leases outlive its last renewal, so the
+    /// places of an instance that died are taken back within this (renewed every third of
+    /// it); 10s by default.
+    #[schemars(with = "Option<ConfigDuration>")]
+    pub lease: Option<Spanned<ConfigDuration>>,
     /// The length of a rolling window; a limit has either this or a calendar `quota`.
     pub window: Option<ConfigDuration>,
     /// A calendar quota instead of a `window`: `requests` per `day`, `week` (ISO, from
@@ -665,6 +681,9 @@ impl LimitConfig {
 
     /// The algorithm this limit counts with, as the limiter names it.
     pub fn algorithm(&self) -> crate::limiter::Algorithm {
+        if self.concurrent.is_some() {
+            return crate::limiter::Algorithm::Concurrency;
+        }
         let budget = self.tokens.is_some() || self.money.is_some();
         match (&self.quota, &self.algorithm, budget) {
             (Some(_), _, _) => crate::limiter::Algorithm::Calendar,

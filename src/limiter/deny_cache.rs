@@ -231,7 +231,10 @@ impl DenyCache {
             .zip(&decision.limits)
             .zip(&decision.rejecting)
             .filter(|&((check, _), &rejects)| {
-                rejects && !check.spec.shadow && !check.spec.returnable
+                rejects
+                    && !check.spec.shadow
+                    && !check.spec.returnable
+                    && check.spec.algorithm.traits().room_grows_with_time_only
             })
             .filter_map(|((check, state), _)| Some((check, (*state)?)))
             .filter(|(_, state)| !state.reset.is_zero());
@@ -273,7 +276,7 @@ impl DenyCache {
 /// is the time left in its period, different for every request: it changes no decision
 /// (the key names the period, so a new period is a new key), so it is left out.
 fn same_limit(remembered: &Spec, now: &Spec) -> bool {
-    if now.algorithm == super::Algorithm::Calendar {
+    if now.algorithm.traits().window_per_request {
         Spec {
             window: now.window,
             ..*remembered

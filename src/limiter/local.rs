@@ -18,7 +18,7 @@
 use std::collections::hash_map::RandomState;
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
@@ -26,7 +26,7 @@ use lru::LruCache;
 use prometheus::{IntCounter, IntGauge};
 use smallvec::SmallVec;
 
-use super::{calendar, fixed_window, gcra, sliding_log, sliding_window, weighted_log};
+use super::{calendar, concurrency, fixed_window, gcra, sliding_log, sliding_window, weighted_log};
 use super::{Admission, Algorithm, Check, Decision, LimitState, Peek, Room, Spec};
 
 /// How often logs that have emptied are dropped, so memory follows live keys only.
@@ -49,6 +49,7 @@ enum Cell {
     Counter(fixed_window::Counter),
     Tat(Option<u64>),
     Quota(calendar::Counter),
+    Leases(concurrency::Leases),
 }
 
 impl Cell {
@@ -60,6 +61,7 @@ impl Cell {
             Algorithm::FixedWindow => Cell::Counter(fixed_window::Counter::default()),
             Algorithm::Gcra => Cell::Tat(None),
             Algorithm::Calendar => Cell::Quota(calendar::Counter::default()),
+            Algorithm::Concurrency => Cell::Leases(concurrency::Leases::default()),
         }
     }
 
@@ -71,6 +73,7 @@ impl Cell {
             Cell::Counter(_) => Algorithm::FixedWindow,
             Cell::Tat(_) => Algorithm::Gcra,
             Cell::Quota(_) => Algorithm::Calendar,
+            Cell::Leases(_) => Algorithm::Concurrency,
         }
     }
 
@@ -83,6 +86,8 @@ impl Cell {
             Cell::Counter(counter) => *counter = counter.at(now),
             Cell::Tat(tat) => *tat = tat.filter(|&tat| tat > now),
             Cell::Quota(counter) => *counter = counter.at(now),
+            // A lease ends with its request, never with time.
+            Cell::Leases(_) => {}
         }
     }
 
@@ -96,6 +101,7 @@ impl Cell {
             Cell::Counter(counter) => counter.count == 0,
             Cell::Tat(tat) => tat.is_none(),
             Cell::Quota(counter) => counter.count == 0,
+            Cell::Leases(leases) => leases.is_empty(),
         }
     }
 
@@ -108,12 +114,13 @@ impl Cell {
             Cell::Counter(counter) => fixed_window::check(*counter, spec, now),
             Cell::Tat(tat) => gcra::check(*tat, spec, now),
             Cell::Quota(counter) => calendar::check(*counter, spec, now),
+            Cell::Leases(leases) => leases.check(spec),
         }
     }
 
     /// Records an admitted request: the exact algorithms at `at` (its forwarding time), the
     /// counters at `now` (they keep no time finer than their windows).
-    fn record(&mut self, spec: &Spec, now: u64, at: u64) -> LimitState {
+    fn record(&mut self, spec: &Spec, now: u64, at: u64, member: &str) -> LimitState {
         // A fresh state starts at time zero: bring it to `now` first, or a sliding window
         // would count the request in a window long gone.
         self.advance(spec.window_us(), now);
@@ -128,13 +135,16 @@ impl Cell {
                 state
             }
             Cell::Quota(counter) => calendar::record(counter, spec, now),
+            Cell::Leases(leases) => leases.record(spec, member, now),
         }
     }
 
-    /// Gives back an admitted request (see `Store::release`).
-    fn release(&mut self, spec: &Spec, admission: &Admission, now: u64) {
+    /// Gives back an admitted request (see `Store::release`); whether a lease was there (the
+    /// other algorithms: true).
+    fn release(&mut self, spec: &Spec, admission: &Admission, now: u64) -> bool {
         self.advance(spec.window_us(), now);
         match self {
+            Cell::Leases(leases) => return leases.release(&admission.member, now),
             Cell::Log(times) => sliding_log::release(times, spec.cost, admission.at_us),
             Cell::Weighted(log) => log.release(spec.cost, admission.at_us),
             Cell::Window(counts) => {
@@ -144,6 +154,7 @@ impl Cell {
             Cell::Tat(tat) => *tat = gcra::release(*tat, spec, now),
             Cell::Quota(counter) => *counter = calendar::release(*counter, spec.cost, now),
         }
+        true
     }
 }
 
@@ -157,7 +168,7 @@ impl Cell {
             Cell::Log(times) => sliding_log::charge(times, spec, extra, admission.at_us),
             Cell::Weighted(log) => log.charge(extra, admission.at_us),
             Cell::Quota(counter) => *counter = calendar::charge(*counter, extra, now),
-            Cell::Window(_) | Cell::Counter(_) | Cell::Tat(_) => {}
+            Cell::Window(_) | Cell::Counter(_) | Cell::Tat(_) | Cell::Leases(_) => {}
         }
     }
 }
@@ -261,6 +272,8 @@ pub struct LocalMetrics {
 pub struct LocalStore {
     shards: Arc<Shards>,
     epoch: Instant,
+    /// Numbers the leases of concurrency limits (an admission's member).
+    sequence: AtomicU64,
 }
 
 impl LocalStore {
@@ -279,7 +292,11 @@ impl LocalStore {
         });
         let epoch = Instant::now();
         tokio::spawn(sweep(Arc::downgrade(&shards), epoch));
-        LocalStore { shards, epoch }
+        LocalStore {
+            shards,
+            epoch,
+            sequence: AtomicU64::new(0),
+        }
     }
 
     /// Locks every shard the checks touch, in ascending order (so two requests can never wait
@@ -338,6 +355,12 @@ impl LocalStore {
             states.push(Some(room.state));
         }
         let at = now + delay;
+        // A lease needs an id; no other algorithm reads one.
+        let member = if admitted && checks.iter().any(|c| c.spec.algorithm == Algorithm::Concurrency) {
+            self.sequence.fetch_add(1, Ordering::Relaxed).to_string()
+        } else {
+            String::new()
+        };
         if admitted {
             for (((check, &slot), state), &rejects) in checks
                 .iter()
@@ -347,7 +370,7 @@ impl LocalStore {
             {
                 // Recorded: every limit with room, and every limit that delays it.
                 if !rejects || !check.spec.shadow {
-                    *state = Some(self.record(&mut guards[slot], check, now, at));
+                    *state = Some(self.record(&mut guards[slot], check, now, at, &member));
                 }
             }
         }
@@ -357,8 +380,8 @@ impl LocalStore {
             retry_after: Duration::from_micros(if admitted { 0 } else { retry_after }),
             limits: states,
             rejecting,
-            admission: admitted.then(|| Admission {
-                member: String::new(),
+            admission: admitted.then_some(Admission {
+                member,
                 at_us: at,
                 decided_us: now,
                 local: true,
@@ -368,10 +391,12 @@ impl LocalStore {
 
     /// Settles what an admitted request recorded under `checks` to `keep` units of each:
     /// gives back the rest, or charges the excess when `keep` is above a check's cost (see
-    /// `Store::keep`; `Store::release` keeps none).
-    pub fn release(&self, checks: &[Check], admission: &Admission, keep: u32) {
+    /// `Store::keep`; `Store::release` keeps none). Returns how many checks held something
+    /// to settle (for a concurrency limit: its lease).
+    pub fn release(&self, checks: &[Check], admission: &Admission, keep: u32) -> usize {
         let (mut guards, slot) = self.lock_all(checks);
         let now = micros_since(self.epoch);
+        let mut held = 0;
         for (check, &slot) in checks.iter().zip(&slot) {
             let cost = check.spec.cost;
             if keep == cost {
@@ -392,18 +417,28 @@ impl LocalStore {
                     cost: cost - keep,
                     ..check.spec
                 };
-                log.cell.release(&spec, admission, now);
+                if log.cell.release(&spec, admission, now) {
+                    held += 1;
+                }
             }
         }
+        held
     }
 
     /// Records an admitted request under `check.key`, creating its state if needed.
-    fn record(&self, logs: &mut Logs, check: &Check, now: u64, at: u64) -> LimitState {
+    fn record(
+        &self,
+        logs: &mut Logs,
+        check: &Check,
+        now: u64,
+        at: u64,
+        member: &str,
+    ) -> LimitState {
         let spec = check.spec;
         // One lookup for a key already held under this algorithm (the usual case).
         if let Some(log) = logs.peek_mut(check.key.as_str()) {
             if log.cell.algorithm() == spec.algorithm {
-                return log.cell.record(&spec, now, at);
+                return log.cell.record(&spec, now, at, member);
             }
         }
         // New, or last used by another algorithm (after a reload): it starts afresh.
@@ -419,8 +454,8 @@ impl LocalStore {
             },
         );
         match logs.peek_mut(check.key.as_str()) {
-            Some(log) => log.cell.record(&spec, now, at),
-            None => Cell::new(spec.algorithm).record(&spec, now, at),
+            Some(log) => log.cell.record(&spec, now, at, member),
+            None => Cell::new(spec.algorithm).record(&spec, now, at, member),
         }
     }
 }
@@ -480,6 +515,7 @@ impl Cell {
             Cell::Window(_) => u64::from(spec.requests).saturating_sub(remaining),
             Cell::Tat(_) => u64::from(spec.burst).saturating_sub(remaining),
             Cell::Quota(counter) => counter.count,
+            Cell::Leases(leases) => leases.len() as u64,
         }
     }
 }

@@ -11,11 +11,14 @@
 //! leaves, an outcome a `count:` limit does not count, and a request rejected in another
 //! cluster slot.
 
+mod algorithm;
 mod breaker;
 pub mod calendar;
+mod concurrency;
 mod deny_cache;
 mod fixed_window;
 mod gcra;
+mod leases;
 mod local;
 mod redis;
 mod sliding_log;
@@ -27,50 +30,15 @@ use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, IntCounter};
 
+pub use self::algorithm::{Algorithm, PeekCount, Traits, ALGORITHMS};
 use self::breaker::{Breaker, BreakerMetrics};
 use self::deny_cache::{DenyCache, Lookup};
+pub use self::leases::{Lease, LeaseHold};
+use self::leases::{Held, LeaseCounters};
 use self::local::{LocalMetrics, LocalStore};
 pub use self::redis::{slot_of, ClusterSettings};
 pub use self::redis::{RedisStore, SentinelSettings, Topology};
 use crate::metrics::Metrics;
-
-/// How a limit counts. Every algorithm runs in both stores with the same results: one Lua file
-/// each under `scripts/`, one pure Rust module each for the in-process store. (How the config
-/// file spells it is the config's business: `config::AlgorithmConfig`.)
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Algorithm {
-    /// Exact: every admission's time is kept for one window.
-    #[default]
-    SlidingLog,
-    /// The sliding log with one entry per request weighted by its cost: exact, for limits in
-    /// units other than requests (token budgets), whose requests cost thousands each.
-    WeightedLog,
-    /// Two fixed-window counters, the previous one weighted: O(1), approximate.
-    SlidingWindow,
-    /// One counter per window that starts at the first hit: O(1), up to twice the limit
-    /// across a boundary.
-    FixedWindow,
-    /// A token bucket kept as one timestamp: O(1), exact, with bursts of `burst`.
-    Gcra,
-    /// A calendar quota: one counter per calendar period, reset at the period's start (see
-    /// `calendar`). Its check's key ends with the period and its `window` is the time left
-    /// until the period ends, both set per request when the check is built.
-    Calendar,
-}
-
-impl Algorithm {
-    /// The name used in the Lua driver, store keys, metrics and logs.
-    pub fn label(self) -> &'static str {
-        match self {
-            Algorithm::SlidingLog => "sliding_log",
-            Algorithm::WeightedLog => "weighted_log",
-            Algorithm::SlidingWindow => "sliding_window",
-            Algorithm::FixedWindow => "fixed_window",
-            Algorithm::Gcra => "gcra",
-            Algorithm::Calendar => "calendar",
-        }
-    }
-}
 
 /// Every parameter of one limit that changes a decision: declared here once, carried by the
 /// policy's limit and by each check. The algorithms read it directly; the stores' microsecond
@@ -103,9 +71,15 @@ impl Spec {
         micros(self.window)
     }
 
-    /// The longest delay instead of a rejection in microseconds; 0 = reject.
+    /// The longest delay instead of a rejection in microseconds, as the stores apply it; 0 =
+    /// reject. Only an algorithm whose wait is exact delays in the store: a concurrency limit's
+    /// `max_delay` is a wait for a place outside it (`proxy::hold`), holding nothing.
     pub fn max_delay_us(&self) -> u64 {
-        micros(self.max_delay)
+        if self.algorithm.traits().delays_in_store {
+            micros(self.max_delay)
+        } else {
+            0
+        }
     }
 }
 
@@ -311,6 +285,8 @@ enum Backend {
         cache_answers: IntCounter,
         breaker: Arc<Breaker>,
         fallback: LocalStore,
+        /// The concurrency leases this instance holds in Redis, renewed by a task of their own.
+        leases: Arc<Held>,
     },
 }
 
@@ -320,6 +296,7 @@ pub struct Store {
     call_duration: Histogram,
     name: &'static str,
     errors: ErrorCounters,
+    lease_counters: LeaseCounters,
 }
 
 impl Store {
@@ -335,8 +312,15 @@ impl Store {
     /// Redis, with an in-process store of at most `max_keys` keys for local fallback.
     pub fn redis(store: RedisStore, max_keys: usize, metrics: &Metrics) -> Store {
         let transitions = |to| metrics.store_breaker_transitions.with_label_values(&[to]);
+        let store = Arc::new(store);
+        let leases = Arc::new(Held::default());
+        tokio::spawn(leases::renew(
+            Arc::downgrade(&leases),
+            Arc::clone(&store),
+            lease_counters(metrics),
+        ));
         let backend = Backend::Redis {
-            store: Arc::new(store),
+            store,
             denials: DenyCache::new(),
             cache_answers: metrics.deny_cache_answers.clone(),
             breaker: Arc::new(Breaker::new(BreakerMetrics {
@@ -345,6 +329,7 @@ impl Store {
                 closed: transitions("closed"),
             })),
             fallback: local_store(max_keys, metrics),
+            leases,
         };
         Store::with_backend(backend, "redis", metrics)
     }
@@ -355,7 +340,27 @@ impl Store {
             call_duration: metrics.store_call_duration.with_label_values(&[name]),
             name,
             errors: ErrorCounters::new(metrics, name),
+            lease_counters: lease_counters(metrics),
         }
+    }
+
+    /// The concurrency leases this instance holds in Redis; `None` in process.
+    fn held_leases(&self) -> Option<&Arc<Held>> {
+        match &self.backend {
+            Backend::Local(_) => None,
+            Backend::Redis { leases, .. } => Some(leases),
+        }
+    }
+
+    /// Counts releases that found their lease already gone.
+    fn count_gone(&self, gone: usize) {
+        self.lease_counters.gone.inc_by(gone as u64);
+    }
+
+    /// Counts a request that waited for a concurrency limit's place up to its `max_delay` and
+    /// was refused.
+    pub fn count_wait_timeout(&self) {
+        self.lease_counters.wait_timeout.inc();
     }
 
     pub fn name(&self) -> &'static str {
@@ -457,7 +462,13 @@ impl Store {
     /// keys (a `returnable` limit's denials are never cached in the first place). Other
     /// instances may still hold a denial of those keys until its wait ends: they refuse
     /// where the store would now admit (under-admit), never the other way.
-    pub async fn release(&self, checks: &[Check], admission: &Admission) -> Result<(), StoreError> {
+    /// Returns how many of `checks` held something to give back (for a concurrency limit: its
+    /// lease, which a reclaim or an earlier release may have taken already).
+    pub async fn release(
+        &self,
+        checks: &[Check],
+        admission: &Admission,
+    ) -> Result<usize, StoreError> {
         self.keep(checks, admission, 0).await
     }
 
@@ -469,25 +480,21 @@ impl Store {
     /// reports more than was reserved), the excess is charged to the request's entry, at its
     /// time, so its identity waits for what was really spent; that can take the limit past
     /// its `requests` (the units were spent upstream already). Only the algorithms a token
-    /// budget runs on (`llm::settles_exactly`) charge; a request no longer recorded (reset, or
+    /// budget runs on (the table's `settles_exactly`) charge; a request no longer recorded (reset, or
     /// gone from its window) is not charged.
     pub async fn keep(
         &self,
         checks: &[Check],
         admission: &Admission,
         used: u32,
-    ) -> Result<(), StoreError> {
+    ) -> Result<usize, StoreError> {
         if checks.iter().all(|check| check.spec.cost == used) {
-            return Ok(());
+            return Ok(0);
         }
         match &self.backend {
-            Backend::Local(store) => {
-                store.release(checks, admission, used);
-                Ok(())
-            }
+            Backend::Local(store) => Ok(store.release(checks, admission, used)),
             Backend::Redis { fallback, .. } if admission.local => {
-                fallback.release(checks, admission, used);
-                Ok(())
+                Ok(fallback.release(checks, admission, used))
             }
             Backend::Redis { store, denials, .. } => {
                 denials.forget_checks(checks);
@@ -584,6 +591,17 @@ async fn wait_for_asker(
             Lookup::Ask(asking) => return Err(Some(asking)),
             Lookup::Wait(next) => answered = next,
         }
+    }
+}
+
+fn lease_counters(metrics: &Metrics) -> LeaseCounters {
+    let counter = |event: &str| metrics.concurrency_leases.with_label_values(&[event]);
+    LeaseCounters {
+        reclaimed: counter("reclaimed"),
+        gone: counter("gone"),
+        restored: counter("restored"),
+        lost: counter("lost"),
+        wait_timeout: counter("wait_timeout"),
     }
 }
 

@@ -27,6 +27,7 @@ pub fn quota(limit: &LimitConfig) -> u32 {
         .requests
         .as_ref()
         .or(limit.tokens.as_ref())
+        .or(limit.concurrent.as_ref())
         .map_or(0, |quota| quota.value.0)
 }
 

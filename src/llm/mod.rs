@@ -65,17 +65,6 @@ pub enum UsageFrom {
     Header(HeaderName),
 }
 
-/// Whether a token budget can run on `algorithm`: its settlement gives back exactly what
-/// was not used, which needs an algorithm whose give-back is exact.
-pub fn settles_exactly(algorithm: crate::limiter::Algorithm) -> bool {
-    // A calendar quota gives back within the request's period (`release.lua`): exact too.
-    use crate::limiter::Algorithm;
-    matches!(
-        algorithm,
-        Algorithm::SlidingLog | Algorithm::WeightedLog | Algorithm::Calendar
-    )
-}
-
 /// How a token budget reserves and settles, in a sentence (`sluice explain`).
 pub fn describe(budget: &TokenBudget) -> String {
     let r = &budget.reserve;

@@ -184,12 +184,15 @@ impl Compiled {
 }
 
 /// The handles limit `limit` of route `route` counts into: its token counters too when it is
-/// a token or money budget.
+/// a token or money budget, its in-flight gauge when it is a concurrency limit.
 fn limit_metrics(metrics: &Metrics, route: &str, limit: &LimitSettings) -> LimitMetrics {
     let name = limit.name.as_str();
     let mut counters = metrics.for_limit(route, name);
     if let Some(budget) = &limit.tokens {
         counters.tokens = Some(metrics.for_token_limit(route, name, budget.unit.label()));
+    }
+    if limit.spec.algorithm == crate::limiter::Algorithm::Concurrency {
+        counters.in_flight = Some(metrics.concurrency_in_flight.with_label_values(&[route, name]));
     }
     counters
 }
@@ -405,6 +408,10 @@ fn build_limit(
             algorithm: limit.algorithm(),
             requests: crate::llm::config::quota(limit),
             window: match (&limit.window, quota_of(limit)) {
+                _ if limit.concurrent.is_some() => limit
+                    .lease
+                    .as_ref()
+                    .map_or(crate::config::DEFAULT_LEASE, |lease| lease.value.0),
                 (Some(window), _) => window.0,
                 (None, Some(quota)) => quota.period.nominal(),
                 (None, None) => Duration::ZERO,

@@ -302,14 +302,17 @@ pub fn rate_limit_policy<'a, M: Metering>(
         return None;
     }
     limit_items_in(limits.map(|limit| {
+        // A concurrency limit has no window (its `window` is the lease period): the draft's
+        // quota unit `concurrent-requests` says what its quota counts.
+        let concurrent = limit.spec.algorithm == crate::limiter::Algorithm::Concurrency;
         let params = [
-            ('q', u64::from(limit.spec.requests)),
-            ('w', ceil_seconds(limit.spec.window)),
+            Some(('q', u64::from(limit.spec.requests))),
+            (!concurrent).then(|| ('w', ceil_seconds(limit.spec.window))),
         ];
-        (
-            &limit.name,
-            params,
-            limit.tokens.as_ref().map(|b| b.unit.label()),
-        )
+        let unit = match &limit.tokens {
+            Some(budget) => Some(budget.unit.label()),
+            None => concurrent.then_some("concurrent-requests"),
+        };
+        (&limit.name, params.into_iter().flatten(), unit)
     }))
 }

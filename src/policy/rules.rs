@@ -13,12 +13,13 @@
 use std::path::Path;
 
 use crate::config::{
-    ConfigError, KeyPart, LimitConfig, Position, RouteConfig, SettleFrom, Spanned, MAX_MAX_DELAY_MS,
+    ConfigError, KeyPart, LimitConfig, Position, RouteConfig, SettleFrom, Spanned, MAX_LEASE_MS,
+    MAX_MAX_DELAY_MS, MIN_LEASE_MS,
 };
 use crate::limiter::calendar::Period;
 use crate::limiter::Algorithm;
 use crate::llm::config::{micro_amount, quota, reserve};
-use crate::llm::{settles_exactly, Models, MAX_SLIDING_LOG_TOKENS};
+use crate::llm::{Models, MAX_SLIDING_LOG_TOKENS};
 
 /// One limit as written, with what its rules read around it.
 pub(super) struct Seen<'a> {
@@ -56,7 +57,72 @@ type RouteRule = Rule<fn(&RouteConfig) -> Option<At>, fn(&RouteConfig, &At) -> S
 
 /// The rules of one limit's options, in the order a limit hears of them.
 const LIMIT_RULES: &[LimitRule] = &[
-    // What a limit counts: exactly one of `requests`, `tokens` or `money`.
+    // What a limit counts: exactly one of `requests`, `tokens` or `money` in a period, or
+    // `concurrent` requests at once.
+    Rule {
+        field: "concurrent",
+        broken: |s| {
+            let l = s.limit;
+            let other = l.requests.is_some() || l.tokens.is_some() || l.money.is_some();
+            l.concurrent.as_ref().filter(|_| other).map(at)
+        },
+        says: Says::Text(
+            "a limit counts requests at once (`concurrent`) or in a period (`requests`, \
+             `tokens`, `money`), not both: write two limits",
+        ),
+    },
+    Rule {
+        field: "concurrent",
+        broken: |s| {
+            let l = s.limit;
+            let concurrent = l.concurrent.as_ref()?;
+            (l.window.is_some() || l.quota.is_some()).then(|| at(concurrent))
+        },
+        says: Says::Text(
+            "a concurrency limit has no period: a request holds its place until its answer \
+             ends; remove `window`/`quota` (`lease` sets how soon a dead instance's places \
+             come back)",
+        ),
+    },
+    Rule {
+        field: "algorithm",
+        broken: |s| s.limit.algorithm.as_ref().filter(|_| s.limit.concurrent.is_some()).map(at),
+        says: Says::Text("a concurrency limit counts leases in its own way: remove `algorithm`"),
+    },
+    Rule {
+        field: "cost",
+        broken: |s| s.limit.cost.as_ref().filter(|_| s.limit.concurrent.is_some()).map(at),
+        says: Says::Text("a request in flight holds one place of a concurrency limit: remove `cost`"),
+    },
+    Rule {
+        field: "count",
+        broken: |s| s.limit.count.as_ref().filter(|_| s.limit.concurrent.is_some()).map(at),
+        says: Says::Text(
+            "a concurrency limit's place comes back when the request ends, whatever its \
+             status: remove `count`",
+        ),
+    },
+    Rule {
+        field: "lease",
+        broken: |s| s.limit.lease.as_ref().filter(|_| s.limit.concurrent.is_none()).map(at),
+        says: Says::Text("`lease` applies to a concurrency limit (`concurrent:`) only"),
+    },
+    Rule {
+        field: "lease",
+        broken: |s| {
+            let lease = s.limit.lease.as_ref()?;
+            let ms = lease.value.0.as_millis();
+            (ms < u128::from(MIN_LEASE_MS) || ms > u128::from(MAX_LEASE_MS)).then(|| at(lease))
+        },
+        says: Says::Made(|_, _| {
+            format!(
+                "from {} s to {} s: it is renewed every third of it, and a dead instance's \
+                 places come back after it",
+                MIN_LEASE_MS / 1000,
+                MAX_LEASE_MS / 1000
+            )
+        }),
+    },
     Rule {
         field: "money",
         broken: |s| {
@@ -131,12 +197,15 @@ const LIMIT_RULES: &[LimitRule] = &[
         field: "requests",
         broken: |s| {
             let l = s.limit;
-            let none = l.requests.is_none() && l.tokens.is_none() && l.money.is_none();
+            let none = l.requests.is_none()
+                && l.tokens.is_none()
+                && l.money.is_none()
+                && l.concurrent.is_none();
             none.then(|| at(&l.name))
         },
         says: Says::Text(
             "a limit needs `requests:` (or `tokens:` for an LLM token budget, `money:` for one \
-             in money)",
+             in money, `concurrent:` for requests at once)",
         ),
     },
     Rule {
@@ -168,12 +237,12 @@ const LIMIT_RULES: &[LimitRule] = &[
     // A token or money budget: reserved up front, the unused part given back.
     Rule {
         field: "tokens",
-        broken: |s| tokens_at(s).filter(|_| !settles_exactly(s.limit.algorithm())),
+        broken: |s| tokens_at(s).filter(|_| !s.limit.algorithm().traits().settles_exactly),
         says: Says::Made(cannot_give_back),
     },
     Rule {
         field: "money",
-        broken: |s| money_at(s).filter(|_| !settles_exactly(s.limit.algorithm())),
+        broken: |s| money_at(s).filter(|_| !s.limit.algorithm().traits().settles_exactly),
         says: Says::Made(cannot_give_back),
     },
     Rule {
@@ -266,7 +335,8 @@ const LIMIT_RULES: &[LimitRule] = &[
         field: "window",
         broken: |s| {
             let none = s.limit.quota.is_none() && s.limit.window.is_none();
-            none.then(|| at(&s.limit.name))
+            let periodic = s.limit.concurrent.is_none();
+            (none && periodic).then(|| at(&s.limit.name))
         },
         says: Says::Text(
             "a limit needs a `window` (rolling, e.g. `60s`) or a calendar `quota` (`day`, \
@@ -367,11 +437,12 @@ const LIMIT_RULES: &[LimitRule] = &[
         field: "burst",
         broken: |s| {
             let burst = s.limit.burst.as_ref()?;
-            (s.limit.algorithm() != Algorithm::Gcra).then(|| at(burst))
+            (!s.limit.algorithm().traits().burst).then(|| at(burst))
         },
         says: Says::Made(|s, _| {
             format!(
-                "`burst` applies to `algorithm: gcra` only, not `{}`",
+                "`burst` applies to `algorithm: {}` only, not `{}`",
+                Algorithm::labels_with(|t| t.burst),
                 s.limit.algorithm().label()
             )
         }),
@@ -415,13 +486,15 @@ const LIMIT_RULES: &[LimitRule] = &[
     Rule {
         field: "on_exceed",
         broken: |s| {
-            let exact = matches!(s.limit.algorithm(), Algorithm::SlidingLog | Algorithm::Gcra);
-            s.limit.delay().filter(|_| !exact).map(at)
+            let exact = s.limit.algorithm().traits().delays_in_store;
+            let concurrent = s.limit.concurrent.is_some();
+            s.limit.delay().filter(|_| !exact && !concurrent).map(at)
         },
         says: Says::Made(|s, _| {
             format!(
-                "`on_exceed: delay` needs an exact algorithm (sliding_log or gcra), not `{}`: \
-                 its wait must say exactly when the request fits",
+                "`on_exceed: delay` needs an exact algorithm ({}), not `{}`: its wait must \
+                 say exactly when the request fits",
+                Algorithm::labels_with(|t| t.delays_in_store),
                 s.limit.algorithm().label()
             )
         }),
@@ -644,8 +717,10 @@ fn money_at(s: &Seen) -> Option<At> {
 fn cannot_give_back(s: &Seen, _: &At) -> String {
     format!(
         "a token budget gives back what a request did not use, which `{}` cannot do exactly: \
-         use `weighted_log` (the default of a token budget), `sliding_log` or a calendar `quota`",
-        s.limit.algorithm().label()
+         use `weighted_log` (the default of a token budget), `sliding_log` or a calendar `quota` \
+         (the algorithms that settle exactly: {})",
+        s.limit.algorithm().label(),
+        Algorithm::labels_with(|t| t.settles_exactly)
     )
 }
 
@@ -680,7 +755,7 @@ fn reserve_at(s: &Seen) -> Option<At> {
 /// The most one request can ever be admitted for: `burst` under GCRA, else the quota.
 fn most_at_once(limit: &LimitConfig) -> (u32, &'static str) {
     match (&limit.burst, limit.algorithm()) {
-        (Some(burst), Algorithm::Gcra) => (burst.value.0, "burst"),
+        (Some(burst), algorithm) if algorithm.traits().burst => (burst.value.0, "burst"),
         _ => (quota(limit), "requests"),
     }
 }

@@ -1,12 +1,17 @@
 //! The decide phase: one store call for every limit the plan checks, the route's
 //! `on_store_error` when the store cannot answer, and each limit's counters.
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use crate::config::OnStoreError;
-use crate::limiter::{Check, Decision, Store};
+use crate::limiter::{Algorithm, Check, Decision, Lease, LeaseHold, Store};
 use crate::log::RequestLog;
 use crate::policy::{Limit, Route};
 use crate::request::Plan;
 
+use super::hold::CountedAsHeld;
+use super::in_flight::{poll_gap, waits, Waiting};
 use super::stop::Stop;
 use super::Exchange;
 
@@ -17,6 +22,8 @@ pub struct Decided<'r> {
     pub limits: Vec<&'r Limit>,
     pub checks: Vec<Check>,
     pub decision: Decision,
+    /// The leases of the concurrency limits that admitted it, held until its answer ends.
+    pub lease: Option<LeaseHold>,
 }
 
 impl Decided<'_> {
@@ -40,7 +47,8 @@ impl Decided<'_> {
 /// (`Limited`), or the store failed and the route denies. When the store fails and the route
 /// allows, nothing is kept: the request goes on undecided.
 pub async fn decide<'r>(
-    store: &Store,
+    store: &Arc<Store>,
+    waiting: &Waiting,
     log: &RequestLog,
     route: &'r Route,
     plan: Plan<'r>,
@@ -49,8 +57,44 @@ pub async fn decide<'r>(
     if plan.is_empty() {
         return Ok(());
     }
-    let decision = match store.decide(&plan.checks).await {
-        Ok(decision) => decision,
+    let mut sent = Instant::now();
+    let Some(mut decision) = ask(store, log, route, &plan.checks).await? else {
+        return Ok(());
+    };
+    if !decision.admitted {
+        // Boxed: only a refusal a concurrency limit may wait out takes this step.
+        match Box::pin(wait_for_place(store, waiting, log, route, &plan, decision)).await? {
+            (Some(waited), at) => (decision, sent) = (waited, at),
+            (None, _) => return Ok(()),
+        }
+    }
+    count(&plan.limits, &decision, exchange);
+    let admitted = decision.admitted;
+    let mut decided = Decided {
+        limits: plan.limits,
+        checks: plan.checks,
+        decision,
+        lease: None,
+    };
+    decided.lease = lease(store, &decided, sent);
+    exchange.decided = Some(decided);
+    if admitted {
+        Ok(())
+    } else {
+        Err(Stop::Limited)
+    }
+}
+
+/// One store call for `checks`; `None` when the store failed and the route allows the
+/// request undecided.
+async fn ask(
+    store: &Store,
+    log: &RequestLog,
+    route: &Route,
+    checks: &[Check],
+) -> Result<Option<Decision>, Stop> {
+    match store.decide(checks).await {
+        Ok(decision) => Ok(Some(decision)),
         Err(err) => {
             // Per request at debug: during an outage the breaker's transitions (warn) and
             // the fallback counters say it once, not once per request.
@@ -59,24 +103,98 @@ pub async fn decide<'r>(
             }
             route.metrics.count_fallback(route.on_store_error.label());
             match route.on_store_error {
-                OnStoreError::Local => store.decide_locally(&plan.checks),
-                OnStoreError::Allow => return Ok(()),
-                OnStoreError::Deny => return Err(Stop::StoreUnavailable),
+                OnStoreError::Local => Ok(Some(store.decide_locally(checks))),
+                OnStoreError::Allow => Ok(None),
+                OnStoreError::Deny => Err(Stop::StoreUnavailable),
             }
         }
-    };
-    count(&plan.limits, &decision, exchange);
-    let admitted = decision.admitted;
-    exchange.decided = Some(Decided {
-        limits: plan.limits,
-        checks: plan.checks,
-        decision,
-    });
-    if admitted {
-        Ok(())
-    } else {
-        Err(Stop::Limited)
     }
+}
+
+/// The concurrency limit a refused request may wait on: when every limit that refused it is
+/// one with `on_exceed: delay`, the first of them (its key's queue, its `max_delay`).
+fn place_to_wait_for<'a>(
+    limits: &[&'a Limit],
+    checks: &'a [Check],
+    decision: &Decision,
+) -> Option<(&'a Limit, &'a Check)> {
+    let mut refusing = limits
+        .iter()
+        .zip(checks)
+        .zip(&decision.rejecting)
+        .filter(|((limit, _), &rejecting)| rejecting && !limit.spec.shadow)
+        .map(|((limit, check), _)| (*limit, check));
+    let first = refusing.next()?;
+    let all_wait = waits(first.0) && refusing.all(|(limit, _)| waits(limit));
+    all_wait.then_some(first)
+}
+
+/// Waits for a place of a concurrency limit (see `in_flight`), asking the store again in the
+/// key's queue until admitted, refused for another reason, or `max_delay` has passed; the
+/// last answer (with when its call was sent), `None` when the store failed and the route
+/// allows the request undecided. A refusal that cannot wait comes back as it was.
+async fn wait_for_place(
+    store: &Store,
+    waiting: &Waiting,
+    log: &RequestLog,
+    route: &Route,
+    plan: &Plan<'_>,
+    refused: Decision,
+) -> Result<(Option<Decision>, Instant), Stop> {
+    let started = Instant::now();
+    let Some((limit, check)) = place_to_wait_for(&plan.limits, &plan.checks, &refused) else {
+        return Ok((Some(refused), started));
+    };
+    let bound = usize::try_from(limit.spec.requests).unwrap_or(usize::MAX);
+    let full = route.metrics.held.get() >= i64::from(route.max_delayed);
+    let Some(queue) = waiting.join(&check.key, bound).filter(|_| !full) else {
+        return Ok((Some(refused), started));
+    };
+    let _held = CountedAsHeld::start(&route.metrics.held);
+    let deadline = started + limit.spec.max_delay;
+    let Some(_turn) = queue.turn(deadline).await else {
+        store.count_wait_timeout();
+        return Ok((Some(refused), started));
+    };
+    let mut last = refused;
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            store.count_wait_timeout();
+            return Ok((Some(last), now));
+        }
+        tokio::time::sleep(poll_gap(last.retry_after).min(deadline - now)).await;
+        let sent = Instant::now();
+        let Some(decision) = ask(store, log, route, &plan.checks).await? else {
+            return Ok((None, sent));
+        };
+        let still_waiting = !decision.admitted
+            && place_to_wait_for(&plan.limits, &plan.checks, &decision).is_some();
+        if !still_waiting {
+            if decision.admitted {
+                route.metrics.delay.observe(started.elapsed().as_secs_f64());
+            }
+            return Ok((Some(decision), sent));
+        }
+        last = decision;
+    }
+}
+
+/// Holds the leases an admitted request took in its concurrency limits (a shadow limit with
+/// no room took none).
+fn lease(store: &Arc<Store>, decided: &Decided<'_>, sent: Instant) -> Option<LeaseHold> {
+    let admission = decided.decision.admission.as_ref()?;
+    let mut checks = Vec::new();
+    let mut gauges = Vec::new();
+    for (limit, check) in decided.recorded(|limit| limit.spec.algorithm == Algorithm::Concurrency) {
+        checks.push(check.clone());
+        gauges.extend(limit.metrics.in_flight.clone());
+    }
+    if checks.is_empty() {
+        return None;
+    }
+    let lease = Lease::hold(store, checks, admission.clone(), gauges, sent);
+    Some(LeaseHold(Arc::new(lease)))
 }
 
 /// Each limit's counters; the names of shadow limits that would have rejected the request go

@@ -249,11 +249,25 @@ fn too_many_requests(
             retry_after,
         );
     }
-    let unit = limit
-        .and_then(|limit| limit.tokens.as_ref())
-        .map_or("requests", |b| b.unit.label());
+    let at_once = limit
+        .filter(|limit| limit.spec.algorithm == crate::limiter::Algorithm::Concurrency)
+        .map(|limit| limit.spec.requests);
+    let unit = match at_once {
+        Some(_) => "concurrent-requests",
+        None => limit
+            .and_then(|limit| limit.tokens.as_ref())
+            .map_or("requests", |b| b.unit.label()),
+    };
     let limit = limit.map_or("", |limit| limit.name.as_str());
-    let detail = if unit != "requests" {
+    let detail = if let Some(at_once) = at_once {
+        // Retry-After is a hint here: the average time a place was held recently, over the
+        // places held (the expected wait for the first to free when requests are alike).
+        format!(
+            "route `{}`: limit `{limit}` allows {at_once} requests in flight at once and has \
+             none free; one is expected to free in about {retry_after} s",
+            route.name
+        )
+    } else if unit != "requests" {
         format!(
             "route `{}`: limit `{limit}` has no room for this request's reserved {unit}; retry \
              in {retry_after} s",

@@ -43,10 +43,10 @@ pub async fn hold(store: &Arc<Store>, route: &Route, decided: &Decided<'_>) -> R
 
 /// Counts the request among the route's held ones (`sluice_held_requests`, which
 /// `max_delayed` bounds) for as long as it lives.
-struct CountedAsHeld<'a>(&'a IntGauge);
+pub(super) struct CountedAsHeld<'a>(&'a IntGauge);
 
 impl<'a> CountedAsHeld<'a> {
-    fn start(held: &'a IntGauge) -> CountedAsHeld<'a> {
+    pub(super) fn start(held: &'a IntGauge) -> CountedAsHeld<'a> {
         held.inc();
         CountedAsHeld(held)
     }

@@ -3,7 +3,8 @@
 //! file each, in the order `crate::request` states: `tokens` (a token budget's body and
 //! reservation) → `decide` (one store call) → `hold` (`on_exceed: delay`) → act (the
 //! upstream side, `upstream`, or the route's direct response) → `give_back` (count by
-//! outcome) → the token settlement (`tokens::settle`) → `finish`. A phase that cannot go on
+//! outcome) → the token settlement (`tokens::settle`) → `finish`. A concurrency limit's
+//! lease, taken by `decide`, rides with the answer until its last byte (`in_flight`). A phase that cannot go on
 //! returns a `Stop`; `finish` completes every answer, sluice's own and the upstream's, in one
 //! place, and counts every request once, by route and outcome.
 //!
@@ -16,6 +17,7 @@ mod decide;
 mod finish;
 mod give_back;
 mod hold;
+mod in_flight;
 mod request_body;
 mod request_id;
 mod stop;
@@ -85,6 +87,8 @@ pub struct Gateway {
     body_budget: Arc<body_budget::BodyBudget>,
     /// `sluice_jwt_invalid_total`, counted by the identify phase.
     jwt_invalid: prometheus::IntCounterVec,
+    /// Requests waiting for a concurrency limit's place, by key (`in_flight`).
+    waiting: in_flight::Waiting,
     finisher: Finisher,
 }
 
@@ -109,6 +113,7 @@ impl Gateway {
             body_refusals: Arc::new(BodyRefusals::new(&metrics.refused)),
             request_ids: RequestIds::new(),
             jwt_invalid: metrics.jwt_invalid.clone(),
+            waiting: in_flight::Waiting::default(),
             finisher: Finisher::new(metrics),
         }
     }
@@ -255,7 +260,8 @@ impl Gateway {
         };
         let decided = async {
             let prices = tokens::reserve(&mut plan, &mut head, &mut body)?;
-            decide::decide(&self.store, &self.finisher.log, route, plan, exchange).await?;
+            let log = &self.finisher.log;
+            decide::decide(&self.store, &self.waiting, log, route, plan, exchange).await?;
             if let Some(decided) = &exchange.decided {
                 hold::hold(&self.store, route, decided).await?;
             }
@@ -266,15 +272,32 @@ impl Gateway {
             Ok(prices) => prices,
             Err(stop) => return exchange.refuse(head.version, body, stop).await,
         };
-        let mut acted = self
-            .act(
-                active,
-                route,
-                Request::from_parts(head, body),
-                peer,
-                &mut exchange.connection,
-            )
-            .await;
+        let lease = exchange.decided.as_ref().and_then(|d| d.lease.clone());
+        let mut acted = match &lease {
+            None => {
+                let request = Request::from_parts(head, body);
+                self.act(active, route, request, peer, &mut exchange.connection)
+                    .await
+            }
+            // Boxed: only a request holding a lease takes this branch.
+            Some(lease) => {
+                if upstream::tunnel::asks_websocket(head.version, &head.headers) {
+                    // The tunnel holds it until it closes.
+                    head.extensions.insert(lease.clone());
+                }
+                let request = Request::from_parts(head, body);
+                let act = self.act(active, route, request, peer, &mut exchange.connection);
+                let lost = lease.0.lost();
+                Box::pin(async {
+                    tokio::select! {
+                        acted = act => acted,
+                        // The store will give its place to another request.
+                        () = lost => Err(Stop::StoreUnavailable),
+                    }
+                })
+                .await
+            }
+        };
         if let Some(decided) = &exchange.decided {
             let status = match &acted {
                 Ok(answered) => answered.response.status(),
@@ -285,6 +308,10 @@ impl Gateway {
                 acted =
                     Box::pin(tokens::settle(&self.store, decided, acted, prices.as_ref())).await;
             }
+        }
+        if let (Some(lease), Ok(answered)) = (lease, &mut acted) {
+            let body = std::mem::replace(answered.response.body_mut(), ProxyBody::full(Bytes::new()));
+            *answered.response.body_mut() = in_flight::LeasedBody::wrap(body, lease);
         }
         acted
     }

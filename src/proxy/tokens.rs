@@ -212,6 +212,7 @@ pub async fn check_room<'r>(
             rejecting,
             admission: None,
         },
+        lease: None,
     });
     Err(Stop::Limited)
 }

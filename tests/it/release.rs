@@ -279,7 +279,7 @@ async fn a_settled_reservation_stands_as_an_admission_of_what_it_used() {
                 .limits[0]
                 .unwrap()
                 .remaining;
-            let charged = u32::from(sluice::llm::settles_exactly(algorithm));
+            let charged = u32::from(algorithm.traits().settles_exactly);
             assert_eq!(
                 remaining,
                 9 - charged,

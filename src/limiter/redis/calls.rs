@@ -120,7 +120,7 @@ impl RedisStore {
         checks: &[Check],
         admission: &Admission,
         keep: u32,
-    ) -> Result<(), StoreError> {
+    ) -> Result<usize, StoreError> {
         let groups = match &self.link {
             Link::Cluster(_) => cluster::slot_groups(checks),
             Link::Single | Link::Sentinel(_) => None,
@@ -136,17 +136,17 @@ impl RedisStore {
         futures_util::future::join_all(calls)
             .await
             .into_iter()
-            .collect()
+            .sum()
     }
 
     /// One call of the release script over `checks`, whose keys must share a slot on a
-    /// cluster.
+    /// cluster; how many held something to settle.
     async fn release_in_one_call<'a>(
         &self,
         checks: impl ExactSizeIterator<Item = &'a Check> + Clone,
         admission: &Admission,
         keep: u32,
-    ) -> Result<(), StoreError> {
+    ) -> Result<usize, StoreError> {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(self.shared.release.get_hash()).arg(checks.len());
         for check in checks.clone() {
@@ -163,8 +163,63 @@ impl RedisStore {
                 .arg(spec.cost)
                 .arg(keep);
         }
-        let _released: i64 = self.run(&cmd, Some(&self.shared.release)).await?;
-        Ok(())
+        let released: i64 = self.run(&cmd, Some(&self.shared.release)).await?;
+        Ok(usize::try_from(released).unwrap_or(0))
+    }
+
+    /// Renews this instance's leases under `keys` (concurrency keys, all with the lease
+    /// period `window_us`), or restores them when `restore` gives each key's lease ids
+    /// (`leases.lua`); on a cluster, one call per slot. Per key, in order: whether the store
+    /// still knew this instance there, and the leases it reclaimed from dead instances.
+    pub async fn renew(
+        &self,
+        keys: &[Check],
+        window_us: u64,
+        restore: Option<&[Vec<String>]>,
+    ) -> Result<Vec<(bool, u64)>, StoreError> {
+        let groups = match &self.link {
+            Link::Cluster(_) => cluster::slot_groups(keys),
+            Link::Single | Link::Sentinel(_) => None,
+        }
+        .unwrap_or_else(|| vec![(0..keys.len()).collect()]);
+        let mut answers = vec![(false, 0); keys.len()];
+        for members in groups {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(self.shared.leases.get_hash()).arg(members.len());
+            for &index in &members {
+                cmd.arg(&keys[index].key);
+            }
+            cmd.arg(format!("{:016x}", self.instance))
+                .arg(window_us)
+                .arg(u8::from(restore.is_some()));
+            if let Some(leases) = restore {
+                for &index in &members {
+                    let ids = leases.get(index).map_or(&[][..], Vec::as_slice);
+                    cmd.arg(ids.len());
+                    for id in ids {
+                        cmd.arg(id);
+                    }
+                }
+            }
+            let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.leases)).await?;
+            if reply.len() != 2 * members.len() {
+                return Err(StoreError::Script(format!(
+                    "unexpected lease renewal reply {reply:?}"
+                )));
+            }
+            for (pair, &index) in reply.chunks_exact(2).zip(&members) {
+                answers[index] = (pair[0] == 1, u64::try_from(pair[1]).unwrap_or(0));
+            }
+        }
+        Ok(answers)
+    }
+
+    /// The holders of the concurrency key `key`: lease id → when it was taken (store-clock
+    /// microseconds), and the time now on that clock.
+    pub async fn holders(&self, key: &str) -> Result<(Vec<(String, u64)>, u64), StoreError> {
+        let held: Vec<(String, u64)> = self.run(redis::cmd("HGETALL").arg(key), None).await?;
+        let time: (u64, u64) = self.run(&redis::cmd("TIME"), None).await?;
+        Ok((held, time.0 * 1_000_000 + time.1))
     }
 }
 
@@ -194,9 +249,12 @@ impl RedisStore {
         })
     }
 
-    /// Deletes `key`; whether it existed.
+    /// Deletes `key` (and a concurrency key's instances beside it); whether it existed.
     pub async fn reset(&self, key: &str) -> Result<bool, StoreError> {
-        let deleted: u64 = self.run(redis::cmd("DEL").arg(key), None).await?;
+        let beside = format!("{key}:i");
+        let deleted: u64 = self
+            .run(redis::cmd("DEL").arg(key).arg(&beside), None)
+            .await?;
         Ok(deleted > 0)
     }
 }

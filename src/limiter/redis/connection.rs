@@ -23,6 +23,8 @@ pub(super) struct Shared {
     /// The admin API's: loaded into Redis on first use (NOSCRIPT, then SCRIPT LOAD), so it
     /// costs the request path nothing.
     pub(super) peek: Script,
+    /// The renewal of this instance's concurrency leases (`leases.lua`), once per period.
+    pub(super) leases: Script,
     pub(super) timeout: Duration,
     /// What each connection's batch writer runs: the decide script, bounded by `timeout`.
     pub(super) writer: Writer,

@@ -50,7 +50,7 @@ pub use self::cluster::{slot_of, ClusterSettings};
 use self::connection::{open_connections, Connection, Master, Shared};
 use self::follow::Follower;
 use self::scripts::script_error;
-use self::scripts::{DECIDE, PEEK, RELEASE};
+use self::scripts::{DECIDE, LEASES, PEEK, RELEASE};
 pub use self::sentinel::SentinelSettings;
 use super::StoreError;
 
@@ -142,12 +142,13 @@ impl RedisStore {
             shared: Arc::new(Shared {
                 master: RwLock::new(Arc::new(master)),
                 fence: Mutex::new(None),
-                script: Script::new(DECIDE),
-                release: Script::new(RELEASE),
-                peek: Script::new(PEEK),
+                script: Script::new(&DECIDE),
+                release: Script::new(&RELEASE),
+                peek: Script::new(&PEEK),
+                leases: Script::new(&LEASES),
                 timeout,
                 writer: Writer {
-                    script: Script::new(DECIDE),
+                    script: Script::new(&DECIDE),
                     timeout,
                 },
             }),

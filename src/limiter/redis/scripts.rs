@@ -1,42 +1,125 @@
-//! The Lua the Redis store runs (one file per algorithm under `../scripts/`, and a driver
-//! per call), reading the decide script's reply, and telling a failed call's kind.
+//! The Lua the Redis store runs (one file per algorithm under `../scripts/`, dispatchers
+//! generated from the algorithm table, and a driver per call), reading the decide script's
+//! reply, and telling a failed call's kind.
 
+use std::fmt::Write as _;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use redis::RedisError;
 
+use super::super::algorithm::{PeekCount, Traits, ALGORITHMS};
 use super::super::{Admission, Decision, LimitState, StoreError};
 
-/// The script Redis runs: the shared locals (`prelude.lua`), each algorithm's functions, then
-/// the driver that calls them. One
+/// The script Redis runs: the shared locals (`prelude.lua`), each algorithm's functions, the
+/// dispatchers generated from the algorithm table, then the driver that calls them. One
 /// script for all algorithms, so a request with limits of several algorithms is still decided
 /// in one atomic call.
-pub(super) const DECIDE: &str = concat!(
-    include_str!("../scripts/prelude.lua"),
-    include_str!("../scripts/sliding_log.lua"),
-    include_str!("../scripts/weighted_log.lua"),
-    include_str!("../scripts/sliding_window.lua"),
-    include_str!("../scripts/fixed_window.lua"),
-    include_str!("../scripts/gcra.lua"),
-    include_str!("../scripts/calendar.lua"),
-    include_str!("../scripts/decide.lua"),
-);
+pub(super) static DECIDE: LazyLock<String> = LazyLock::new(|| {
+    script(
+        &[dispatcher("check", CHECK_ARGS), dispatcher("record", RECORD_ARGS)],
+        include_str!("../scripts/decide.lua"),
+    )
+});
 
-/// The admin API's read-only script: the prelude, each algorithm's functions, then
-/// `peek.lua`, which calls one check function and records nothing.
-pub(super) const PEEK: &str = concat!(
-    include_str!("../scripts/prelude.lua"),
-    include_str!("../scripts/sliding_log.lua"),
-    include_str!("../scripts/weighted_log.lua"),
-    include_str!("../scripts/sliding_window.lua"),
-    include_str!("../scripts/fixed_window.lua"),
-    include_str!("../scripts/gcra.lua"),
-    include_str!("../scripts/calendar.lua"),
-    include_str!("../scripts/peek.lua"),
-);
+/// The admin API's read-only script: `peek.lua`, which calls one check function and records
+/// nothing, after the same parts as `DECIDE` and the table's `peek_count`.
+pub(super) static PEEK: LazyLock<String> = LazyLock::new(|| {
+    script(
+        &[dispatcher("check", CHECK_ARGS), peek_count()],
+        include_str!("../scripts/peek.lua"),
+    )
+});
 
-/// Gives back what an admitted request recorded (`Store::release`): a script of its own.
-pub(super) const RELEASE: &str = include_str!("../scripts/release.lua");
+/// Gives back what an admitted request recorded (`Store::release`), ends a lease.
+pub(super) static RELEASE: LazyLock<String> = LazyLock::new(|| {
+    script(
+        &[dispatcher("release", RELEASE_ARGS), charge_dispatcher()],
+        include_str!("../scripts/release.lua"),
+    )
+});
+
+/// An instance's renewal (and restoration) of its concurrency leases.
+pub(super) static LEASES: LazyLock<String> = LazyLock::new(|| {
+    concat!(
+        include_str!("../scripts/prelude.lua"),
+        include_str!("../scripts/concurrency.lua"),
+        include_str!("../scripts/leases.lua"),
+    )
+    .to_owned()
+});
+
+/// The arguments each dispatcher takes after the algorithm, and passes on. Lua ignores
+/// arguments a function does not name, so every algorithm gets the same list.
+const CHECK_ARGS: &str = "key, now, requests, window, burst, cost";
+const RECORD_ARGS: &str =
+    "key, now, requests, window, burst, cost, a, b, member, at, delays, cost_arg";
+const RELEASE_ARGS: &str = "key, now, requests, window, back, keep, member, at, decided";
+const CHARGE_ARGS: &str = "key, requests, extra, cost, member, at";
+
+/// `prelude.lua`, every algorithm's file in the table's order, `dispatchers`, then `driver`.
+fn script(dispatchers: &[String], driver: &str) -> String {
+    let mut lua = String::from(include_str!("../scripts/prelude.lua"));
+    for traits in &ALGORITHMS {
+        lua.push_str(traits.lua);
+    }
+    for dispatcher in dispatchers {
+        lua.push_str(dispatcher);
+    }
+    lua.push_str(driver);
+    lua
+}
+
+/// `local function {name}(algorithm, {args})`, calling `{label}_{name}` for each algorithm of
+/// the table; nil for an unknown one.
+fn dispatcher(name: &str, args: &str) -> String {
+    branches(name, args, |_| true)
+}
+
+/// The same for `charge`, which only the algorithms that settle exactly have; the others
+/// charge nothing (false).
+fn charge_dispatcher() -> String {
+    branches("charge", CHARGE_ARGS, |t| t.settles_exactly)
+}
+
+fn branches(name: &str, args: &str, has: impl Fn(&Traits) -> bool) -> String {
+    let mut lua = format!("\n-- Generated from the algorithm table.\nlocal function {name}(algorithm, {args})\n");
+    for (i, traits) in ALGORITHMS.iter().enumerate() {
+        let keyword = if i == 0 { "if" } else { "elseif" };
+        let label = traits.label;
+        let call = if has(traits) {
+            format!("return {label}_{name}({args})")
+        } else {
+            "return false".to_owned()
+        };
+        let _ = writeln!(lua, "  {keyword} algorithm == '{label}' then\n    {call}");
+    }
+    lua.push_str("  end\n  return nil\nend\n");
+    lua
+}
+
+/// `peek_count(algorithm, counted, remaining, requests, burst)`: the count `peek.lua` reports,
+/// from the check's first value of state or the room used, as the table says.
+fn peek_count() -> String {
+    let mut lua = String::from(
+        "\n-- Generated from the algorithm table.\n\
+         local function peek_count(algorithm, counted, remaining, requests, burst)\n",
+    );
+    for traits in &ALGORITHMS {
+        let count = match traits.peek_count {
+            PeekCount::FirstState => "counted",
+            PeekCount::BurstLessRemaining => "math.max(burst - remaining, 0)",
+            PeekCount::RequestsLessRemaining => "math.max(requests - remaining, 0)",
+        };
+        let _ = writeln!(
+            lua,
+            "  if algorithm == '{}' then\n    return {count}\n  end",
+            traits.label
+        );
+    }
+    lua.push_str("  return 0\nend\n");
+    lua
+}
 
 /// Reads the script's reply: `{admitted, retry_after_us, now_us, at_us, (remaining, reset_us,
 /// rejecting) per check}`; `member` is the request's member prefix, kept for a release.
@@ -120,6 +203,32 @@ mod tests {
         let d = decision_from_reply(&[1, 0, 100, 350, 0, 0, 1], 1, "m".to_owned()).unwrap();
         assert_eq!(d.delay(), Duration::from_micros(250));
         assert_eq!(d.admission.unwrap().member, "m");
+    }
+
+    /// Every algorithm of the table is reachable from every entry point: decide (check and
+    /// record), peek, release (release, and charge for those that settle exactly).
+    #[test]
+    fn every_script_dispatches_every_algorithm() {
+        for traits in &ALGORITHMS {
+            let label = traits.label;
+            let branch = format!("algorithm == '{label}' then");
+            for (script, calls) in [
+                (&*DECIDE, vec!["check", "record"]),
+                (&*PEEK, vec!["check"]),
+                (&*RELEASE, vec!["release"]),
+            ] {
+                assert!(script.contains(&branch), "{label}");
+                for call in calls {
+                    assert!(script.contains(&format!("return {label}_{call}(")), "{label} {call}");
+                }
+            }
+            assert_eq!(
+                RELEASE.contains(&format!("return {label}_charge(")),
+                traits.settles_exactly,
+                "{label}"
+            );
+            assert!(PEEK.contains(&format!("if algorithm == '{label}' then\n    return")));
+        }
     }
 
     #[test]

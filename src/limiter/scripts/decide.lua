@@ -1,9 +1,11 @@
 -- The driver: one or more requests, each with every limit of its own (of any mix of
 -- algorithms), decided in order in one atomic call. The Redis store batches the decisions
 -- waiting on one connection into one call (see redis/batch.rs); a single decision is a batch
--- of one. Concatenated after prelude.lua, sliding_log.lua, weighted_log.lua,
--- sliding_window.lua, fixed_window.lua, gcra.lua and calendar.lua at compile time (see
--- src/limiter/redis/scripts.rs), whose check and record functions it calls.
+-- of one. Concatenated after prelude.lua, every algorithm's file and the `check` and `record`
+-- dispatchers generated from the algorithm table (src/limiter/algorithm.rs and
+-- src/limiter/redis/scripts.rs): check(algorithm, key, now, requests, window, burst, cost)
+-- and record(algorithm, key, now, requests, window, burst, cost, a, b, member, at, delays,
+-- cost_arg) call `{algorithm}_check` and `{algorithm}_record`.
 --
 -- KEYS         every key of every request, request after request: request r's k_r keys, one
 --              per limit, of the type its algorithm keeps
@@ -12,8 +14,8 @@
 --   member     a name unique to the request (instance id and sequence number), so two
 --              requests admitted in the same microsecond never collapse into one entry
 --   k_r        its number of keys (limits)
---   7 per key  the limit of its i-th key: algorithm (sliding_log | weighted_log |
---              sliding_window | fixed_window | gcra | calendar), requests, window in
+--   7 per key  the limit of its i-th key: algorithm (a label of the algorithm table:
+--              sliding_log, weighted_log, gcra, concurrency ...), requests, window in
 --              microseconds (for a calendar quota: the time left in its period), burst, cost,
 --              shadow (1: the limit is counted but never rejects), max delay in microseconds
 --              (`on_exceed: delay`; 0: a limit without room rejects)
@@ -55,42 +57,6 @@ local function number(text)
   local value = tonumber(text)
   numbers[text] = value
   return value
-end
-
-local function check(algorithm, key, now, requests, window, burst, cost)
-  if algorithm == 'gcra' then
-    return gcra_check(key, now, requests, window, burst, cost)
-  elseif algorithm == 'sliding_window' then
-    return sliding_window_check(key, now, requests, window, burst, cost)
-  elseif algorithm == 'fixed_window' then
-    return fixed_window_check(key, now, requests, window, burst, cost)
-  elseif algorithm == 'sliding_log' then
-    return sliding_log_check(key, now, requests, window, burst, cost)
-  elseif algorithm == 'weighted_log' then
-    return weighted_log_check(key, now, requests, window, burst, cost)
-  elseif algorithm == 'calendar' then
-    return calendar_check(key, now, requests, window, burst, cost)
-  end
-  return nil
-end
-
-local function record(algorithm, key, now, requests, window, burst, cost, a, b, member, at,
-                      delays, cost_arg)
-  if algorithm == 'gcra' then
-    return gcra_record(key, now, requests, window, burst, cost, a, b, member, at)
-  elseif algorithm == 'sliding_window' then
-    return sliding_window_record(key, now, requests, window, burst, cost, a, b)
-  elseif algorithm == 'fixed_window' then
-    return fixed_window_record(key, now, requests, window, burst, cost, a, b, member, at,
-                               delays, cost_arg)
-  elseif algorithm == 'sliding_log' then
-    return sliding_log_record(key, now, requests, window, burst, cost, a, b, member, at, delays)
-  elseif algorithm == 'weighted_log' then
-    return weighted_log_record(key, now, requests, window, burst, cost, a, b, member, at,
-                               delays, cost_arg)
-  end
-  return calendar_record(key, now, requests, window, burst, cost, a, b, member, at, delays,
-                         cost_arg)
 end
 
 -- Per limit of a request with several, 9 slots: requests, window, burst, cost, ok,

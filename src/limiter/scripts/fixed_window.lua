@@ -50,3 +50,20 @@ local function fixed_window_record(key, now, requests, window, burst, cost, coun
   end
   return remaining, ttl
 end
+
+-- Gives back `back` (release.lua): DECRBY, only if the key exists; at zero the key goes (the
+-- next hit starts a window, as for a fresh key). If the request's window ended in between,
+-- the give-back lands in the new window: at most `back` more, within the algorithm's
+-- documented twice the limit across a boundary.
+local function fixed_window_release(key, now, requests, window, back)
+  local count = tonumber(redis.call('GET', key) or '0')
+  if count <= 0 then
+    return false
+  end
+  if count > back then
+    redis.call('DECRBY', key, back)
+  else
+    redis.call('DEL', key)
+  end
+  return true
+end

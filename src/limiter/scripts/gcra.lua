@@ -53,3 +53,21 @@ local function gcra_record(key, now, requests, window, burst, cost, new, t, memb
              format('%d', ceil((new - now) / 1000)))
   return gcra_state(new - now, t, burst)
 end
+
+-- Gives back `back` (release.lua): TAT -= back * T, never below now (then the key goes: a full
+-- bucket). Exact unless the TAT fell behind the clock in between (then up to back * T more
+-- than the request's share comes back, once); a request recorded after the TAT (delayed by
+-- another limit) left the TAT at its own time, which stays (less comes back).
+local function gcra_release(key, now, requests, window, back)
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat <= now then
+    return false
+  end
+  local new = tat - back * ceil(window / requests)
+  if new > now then
+    redis.call('SET', key, format('%d', new), 'PX', format('%d', ceil((new - now) / 1000)))
+  else
+    redis.call('DEL', key)
+  end
+  return true
+end

@@ -4,8 +4,10 @@
 -- (`on_exceed: delay`), for an outcome a `count:` limit does not count, to undo the admitted
 -- part of a request decided in several calls (all three keep nothing), and to settle a
 -- reservation to what the response says it used (a token budget keeps its usage, which may
--- be more than it reserved: an overrun, charged here). A script of its own (not part of
--- decide.lua); it needs no helper of the algorithms' files.
+-- be more than it reserved: an overrun, charged here), and to end a request's concurrency
+-- lease. Concatenated after prelude.lua, every algorithm's file and the `release` and
+-- `charge` dispatchers generated from the algorithm table (src/limiter/algorithm.rs,
+-- src/limiter/redis/scripts.rs), which call `{algorithm}_release` and `{algorithm}_charge`.
 --
 -- KEYS[i]      the keys the request was recorded under (any subset of its checks)
 -- ARGV[1]      the request's member prefix (decide.lua's ARGV[1])
@@ -18,7 +20,7 @@
 --
 -- Returns the number of keys that held something to give back or to charge.
 --
--- Per algorithm, with `back` = cost - keep units given back:
+-- Per algorithm, with `back` = cost - keep units given back (each file's release function):
 --   sliding_log     ZREM member:keep+1 .. member:cost. Exact.
 --   weighted_log    the entry member#cost becomes member#keep at the same score (goes when
 --                   keep is 0). Exact.
@@ -36,9 +38,12 @@
 --   calendar        DECRBY back within the period's key, only if it exists; at zero the key
 --                   goes. Exact: the key names the request's period, so a give-back after
 --                   that period ended lands on a key that no longer counts.
+--   concurrency     HDEL the request's own lease; a lease already gone (reclaimed, released
+--                   before) frees nothing.
 --
 -- An overrun (keep > cost, `extra` = keep - cost units more than recorded) is charged where
--- the request is still recorded, at the time it was recorded, so the window makes its
+-- the request is still recorded (each file's charge function, for the algorithms that settle
+-- exactly), at the time it was recorded, so the window makes its
 -- identity wait for what it really spent (this can take a limit past `requests`: the units
 -- were spent upstream already). A request no longer there (reset by the admin API, left its
 -- window or period) is not charged.
@@ -48,8 +53,8 @@
 --                   limit would change no decision.
 --   weighted_log    the entry member#cost becomes member#keep at the same score.
 --   calendar        INCRBY extra, if the period's key exists.
---   gcra, fixed_window, sliding_window   nothing (a token budget, the only caller that
---                   charges, runs on the three exact algorithms above: `llm::settles_exactly`).
+--   the others      nothing (a token budget, the only caller that charges, runs on the
+--                   algorithms that settle exactly: the table's `settles_exactly`).
 --
 -- Every key keeps an expiry: a key written here exists already and keeps its TTL (ZADD,
 -- INCRBY, DECRBY and HSET leave it; SET is given PX). A renamed weighted_log entry is added
@@ -63,53 +68,6 @@ local at = tonumber(ARGV[2])
 local decided = tonumber(ARGV[3])
 local released = 0
 
--- Renames the weighted_log entry of a request recorded with weight `cost` to weight `keep`,
--- at the same score (removes it when keep is 0). The new entry goes in before the old one
--- leaves, so the set never empties and keeps its TTL. Whether the entry was there.
-local function reweigh(key, member, cost, keep)
-  local name = member .. '#' .. cost
-  local score = redis.call('ZSCORE', key, name)
-  if not score then
-    return false
-  end
-  if keep > 0 then
-    redis.call('ZADD', key, score, member .. '#' .. keep)
-  end
-  redis.call('ZREM', key, name)
-  return true
-end
-
--- Charges `extra` units more to a request recorded with `cost` (an overrun), where it is
--- still recorded. Whether anything was charged.
-local function charge(key, algorithm, requests, extra, cost, member, at)
-  if algorithm == 'weighted_log' then
-    return reweigh(key, member, cost, cost + extra)
-  elseif algorithm == 'sliding_log' then
-    if not redis.call('ZSCORE', key, member .. ':' .. cost) then
-      return false
-    end
-    local score = string.format('%.0f', at)
-    local last = cost + math.min(extra, requests)
-    local args = {}
-    for j = cost + 1, last do
-      args[#args + 1] = score
-      args[#args + 1] = member .. ':' .. j
-      if #args == 1000 or j == last then
-        redis.call('ZADD', key, unpack(args))
-        args = {}
-      end
-    end
-    return true
-  elseif algorithm == 'calendar' then
-    if redis.call('EXISTS', key) == 0 then
-      return false
-    end
-    redis.call('INCRBY', key, extra)
-    return true
-  end
-  return false
-end
-
 for i = 1, #KEYS do
   local key = KEYS[i]
   local base = 5 * i - 1
@@ -118,73 +76,20 @@ for i = 1, #KEYS do
   local window = tonumber(ARGV[base + 2])
   local keep = tonumber(ARGV[base + 4])
   local back = tonumber(ARGV[base + 3]) - keep
+  local held
   if back == 0 then
     -- Everything is kept: nothing to give back or charge.
+    held = false
   elseif back < 0 then
-    if charge(key, algorithm, requests, -back, keep + back, member, at) then
-      released = released + 1
-    end
-  elseif algorithm == 'sliding_log' then
-    local members, removed = {}, 0
-    for j = keep + 1, keep + back do
-      members[#members + 1] = member .. ':' .. j
-      if #members == 1000 or j == keep + back then
-        removed = removed + redis.call('ZREM', key, unpack(members))
-        members = {}
-      end
-    end
-    if removed > 0 then
-      released = released + 1
-    end
-  elseif algorithm == 'weighted_log' then
-    if reweigh(key, member, keep + back, keep) then
-      released = released + 1
-    end
-  elseif algorithm == 'gcra' then
-    local tat = tonumber(redis.call('GET', key) or '0')
-    if tat > now then
-      local t = math.ceil(window / requests)
-      local new = tat - back * t
-      if new > now then
-        redis.call('SET', key, string.format('%.0f', new), 'PX', math.ceil((new - now) / 1000))
-      else
-        redis.call('DEL', key)
-      end
-      released = released + 1
-    end
-  elseif algorithm == 'fixed_window' or algorithm == 'calendar' then
-    local count = tonumber(redis.call('GET', key) or '0')
-    if count > 0 then
-      if count > back then
-        redis.call('DECRBY', key, back)
-      else
-        redis.call('DEL', key)
-      end
-      released = released + 1
-    end
-  elseif algorithm == 'sliding_window' then
-    local stored = redis.call('HMGET', key, 'w', 'c', 'p')
-    local w = tonumber(stored[1])
-    if w then
-      local index = math.floor(now / window)
-      local counted = math.floor(decided / window)
-      local c, p = tonumber(stored[2] or '0'), tonumber(stored[3] or '0')
-      -- The stored window may be behind the clock: bring it to now first.
-      if w == index - 1 then
-        w, c, p = index, 0, c
-      elseif w < index - 1 then
-        w, c, p = index, 0, 0
-      end
-      if counted == w and c > 0 then
-        redis.call('HSET', key, 'w', w, 'c', math.max(c - back, 0), 'p', p)
-        released = released + 1
-      elseif counted == w - 1 and p > 0 then
-        redis.call('HSET', key, 'w', w, 'c', c, 'p', math.max(p - back, 0))
-        released = released + 1
-      end
-    end
+    held = charge(algorithm, key, requests, -back, keep + back, member, at)
   else
+    held = release(algorithm, key, now, requests, window, back, keep, member, at, decided)
+  end
+  if held == nil then
     return redis.error_reply('unknown algorithm ' .. tostring(algorithm))
+  end
+  if held then
+    released = released + 1
   end
 end
 return released

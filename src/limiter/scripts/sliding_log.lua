@@ -109,3 +109,39 @@ local function sliding_log_record(key, now, requests, window, burst, cost, n, pi
   end
   return remaining, pivot + window - now
 end
+
+-- Gives back `back` of the request's entries (release.lua): member:keep+1 .. member:keep+back.
+-- Exact. Whether any was there.
+local function sliding_log_release(key, now, requests, window, back, keep, member)
+  local members, removed = {}, 0
+  for j = keep + 1, keep + back do
+    members[#members + 1] = member .. ':' .. j
+    if #members == 1000 or j == keep + back then
+      removed = removed + redis.call('ZREM', key, unpack(members))
+      members = {}
+    end
+  end
+  return removed > 0
+end
+
+-- Charges `extra` more to a request recorded with `cost` (release.lua), if member:cost is
+-- still there: min(extra, requests) entries member:cost+1 .. at its time `at` (a window full
+-- of the request's entries admits nothing more until they leave, so entries past the limit
+-- would change no decision). Whether anything was charged.
+local function sliding_log_charge(key, requests, extra, cost, member, at)
+  if not redis.call('ZSCORE', key, member .. ':' .. cost) then
+    return false
+  end
+  local score = format('%d', at)
+  local last = cost + math.min(extra, requests)
+  local args = {}
+  for j = cost + 1, last do
+    args[#args + 1] = score
+    args[#args + 1] = member .. ':' .. j
+    if #args == 1000 or j == last then
+      redis.call('ZADD', key, unpack(args))
+      args = {}
+    end
+  end
+  return true
+end

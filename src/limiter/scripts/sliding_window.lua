@@ -63,3 +63,31 @@ local function sliding_window_record(key, now, requests, window, burst, cost, cu
   redis.call('PEXPIRE', key, format('%d', ceil(2 * window / 1000)))
   return sliding_window_state(cur, prev, elapsed, requests, window)
 end
+
+-- Gives back `back` (release.lua): the count of the fixed window holding `decided` (current
+-- or previous counter) drops by back, never below 0; an older window weighs nothing.
+local function sliding_window_release(key, now, requests, window, back, keep, member, at,
+                                      decided)
+  local stored = redis.call('HMGET', key, 'w', 'c', 'p')
+  local w = tonumber(stored[1])
+  if not w then
+    return false
+  end
+  local index = floor(now / window)
+  local counted = floor(decided / window)
+  local c, p = tonumber(stored[2] or '0'), tonumber(stored[3] or '0')
+  -- The stored window may be behind the clock: bring it to now first.
+  if w == index - 1 then
+    w, c, p = index, 0, c
+  elseif w < index - 1 then
+    w, c, p = index, 0, 0
+  end
+  if counted == w and c > 0 then
+    redis.call('HSET', key, 'w', w, 'c', math.max(c - back, 0), 'p', p)
+    return true
+  elseif counted == w - 1 and p > 0 then
+    redis.call('HSET', key, 'w', w, 'c', c, 'p', math.max(p - back, 0))
+    return true
+  end
+  return false
+end

@@ -102,3 +102,30 @@ local function weighted_log_record(key, now, requests, window, burst, cost, tota
   -- The state with the new entry in its place among the others.
   return weighted_log_state(flat, total + cost, now, requests, window, at, cost)
 end
+
+-- Renames the entry of a request recorded with weight `cost` to weight `keep`, at the same
+-- score (removes it when keep is 0). The new entry goes in before the old one leaves, so the
+-- set never empties and keeps its TTL (Redis deletes an emptied sorted set, TTL and all, and
+-- a key re-created by the ZADD would never expire). Whether the entry was there.
+local function weighted_log_reweigh(key, member, cost, keep)
+  local name = member .. '#' .. cost
+  local score = redis.call('ZSCORE', key, name)
+  if not score then
+    return false
+  end
+  if keep > 0 then
+    redis.call('ZADD', key, score, member .. '#' .. keep)
+  end
+  redis.call('ZREM', key, name)
+  return true
+end
+
+-- Gives back `back` units (release.lua): the entry member#(keep+back) becomes member#keep.
+local function weighted_log_release(key, now, requests, window, back, keep, member)
+  return weighted_log_reweigh(key, member, keep + back, keep)
+end
+
+-- Charges `extra` more: the entry member#cost becomes member#(cost+extra).
+local function weighted_log_charge(key, requests, extra, cost, member)
+  return weighted_log_reweigh(key, member, cost, cost + extra)
+end

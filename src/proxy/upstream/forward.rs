@@ -108,6 +108,8 @@ pub async fn forward(
         request
             .extensions_mut()
             .remove::<crate::server::ConnectionHold>();
+        // Nor a concurrency lease: it rides with the answer, not the upstream's request.
+        request.extensions_mut().remove::<crate::limiter::LeaseHold>();
     }
     // `TE: trailers` is the one TE allowed in HTTP/2, and gRPC servers require it.
     let wants_trailers = upstream.http2

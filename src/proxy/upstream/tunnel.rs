@@ -9,6 +9,7 @@ use http::{Request, Version};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
+use crate::limiter::LeaseHold;
 use crate::runtime::activity::{Activity, IdleWatch, StampedIo};
 use crate::server::ConnectionHold;
 
@@ -46,6 +47,8 @@ pub struct ClientSide {
     /// The value of the client's `Upgrade` field, sent on to the upstream.
     pub protocol: HeaderValue,
     hold: Option<ConnectionHold>,
+    /// A concurrency limit's lease, held until the tunnel closes.
+    lease: Option<LeaseHold>,
 }
 
 impl ClientSide {
@@ -57,10 +60,12 @@ impl ClientSide {
             .cloned()
             .unwrap_or_else(|| HeaderValue::from_static("websocket"));
         let hold = request.extensions_mut().remove::<ConnectionHold>();
+        let lease = request.extensions_mut().remove::<LeaseHold>();
         ClientSide {
             on_upgrade: hyper::upgrade::on(request),
             protocol,
             hold,
+            lease,
         }
     }
 }
@@ -76,7 +81,10 @@ pub fn set_upgrade_fields(headers: &mut HeaderMap, protocol: HeaderValue) {
 pub fn spawn(client: ClientSide, upstream: OnUpgrade, route: String) {
     tokio::spawn(async move {
         let ClientSide {
-            on_upgrade, hold, ..
+            on_upgrade,
+            hold,
+            lease,
+            ..
         } = client;
         let (client_io, upstream_io) = match tokio::try_join!(on_upgrade, upstream) {
             Ok(pair) => pair,
@@ -101,8 +109,10 @@ pub fn spawn(client: ClientSide, upstream: OnUpgrade, route: String) {
             Some(Err(err)) => tracing::debug!(route, error = %err, "WebSocket broke off"),
             None => tracing::debug!(route, "WebSocket closed after the idle timeout"),
         }
-        // The connections close as they drop here, and the client's slot is given back.
+        // The connections close as they drop here, and the client's slot and the request's
+        // lease are given back.
         drop(hold);
+        drop(lease);
     });
 }
 

@@ -1,0 +1,337 @@
+//! The concurrency leases this instance holds: the guard a request keeps while it is in
+//! flight ([`Lease`]: dropped, the lease is released, whatever way the request ended), and,
+//! with Redis, the renewal that keeps them alive (`renew`).
+//!
+//! Every lease is registered here under its key. Every `RENEW_TICK`, each key whose last
+//! renewal is a third of its lease period old is renewed by one call for all such keys
+//! (`leases.lua`), so Redis's work per period grows with the keys in use, not with the
+//! requests. A key the store no longer knows this instance under (Redis restarted empty, a
+//! failover to a replica that had not seen the lease) gets its leases back at once, sent
+//! whole. A key this instance cannot renew before its deadline in Redis (a partition, Redis
+//! down) is *lost*: the store will reclaim its leases, so the requests holding them are cut
+//! (their answers end) before that deadline, never left running beside the requests other
+//! instances then admit in their place.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use prometheus::{IntCounter, IntGauge};
+use tokio::sync::watch;
+
+use super::redis::RedisStore;
+use super::{Admission, Algorithm, Check, Spec, Store};
+
+/// How often the renewal looks at the keys held.
+const RENEW_TICK: Duration = Duration::from_millis(250);
+
+/// The counters of lease events (`sluice_concurrency_leases_total`).
+#[derive(Clone)]
+pub struct LeaseCounters {
+    pub reclaimed: IntCounter,
+    pub gone: IntCounter,
+    pub restored: IntCounter,
+    pub lost: IntCounter,
+    pub wait_timeout: IntCounter,
+}
+
+/// The keys this instance holds leases under, with Redis.
+#[derive(Default)]
+pub struct Held {
+    keys: Mutex<HashMap<String, HeldKey>>,
+    /// Leases of requests that ended whose release failed, tried again every tick: a renewal
+    /// keeps this instance alive under their keys, so they would never be reclaimed. At most
+    /// the leases held when the store began to fail (no new one is taken in Redis meanwhile).
+    orphans: Mutex<Vec<(Vec<Check>, Admission)>>,
+}
+
+struct HeldKey {
+    window: Duration,
+    /// When the last call that set this instance's deadline under the key (an acquire or a
+    /// renewal) was sent: the deadline in Redis is at least this plus the period.
+    renewed: Instant,
+    /// Lease id → the signal that cuts its request.
+    leases: HashMap<String, watch::Sender<bool>>,
+}
+
+impl Held {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, HeldKey>> {
+        self.keys.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Registers the lease `id` under each of `checks`, taken by a call sent at `sent`; the
+    /// receiver says when it is lost.
+    fn register(&self, checks: &[Check], id: &str, sent: Instant) -> watch::Receiver<bool> {
+        let (lost, receiver) = watch::channel(false);
+        let mut keys = self.lock();
+        for check in checks {
+            let held = keys.entry(check.key.clone()).or_insert_with(|| HeldKey {
+                window: check.spec.window,
+                renewed: sent,
+                leases: HashMap::new(),
+            });
+            held.renewed = held.renewed.max(sent);
+            held.window = check.spec.window;
+            held.leases.insert(id.to_owned(), lost.clone());
+        }
+        receiver
+    }
+
+    fn unregister(&self, checks: &[Check], id: &str) {
+        let mut keys = self.lock();
+        for check in checks {
+            if let Some(held) = keys.get_mut(&check.key) {
+                held.leases.remove(id);
+                if held.leases.is_empty() {
+                    keys.remove(&check.key);
+                }
+            }
+        }
+    }
+
+    fn orphan(&self, checks: Vec<Check>, admission: Admission) {
+        self.orphans
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push((checks, admission));
+    }
+
+    fn take_orphans(&self) -> Vec<(Vec<Check>, Admission)> {
+        std::mem::take(
+            &mut *self
+                .orphans
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        )
+    }
+
+    /// The keys due for renewal at `now`, grouped by lease period.
+    fn due(&self, now: Instant) -> HashMap<Duration, Vec<String>> {
+        let mut due: HashMap<Duration, Vec<String>> = HashMap::new();
+        for (key, held) in self.lock().iter() {
+            if now.saturating_duration_since(held.renewed) >= held.window / 3 {
+                due.entry(held.window).or_default().push(key.clone());
+            }
+        }
+        due
+    }
+
+    fn renewed(&self, key: &str, sent: Instant) {
+        if let Some(held) = self.lock().get_mut(key) {
+            held.renewed = held.renewed.max(sent);
+        }
+    }
+
+    /// The lease ids held under `key`.
+    fn ids(&self, key: &str) -> Vec<String> {
+        self.lock()
+            .get(key)
+            .map(|held| held.leases.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Cuts the requests of every key whose deadline in Redis may pass before the next
+    /// renewal could land (`margin` before it), and forgets those keys; how many leases.
+    fn cut_expiring(&self, now: Instant, margin: Duration) -> usize {
+        let mut cut = 0;
+        self.lock().retain(|_, held| {
+            let deadline = held.renewed + held.window;
+            if now + margin < deadline {
+                return true;
+            }
+            for lost in held.leases.values() {
+                let _ = lost.send(true);
+            }
+            cut += held.leases.len();
+            false
+        });
+        cut
+    }
+}
+
+/// Renews the leases of `held` in `store` until `held` is dropped (see the module's comment).
+pub(super) async fn renew(held: Weak<Held>, store: Arc<RedisStore>, counters: LeaseCounters) {
+    let mut ticks = tokio::time::interval(RENEW_TICK);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // A lease is cut when its deadline is nearer than one more tick and a whole store call.
+    let margin = 2 * RENEW_TICK + store.timeout();
+    loop {
+        ticks.tick().await;
+        let Some(held) = held.upgrade() else {
+            return;
+        };
+        for (window, keys) in held.due(Instant::now()) {
+            renew_keys(&held, &store, &counters, window, keys).await;
+        }
+        for (checks, admission) in held.take_orphans() {
+            match store.release(&checks, &admission, 0).await {
+                Ok(released) => counters
+                    .gone
+                    .inc_by(checks.len().saturating_sub(released) as u64),
+                Err(_) => held.orphan(checks, admission),
+            }
+        }
+        let cut = held.cut_expiring(Instant::now(), margin);
+        if cut > 0 {
+            counters.lost.inc_by(cut as u64);
+            tracing::warn!(
+                leases = cut,
+                "cannot renew concurrency leases before their deadline: their requests are cut, since the store will give their places to others"
+            );
+        }
+    }
+}
+
+/// One renewal call for `keys` (lease period `window`), and one restoring those the store
+/// forgot.
+async fn renew_keys(
+    held: &Held,
+    store: &RedisStore,
+    counters: &LeaseCounters,
+    window: Duration,
+    keys: Vec<String>,
+) {
+    let window_us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
+    let checks: Vec<Check> = keys.into_iter().map(|key| lease_check(key, window)).collect();
+    let sent = Instant::now();
+    let answers = match store.renew(&checks, window_us, None).await {
+        Ok(answers) => answers,
+        Err(err) => {
+            tracing::debug!(error = %err, "cannot renew concurrency leases; trying again");
+            return;
+        }
+    };
+    let mut forgotten = Vec::new();
+    for (check, (known, reclaimed)) in checks.into_iter().zip(answers) {
+        counters.reclaimed.inc_by(reclaimed);
+        if known {
+            held.renewed(&check.key, sent);
+        } else {
+            forgotten.push(check);
+        }
+    }
+    if forgotten.is_empty() {
+        return;
+    }
+    let ids: Vec<Vec<String>> = forgotten.iter().map(|c| held.ids(&c.key)).collect();
+    let sent = Instant::now();
+    match store.renew(&forgotten, window_us, Some(&ids)).await {
+        Ok(_) => {
+            let restored: usize = ids.iter().map(Vec::len).sum();
+            counters.restored.inc_by(restored as u64);
+            tracing::warn!(
+                leases = restored,
+                keys = forgotten.len(),
+                "the store had forgotten concurrency leases of requests still in flight (restarted empty, or failed over): restored"
+            );
+            for check in &forgotten {
+                held.renewed(&check.key, sent);
+            }
+        }
+        Err(err) => {
+            tracing::debug!(error = %err, "cannot restore concurrency leases; trying again");
+        }
+    }
+}
+
+fn lease_check(key: String, window: Duration) -> Check {
+    Check {
+        key,
+        spec: Spec {
+            algorithm: Algorithm::Concurrency,
+            window,
+            ..Spec::default()
+        },
+    }
+}
+
+/// A lease shared by the answer and, for a WebSocket, its tunnel (which takes it from the
+/// request's extensions); released when the last holder goes.
+#[derive(Clone)]
+pub struct LeaseHold(pub Arc<Lease>);
+
+/// A request's leases in the concurrency limits that admitted it. Held while the request is
+/// in flight; dropped, its leases are released (in a task of their own: a drop cannot wait).
+pub struct Lease {
+    store: Arc<Store>,
+    checks: Vec<Check>,
+    admission: Admission,
+    /// `sluice_concurrency_in_flight` of each limit, raised while this lives.
+    gauges: Vec<IntGauge>,
+    lost: Option<watch::Receiver<bool>>,
+}
+
+impl Lease {
+    /// Holds the leases `admission` took under `checks` (the request's concurrency checks),
+    /// decided by a call sent at `sent`.
+    pub fn hold(
+        store: &Arc<Store>,
+        checks: Vec<Check>,
+        admission: Admission,
+        gauges: Vec<IntGauge>,
+        sent: Instant,
+    ) -> Lease {
+        for gauge in &gauges {
+            gauge.inc();
+        }
+        // Only Redis's leases are renewed (and can be lost): an in-process one lives as long
+        // as its holder, this process.
+        let lost = match store.held_leases() {
+            Some(held) if !admission.local => {
+                Some(held.register(&checks, &admission.member, sent))
+            }
+            _ => None,
+        };
+        Lease {
+            store: Arc::clone(store),
+            checks,
+            admission,
+            gauges,
+            lost,
+        }
+    }
+
+    /// Ends when the lease is lost (it could not be renewed before its deadline); never for a
+    /// lease that cannot be.
+    pub fn lost(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let lost = self.lost.clone();
+        async move {
+            if let Some(mut lost) = lost {
+                if lost.wait_for(|lost| *lost).await.is_ok() {
+                    return;
+                }
+            }
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        for gauge in &self.gauges {
+            gauge.dec();
+        }
+        if let Some(held) = self.store.held_leases() {
+            if self.lost.is_some() {
+                held.unregister(&self.checks, &self.admission.member);
+            }
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = Arc::clone(&self.store);
+        let checks = std::mem::take(&mut self.checks);
+        let admission = self.admission.clone();
+        runtime.spawn(async move {
+            match store.release(&checks, &admission).await {
+                Ok(released) => store.count_gone(checks.len().saturating_sub(released)),
+                Err(err) => {
+                    tracing::debug!(store = store.name(), error = %err, "cannot release a concurrency lease; trying again");
+                    if let Some(held) = store.held_leases() {
+                        held.orphan(checks, admission);
+                    }
+                }
+            }
+        });
+    }
+}

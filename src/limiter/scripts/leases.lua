@@ -1,0 +1,56 @@
+-- Renewal of one instance's leases (its heartbeat), concatenated after prelude.lua and
+-- concurrency.lua: one call per period for every concurrency key the instance holds leases
+-- under (one per Cluster slot), so Redis's work per period grows with the keys in use and the
+-- instances, not with the requests in flight. A key whose store forgot the instance (Redis
+-- restarted empty, a failover to a replica that had not seen the lease, or the instance was
+-- past its deadline and reclaimed) gets its leases back in a second call, which sends them.
+--
+-- KEYS[i]          a concurrency key (its hash of leases; its instances' hash is KEYS[i]:i)
+-- ARGV[1]          the instance id (16 hex digits)
+-- ARGV[2]          the lease period (us), the same for every key of the call
+-- ARGV[3]          1: restore, the leases follow; 0: renew only
+-- ARGV[4..]        with restore: per key in order, its number of leases m, then m lease ids
+--
+-- Returns, per key, two numbers: {known_i, reclaimed_i}
+--   known_i        1 if the key still held this instance (its leases are where it left them,
+--                  renewed); 0 if it did not (nothing held for it there: restore)
+--   reclaimed_i    leases the key had taken from other instances past their deadline since
+--                  the last renewal (cleared here; the caller counts them)
+--
+-- Every key written gets the period as its expiry, so leases of instances that all die go
+-- with their keys.
+
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local instance, window, restore = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
+local ttl = format('%d', ceil(window / 1000))
+local deadline = format('%d', now + window)
+local result, arg = {}, 4
+for i = 1, #KEYS do
+  local key = KEYS[i]
+  local beats = key .. ':i'
+  local known = redis.call('HEXISTS', beats, instance)
+  if restore then
+    local m = tonumber(ARGV[arg])
+    for j = arg + 1, arg + m do
+      redis.call('HSET', key, ARGV[j], format('%d', now))
+    end
+    arg = arg + m + 1
+    known = 1
+  end
+  local reclaimed = 0
+  if known == 1 then
+    redis.call('HSET', beats, instance, deadline)
+    reclaimed = tonumber(redis.call('HGET', beats, 'reclaimed') or '0')
+    if reclaimed > 0 then
+      redis.call('HDEL', beats, 'reclaimed')
+    end
+    if redis.call('EXISTS', key) == 1 then
+      redis.call('PEXPIRE', key, ttl)
+    end
+    redis.call('PEXPIRE', beats, ttl)
+  end
+  result[#result + 1] = known
+  result[#result + 1] = reclaimed
+end
+return result
