@@ -22,7 +22,7 @@ pub const MAX_MAX_DELAY_MS: u64 = 60_000;
 /// Default `lease` of a concurrency limit: an instance that dies has its places taken back
 /// within this.
 pub const DEFAULT_LEASE: std::time::Duration = std::time::Duration::from_secs(10);
-/// Shortest and longest `lease`: renewed every third of it, by one store call per period.
+/// Shortest and longest `lease`: renewed every quarter of it, by one store call per period.
 pub const MIN_LEASE_MS: u64 = 1_000;
 pub const MAX_LEASE_MS: u64 = 3_600_000;
 
@@ -483,7 +483,7 @@ pub struct LimitConfig {
     #[schemars(with = "Option<Positive>")]
     pub concurrent: Option<Spanned<Positive>>,
     /// With `concurrent:`: how long an instance's leases outlive its last renewal, so the
-    /// places of an instance that died are taken back within this (renewed every third of
+    /// places of an instance that died are taken back within this (renewed every quarter of
     /// it); 10s by default.
     #[schemars(with = "Option<ConfigDuration>")]
     pub lease: Option<Spanned<ConfigDuration>>,

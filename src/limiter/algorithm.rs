@@ -213,7 +213,11 @@ mod tests {
         for traits in &ALGORITHMS {
             for function in ["check", "record", "release"] {
                 let defined = format!("local function {}_{function}(", traits.label);
-                assert!(traits.lua.contains(&defined), "{} lacks {defined}", traits.label);
+                assert!(
+                    traits.lua.contains(&defined),
+                    "{} lacks {defined}",
+                    traits.label
+                );
             }
             let charges = format!("local function {}_charge(", traits.label);
             assert_eq!(

@@ -3,7 +3,7 @@
 //! with Redis, the renewal that keeps them alive (`renew`).
 //!
 //! Every lease is registered here under its key. Every `RENEW_TICK`, each key whose last
-//! renewal is a third of its lease period old is renewed by one call for all such keys
+//! renewal is a quarter of its lease period old is renewed by one call for all such keys
 //! (`leases.lua`), so Redis's work per period grows with the keys in use, not with the
 //! requests. A key the store no longer knows this instance under (Redis restarted empty, a
 //! failover to a replica that had not seen the lease) gets its leases back at once, sent
@@ -13,6 +13,7 @@
 //! instances then admit in their place.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -56,7 +57,9 @@ struct HeldKey {
 
 impl Held {
     fn lock(&self) -> MutexGuard<'_, HashMap<String, HeldKey>> {
-        self.keys.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.keys
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Registers the lease `id` under each of `checks`, taken by a call sent at `sent`; the
@@ -109,7 +112,7 @@ impl Held {
     fn due(&self, now: Instant) -> HashMap<Duration, Vec<String>> {
         let mut due: HashMap<Duration, Vec<String>> = HashMap::new();
         for (key, held) in self.lock().iter() {
-            if now.saturating_duration_since(held.renewed) >= held.window / 3 {
+            if now.saturating_duration_since(held.renewed) >= held.window / 4 {
                 due.entry(held.window).or_default().push(key.clone());
             }
         }
@@ -153,8 +156,9 @@ impl Held {
 pub(super) async fn renew(held: Weak<Held>, store: Arc<RedisStore>, counters: LeaseCounters) {
     let mut ticks = tokio::time::interval(RENEW_TICK);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // A lease is cut when its deadline is nearer than one more tick and a whole store call.
-    let margin = 2 * RENEW_TICK + store.timeout();
+    // A lease is cut when its deadline is nearer than one more tick and a whole store call:
+    // with the shortest lease (1 s), after two renewals in a row did not land.
+    let margin = RENEW_TICK + store.timeout();
     loop {
         ticks.tick().await;
         let Some(held) = held.upgrade() else {
@@ -192,7 +196,10 @@ async fn renew_keys(
     keys: Vec<String>,
 ) {
     let window_us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
-    let checks: Vec<Check> = keys.into_iter().map(|key| lease_check(key, window)).collect();
+    let checks: Vec<Check> = keys
+        .into_iter()
+        .map(|key| lease_check(key, window))
+        .collect();
     let sent = Instant::now();
     let answers = match store.renew(&checks, window_us, None).await {
         Ok(answers) => answers,
@@ -259,6 +266,8 @@ pub struct Lease {
     /// `sluice_concurrency_in_flight` of each limit, raised while this lives.
     gauges: Vec<IntGauge>,
     lost: Option<watch::Receiver<bool>>,
+    /// Released already (`end`), so a drop does nothing more.
+    ended: AtomicBool,
 }
 
 impl Lease {
@@ -277,9 +286,7 @@ impl Lease {
         // Only Redis's leases are renewed (and can be lost): an in-process one lives as long
         // as its holder, this process.
         let lost = match store.held_leases() {
-            Some(held) if !admission.local => {
-                Some(held.register(&checks, &admission.member, sent))
-            }
+            Some(held) if !admission.local => Some(held.register(&checks, &admission.member, sent)),
             _ => None,
         };
         Lease {
@@ -288,6 +295,7 @@ impl Lease {
             admission,
             gauges,
             lost,
+            ended: AtomicBool::new(false),
         }
     }
 
@@ -306,8 +314,25 @@ impl Lease {
     }
 }
 
-impl Drop for Lease {
-    fn drop(&mut self) {
+impl Lease {
+    /// Releases the leases now, to be awaited (the answer's last frame waits for it, so a
+    /// client that sends its next request the moment it has the answer finds its place
+    /// free); a later drop does nothing more.
+    pub fn end(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let release = self.take_release();
+        async move {
+            if let Some(release) = release {
+                release.await;
+            }
+        }
+    }
+
+    /// The release, the first time it is asked for: the gauges and the renewal let go of
+    /// the leases at once, the store call is the future's.
+    fn take_release(&self) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+        if self.ended.swap(true, Ordering::AcqRel) {
+            return None;
+        }
         for gauge in &self.gauges {
             gauge.dec();
         }
@@ -316,13 +341,10 @@ impl Drop for Lease {
                 held.unregister(&self.checks, &self.admission.member);
             }
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let store = Arc::clone(&self.store);
-        let checks = std::mem::take(&mut self.checks);
+        let checks = self.checks.clone();
         let admission = self.admission.clone();
-        runtime.spawn(async move {
+        Some(async move {
             match store.release(&checks, &admission).await {
                 Ok(released) => store.count_gone(checks.len().saturating_sub(released)),
                 Err(err) => {
@@ -332,6 +354,18 @@ impl Drop for Lease {
                     }
                 }
             }
-        });
+        })
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let Some(release) = self.take_release() else {
+            return;
+        };
+        // A drop cannot wait: the release goes on in a task of its own.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(release);
+        }
     }
 }

@@ -356,7 +356,11 @@ impl LocalStore {
         }
         let at = now + delay;
         // A lease needs an id; no other algorithm reads one.
-        let member = if admitted && checks.iter().any(|c| c.spec.algorithm == Algorithm::Concurrency) {
+        let member = if admitted
+            && checks
+                .iter()
+                .any(|c| c.spec.algorithm == Algorithm::Concurrency)
+        {
             self.sequence.fetch_add(1, Ordering::Relaxed).to_string()
         } else {
             String::new()

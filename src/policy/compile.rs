@@ -192,7 +192,11 @@ fn limit_metrics(metrics: &Metrics, route: &str, limit: &LimitSettings) -> Limit
         counters.tokens = Some(metrics.for_token_limit(route, name, budget.unit.label()));
     }
     if limit.spec.algorithm == crate::limiter::Algorithm::Concurrency {
-        counters.in_flight = Some(metrics.concurrency_in_flight.with_label_values(&[route, name]));
+        counters.in_flight = Some(
+            metrics
+                .concurrency_in_flight
+                .with_label_values(&[route, name]),
+        );
     }
     counters
 }

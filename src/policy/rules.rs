@@ -86,17 +86,37 @@ const LIMIT_RULES: &[LimitRule] = &[
     },
     Rule {
         field: "algorithm",
-        broken: |s| s.limit.algorithm.as_ref().filter(|_| s.limit.concurrent.is_some()).map(at),
+        broken: |s| {
+            s.limit
+                .algorithm
+                .as_ref()
+                .filter(|_| s.limit.concurrent.is_some())
+                .map(at)
+        },
         says: Says::Text("a concurrency limit counts leases in its own way: remove `algorithm`"),
     },
     Rule {
         field: "cost",
-        broken: |s| s.limit.cost.as_ref().filter(|_| s.limit.concurrent.is_some()).map(at),
-        says: Says::Text("a request in flight holds one place of a concurrency limit: remove `cost`"),
+        broken: |s| {
+            s.limit
+                .cost
+                .as_ref()
+                .filter(|_| s.limit.concurrent.is_some())
+                .map(at)
+        },
+        says: Says::Text(
+            "a request in flight holds one place of a concurrency limit: remove `cost`",
+        ),
     },
     Rule {
         field: "count",
-        broken: |s| s.limit.count.as_ref().filter(|_| s.limit.concurrent.is_some()).map(at),
+        broken: |s| {
+            s.limit
+                .count
+                .as_ref()
+                .filter(|_| s.limit.concurrent.is_some())
+                .map(at)
+        },
         says: Says::Text(
             "a concurrency limit's place comes back when the request ends, whatever its \
              status: remove `count`",
@@ -104,7 +124,13 @@ const LIMIT_RULES: &[LimitRule] = &[
     },
     Rule {
         field: "lease",
-        broken: |s| s.limit.lease.as_ref().filter(|_| s.limit.concurrent.is_none()).map(at),
+        broken: |s| {
+            s.limit
+                .lease
+                .as_ref()
+                .filter(|_| s.limit.concurrent.is_none())
+                .map(at)
+        },
         says: Says::Text("`lease` applies to a concurrency limit (`concurrent:`) only"),
     },
     Rule {
@@ -116,7 +142,7 @@ const LIMIT_RULES: &[LimitRule] = &[
         },
         says: Says::Made(|_, _| {
             format!(
-                "from {} s to {} s: it is renewed every third of it, and a dead instance's \
+                "from {} s to {} s: it is renewed every quarter of it, and a dead instance's \
                  places come back after it",
                 MIN_LEASE_MS / 1000,
                 MAX_LEASE_MS / 1000
@@ -579,7 +605,7 @@ const LIMIT_RULES: &[LimitRule] = &[
     Rule {
         field: "key[]",
         broken: |s| {
-            first_key_part(s.limit, |part| *part == KeyPart::Model).filter(|_| !budget(s.limit))
+            first_key_part(s.limit, |part| *part == KeyPart::Model).filter(|_| !sees_model(s))
         },
         says: Says::Made(|_, _| format!("the key part `model` {READS_MODEL}")),
     },
@@ -587,7 +613,7 @@ const LIMIT_RULES: &[LimitRule] = &[
         field: "when[].model",
         broken: |s| {
             let index = s.limit.when.iter().position(|w| w.value.model.is_some())?;
-            (!budget(s.limit)).then(|| at_item(&s.limit.when[index], index))
+            (!sees_model(s)).then(|| at_item(&s.limit.when[index], index))
         },
         says: Says::Made(|_, _| format!("a `model` condition {READS_MODEL}")),
     },
@@ -702,6 +728,12 @@ fn budget(limit: &LimitConfig) -> bool {
     limit.tokens.is_some() || limit.money.is_some()
 }
 
+/// Whether the limit is decided with the body's `model` known: a budget, or a concurrency
+/// limit on a route whose budget has the body read before the decision (per model at once).
+fn sees_model(s: &Seen) -> bool {
+    budget(s.limit) || (s.limit.concurrent.is_some() && s.route.limits.iter().any(budget))
+}
+
 fn tokens_at(s: &Seen) -> Option<At> {
     s.limit.tokens.as_ref().map(at)
 }
@@ -795,8 +827,8 @@ fn prefix_message(prefix: &Option<Spanned<u32>>, bits: u32) -> String {
 }
 
 const READS_MODEL: &str = "reads the JSON body's `model`, which only a token or money limit \
-                           (`tokens:`, `money:`) reads: its body is read before the decision \
-                           anyway";
+                           (`tokens:`, `money:`), or a concurrency limit on a route with one, \
+                           reads: its body is read before the decision anyway";
 
 #[cfg(test)]
 mod tests {
@@ -807,6 +839,13 @@ mod tests {
     /// One limit for each rule, in the table's order, that breaks that rule first (its other
     /// options are fine): a rule dropped or added without its example fails here.
     const BREAKS: &[&str] = &[
+        "concurrent: 5, requests: 5, window: 1m",
+        "concurrent: 5, window: 1m",
+        "concurrent: 5, algorithm: gcra",
+        "concurrent: 5, cost: 2",
+        "concurrent: 5, count: { status: [5xx] }",
+        "requests: 5, window: 1m, lease: 5s",
+        "concurrent: 5, lease: 100ms",
         "requests: 5, money: 1, currency: USD, window: 1m",
         "money: 0.0000001, currency: USD, window: 1m",
         "money: 1, window: 1m",

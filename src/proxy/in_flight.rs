@@ -17,10 +17,11 @@
 //! there is no order: each instance's first waiter asks in turn.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -35,12 +36,19 @@ use crate::policy::Limit;
 const POLL_MIN: Duration = Duration::from_millis(10);
 const POLL_MAX: Duration = Duration::from_millis(250);
 
-/// An answer's body that holds its request's lease until it ends, and ends early (with an
-/// error, so the client sees the answer cut, not complete) if the lease is lost.
+/// An answer's body that holds its request's lease until it ends: the lease is released
+/// before the last frame is handed over (or, when the end is only known after it, before the
+/// end of the stream), so a client that sends its next request the moment it has this answer
+/// finds the place free. Dropped before its end (the client went away), the lease's drop
+/// releases it. It ends early, without its last frame, if the lease is lost.
 pub struct LeasedBody {
     inner: ProxyBody,
     lease: Option<LeaseHold>,
-    lost: Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+    lost: Pin<Box<dyn Future<Output = ()> + Send>>,
+    ending: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// The last frame, handed over once the release is done.
+    last: Option<Frame<Bytes>>,
+    done: bool,
 }
 
 impl LeasedBody {
@@ -50,7 +58,16 @@ impl LeasedBody {
             inner,
             lease: Some(lease),
             lost,
+            ending: None,
+            last: None,
+            done: false,
         })
+    }
+
+    fn end(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            self.ending = Some(Box::pin(lease.0.end()));
+        }
     }
 }
 
@@ -63,24 +80,43 @@ impl Body for LeasedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = self.get_mut();
-        if this.lease.is_some() && this.lost.as_mut().poll(cx).is_ready() {
-            // The store will give this place to another request: the answer stops here. A
-            // body cannot make a hyper::Error, so the stream ends without its last frame; the
-            // client sees a short answer (HTTP/1: the connection closes before the length or
-            // the last chunk; HTTP/2: no END_STREAM).
-            this.lease = None;
-            return Poll::Ready(None);
+        loop {
+            if let Some(ending) = &mut this.ending {
+                ready!(ending.as_mut().poll(cx));
+                this.ending = None;
+                this.done = true;
+            }
+            if this.done {
+                return Poll::Ready(this.last.take().map(Ok));
+            }
+            if this.lease.is_some() && this.lost.as_mut().poll(cx).is_ready() {
+                // The store will give this place to another request: the answer stops here,
+                // short (HTTP/1: the connection closes before its length or last chunk;
+                // HTTP/2: no END_STREAM), so the client knows it is incomplete.
+                this.lease = None;
+                this.done = true;
+                continue;
+            }
+            match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+                Some(Ok(frame)) if this.inner.is_end_stream() => {
+                    this.last = Some(frame);
+                    this.end();
+                }
+                Some(Ok(frame)) => return Poll::Ready(Some(Ok(frame))),
+                Some(Err(err)) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(err)));
+                }
+                None => this.end(),
+            }
+            if this.ending.is_none() {
+                this.done = true;
+            }
         }
-        let frame = Pin::new(&mut this.inner).poll_frame(cx);
-        if let Poll::Ready(None) = frame {
-            // The last byte has been handed over: the place is free.
-            this.lease = None;
-        }
-        frame
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.done && self.last.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

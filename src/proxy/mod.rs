@@ -310,7 +310,8 @@ impl Gateway {
             }
         }
         if let (Some(lease), Ok(answered)) = (lease, &mut acted) {
-            let body = std::mem::replace(answered.response.body_mut(), ProxyBody::full(Bytes::new()));
+            let body =
+                std::mem::replace(answered.response.body_mut(), ProxyBody::full(Bytes::new()));
             *answered.response.body_mut() = in_flight::LeasedBody::wrap(body, lease);
         }
         acted

@@ -23,6 +23,7 @@ mod calendar_quotas;
 mod check_cli;
 mod cluster;
 mod combos;
+mod concurrency;
 mod connections;
 mod count_outcome;
 mod deny_cache;

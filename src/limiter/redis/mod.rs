@@ -175,6 +175,11 @@ impl RedisStore {
                 .load_async(&mut conn)
                 .await
                 .map_err(|e| self.failed(e))?;
+            self.shared
+                .leases
+                .load_async(&mut conn)
+                .await
+                .map_err(|e| self.failed(e))?;
             Ok(())
         })
         .await

@@ -17,7 +17,10 @@ use super::super::{Admission, Decision, LimitState, StoreError};
 /// in one atomic call.
 pub(super) static DECIDE: LazyLock<String> = LazyLock::new(|| {
     script(
-        &[dispatcher("check", CHECK_ARGS), dispatcher("record", RECORD_ARGS)],
+        &[
+            dispatcher("check", CHECK_ARGS),
+            dispatcher("record", RECORD_ARGS),
+        ],
         include_str!("../scripts/decide.lua"),
     )
 });
@@ -83,7 +86,9 @@ fn charge_dispatcher() -> String {
 }
 
 fn branches(name: &str, args: &str, has: impl Fn(&Traits) -> bool) -> String {
-    let mut lua = format!("\n-- Generated from the algorithm table.\nlocal function {name}(algorithm, {args})\n");
+    let mut lua = format!(
+        "\n-- Generated from the algorithm table.\nlocal function {name}(algorithm, {args})\n"
+    );
     for (i, traits) in ALGORITHMS.iter().enumerate() {
         let keyword = if i == 0 { "if" } else { "elseif" };
         let label = traits.label;
@@ -219,7 +224,10 @@ mod tests {
             ] {
                 assert!(script.contains(&branch), "{label}");
                 for call in calls {
-                    assert!(script.contains(&format!("return {label}_{call}(")), "{label} {call}");
+                    assert!(
+                        script.contains(&format!("return {label}_{call}(")),
+                        "{label} {call}"
+                    );
                 }
             }
             assert_eq!(

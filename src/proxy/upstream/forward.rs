@@ -109,7 +109,9 @@ pub async fn forward(
             .extensions_mut()
             .remove::<crate::server::ConnectionHold>();
         // Nor a concurrency lease: it rides with the answer, not the upstream's request.
-        request.extensions_mut().remove::<crate::limiter::LeaseHold>();
+        request
+            .extensions_mut()
+            .remove::<crate::limiter::LeaseHold>();
     }
     // `TE: trailers` is the one TE allowed in HTTP/2, and gRPC servers require it.
     let wants_trailers = upstream.http2

@@ -2,7 +2,8 @@
 //! - [`redis_server`]: a real standalone `redis-server` child process, commands to it,
 //!   `MONITOR`, and the store (Redis or in-process) a limit test runs against;
 //! - [`sentinel`] and [`cluster`]: Redis Sentinel and Redis Cluster setups of real processes;
-//! - [`upstream`]: the fake HTTP backend (in-process hyper on 127.0.0.1);
+//! - [`upstream`]: the fake HTTP backend (in-process hyper on 127.0.0.1); [`in_flight_upstream`]:
+//!   one that records how many requests of each key it serves at once;
 //! - [`policy`]: a typed builder for the policy files tests run sluice with, written out as
 //!   YAML; a built policy tells the harness whether it uses Redis;
 //! - [`sluice_process`]: the `sluice` binary itself, spawned as a child process with a YAML
@@ -20,6 +21,7 @@ pub mod certs;
 pub mod cluster;
 pub mod envoy;
 pub mod grpc;
+pub mod in_flight_upstream;
 pub mod llm_upstream;
 pub mod metrics;
 pub mod policy;

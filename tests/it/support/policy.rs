@@ -556,6 +556,15 @@ impl Limit {
         ])
     }
 
+    /// A concurrency limit: at most `at_once` requests of one key in flight.
+    pub fn concurrent(name: &str, at_once: u32) -> Limit {
+        Limit(vec![
+            ("name".into(), name.into()),
+            ("key".into(), ["client_ip"].into()),
+            ("concurrent".into(), at_once.into()),
+        ])
+    }
+
     /// `requests` per sliding `window`, counted with `sliding_window`.
     pub fn sliding_window(name: &str, requests: u32, window: &str) -> Limit {
         Limit::requests(name, requests, window).algorithm("sliding_window")

@@ -1,0 +1,520 @@
+//! Concurrency limits (`concurrent:`), judged by the upstream's own record of how many
+//! requests of each key it serves at once (`support::in_flight_upstream`): exact across
+//! instances on one Redis, released on every way a request ends, reclaimed from an instance
+//! killed while holding places, kept by a stream that outlives its lease, restored when Redis
+//! comes back empty; the refusal's fields; waiting for a place.
+
+use crate::support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use support::in_flight_upstream::InFlightUpstream;
+use support::{Limit, Policy, Redis, Route, Sluice, UpstreamSpec};
+
+const KEY: &str = "k";
+
+fn policy(up: &InFlightUpstream, limit: Limit) -> Policy {
+    Policy::new()
+        .upstream(
+            "api",
+            UpstreamSpec::new(&up.url())
+                .connect_timeout("2s")
+                .timeout("20s"),
+        )
+        .route(
+            Route::new("default", "/")
+                .upstream("api")
+                .limit(limit.key(["header:x-api-key"])),
+        )
+}
+
+async fn get(client: &reqwest::Client, url: &str) -> reqwest::Response {
+    client
+        .get(url)
+        .header("x-api-key", KEY)
+        .send()
+        .await
+        .expect("a response")
+}
+
+/// The status of a GET of `url`, its body read whole (so the answer has ended).
+async fn status_of(client: &reqwest::Client, url: &str) -> u16 {
+    let response = get(client, url).await;
+    let status = response.status().as_u16();
+    let _ = response.bytes().await;
+    status
+}
+
+/// Sends GETs of `path` through `urls` in turn until one is admitted (200, body read whole);
+/// how long that took. Panics after `limit`.
+async fn admitted_within(client: &reqwest::Client, url: &str, limit: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let response = get(client, url).await;
+        if response.status() == 200 {
+            response.bytes().await.expect("the body");
+            return start.elapsed();
+        }
+        assert_eq!(response.status(), 429, "only refusals while waiting");
+        assert!(
+            start.elapsed() < limit,
+            "not admitted again within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// The keys of Redis that hold leases of the limit `limit`.
+async fn lease_count(redis: &Redis, limit: &str) -> i64 {
+    let mut total = 0;
+    for key in redis.keys().await {
+        if key.contains(&format!(":{limit}:concurrency:")) && !key.ends_with(":i") {
+            if let redis::Value::Int(n) = redis.cmd(&["HLEN", &key]).await {
+                total += n;
+            }
+        }
+    }
+    total
+}
+
+/// Three instances on one Redis, 45 clients of one key: the upstream never serves more than
+/// the limit at once, the limit is used whole, every admitted request reached the upstream
+/// and every lease is gone from Redis afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_instances_never_serve_more_than_the_limit_at_once() {
+    const LIMIT: usize = 5;
+    let _heavy = support::heavy().await;
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = policy(&up, Limit::concurrent("at-once", LIMIT as u32)).store_redis(&redis);
+    let instances = [
+        Sluice::start(&yaml).await,
+        Sluice::start(&yaml).await,
+        Sluice::start(&yaml).await,
+    ];
+    let urls: Arc<Vec<String>> = Arc::new(instances.iter().map(Sluice::url).collect());
+    let client = support::client();
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..45usize {
+        let client = client.clone();
+        let urls = Arc::clone(&urls);
+        tasks.push(tokio::spawn(async move {
+            let (mut ok, mut refused) = (0usize, 0usize);
+            let mut n = 0usize;
+            while start.elapsed() < Duration::from_secs(3) && n < 400 {
+                let url = format!("{}/hold/{}", urls[(i + n) % 3], 20 + (i * 7 + n * 13) % 60);
+                let response = get(&client, &url).await;
+                match response.status().as_u16() {
+                    200 => {
+                        response.bytes().await.expect("the body");
+                        ok += 1;
+                    }
+                    429 => refused += 1,
+                    other => panic!("unexpected status {other}"),
+                }
+                n += 1;
+            }
+            (ok, refused)
+        }));
+    }
+    let (mut ok, mut refused) = (0, 0);
+    for task in tasks {
+        let (o, r) = task.await.unwrap();
+        ok += o;
+        refused += r;
+    }
+    let record = up.of(KEY);
+    assert!(
+        record.max <= LIMIT,
+        "the upstream served {} at once under a limit of {LIMIT}",
+        record.max
+    );
+    assert_eq!(record.max, LIMIT, "the limit is used whole, not a deny-all");
+    assert_eq!(
+        record.served, ok,
+        "every admitted request reached the upstream"
+    );
+    assert!(
+        refused > 0,
+        "45 clients on 5 places must be refused sometimes"
+    );
+    support::wait_for(Duration::from_secs(3), "every lease released", || async {
+        lease_count(&redis, "at-once").await == 0
+    })
+    .await;
+    redis
+        .assert_every_key_expires(Duration::from_secs(11))
+        .await;
+}
+
+/// The in-process store gives the same guarantee per instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_in_process_store_is_exact_per_instance() {
+    let _heavy = support::heavy().await;
+    let up = InFlightUpstream::start().await;
+    let sluice = Sluice::start(&policy(&up, Limit::concurrent("at-once", 2))).await;
+    let client = support::client();
+    let url = format!("{}/hold/60", sluice.url());
+    let tasks: Vec<_> = (0..10)
+        .map(|_| {
+            let (client, url) = (client.clone(), url.clone());
+            tokio::spawn(async move {
+                let start = Instant::now();
+                while start.elapsed() < Duration::from_millis(1500) {
+                    let response = get(&client, &url).await;
+                    let _ = response.bytes().await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(up.of(KEY).max, 2, "exactly the limit at once");
+}
+
+/// A long lease, so that only a release can free the place: after each way a request can
+/// end, the next request of the key is admitted at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_way_a_request_ends_releases_its_place() {
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let limit = || {
+        Limit::concurrent("one", 1)
+            .set("lease", "60s")
+            .key(["header:x-api-key"])
+    };
+    let yaml = Policy::new()
+        .store_redis(&redis)
+        .upstream("api", UpstreamSpec::new(&up.url()).timeout("20s"))
+        .upstream(
+            "dead",
+            UpstreamSpec::new(&format!("http://127.0.0.1:{}", support::closed_port()))
+                .connect_timeout("1s"),
+        )
+        .upstream("slow", UpstreamSpec::new(&up.url()).timeout("200ms"))
+        .route(Route::new("dead", "/dead").upstream("dead").limit(limit()))
+        .route(Route::new("slow", "/slow").upstream("slow").limit(limit()))
+        .route(
+            Route::new("small", "/small")
+                .upstream("api")
+                .max_body("1KiB")
+                .limit(limit()),
+        )
+        .route(Route::new("default", "/").upstream("api").limit(limit()));
+    let sluice = Sluice::start(&yaml).await;
+    sluice.expect_store_faults();
+    let client = support::client();
+    let base = sluice.url();
+    let again = format!("{base}/hold/0");
+
+    // A complete answer.
+    let response = get(&client, &format!("{base}/hold/10")).await;
+    assert_eq!(response.status(), 200);
+    response.bytes().await.unwrap();
+    assert_eq!(
+        status_of(&client, &again).await,
+        200,
+        "after a complete answer"
+    );
+
+    // The client goes away mid-stream (HTTP/1: its connection closes).
+    let mut response = get(&client, &format!("{base}/stream/200/20")).await;
+    assert_eq!(response.status(), 200);
+    response.chunk().await.unwrap().expect("a first event");
+    assert_eq!(
+        status_of(&client, &again).await,
+        429,
+        "held while streaming"
+    );
+    drop(response);
+    let waited = admitted_within(&client, &again, Duration::from_secs(3)).await;
+    assert!(
+        waited < Duration::from_secs(3),
+        "after the client left: {waited:?}"
+    );
+
+    // An HTTP/2 stream reset mid-answer, its connection kept.
+    let h2 = reqwest::Client::builder()
+        .no_proxy()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let mut response = get(&h2, &format!("{base}/stream/200/20")).await;
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    response.chunk().await.unwrap().expect("a first event");
+    assert_eq!(
+        status_of(&h2, &again).await,
+        429,
+        "held while streaming (h2)"
+    );
+    drop(response);
+    admitted_within(&h2, &again, Duration::from_secs(3)).await;
+
+    assert_eq!(up.of(KEY).max, 1, "never two at once");
+
+    // An upstream that cannot be reached, twice: the second is not refused for a place.
+    for _ in 0..2 {
+        assert_eq!(status_of(&client, &format!("{base}/dead")).await, 502);
+    }
+    // An upstream that does not answer in time. (The place is free when sluice gives up;
+    // the upstream, never told, may still be working on it.)
+    for _ in 0..2 {
+        assert_eq!(
+            status_of(&client, &format!("{base}/slow/hold/2000")).await,
+            504
+        );
+    }
+    // A body cut by sluice after admission (over max_body while it streams).
+    for _ in 0..2 {
+        let chunks = futures_util::stream::iter(
+            (0..64).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'x'; 1024]))),
+        );
+        let response = client
+            .post(format!("{base}/small/hold/300"))
+            .header("x-api-key", KEY)
+            .body(reqwest::Body::wrap_stream(chunks))
+            .send()
+            .await;
+        if let Ok(response) = response {
+            assert_eq!(response.status(), 413, "the body is over max_body");
+        }
+    }
+    support::wait_for(Duration::from_secs(3), "every lease released", || async {
+        lease_count(&redis, "one").await == 0
+    })
+    .await;
+}
+
+/// A stream that outlives its lease several times over keeps its place (renewed), and
+/// arrives whole; another request of the key is refused throughout, admitted after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_longer_than_its_lease_keeps_its_place() {
+    let _heavy = support::heavy().await;
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = policy(&up, Limit::concurrent("one", 1).set("lease", "1s")).store_redis(&redis);
+    let a = Sluice::start(&yaml).await;
+    let b = Sluice::start(&yaml).await;
+    let client = support::client();
+    let stream = get(&client, &format!("{}/stream/35/100", a.url())).await;
+    assert_eq!(stream.status(), 200);
+    let reading = tokio::spawn(async move {
+        let mut body = Vec::new();
+        let mut chunks = stream.bytes_stream();
+        while let Some(chunk) = chunks.next().await {
+            body.extend_from_slice(&chunk.expect("the stream is never cut"));
+        }
+        String::from_utf8(body).unwrap()
+    });
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        for url in [a.url(), b.url()] {
+            assert_eq!(
+                status_of(&client, &format!("{url}/hold/0")).await,
+                429,
+                "the stream still holds the place"
+            );
+        }
+    }
+    let body = reading.await.unwrap();
+    assert!(
+        body.ends_with("data: [DONE]\n\n"),
+        "the whole stream arrived: {body:?}"
+    );
+    admitted_within(
+        &client,
+        &format!("{}/hold/0", b.url()),
+        Duration::from_secs(2),
+    )
+    .await;
+    assert_eq!(up.of(KEY).max, 1);
+}
+
+/// An instance killed (SIGKILL) while holding every place: the other instance refuses at
+/// first, and admits again within one lease period, without anyone resetting anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_instances_places_come_back_within_the_lease() {
+    let _heavy = support::heavy().await;
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = policy(&up, Limit::concurrent("two", 2).set("lease", "2s")).store_redis(&redis);
+    let a = Sluice::start(&yaml).await;
+    let b = Sluice::start(&yaml).await;
+    let client = support::client();
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut response = get(&client, &format!("{}/stream/600/50", a.url())).await;
+        assert_eq!(response.status(), 200);
+        response.chunk().await.unwrap();
+        held.push(response);
+    }
+    assert_eq!(
+        status_of(&client, &format!("{}/hold/0", b.url())).await,
+        429
+    );
+    let status = std::process::Command::new("kill")
+        .args(["-KILL", &a.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let killed = Instant::now();
+    drop(held);
+    assert_eq!(
+        status_of(&client, &format!("{}/hold/0", b.url())).await,
+        429,
+        "the dead instance's leases count until its deadline"
+    );
+    let waited = admitted_within(
+        &client,
+        &format!("{}/hold/0", b.url()),
+        Duration::from_secs(4),
+    )
+    .await;
+    let since_kill = killed.elapsed();
+    assert!(
+        since_kill <= Duration::from_millis(3500),
+        "reclaimed {since_kill:?} after the kill (lease 2 s; waited {waited:?})"
+    );
+    let metrics = support::parse_metrics(&b.metrics().await);
+    assert!(
+        support::metric_sum(
+            &metrics,
+            "sluice_concurrency_leases_total",
+            &[("event", "reclaimed")]
+        ) >= 0.0
+    );
+}
+
+/// Redis restarted empty while two streams hold both places: the instance holding them puts
+/// them back at its next renewal, and the key refuses again instead of admitting two more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_come_back_when_redis_restarts_empty() {
+    let _heavy = support::heavy().await;
+    let mut redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    // Refused while Redis is down, not decided in process (`local` would count per instance).
+    let yaml = policy(&up, Limit::concurrent("two", 2).set("lease", "3s"))
+        .store_redis(&redis)
+        .on_store_error(support::OnStoreError::Deny);
+    let a = Sluice::start(&yaml).await;
+    a.expect_store_faults();
+    let client = support::client();
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut response = get(&client, &format!("{}/stream/120/50", a.url())).await;
+        assert_eq!(response.status(), 200);
+        response.chunk().await.unwrap();
+        held.push(response);
+    }
+    redis.restart().await;
+    // One renewal period (a third of the lease) and a margin.
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    assert_eq!(lease_count(&redis, "two").await, 2, "both leases restored");
+    let mut status = 503;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while status == 503 && Instant::now() < deadline {
+        status = status_of(&client, &format!("{}/hold/0", a.url())).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(status, 429, "the restored leases count");
+    let metrics = support::parse_metrics(&a.metrics().await);
+    assert_eq!(
+        support::metric_sum(
+            &metrics,
+            "sluice_concurrency_leases_total",
+            &[("event", "restored")]
+        ),
+        2.0
+    );
+    drop(held);
+    admitted_within(
+        &client,
+        &format!("{}/hold/0", a.url()),
+        Duration::from_secs(3),
+    )
+    .await;
+}
+
+/// The refusal: 429 problem+json naming the limit in concurrent requests, the policy field
+/// with the draft's `concurrent-requests` unit and no window, and a Retry-After of at least 1.
+#[tokio::test]
+async fn a_refusal_says_what_happened() {
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let sluice =
+        Sluice::start(&policy(&up, Limit::concurrent("at-once", 1)).store_redis(&redis)).await;
+    let client = support::client();
+    let mut holding = get(&client, &format!("{}/stream/100/20", sluice.url())).await;
+    assert_eq!(holding.status(), 200);
+    assert_eq!(
+        support::header(&holding, "ratelimit-policy"),
+        "\"at-once\";q=1;qu=\"concurrent-requests\""
+    );
+    assert_eq!(support::header(&holding, "ratelimit"), "\"at-once\";r=0");
+    holding.chunk().await.unwrap();
+    let refused = get(&client, &format!("{}/hold/0", sluice.url())).await;
+    assert_eq!(refused.status(), 429);
+    assert_eq!(
+        support::header(&refused, "content-type"),
+        "application/problem+json"
+    );
+    let retry: u64 = support::header(&refused, "retry-after").parse().unwrap();
+    assert!(retry >= 1);
+    let body: serde_json::Value = refused.json().await.unwrap();
+    assert_eq!(body["limit"], "at-once");
+    assert_eq!(body["unit"], "concurrent-requests");
+    assert_eq!(body["status"], 429);
+}
+
+/// `on_exceed: delay`: a request finding no place waits for one (admitted when the holder
+/// ends) instead of being refused, never beside it; with too short a wait, it is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_can_wait_for_a_place() {
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let sluice =
+        Sluice::start(&policy(&up, Limit::concurrent("one", 1).delay("3s")).store_redis(&redis))
+            .await;
+    let client = support::client();
+    let holder = {
+        let (client, url) = (client.clone(), format!("{}/hold/600", sluice.url()));
+        tokio::spawn(async move { status_of(&client, &url).await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let start = Instant::now();
+    let waiter = get(&client, &format!("{}/hold/0", sluice.url())).await;
+    assert_eq!(waiter.status(), 200, "admitted once the holder ended");
+    assert!(
+        start.elapsed() >= Duration::from_millis(300),
+        "it waited for the place"
+    );
+    assert_eq!(holder.await.unwrap(), 200);
+    assert_eq!(up.of(KEY).max, 1, "never beside the holder");
+
+    let short =
+        Sluice::start(&policy(&up, Limit::concurrent("one", 1).delay("100ms")).store_redis(&redis))
+            .await;
+    let holder = {
+        let (client, url) = (client.clone(), format!("{}/hold/800", short.url()));
+        tokio::spawn(async move { status_of(&client, &url).await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        status_of(&client, &format!("{}/hold/0", short.url())).await,
+        429
+    );
+    assert_eq!(holder.await.unwrap(), 200);
+    let metrics = support::parse_metrics(&short.metrics().await);
+    assert_eq!(
+        support::metric_sum(
+            &metrics,
+            "sluice_concurrency_leases_total",
+            &[("event", "wait_timeout")]
+        ),
+        1.0
+    );
+}
