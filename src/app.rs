@@ -290,6 +290,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     let worker_connections = metrics.worker_connections.clone();
     let gateway = Arc::new(Gateway::new(policy, store, &config.server, &metrics));
     let request_log = gateway.request_log();
+    let store = gateway.shared_store();
     let draining = Arc::new(AtomicBool::new(false));
     let (stop, stopping) = watch::channel(false);
     let mut gateway_settings = settings.clone();
@@ -440,6 +441,9 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
             tracing::error!("a worker thread panicked");
         }
     }
+    // The leases of requests the drain cut (their releases' tasks died with the workers'
+    // runtimes), so no place stays taken until its lease period ends.
+    store.end_leases(Duration::from_secs(2)).await;
     // The counts since the last report, so a rejection summary is never lost at exit.
     request_log.report();
     Ok(())

@@ -133,6 +133,14 @@ impl Held {
             .unwrap_or_default()
     }
 
+    /// Every key with the lease ids registered under it, forgotten here.
+    fn take_all(&self) -> Vec<(String, Vec<String>)> {
+        self.lock()
+            .drain()
+            .map(|(key, held)| (key, held.leases.into_keys().collect()))
+            .collect()
+    }
+
     /// Cuts the requests of every key whose deadline in Redis may pass before the next
     /// renewal could land (`margin` before it), and forgets those keys; how many leases.
     fn cut_expiring(&self, now: Instant, margin: Duration) -> usize {
@@ -169,9 +177,12 @@ pub(super) async fn renew(held: Weak<Held>, store: Arc<RedisStore>, counters: Le
         }
         for (checks, admission) in held.take_orphans() {
             match store.release(&checks, &admission, 0).await {
-                Ok(released) => counters
-                    .gone
-                    .inc_by(checks.len().saturating_sub(released) as u64),
+                Ok(released) => {
+                    counters
+                        .gone
+                        .inc_by(checks.len().saturating_sub(released) as u64);
+                    held.unregister(&checks, &admission.member);
+                }
                 Err(_) => held.orphan(checks, admission),
             }
         }
@@ -184,6 +195,18 @@ pub(super) async fn renew(held: Weak<Held>, store: Arc<RedisStore>, counters: Le
             );
         }
     }
+}
+
+/// Releases every lease still registered (at exit: requests cut by the drain, releases that
+/// had not landed), one call per key; how many.
+pub(super) async fn end_all(held: &Held, store: &RedisStore) -> usize {
+    let mut ended = 0;
+    for (key, ids) in held.take_all() {
+        if store.end_leases(&key, &ids).await.is_ok() {
+            ended += ids.len();
+        }
+    }
+    ended
 }
 
 /// One renewal call for `keys` (lease period `window`), and one restoring those the store
@@ -336,20 +359,23 @@ impl Lease {
         for gauge in &self.gauges {
             gauge.dec();
         }
-        if let Some(held) = self.store.held_leases() {
-            if self.lost.is_some() {
-                held.unregister(&self.checks, &self.admission.member);
-            }
-        }
         let store = Arc::clone(&self.store);
         let checks = self.checks.clone();
         let admission = self.admission.clone();
+        // Still registered until the store has it back: renewed meanwhile, and released at
+        // exit (`Store::end_leases`) if the process stops first.
+        let registered = self.lost.is_some();
         Some(async move {
             match store.release(&checks, &admission).await {
-                Ok(released) => store.count_gone(checks.len().saturating_sub(released)),
+                Ok(released) => {
+                    store.count_gone(checks.len().saturating_sub(released));
+                    if let (Some(held), true) = (store.held_leases(), registered) {
+                        held.unregister(&checks, &admission.member);
+                    }
+                }
                 Err(err) => {
                     tracing::debug!(store = store.name(), error = %err, "cannot release a concurrency lease; trying again");
-                    if let Some(held) = store.held_leases() {
+                    if let (Some(held), true) = (store.held_leases(), registered) {
                         held.orphan(checks, admission);
                     }
                 }

@@ -352,6 +352,20 @@ impl Store {
         }
     }
 
+    /// Releases every concurrency lease this instance still holds in Redis: at exit, after
+    /// the drain, for the requests it cut and the releases that had not landed (a drop at
+    /// shutdown cannot count on its task running). Bounded by `within`.
+    pub async fn end_leases(&self, within: Duration) {
+        let Backend::Redis { store, leases, .. } = &self.backend else {
+            return;
+        };
+        match tokio::time::timeout(within, leases::end_all(leases, store)).await {
+            Ok(0) => {}
+            Ok(ended) => tracing::info!(leases = ended, "released the concurrency leases of requests cut at exit"),
+            Err(_) => tracing::warn!("could not release every concurrency lease at exit; the store reclaims them after their lease period"),
+        }
+    }
+
     /// Counts releases that found their lease already gone.
     fn count_gone(&self, gone: usize) {
         self.lease_counters.gone.inc_by(gone as u64);

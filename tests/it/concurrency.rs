@@ -518,3 +518,76 @@ async fn a_request_can_wait_for_a_place() {
         1.0
     );
 }
+
+/// A WebSocket holds its place until it closes: a second upgrade of the key is refused while
+/// the first is open, admitted once it closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_websocket_holds_its_place_until_it_closes() {
+    use futures_util::SinkExt;
+    use tokio_tungstenite::tungstenite::Message;
+    let redis = Redis::start().await;
+    let echo = support::websocket::EchoServer::start().await;
+    let yaml = Policy::new()
+        .store_redis(&redis)
+        .upstream(
+            "echo",
+            UpstreamSpec::new(&format!("http://{}", echo.addr)).timeout("10s"),
+        )
+        .route(
+            Route::new("ws", "/ws")
+                .upstream("echo")
+                .limit(Limit::concurrent("sockets", 1).set("lease", "60s").key([])),
+        );
+    let sluice = Sluice::start(&yaml).await;
+    let url = format!("ws://127.0.0.1:{}/ws", sluice.addr().port());
+    let (mut first, _) = tokio_tungstenite::connect_async(&url).await.expect("the first");
+    first.send(Message::text("hello")).await.unwrap();
+    assert!(first.next().await.is_some(), "an echo");
+    let second = tokio_tungstenite::connect_async(&url).await;
+    match second {
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            assert_eq!(response.status(), 429, "refused while the first is open")
+        }
+        other => panic!("the second upgrade must be refused: {:?}", other.map(|_| ())),
+    }
+    first.close(None).await.unwrap();
+    drop(first);
+    let start = Instant::now();
+    loop {
+        match tokio_tungstenite::connect_async(&url).await {
+            Ok(_) => break,
+            Err(_) => {
+                assert!(start.elapsed() < Duration::from_secs(3), "admitted after the close");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// SIGTERM while a stream holds the place: the drain cuts it at the grace's end, and the
+/// place is released at exit, not left to the (long) lease: the other instance admits at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drain_releases_the_places_it_cuts() {
+    let _heavy = support::heavy().await;
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = policy(&up, Limit::concurrent("one", 1).set("lease", "60s"))
+        .store_redis(&redis)
+        .server("shutdown_grace", "1s");
+    let mut a = Sluice::start(&yaml).await;
+    let b = Sluice::start(&yaml).await;
+    let client = support::client();
+    let mut stream = get(&client, &format!("{}/stream/600/50", a.url())).await;
+    assert_eq!(stream.status(), 200);
+    stream.chunk().await.unwrap();
+    assert_eq!(status_of(&client, &format!("{}/hold/0", b.url())).await, 429);
+    a.terminate();
+    assert!(a.wait_exit(Duration::from_secs(10)).await.is_some(), "a exits");
+    drop(stream);
+    assert_eq!(
+        lease_count(&redis, "one").await,
+        0,
+        "the lease was released at exit"
+    );
+    assert_eq!(status_of(&client, &format!("{}/hold/0", b.url())).await, 200);
+}

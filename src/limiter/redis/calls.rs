@@ -214,6 +214,14 @@ impl RedisStore {
         Ok(answers)
     }
 
+    /// Deletes the leases `ids` of the concurrency key `key` (at exit).
+    pub async fn end_leases(&self, key: &str, ids: &[String]) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("HDEL");
+        cmd.arg(key).arg(ids);
+        let _: i64 = self.run(&cmd, None).await?;
+        Ok(())
+    }
+
     /// The holders of the concurrency key `key`: lease id → when it was taken (store-clock
     /// microseconds), and the time now on that clock.
     pub async fn holders(&self, key: &str) -> Result<(Vec<(String, u64)>, u64), StoreError> {
