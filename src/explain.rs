@@ -196,7 +196,11 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         };
         let check = &plan.checks[at];
         let parts: Vec<String> = limit.key.iter().map(KeyPart::to_string).collect();
-        let mut extras = vec![limit.spec.algorithm.label().to_owned()];
+        let traits = limit.spec.algorithm.traits();
+        let mut extras = vec![traits.label.to_owned()];
+        if !traits.exact {
+            extras.push("approximate".to_owned());
+        }
         if limit.spec.cost > 1 {
             extras.push(format!("cost {}", limit.spec.cost));
         }
@@ -236,12 +240,19 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             ),
             None => human(limit.spec.window),
         };
+        let amount = if limit.spec.algorithm == crate::limiter::Algorithm::Concurrency {
+            format!(
+                "{} at once (lease {})",
+                limit.spec.requests,
+                human(limit.spec.window)
+            )
+        } else {
+            format!("{}{unit} per {per}", limit.spec.requests)
+        };
         let _ = writeln!(
             out,
-            "  {}: {}{unit} per {} ({}), key [{}]",
+            "  {}: {amount} ({}), key [{}]",
             limit.name,
-            limit.spec.requests,
-            per,
             extras.join(", "),
             parts.join(", ")
         );

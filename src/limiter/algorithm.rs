@@ -1,6 +1,7 @@
 //! The algorithm table: every way a limit can count, with what each can do, stated once as
-//! data. The policy rules, the token code, the deny cache, the Redis scripts' dispatchers and
-//! the docs read this table; nothing else names an algorithm's abilities. Adding an algorithm
+//! data. The policy rules (the token budgets' among them), the deny cache, the stores' delay,
+//! `sluice explain` and the Redis scripts' dispatchers read this table; nothing else names an
+//! algorithm's abilities (the book's table in `guides/algorithms.md` mirrors it by hand). Adding an algorithm
 //! is: its pure Rust module (for the in-process store) and its Lua file (for Redis), one row
 //! here, its config spelling, and its state kind in `local.rs` (see the book's "Adding an
 //! algorithm or a limit kind").

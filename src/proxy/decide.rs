@@ -61,14 +61,17 @@ pub async fn decide<'r>(
     let Some(mut decision) = ask(store, log, route, &plan.checks).await? else {
         return Ok(());
     };
-    if !decision.admitted {
+    let refused_first = !decision.admitted;
+    if refused_first {
         // Boxed: only a refusal a concurrency limit may wait out takes this step.
         match Box::pin(wait_for_place(store, waiting, log, route, &plan, decision)).await? {
             (Some(waited), at) => (decision, sent) = (waited, at),
             (None, _) => return Ok(()),
         }
     }
-    count(&plan.limits, &decision, exchange);
+    // Admitted after waiting for a place: counted as delayed by the limits that waited.
+    let waited = refused_first && decision.admitted;
+    count(&plan.limits, &decision, waited, exchange);
     let admitted = decision.admitted;
     let mut decided = Decided {
         limits: plan.limits,
@@ -199,12 +202,12 @@ fn lease(store: &Arc<Store>, decided: &Decided<'_>, sent: Instant) -> Option<Lea
 
 /// Each limit's counters; the names of shadow limits that would have rejected the request go
 /// to the access log.
-fn count(limits: &[&Limit], decision: &Decision, exchange: &mut Exchange<'_>) {
+fn count(limits: &[&Limit], decision: &Decision, waited: bool, exchange: &mut Exchange<'_>) {
     for (limit, &rejecting) in limits.iter().zip(&decision.rejecting) {
         if limit.spec.shadow && rejecting {
             limit.metrics.shadow_rejected.inc();
             exchange.note_shadow_rejection(limit.name.as_str());
-        } else if decision.admitted && rejecting {
+        } else if decision.admitted && (rejecting || (waited && waits(limit))) {
             limit.metrics.delayed.inc();
         } else if decision.admitted {
             limit.metrics.admitted.inc();

@@ -137,7 +137,7 @@ impl Finisher {
             _ => {
                 let retry_after = match stop {
                     Stop::TooManyHeld { delay } => Some(retry_after_seconds(*delay)),
-                    Stop::StoreUnavailable | Stop::Busy { .. } => Some(1),
+                    Stop::StoreUnavailable | Stop::LeaseLost | Stop::Busy { .. } => Some(1),
                     _ => None,
                 };
                 let mut extra: &[(&str, &str)] = &[];

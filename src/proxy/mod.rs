@@ -292,7 +292,7 @@ impl Gateway {
                     tokio::select! {
                         acted = act => acted,
                         // The store will give its place to another request.
-                        () = lost => Err(Stop::StoreUnavailable),
+                        () = lost => Err(Stop::LeaseLost),
                     }
                 })
                 .await
@@ -309,7 +309,12 @@ impl Gateway {
                     Box::pin(tokens::settle(&self.store, decided, acted, prices.as_ref())).await;
             }
         }
+        // A WebSocket's 101 has no body to hold it: its tunnel does.
+        let switched = |a: &Answered| a.response.status() == http::StatusCode::SWITCHING_PROTOCOLS;
         if let (Some(lease), Ok(answered)) = (lease, &mut acted) {
+            if switched(answered) {
+                return acted;
+            }
             let body =
                 std::mem::replace(answered.response.body_mut(), ProxyBody::full(Bytes::new()));
             *answered.response.body_mut() = in_flight::LeasedBody::wrap(body, lease);

@@ -48,6 +48,9 @@ pub enum Stop {
     TooManyHeld { delay: Duration },
     /// The store cannot decide and the route's `on_store_error` is `deny` (503).
     StoreUnavailable,
+    /// A concurrency limit's lease could not be renewed before the store gives its place to
+    /// another request: the request was stopped before its answer began (503).
+    LeaseLost,
     /// The route's `jwks_url` verifier has no keys yet: no token can be judged (503).
     KeysUnavailable,
     /// The upstream failed.
@@ -71,7 +74,7 @@ impl Stop {
             | Stop::Unauthenticated(_)
             | Stop::Unreservable { .. } => Fault::Client,
             Stop::Limited | Stop::TooManyHeld { .. } | Stop::Busy { .. } => Fault::Limit,
-            Stop::StoreUnavailable => Fault::Store,
+            Stop::StoreUnavailable | Stop::LeaseLost => Fault::Store,
             Stop::Upstream { .. } => Fault::Upstream,
             Stop::Internal(_) | Stop::KeysUnavailable => Fault::Sluice,
         }
@@ -86,7 +89,10 @@ impl Stop {
             Stop::Body(BodyFault::TooSlow) => StatusCode::REQUEST_TIMEOUT,
             Stop::Body(BodyFault::Malformed) => StatusCode::BAD_REQUEST,
             Stop::Limited | Stop::TooManyHeld { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Stop::StoreUnavailable | Stop::Busy { .. } | Stop::KeysUnavailable => {
+            Stop::StoreUnavailable
+            | Stop::LeaseLost
+            | Stop::Busy { .. }
+            | Stop::KeysUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Stop::Upstream { error, .. } => match error {
@@ -138,6 +144,10 @@ impl Stop {
             Stop::StoreUnavailable => {
                 "the rate-limit store is unavailable; the request was not forwarded".to_owned()
             }
+            Stop::LeaseLost => "the rate-limit store could not be reached to keep this \
+                request's place of a concurrency limit, which the store then gives to another \
+                request: it was forwarded, and stopped before its answer began"
+                .to_owned(),
             Stop::Upstream { error, .. } => error.to_string(),
             Stop::Internal(what) => (*what).to_owned(),
             Stop::KeysUnavailable => "keys not yet available: this route's JWT verifier has not \

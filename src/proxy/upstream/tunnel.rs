@@ -98,16 +98,31 @@ pub fn spawn(client: ClientSide, upstream: OnUpgrade, route: String) {
         let mut client_io = StampedIo::new(TokioIo::new(client_io), &activity);
         let mut upstream_io = StampedIo::new(TokioIo::new(upstream_io), &activity);
         let copy = tokio::io::copy_bidirectional(&mut client_io, &mut upstream_io);
-        let ended = match idle_timeout {
-            Some(idle) => until_idle(copy, IdleWatch::new(activity, idle)).await,
-            None => Some(copy.await),
+        // A concurrency lease that cannot be renewed closes the tunnel: the store gives the
+        // place to another request.
+        let lost = lease.as_ref().map(|lease| lease.0.lost());
+        let copying = async {
+            match idle_timeout {
+                Some(idle) => until_idle(copy, IdleWatch::new(activity, idle)).await,
+                None => Some(copy.await),
+            }
+        };
+        let ended = match lost {
+            None => copying.await,
+            Some(lost) => tokio::select! {
+                ended = copying => ended,
+                () = lost => {
+                    tracing::warn!(route, "WebSocket closed: its concurrency lease could not be renewed");
+                    None
+                }
+            },
         };
         match ended {
             Some(Ok((up, down))) => {
                 tracing::debug!(route, bytes_up = up, bytes_down = down, "WebSocket closed")
             }
             Some(Err(err)) => tracing::debug!(route, error = %err, "WebSocket broke off"),
-            None => tracing::debug!(route, "WebSocket closed after the idle timeout"),
+            None => tracing::debug!(route, "WebSocket closed after the idle timeout or a lost lease"),
         }
         // The connections close as they drop here, and the client's slot and the request's
         // lease are given back.
