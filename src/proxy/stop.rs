@@ -92,9 +92,7 @@ impl Stop {
             Stop::StoreUnavailable
             | Stop::LeaseLost
             | Stop::Busy { .. }
-            | Stop::KeysUnavailable => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            | Stop::KeysUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Stop::Upstream { error, .. } => match error {
                 ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
                 _ => StatusCode::BAD_GATEWAY,

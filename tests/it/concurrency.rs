@@ -334,20 +334,22 @@ async fn a_stream_longer_than_its_lease_keeps_its_place() {
     assert_eq!(up.of(KEY).max, 1);
 }
 
-/// An instance killed (SIGKILL) while holding every place: the other instance refuses at
-/// first, and admits again within one lease period, without anyone resetting anything.
+/// An instance killed (SIGKILL) while holding places: the other instance, which holds the
+/// last place itself (so its renewals keep the key alive: only a reclaim can free the dead
+/// one's), refuses at first, and admits again within one lease period, without anyone
+/// resetting anything; the reclaimed leases are counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_instances_places_come_back_within_the_lease() {
     let _heavy = support::heavy().await;
     let redis = Redis::start().await;
     let up = InFlightUpstream::start().await;
-    let yaml = policy(&up, Limit::concurrent("two", 2).set("lease", "2s")).store_redis(&redis);
+    let yaml = policy(&up, Limit::concurrent("three", 3).set("lease", "2s")).store_redis(&redis);
     let a = Sluice::start(&yaml).await;
     let b = Sluice::start(&yaml).await;
     let client = support::client();
     let mut held = Vec::new();
-    for _ in 0..2 {
-        let mut response = get(&client, &format!("{}/stream/600/50", a.url())).await;
+    for url in [a.url(), a.url(), b.url()] {
+        let mut response = get(&client, &format!("{url}/stream/600/50")).await;
         assert_eq!(response.status(), 200);
         response.chunk().await.unwrap();
         held.push(response);
@@ -362,6 +364,7 @@ async fn a_killed_instances_places_come_back_within_the_lease() {
         .unwrap();
     assert!(status.success());
     let killed = Instant::now();
+    let b_holds = held.pop();
     drop(held);
     assert_eq!(
         status_of(&client, &format!("{}/hold/0", b.url())).await,
@@ -379,14 +382,21 @@ async fn a_killed_instances_places_come_back_within_the_lease() {
         since_kill <= Duration::from_millis(3500),
         "reclaimed {since_kill:?} after the kill (lease 2 s; waited {waited:?})"
     );
-    let metrics = support::parse_metrics(&b.metrics().await);
-    assert!(
-        support::metric_sum(
-            &metrics,
-            "sluice_concurrency_leases_total",
-            &[("event", "reclaimed")]
-        ) >= 0.0
-    );
+    // B's next renewal reads the count the reclaim left.
+    support::wait_for(
+        Duration::from_secs(2),
+        "2 reclaimed leases counted",
+        || async {
+            let metrics = support::parse_metrics(&b.metrics().await);
+            support::metric_sum(
+                &metrics,
+                "sluice_concurrency_leases_total",
+                &[("event", "reclaimed")],
+            ) == 2.0
+        },
+    )
+    .await;
+    drop(b_holds);
 }
 
 /// Redis restarted empty while two streams hold both places: the instance holding them puts
@@ -540,7 +550,9 @@ async fn a_websocket_holds_its_place_until_it_closes() {
         );
     let sluice = Sluice::start(&yaml).await;
     let url = format!("ws://127.0.0.1:{}/ws", sluice.addr().port());
-    let (mut first, _) = tokio_tungstenite::connect_async(&url).await.expect("the first");
+    let (mut first, _) = tokio_tungstenite::connect_async(&url)
+        .await
+        .expect("the first");
     first.send(Message::text("hello")).await.unwrap();
     assert!(first.next().await.is_some(), "an echo");
     let second = tokio_tungstenite::connect_async(&url).await;
@@ -548,7 +560,10 @@ async fn a_websocket_holds_its_place_until_it_closes() {
         Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
             assert_eq!(response.status(), 429, "refused while the first is open")
         }
-        other => panic!("the second upgrade must be refused: {:?}", other.map(|_| ())),
+        other => panic!(
+            "the second upgrade must be refused: {:?}",
+            other.map(|_| ())
+        ),
     }
     first.close(None).await.unwrap();
     drop(first);
@@ -557,7 +572,10 @@ async fn a_websocket_holds_its_place_until_it_closes() {
         match tokio_tungstenite::connect_async(&url).await {
             Ok(_) => break,
             Err(_) => {
-                assert!(start.elapsed() < Duration::from_secs(3), "admitted after the close");
+                assert!(
+                    start.elapsed() < Duration::from_secs(3),
+                    "admitted after the close"
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
@@ -580,14 +598,23 @@ async fn a_drain_releases_the_places_it_cuts() {
     let mut stream = get(&client, &format!("{}/stream/600/50", a.url())).await;
     assert_eq!(stream.status(), 200);
     stream.chunk().await.unwrap();
-    assert_eq!(status_of(&client, &format!("{}/hold/0", b.url())).await, 429);
+    assert_eq!(
+        status_of(&client, &format!("{}/hold/0", b.url())).await,
+        429
+    );
     a.terminate();
-    assert!(a.wait_exit(Duration::from_secs(10)).await.is_some(), "a exits");
+    assert!(
+        a.wait_exit(Duration::from_secs(10)).await.is_some(),
+        "a exits"
+    );
     drop(stream);
     assert_eq!(
         lease_count(&redis, "one").await,
         0,
         "the lease was released at exit"
     );
-    assert_eq!(status_of(&client, &format!("{}/hold/0", b.url())).await, 200);
+    assert_eq!(
+        status_of(&client, &format!("{}/hold/0", b.url())).await,
+        200
+    );
 }

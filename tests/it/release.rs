@@ -312,7 +312,11 @@ async fn every_algorithm_of_the_table_is_reachable_in_every_script() {
         let decision = store.decide(std::slice::from_ref(&one)).await.unwrap();
         assert!(decision.admitted, "{algorithm:?}");
         let (peek, answered) = store.peek(&one).await.unwrap();
-        assert_eq!((peek.count, answered), (1, "redis"), "{algorithm:?} counted one");
+        assert_eq!(
+            (peek.count, answered),
+            (1, "redis"),
+            "{algorithm:?} counted one"
+        );
         let admission = decision.admission.expect("an admission");
         let held = store
             .release(std::slice::from_ref(&one), &admission)
@@ -322,5 +326,7 @@ async fn every_algorithm_of_the_table_is_reachable_in_every_script() {
         let (peek, _) = store.peek(&one).await.unwrap();
         assert_eq!(peek.count, 0, "{algorithm:?} counts nothing after");
     }
-    redis.assert_every_key_expires(Duration::from_secs(120)).await;
+    redis
+        .assert_every_key_expires(Duration::from_secs(120))
+        .await;
 }

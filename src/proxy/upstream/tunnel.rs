@@ -122,7 +122,10 @@ pub fn spawn(client: ClientSide, upstream: OnUpgrade, route: String) {
                 tracing::debug!(route, bytes_up = up, bytes_down = down, "WebSocket closed")
             }
             Some(Err(err)) => tracing::debug!(route, error = %err, "WebSocket broke off"),
-            None => tracing::debug!(route, "WebSocket closed after the idle timeout or a lost lease"),
+            None => tracing::debug!(
+                route,
+                "WebSocket closed after the idle timeout or a lost lease"
+            ),
         }
         // The connections close as they drop here, and the client's slot and the request's
         // lease are given back.
