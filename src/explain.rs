@@ -277,6 +277,17 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             );
         }
         let _ = writeln!(out, "    store key: {}", check.key);
+        if limit.spec.algorithm == crate::limiter::Algorithm::Concurrency {
+            // `explain` asks no store; a running instance's admin API does.
+            let _ = writeln!(
+                out,
+                "    in flight now: GET /admin/v1/limits/{}/{}?key={} on a running instance \
+                 lists the holders",
+                route.name,
+                limit.name,
+                store_key::identity_of(&policy, route, limit, &check.key)
+            );
+        }
         if cluster {
             let _ = writeln!(
                 out,

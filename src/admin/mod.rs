@@ -166,9 +166,15 @@ impl Admin {
             ["reload"] => not_allowed(path, "POST"),
             ["limits", route, limit] if method == Method::GET || method == Method::DELETE => {
                 let query = request.uri().query().unwrap_or_default();
-                self.limit(method, route, limit, query, path).await
+                self.limit(method, (route, limit, None), query, path).await
             }
             ["limits", _, _] => not_allowed(path, "GET, DELETE"),
+            ["limits", route, limit, "leases", lease] if method == Method::DELETE => {
+                let query = request.uri().query().unwrap_or_default();
+                self.limit(method, (route, limit, Some(lease)), query, path)
+                    .await
+            }
+            ["limits", _, _, "leases", _] => not_allowed(path, "DELETE"),
             _ => problem(
                 StatusCode::NOT_FOUND,
                 "no such admin endpoint: try /admin/v1/limits/{route}/{limit}?key=..., \
@@ -179,11 +185,12 @@ impl Admin {
         }
     }
 
+    /// One identity of `route`'s `limit`: read (`GET`), reset (`DELETE`), or, for a
+    /// concurrency limit, one of its leases ended (`DELETE .../leases/{lease}`).
     async fn limit(
         &self,
         method: &Method,
-        route: &str,
-        limit: &str,
+        (route, limit, lease): (&str, &str, Option<&str>),
         query: &str,
         path: &str,
     ) -> Response<ProxyBody> {
@@ -211,7 +218,31 @@ impl Admin {
         let check = store_key::check(rule, key, crate::runtime::clock::now());
         let store = self.gateway.store();
         let identity = store_key::identity_of(&policy, found, rule, &check.key);
-        let outcome = if method == Method::DELETE {
+        let concurrent = rule.spec.algorithm == crate::limiter::Algorithm::Concurrency;
+        let outcome = if let Some(lease) = lease {
+            if !concurrent {
+                return problem(
+                    StatusCode::NOT_FOUND,
+                    &format!("limit `{limit}` is not a concurrency limit: it holds no leases"),
+                    path,
+                    &[],
+                );
+            }
+            match store.end_lease(&check, lease).await {
+                Ok(ended) => {
+                    tracing::info!(route, limit, identity = %crate::log::key_hash(&check.key), lease, ended, "admin API: concurrency lease ended");
+                    json!({ "store": store.name(), "lease": lease, "ended": ended })
+                }
+                Err(err) => {
+                    return problem(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        &format!("{} store: {err}", store.name()),
+                        path,
+                        &[],
+                    )
+                }
+            }
+        } else if method == Method::DELETE {
             match store.reset(&check).await {
                 Ok(forgotten) => {
                     tracing::info!(route, limit, identity = %crate::log::key_hash(&check.key), "admin API: quota reset");
@@ -278,6 +309,39 @@ impl Admin {
                     "resets_at": crate::response::reset_instant(quota, check.spec.window),
                 }),
             );
+        }
+        if concurrent && lease.is_none() && method == Method::GET {
+            match store.holders(&check).await {
+                Ok((holders, _)) => {
+                    let holders: Vec<serde_json::Value> = holders
+                        .iter()
+                        .map(|h| {
+                            json!({
+                                "lease": h.lease,
+                                "instance": h.instance,
+                                "age": h.age.as_secs_f64(),
+                            })
+                        })
+                        .collect();
+                    merge(
+                        &mut body,
+                        json!({
+                            "unit": "concurrent-requests",
+                            "lease_period": rule.spec.window.as_secs_f64(),
+                            "window": serde_json::Value::Null,
+                            "holders": holders,
+                        }),
+                    );
+                }
+                Err(err) => {
+                    return problem(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        &format!("{} store: {err}", store.name()),
+                        path,
+                        &[],
+                    )
+                }
+            }
         }
         merge(&mut body, outcome);
         json_response(StatusCode::OK, &body)

@@ -37,6 +37,11 @@ impl Leases {
         self.held.is_empty()
     }
 
+    /// The leases held: id and when it was taken.
+    pub fn held(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.held.iter().map(|(id, &taken)| (id.as_str(), taken))
+    }
+
     /// Whether one more request of `spec.cost` fits.
     pub fn check(&self, spec: &Spec) -> Room {
         let n = self.held.len() as u64;

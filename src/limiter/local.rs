@@ -495,6 +495,23 @@ impl LocalStore {
         }
     }
 
+    /// The leases held under the concurrency key `key`.
+    pub fn holders(&self, key: &str) -> Vec<super::Holder> {
+        let now = micros_since(self.epoch);
+        let logs = lock(&self.shards.shards[self.shards.index(key)]);
+        match logs.peek(key).map(|log| &log.cell) {
+            Some(Cell::Leases(leases)) => leases
+                .held()
+                .map(|(lease, taken)| super::Holder {
+                    lease: lease.to_owned(),
+                    instance: "local".to_owned(),
+                    age: Duration::from_micros(now.saturating_sub(taken)),
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Forgets everything recorded under `key`; whether there was anything.
     pub fn forget(&self, key: &str) -> bool {
         let mut logs = lock(&self.shards.shards[self.shards.index(key)]);

@@ -180,6 +180,17 @@ pub struct Peek {
     pub reset: Duration,
 }
 
+/// One request holding a place of a concurrency limit (the admin API's list).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// The lease id: the request's member (`{instance:016x}-{seq}`; a number in process).
+    pub lease: String,
+    /// The instance holding it (16 hex digits), `local` for the in-process store.
+    pub instance: String,
+    /// How long it has been held.
+    pub age: Duration,
+}
+
 /// What a reset forgot: the store's key, a remembered denial, the local fallback's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Forgotten {
@@ -550,6 +561,50 @@ impl Store {
                 Ok((store.peek(check).await?, "redis"))
             }
         }
+    }
+
+    /// The requests holding places of the concurrency limit `check` now, and which store
+    /// answered (as `peek`).
+    pub async fn holders(&self, check: &Check) -> Result<(Vec<Holder>, &'static str), StoreError> {
+        match &self.backend {
+            Backend::Local(store) => Ok((store.holders(&check.key), "local")),
+            Backend::Redis {
+                store,
+                breaker,
+                fallback,
+                ..
+            } => {
+                if breaker.is_open() {
+                    return Ok((fallback.holders(&check.key), "local_fallback"));
+                }
+                let (held, now) = store.holders(&check.key).await?;
+                let holders = held
+                    .into_iter()
+                    .map(|(lease, taken)| Holder {
+                        instance: lease.split('-').next().unwrap_or_default().to_owned(),
+                        lease,
+                        age: Duration::from_micros(now.saturating_sub(taken)),
+                    })
+                    .collect();
+                Ok((holders, "redis"))
+            }
+        }
+    }
+
+    /// Ends one lease of the concurrency limit `check` (the admin API): its place is free at
+    /// once; the request holding it goes on, its own release later finding it gone. Whether
+    /// it was held.
+    pub async fn end_lease(&self, check: &Check, lease: &str) -> Result<bool, StoreError> {
+        let admission = Admission {
+            member: lease.to_owned(),
+            at_us: 0,
+            decided_us: 0,
+            local: matches!(self.backend, Backend::Local(_)),
+        };
+        let released = self
+            .release(std::slice::from_ref(check), &admission)
+            .await?;
+        Ok(released > 0)
     }
 
     /// Forgets everything this instance and the store hold for `check.key`: the store's key,

@@ -618,3 +618,74 @@ async fn a_drain_releases_the_places_it_cuts() {
         200
     );
 }
+
+/// The admin API lists a concurrency key's holders (lease, instance, age) and ends one: its
+/// place is free at once, and the request's own release later finds it gone (counted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_admin_api_lists_the_holders_and_ends_one() {
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = policy(&up, Limit::concurrent("one", 1).set("lease", "60s"))
+        .store_redis(&redis)
+        .set("admin", support::Node::map([("api", true)]));
+    let sluice = Sluice::start(&yaml).await;
+    let client = support::client();
+    let mut stream = get(&client, &format!("{}/stream/200/20", sluice.url())).await;
+    assert_eq!(stream.status(), 200);
+    stream.chunk().await.unwrap();
+    let limit = format!(
+        "{}/admin/v1/limits/default/one?header.x-api-key={KEY}",
+        sluice.admin_url()
+    );
+    let listed: serde_json::Value = client
+        .get(&limit)
+        .header("x-sluice-admin", "1")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed["count"], 1, "{listed}");
+    assert_eq!(listed["unit"], "concurrent-requests", "{listed}");
+    let holders = listed["holders"].as_array().expect("holders");
+    assert_eq!(holders.len(), 1, "{listed}");
+    let lease = holders[0]["lease"].as_str().unwrap().to_owned();
+    assert!(lease.starts_with(holders[0]["instance"].as_str().unwrap()));
+    assert!(holders[0]["age"].as_f64().unwrap() < 10.0);
+    assert_eq!(
+        status_of(&client, &format!("{}/hold/0", sluice.url())).await,
+        429
+    );
+    let ended: serde_json::Value = client
+        .delete(format!(
+            "{}/admin/v1/limits/default/one/leases/{lease}?header.x-api-key={KEY}",
+            sluice.admin_url()
+        ))
+        .header("x-sluice-admin", "1")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ended["ended"], true, "{ended}");
+    assert_eq!(
+        status_of(&client, &format!("{}/hold/0", sluice.url())).await,
+        200
+    );
+    drop(stream);
+    support::wait_for(
+        Duration::from_secs(3),
+        "the late release counted as gone",
+        || async {
+            let metrics = support::parse_metrics(&sluice.metrics().await);
+            support::metric_sum(
+                &metrics,
+                "sluice_concurrency_leases_total",
+                &[("event", "gone")],
+            ) == 1.0
+        },
+    )
+    .await;
+}

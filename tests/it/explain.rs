@@ -414,3 +414,44 @@ async fn admin_get(sluice: &support::Sluice, path: &str) -> (u16, serde_json::Va
     let status = response.status().as_u16();
     (status, response.json().await.expect("a JSON body"))
 }
+
+/// A concurrency limit is explained as places at once with its lease, its key, and where a
+/// running instance shows who holds them.
+#[test]
+fn explains_a_concurrency_limit() {
+    let yaml = r#"listen: 127.0.0.1:1
+admin_listen: 127.0.0.1:2
+upstreams:
+  api: { url: "http://127.0.0.1:3000" }
+routes:
+  - name: chat
+    match: { path_prefix: /chat }
+    upstream: api
+    limits:
+      - { name: at-once, key: ["header:x-api-key"], concurrent: 5 }
+      - { name: window, key: ["header:x-api-key"], requests: 5, window: 1m, algorithm: fixed_window }
+"#;
+    let config = write_config(yaml);
+    let path = config.path().to_str().unwrap().to_owned();
+    let out = run_sluice(
+        &[
+            "explain",
+            "--config",
+            &path,
+            "GET",
+            "/chat",
+            "-H",
+            "x-api-key: k1",
+        ],
+        Duration::from_secs(10),
+    );
+    assert!(out.status.success(), "{}", out.stderr);
+    for line in [
+        "  at-once: 5 at once (lease 10s) (concurrency), key [header:x-api-key]",
+        "    store key: sluice:chat:at-once:concurrency:{h:x-api-key=k1}",
+        "    in flight now: GET /admin/v1/limits/chat/at-once?key=h:x-api-key=k1 on a running instance lists the holders",
+        "  window: 5 per 1m (fixed_window, approximate), key [header:x-api-key]",
+    ] {
+        assert!(out.stdout.contains(line), "missing {line:?} in\n{}", out.stdout);
+    }
+}
