@@ -689,3 +689,66 @@ async fn the_admin_api_lists_the_holders_and_ends_one() {
     )
     .await;
 }
+
+/// On a Redis Cluster, with keys in several slots (each key's lease hashes live in its own
+/// slot, renewed per slot): two instances, 30 clients over three keys, never more than the
+/// limit of any key at once at the upstream, each limit used whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cluster_holds_the_limit_of_every_key() {
+    const LIMIT: usize = 3;
+    let _heavy = support::heavy().await;
+    let cluster = support::RedisCluster::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = policy(
+        &up,
+        Limit::concurrent("at-once", LIMIT as u32).set("lease", "2s"),
+    )
+    .store_cluster(&cluster);
+    let a = Sluice::start(&yaml).await;
+    let b = Sluice::start(&yaml).await;
+    let urls = Arc::new([a.url(), b.url()]);
+    let keys = ["alpha", "bravo", "charlie"];
+    let mut slots = Vec::new();
+    for key in keys {
+        slots.push(cluster.slot_of(&format!("{{h:x-api-key={key}}}")).await);
+    }
+    slots.dedup();
+    assert!(slots.len() > 1, "the keys live in several slots: {slots:?}");
+    let client = support::client();
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..30usize)
+        .map(|i| {
+            let (client, urls) = (client.clone(), Arc::clone(&urls));
+            tokio::spawn(async move {
+                let key = ["alpha", "bravo", "charlie"][i % 3];
+                let mut n = 0;
+                // Past one lease period, so renewals happen.
+                while start.elapsed() < Duration::from_millis(3000) {
+                    let url = format!("{}/hold/{}", urls[(i + n) % 2], 30 + (i * 11 + n * 7) % 90);
+                    let response = client
+                        .get(&url)
+                        .header("x-api-key", key)
+                        .send()
+                        .await
+                        .unwrap();
+                    let status = response.status().as_u16();
+                    let _ = response.bytes().await;
+                    assert!(status == 200 || status == 429, "status {status}");
+                    n += 1;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    for key in keys {
+        let record = up.of(key);
+        assert!(
+            record.max <= LIMIT,
+            "{key}: {} at once under {LIMIT}",
+            record.max
+        );
+        assert_eq!(record.max, LIMIT, "{key}: the limit is used whole");
+    }
+}
