@@ -285,7 +285,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
                  lists the holders",
                 route.name,
                 limit.name,
-                store_key::identity_of(&policy, route, limit, &check.key)
+                query_value(store_key::identity_of(&policy, route, limit, &check.key))
             );
         }
         if cluster {
@@ -371,4 +371,18 @@ fn human(duration: Duration) -> String {
         }
     }
     format!("{ms}ms")
+}
+
+/// `text` as a URL query value: every byte but the unreserved ones, `:` and `=` percent-encoded
+/// (an identity holds `|` between parts and `#` before a hash).
+fn query_value(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~:=".contains(&byte) {
+            out.push(char::from(byte));
+        } else {
+            let _ = write!(out, "%{byte:02X}");
+        }
+    }
+    out
 }
