@@ -752,3 +752,61 @@ async fn a_cluster_holds_the_limit_of_every_key() {
         assert_eq!(record.max, LIMIT, "{key}: the limit is used whole");
     }
 }
+
+/// Redis stopped under a stream that holds the place: the instance cannot renew the lease, so
+/// before its deadline in Redis passes it cuts the stream (the client sees it end short, never
+/// complete) and counts it `lost`; with Redis back, the key admits again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_that_cannot_be_renewed_cuts_its_request() {
+    let _heavy = support::heavy().await;
+    let mut redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = policy(&up, Limit::concurrent("one", 1).set("lease", "1s"))
+        .store_redis(&redis)
+        .on_store_error(support::OnStoreError::Deny);
+    let sluice = Sluice::start(&yaml).await;
+    sluice.expect_store_faults();
+    let client = support::client();
+    let stream = get(&client, &format!("{}/stream/100/50", sluice.url())).await;
+    assert_eq!(stream.status(), 200);
+    let reading = tokio::spawn(async move {
+        let mut body = Vec::new();
+        let mut chunks = stream.bytes_stream();
+        while let Some(chunk) = chunks.next().await {
+            match chunk {
+                Ok(bytes) => body.extend_from_slice(&bytes),
+                Err(_) => break,
+            }
+        }
+        (Instant::now(), String::from_utf8_lossy(&body).into_owned())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.stop();
+    let stopped = Instant::now();
+    let (ended, body) = reading.await.unwrap();
+    assert!(
+        !body.contains("[DONE]"),
+        "the stream was cut, not completed: {body:?}"
+    );
+    assert!(
+        ended.duration_since(stopped) < Duration::from_millis(1500),
+        "cut within the lease: {:?}",
+        ended.duration_since(stopped)
+    );
+    let metrics = support::parse_metrics(&sluice.metrics().await);
+    assert_eq!(
+        support::metric_sum(
+            &metrics,
+            "sluice_concurrency_leases_total",
+            &[("event", "lost")]
+        ),
+        1.0
+    );
+    redis.restart().await;
+    support::wait_for(
+        Duration::from_secs(5),
+        "admitted with Redis back",
+        || async { status_of(&client, &format!("{}/hold/0", sluice.url())).await == 200 },
+    )
+    .await;
+}
