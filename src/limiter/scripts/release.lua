@@ -11,7 +11,7 @@
 --
 -- KEYS[i]      the keys the request was recorded under (any subset of its checks)
 -- ARGV[1]      the request's member prefix (decide.lua's ARGV[1])
--- ARGV[2]      at_us: when it was recorded in sliding_log and gcra (decide.lua's at_us)
+-- ARGV[2]      at_us: when it was recorded in the exact algorithms (decide.lua's at_us)
 -- ARGV[3]      decided_us: when it was decided (decide.lua's now_us): the counters'
 --              record time
 -- ARGV[5i-1..5i+3]  the limit of KEYS[i]: algorithm, requests, window in microseconds, cost
@@ -20,46 +20,19 @@
 --
 -- Returns the number of keys that held something to give back or to charge.
 --
--- Per algorithm, with `back` = cost - keep units given back (each file's release function):
---   sliding_log     ZREM member:keep+1 .. member:cost. Exact.
---   weighted_log    the entry member#cost becomes member#keep at the same score (goes when
---                   keep is 0). Exact.
---   gcra            TAT -= back * T, never below now (then the key goes: a full bucket).
---                   Exact unless the TAT fell behind the clock in between (then up to
---                   back * T more than the request's share comes back, once); a request
---                   recorded after the TAT (delayed by another limit) left the TAT at its own
---                   time, which stays (less comes back).
---   fixed_window    DECRBY back, only if the key exists; at zero the key goes (the next hit
---                   starts a window, as for a fresh key). If the request's window ended in
---                   between, the give-back lands in the new window: at most `back` more,
---                   within the algorithm's documented twice the limit across a boundary.
---   sliding_window  the count of the fixed window holding decided_us (current or previous
---                   counter) drops by back, never below 0; an older window weighs nothing.
---   calendar        DECRBY back within the period's key, only if it exists; at zero the key
---                   goes. Exact: the key names the request's period, so a give-back after
---                   that period ended lands on a key that no longer counts.
---   concurrency     HDEL the request's own lease; a lease already gone (reclaimed, released
---                   before) frees nothing.
---
--- An overrun (keep > cost, `extra` = keep - cost units more than recorded) is charged where
--- the request is still recorded (each file's charge function, for the algorithms that settle
--- exactly), at the time it was recorded, so the window makes its
--- identity wait for what it really spent (this can take a limit past `requests`: the units
--- were spent upstream already). A request no longer there (reset by the admin API, left its
--- window or period) is not charged.
---   sliding_log     ZADD min(extra, requests) entries member:cost+1 .. at at_us, if
---                   member:cost is still there: a window already full of the request's
---                   entries admits nothing more until they leave, so entries past the
---                   limit would change no decision.
---   weighted_log    the entry member#cost becomes member#keep at the same score.
---   calendar        INCRBY extra, if the period's key exists.
---   the others      nothing (a token budget, the only caller that charges, runs on the
---                   algorithms that settle exactly: the table's `settles_exactly`).
+-- Each algorithm's file says how exactly it gives back `back` = cost - keep units
+-- (`{algorithm}_release`, true when the key held something) and, for the algorithms that
+-- settle exactly (the table's `settles_exactly`), how it charges an overrun (keep > cost,
+-- `{algorithm}_charge`): where the request is still recorded, at the time it was recorded, so
+-- the window makes its identity wait for what it really spent (this can take a limit past
+-- `requests`: the units were spent upstream already). A request no longer there (reset by the
+-- admin API, gone from its window or period) is not charged. The other algorithms charge
+-- nothing: a token budget, the only caller that charges, runs only on those that settle
+-- exactly.
 --
 -- Every key keeps an expiry: a key written here exists already and keeps its TTL (ZADD,
--- INCRBY, DECRBY and HSET leave it; SET is given PX). A renamed weighted_log entry is added
--- before the old one is removed, since Redis deletes an emptied sorted set, TTL and all, and
--- a key re-created by the ZADD would never expire.
+-- INCRBY, DECRBY, HDEL and HSET leave it; SET is given PX). A key that would be re-created
+-- is written only if it exists (see weighted_log_reweigh and concurrency_release).
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
