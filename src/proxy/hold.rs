@@ -11,7 +11,7 @@ use prometheus::IntGauge;
 use super::decide::Decided;
 use super::give_back::give_back;
 use super::stop::Stop;
-use crate::limiter::{Admission, Check, Store};
+use crate::limiter::{Admission, Algorithm, Check, Store};
 use crate::policy::Route;
 
 /// Holds a delayed request until its time. `Err`: the route already holds `max_delayed`
@@ -25,7 +25,11 @@ pub async fn hold(store: &Arc<Store>, route: &Route, decided: &Decided<'_>) -> R
         return Ok(());
     }
     let _held = CountedAsHeld::start(&route.metrics.held);
-    let checks: Vec<Check> = decided.recorded(|_| true).map(|(_, c)| c.clone()).collect();
+    // A concurrency limit's place is the lease's to give back, whenever the request ends.
+    let checks: Vec<Check> = decided
+        .recorded(|limit| limit.spec.algorithm != Algorithm::Concurrency)
+        .map(|(_, c)| c.clone())
+        .collect();
     if route.metrics.held.get() > i64::from(route.max_delayed) {
         give_back(store, &checks, admission, route).await;
         return Err(Stop::TooManyHeld { delay });
