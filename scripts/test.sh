@@ -14,6 +14,10 @@ install_if_missing redis-server redis-server
 install_if_missing redis-sentinel redis-sentinel
 # tests/it/cluster.rs creates a Redis Cluster with redis-cli (Debian's redis-tools).
 install_if_missing redis-cli redis-tools
+# tests/it/partitions.rs puts a redis-server in its own network namespace (iproute2's `ip`)
+# and cuts its link with iptables.
+install_if_missing ip iproute2 iproute2
+install_if_missing iptables iptables iptables
 # tests/it/tls.rs uses curl as a real TLS client (HTTP/2 through ALPN), and openssl to rewrite
 # test keys in the PKCS#1 and SEC1 formats.
 install_if_missing curl curl curl

@@ -42,6 +42,7 @@ mod key_expiry;
 mod limits;
 mod local_store;
 mod logs;
+mod partitions;
 mod paths;
 mod policy_keys;
 mod prometheus;

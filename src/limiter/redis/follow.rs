@@ -190,7 +190,8 @@ pub(super) async fn follow_once(
     let info = ConnectionAddr::Tcp(addr.host.clone(), addr.port)
         .into_connection_info()
         .map_err(|e| StoreError::Connection(e.to_string()))?
-        .set_redis_settings(nodes.redis.clone());
+        .set_redis_settings(nodes.redis.clone())
+        .set_tcp_settings(super::connection::tcp_settings());
     let client = Client::open(info).map_err(|e| StoreError::Connection(e.to_string()))?;
     let connections = open_connections(&client, nodes.connections, shared.timeout)?;
     let mut first = connections

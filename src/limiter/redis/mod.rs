@@ -114,7 +114,10 @@ impl RedisStore {
     /// Sets up `connections` multiplexed connections to the Redis at `url`; none is opened
     /// until `load_script` or the first request. Must be called on a Tokio runtime.
     pub fn new(url: &str, connections: usize, timeout: Duration) -> Result<RedisStore, StoreError> {
-        let client = Client::open(url).map_err(|e| StoreError::Connection(e.to_string()))?;
+        let info = redis::IntoConnectionInfo::into_connection_info(url)
+            .map_err(|e| StoreError::Connection(e.to_string()))?
+            .set_tcp_settings(connection::tcp_settings());
+        let client = Client::open(info).map_err(|e| StoreError::Connection(e.to_string()))?;
         let master = Master {
             addr: None,
             connections: open_connections(&client, connections, timeout)?,

@@ -2,6 +2,7 @@
 //! - [`redis_server`]: a real standalone `redis-server` child process, commands to it,
 //!   `MONITOR`, and the store (Redis or in-process) a limit test runs against;
 //! - [`sentinel`] and [`cluster`]: Redis Sentinel and Redis Cluster setups of real processes;
+//!   [`netns`]: a Redis across a real network link (its own namespace) that can be cut;
 //! - [`upstream`]: the fake HTTP backend (in-process hyper on 127.0.0.1); [`in_flight_upstream`]:
 //!   one that records how many requests of each key it serves at once;
 //! - [`policy`]: a typed builder for the policy files tests run sluice with, written out as
@@ -24,6 +25,7 @@ pub mod grpc;
 pub mod in_flight_upstream;
 pub mod llm_upstream;
 pub mod metrics;
+pub mod netns;
 pub mod policy;
 pub mod ratelimit_fields;
 pub mod redis_server;
