@@ -186,10 +186,19 @@ impl Reservation {
     }
 }
 
-/// Whether the body asks the provider to write its cache (Anthropic's `cache_control`).
-pub fn asks_caching(body: &[u8]) -> bool {
-    body.windows(b"cache_control".len())
-        .any(|w| w == b"cache_control")
+/// Whether the body asks the provider to write its cache (Anthropic's `cache_control`), at
+/// any depth. Read from the parsed body, whose keys are decoded as the provider decodes them:
+/// `"cache\u005fcontrol"` is `cache_control` to every JSON reader, so a search of the raw
+/// bytes would miss it.
+pub fn asks_caching(fields: &Map<String, Value>) -> bool {
+    fn within(value: &Value) -> bool {
+        match value {
+            Value::Object(map) => map.contains_key("cache_control") || map.values().any(within),
+            Value::Array(items) => items.iter().any(within),
+            _ => false,
+        }
+    }
+    fields.contains_key("cache_control") || fields.values().any(within)
 }
 
 /// Why a request body cannot be reserved for.
@@ -199,6 +208,11 @@ pub enum EstimateError {
     NotJson(String),
     #[error("the request body is not a JSON object")]
     NotObject,
+    #[error(
+        "the request body names `{0}` more than once in one object, which JSON readers read \
+         differently (the first or the last): it has no single reading to reserve for"
+    )]
+    RepeatedKey(String),
     #[error("`{field}` must be a non-negative integer")]
     BadCap { field: &'static str },
     #[error("`{field}` must be a positive integer")]
@@ -245,12 +259,96 @@ impl EstimateError {
     }
 }
 
-/// The JSON object of a request body.
+/// The JSON object of a request body. An object naming a key twice is refused: serde_json
+/// keeps the last, other readers (the upstream's among them, perhaps) the first, so a body
+/// could reserve for one `model` or `max_tokens` and be served by the other.
 pub fn parse(body: &[u8]) -> Result<Map<String, Value>, EstimateError> {
-    match serde_json::from_slice(body) {
-        Ok(Value::Object(fields)) => Ok(fields),
-        Ok(_) => Err(EstimateError::NotObject),
-        Err(e) => Err(EstimateError::NotJson(e.to_string())),
+    let value = match serde_json::from_slice::<Unrepeated>(body) {
+        Ok(Unrepeated(value)) => value,
+        Err(e) => {
+            let text = e.to_string();
+            return Err(match text.strip_prefix(REPEATED) {
+                Some(rest) => EstimateError::RepeatedKey(
+                    rest.split('`').next().unwrap_or_default().to_owned(),
+                ),
+                None => EstimateError::NotJson(text),
+            });
+        }
+    };
+    match value {
+        Value::Object(fields) => Ok(fields),
+        _ => Err(EstimateError::NotObject),
+    }
+}
+
+/// The start of the error `Unrepeated` raises for a repeated key, before the key.
+const REPEATED: &str = "repeated key `";
+
+/// A JSON value read like `serde_json::Value`, but refusing an object that names a key twice.
+struct Unrepeated(Value);
+
+impl<'de> serde::Deserialize<'de> for Unrepeated {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_any(UnrepeatedVisitor)
+            .map(Unrepeated)
+    }
+}
+
+struct UnrepeatedVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UnrepeatedVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Unrepeated(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut fields = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let Unrepeated(value) = map.next_value()?;
+            if fields.insert(key.clone(), value).is_some() {
+                return Err(serde::de::Error::custom(format!("{REPEATED}{key}`")));
+            }
+        }
+        Ok(Value::Object(fields))
     }
 }
 

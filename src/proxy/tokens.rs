@@ -282,7 +282,7 @@ pub fn reserve<B>(
         fields = estimate::parse(bytes).map_err(|err| refuse(first.name.as_str(), err))?;
     }
     let model = estimate::model_of(&fields);
-    let caches = estimate::asks_caching(bytes);
+    let caches = estimate::asks_caching(&fields);
     let mut priced = None;
     for (limit, check) in plan.limits.iter().zip(plan.checks.iter_mut()) {
         let Some(budget) = &limit.tokens else {

@@ -427,3 +427,85 @@ proptest! {
         prop_assert_eq!(r.output, 0);
     }
 }
+
+/// `key` spelled with each character whose bit is set in `mask` written as a `\uXXXX` escape:
+/// the same key to every JSON reader.
+fn spelled(key: &str, mask: u32) -> String {
+    key.chars()
+        .enumerate()
+        .map(|(i, c)| {
+            if mask & (1 << (i % 32)) != 0 {
+                format!("\\u{:04x}", c as u32)
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// An Anthropic Messages body whose keys are spelled by `masks` (one per key, in order).
+fn messages_body(masks: &[u32; 9]) -> String {
+    let k = |i: usize, key: &str| spelled(key, masks[i]);
+    format!(
+        r#"{{"{}":"claude-x","{}":300,"{}":[{{"{}":"user","{}":[{{"{}":"text","{}":"hello","{}":{{"{}":"ephemeral"}}}}]}}]}}"#,
+        k(0, "model"),
+        k(1, "max_tokens"),
+        k(2, "messages"),
+        k(3, "role"),
+        k(4, "content"),
+        k(5, "type"),
+        k(6, "text"),
+        k(7, "cache_control"),
+        k(8, "type"),
+    )
+}
+
+proptest! {
+    /// Every JSON spelling of every key the estimator reads gives the same reservation (but
+    /// for the terms bounded by the body's length, which a longer spelling raises) and the
+    /// same answer to whether the body asks for caching: the estimator reads keys decoded, as
+    /// the provider does.
+    #[test]
+    fn every_spelling_of_a_key_reserves_the_same(masks in proptest::array::uniform9(any::<u32>())) {
+        let plain = messages_body(&[0; 9]);
+        let spelt = messages_body(&masks);
+        let reserve = |body: &str| {
+            let fields = parse(body.as_bytes()).expect("valid JSON");
+            let r = estimate(Api::AnthropicMessages, &fields, 0, &RESERVE, &Models::default())
+                .expect("reservable");
+            (model_of(&fields).map(str::to_owned), asks_caching(&fields), r)
+        };
+        let (model, caches, a) = reserve(&plain);
+        let (model2, caches2, b) = reserve(&spelt);
+        prop_assert_eq!(model, model2);
+        prop_assert!(caches && caches2, "both ask for caching: {}", spelt);
+        prop_assert_eq!((a.cap, a.completions, a.images, a.parts, a.overhead), (b.cap, b.completions, b.images, b.parts, b.overhead));
+        prop_assert_eq!(a.total, b.total, "{}", spelt);
+    }
+}
+
+#[test]
+fn a_key_named_twice_in_one_object_is_refused() {
+    for body in [
+        r#"{"model":"cheap","model":"dear","max_tokens":10}"#,
+        r#"{"model":"a","max_tokens":10,"max_tokens":100000}"#,
+        r#"{"model":"a","messages":[{"role":"user","content":"x","content":"y"}]}"#,
+        r#"{"model":"a","mo\u0064el":"b"}"#,
+    ] {
+        assert!(
+            matches!(parse(body.as_bytes()), Err(EstimateError::RepeatedKey(_))),
+            "{body}"
+        );
+    }
+    assert_eq!(
+        parse(br#"{"model":"a","max_tokens":10,"max_tokens":1}"#)
+            .unwrap_err()
+            .to_string(),
+        "the request body names `max_tokens` more than once in one object, which JSON readers \
+         read differently (the first or the last): it has no single reading to reserve for"
+    );
+    assert_eq!(
+        EstimateError::RepeatedKey("model".into()).status(),
+        http::StatusCode::BAD_REQUEST
+    );
+}
