@@ -342,7 +342,8 @@ impl Gateway {
         let upstream = match &route.action {
             Action::Respond(direct) => {
                 let (head, body) = request.into_parts();
-                *connection = unread_body::drop_unread(head.version, body).await;
+                let waits = unread_body::expects_continue(head.version, &head.headers);
+                *connection = unread_body::drop_unread(head.version, body, waits).await;
                 return Ok(Answered {
                     outcome: Outcome::Responded,
                     response: direct_response(direct),
@@ -447,6 +448,8 @@ pub struct Exchange<'r> {
     shadow_rejected: String,
     /// Whether a refused request's connection can carry the next one (`unread_body`).
     connection: unread_body::Connection,
+    /// The client waits for `100 Continue` before its body: a refusal answers at once.
+    expects_continue: bool,
 }
 
 impl Exchange<'_> {
@@ -461,6 +464,7 @@ impl Exchange<'_> {
             decided: None,
             shadow_rejected: String::new(),
             connection: unread_body::Connection::Kept,
+            expects_continue: unread_body::expects_continue(request.version(), request.headers()),
         }
     }
 
@@ -477,7 +481,7 @@ impl Exchange<'_> {
         body: ClientBody<B>,
         stop: Stop,
     ) -> Result<T, Stop> {
-        self.connection = unread_body::drop_unread(version, body).await;
+        self.connection = unread_body::drop_unread(version, body, self.expects_continue).await;
         Err(stop)
     }
 

@@ -17,6 +17,12 @@
 //! does; so does one to a body sluice reads whole and stops reading part way (a token
 //! route's, over its bound or too slow). An HTTP/2 stream is refused (reset) on its own and
 //! needs none of this; its connection carries on.
+//!
+//! A request that says `Expect: 100-continue` is waiting to be told to send its body, and
+//! hyper tells it (`100 Continue`) the moment the body is first read. Refused, it must not be
+//! told to upload what will be dropped (RFC 9110 §10.1.1 lets the final status go first):
+//! its body is left unread, and the answer says `Connection: close`, since the client may
+//! then send the body or not, and the connection cannot tell which it will be.
 
 use std::time::Duration;
 
@@ -63,14 +69,25 @@ pub fn after_reading(version: http::Version, read_to_end: bool) -> Connection {
     }
 }
 
+/// Whether an HTTP/1.1 request waits for `100 Continue` before sending its body.
+pub fn expects_continue(version: http::Version, headers: &HeaderMap) -> bool {
+    version == http::Version::HTTP_11
+        && headers
+            .get(http::header::EXPECT)
+            .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+}
+
 /// Reads and drops what is left of `body` when it is small and arrives soon; `Close` when
-/// it does not and the connection is HTTP/1.x. A body already read whole (a token route's)
-/// left nothing on the connection.
+/// it does not and the connection is HTTP/1.x, and at once, unread, for a request waiting
+/// for `100 Continue` (`waits`). A body already read whole (a token route's) left nothing on
+/// the connection.
 pub async fn drop_unread<B: ForwardBody>(
     version: http::Version,
     body: ClientBody<B>,
+    waits: bool,
 ) -> Connection {
     match body {
+        ClientBody::Streaming(body) if waits && !body.is_end_stream() => Connection::Close,
         ClientBody::Streaming(body) => drain(version, body).await,
         ClientBody::Read(_) => Connection::Kept,
     }

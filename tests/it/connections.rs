@@ -668,3 +668,49 @@ async fn an_upstream_answer_before_the_whole_body_says_the_connection_closes() {
         ]
     );
 }
+
+/// A request that waits for `100 Continue` before its body, on a spent limit, is told 429 at
+/// once, never `100 Continue` first (RFC 9110 §10.1.1: the final status may come without
+/// reading the content): it is not asked to upload what would be dropped. The connection
+/// closes after it, since the client may then send the body or not. An admitted one gets
+/// `100 Continue` and its answer.
+#[tokio::test]
+async fn a_refused_request_expecting_100_continue_is_answered_at_once() {
+    let up = Upstream::start().await;
+    let yaml = Policy::new()
+        .upstream("api", UpstreamSpec::new(&up.url()).timeout("10s"))
+        .route(
+            Route::new("default", "/")
+                .upstream("api")
+                .limit(support::Limit::requests("one", 1, "1m")),
+        );
+    let sluice = Sluice::start(&yaml).await;
+    let mut admitted = Wire::connect(sluice.addr()).await;
+    admitted
+        .send(b"POST /upload HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\ncontent-length: 5\r\n\r\n")
+        .await
+        .unwrap();
+    let first = admitted.response(WITHIN).await;
+    assert_eq!(
+        first.status, 100,
+        "the admitted request is asked for its body"
+    );
+    admitted.send(b"hello").await.unwrap();
+    assert_eq!(admitted.response(WITHIN).await.status, 200);
+
+    let mut refused = Wire::connect(sluice.addr()).await;
+    refused
+        .send(b"POST /upload HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\ncontent-length: 5\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = refused.response(WITHIN).await;
+    assert_eq!(
+        answer.status, 429,
+        "the refusal comes first, without 100 Continue"
+    );
+    assert_eq!(answer.header("connection"), Some("close"));
+    assert!(
+        refused.closed_within(WITHIN).await.is_some(),
+        "then the connection closes"
+    );
+}
