@@ -319,32 +319,58 @@ enum Line {
     /// After `data:`, where one space is skipped.
     DataStart,
     Data,
-    /// A field other than `data` (or a comment): skipped.
+    /// After `event:`: the event's name, kept to tell the stream's last event.
+    Name,
+    /// A field other than `data` and `event` (or a comment): skipped.
     Ignore,
 }
+
+/// The names of the events that end a stream (Anthropic's `message_stop`, the Responses
+/// API's terminal events), and the data of Chat Completions' last one: after them the
+/// answer's usage is whole.
+const LAST_EVENTS: [&[u8]; 4] = [
+    b"message_stop",
+    b"response.completed",
+    b"response.incomplete",
+    b"response.failed",
+];
+const LAST_DATA: &[u8] = b"[DONE]";
 
 /// Finds the usage of a Server-Sent Events stream fed in pieces.
 #[derive(Debug, Clone)]
 pub struct SseScan {
     line: Line,
-    field: [u8; 4],
+    field: [u8; 5],
     field_len: usize,
     after_cr: bool,
     event_has_data: bool,
     event: JsonScan,
     found: Usage,
+    /// The event's name (`event:`), as far as `name` holds it.
+    name: [u8; 20],
+    name_len: usize,
+    /// The start of the event's data, enough to tell `[DONE]`.
+    head: [u8; 7],
+    head_len: usize,
+    /// The stream's last event has been dispatched.
+    ended: bool,
 }
 
 impl Default for SseScan {
     fn default() -> Self {
         SseScan {
             line: Line::Start,
-            field: [0; 4],
+            field: [0; 5],
             field_len: 0,
             after_cr: false,
             event_has_data: false,
             event: JsonScan::default(),
             found: Usage::default(),
+            name: [0; 20],
+            name_len: 0,
+            head: [0; 7],
+            head_len: 0,
+            ended: false,
         }
     }
 }
@@ -360,6 +386,12 @@ impl SseScan {
     /// as a browser's EventSource would see it).
     pub fn found(&self) -> Usage {
         self.found
+    }
+
+    /// Whether the stream's last event (`data: [DONE]`, `message_stop`, a terminal
+    /// `response.*`) has been dispatched: the usage is whole, whatever bytes follow.
+    pub fn ended(&self) -> bool {
+        self.ended
     }
 
     fn byte(&mut self, b: u8) {
@@ -378,6 +410,9 @@ impl SseScan {
                     self.line = if self.is_data() {
                         self.start_data();
                         Line::DataStart
+                    } else if &self.field[..self.field_len] == b"event" {
+                        self.name_len = 0;
+                        Line::Name
                     } else {
                         Line::Ignore
                     };
@@ -391,12 +426,38 @@ impl SseScan {
             Line::DataStart => {
                 self.line = Line::Data;
                 if b != b' ' {
-                    self.event.byte(b);
+                    self.data_byte(b);
                 }
             }
-            Line::Data => self.event.byte(b),
+            Line::Data => self.data_byte(b),
+            Line::Name => {
+                let skip = self.name_len == 0 && b == b' ';
+                if !skip && self.name_len < self.name.len() {
+                    self.name[self.name_len] = b;
+                }
+                if !skip {
+                    // Counted past the buffer, so a longer name never matches.
+                    self.name_len += 1;
+                }
+            }
             Line::Ignore => {}
         }
+    }
+
+    fn data_byte(&mut self, b: u8) {
+        if self.head_len < self.head.len() {
+            self.head[self.head_len] = b;
+        }
+        self.head_len += 1;
+        self.event.byte(b);
+    }
+
+    /// Whether the event being dispatched is the stream's last.
+    fn is_last(&self) -> bool {
+        let name = &self.name[..self.name_len.min(self.name.len())];
+        let named = self.name_len <= self.name.len() && LAST_EVENTS.contains(&name);
+        let data = &self.head[..self.head_len.min(self.head.len())];
+        named || (self.head_len == LAST_DATA.len() && data == LAST_DATA)
     }
 
     fn is_data(&self) -> bool {
@@ -416,9 +477,12 @@ impl SseScan {
             Line::Start => {
                 if self.event_has_data {
                     self.found.merge(self.event.found());
+                    self.ended |= self.is_last();
                 }
                 self.event = JsonScan::default();
                 self.event_has_data = false;
+                self.name_len = 0;
+                self.head_len = 0;
             }
             // `data` alone is a data line with an empty value.
             Line::Field if self.is_data() => self.start_data(),
@@ -460,6 +524,15 @@ impl UsageScanner {
         }
     }
 
+    /// Whether a stream's last event has passed (never for a JSON answer, whole only at its
+    /// end).
+    pub fn ended(&self) -> bool {
+        match self {
+            UsageScanner::Json(_) => false,
+            UsageScanner::Sse(scan) => scan.ended(),
+        }
+    }
+
     /// What the body has given so far; at its end, what it consumed.
     pub fn usage(&self) -> Usage {
         match self {
@@ -484,6 +557,59 @@ mod tests {
         let mut scan = UsageScanner::for_content_type(Some(b"text/event-stream; charset=utf-8"));
         scan.feed(text.as_bytes());
         scan.usage()
+    }
+
+    /// Whether the scanner saw a stream's last event once `text` was fed.
+    fn ended(text: &str) -> bool {
+        let mut scan = UsageScanner::for_content_type(Some(b"text/event-stream"));
+        scan.feed(text.as_bytes());
+        scan.ended()
+    }
+
+    #[test]
+    fn a_streams_last_event_is_known_when_it_is_dispatched() {
+        assert!(ended(OPENAI_SSE));
+        assert!(ended(ANTHROPIC_SSE));
+        assert!(ended(RESPONSES_SSE));
+        // Not before its blank line, nor for other events or data that only starts so.
+        assert!(!ended(
+            "data: [DONE]
+"
+        ));
+        assert!(!ended(
+            "data: [DONE]x
+
+"
+        ));
+        assert!(!ended(
+            "event: message_stop_not
+data: {}
+
+"
+        ));
+        assert!(!ended(
+            "event: content_block_delta
+data: {}
+
+"
+        ));
+        assert!(!ended(
+            "event: response.created
+data: {}
+
+"
+        ));
+        // Fed a byte at a time, as frames may split it: known at the blank line's `\r`, the
+        // next to last byte.
+        let mut scan = UsageScanner::for_content_type(Some(b"text/event-stream"));
+        let known = ANTHROPIC_SSE.bytes().position(|byte| {
+            scan.feed(&[byte]);
+            scan.ended()
+        });
+        assert_eq!(known, Some(ANTHROPIC_SSE.len() - 2));
+        let mut json = UsageScanner::for_content_type(Some(b"application/json"));
+        json.feed(OPENAI_JSON.as_bytes());
+        assert!(!json.ended(), "a JSON answer is whole only at its end");
     }
 
     const OPENAI_JSON: &str = r#"{"id":"c1","choices":[{"message":{"role":"assistant","content":"the \"usage\": {\"total_tokens\": 1}"}}],"usage":{"prompt_tokens":12,"completion_tokens":30,"total_tokens":42,"prompt_tokens_details":{"cached_tokens":0}}}"#;

@@ -563,23 +563,27 @@ pub async fn settle(
 }
 
 /// An answer's body on its way to the client, frame by frame as it arrives, read by a usage
-/// scanner; when the upstream's body ends, the reservation is settled before the last frame
-/// (or, when the end is only known after it, the end of the stream) goes to the client.
+/// scanner; the reservation is settled before the frame that completes the usage goes to the
+/// client: a stream's last event (`data: [DONE]`, `message_stop`, `response.completed`),
+/// which a client may close on without reading the end of the body (OpenAI's sync Python
+/// client does), or else the body's last frame (or, when the end is only known after it, the
+/// end of the stream).
 struct SettlingBody {
     inner: ProxyBody,
     scanner: DecodingScanner,
-    /// Until the body ends; dropped unsettled (client gone, body failed): kept whole.
+    /// Until settled; dropped unsettled (client gone before the usage was whole, body
+    /// failed): kept whole.
     settlement: Option<Settlement>,
     settling: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
-    /// The last frame, let go once the settlement is done.
+    /// The frame that completed the usage, let go once the settlement is done.
     held: Option<Frame<Bytes>>,
+    /// The upstream's body has ended.
     done: bool,
 }
 
 impl SettlingBody {
-    fn start_settling(&mut self) {
+    fn start_settling(&mut self, usage: Option<Usage>) {
         if let Some(settlement) = self.settlement.take() {
-            let usage = self.scanner.usage();
             self.settling = Some(Box::pin(settlement.settle(usage)));
         }
     }
@@ -598,22 +602,33 @@ impl Body for SettlingBody {
             if let Some(settling) = &mut this.settling {
                 ready!(settling.as_mut().poll(cx));
                 this.settling = None;
-                this.done = true;
+                if let Some(frame) = this.held.take() {
+                    return Poll::Ready(Some(Ok(frame)));
+                }
             }
             if this.done {
-                return Poll::Ready(this.held.take().map(Ok));
+                return Poll::Ready(None);
             }
             match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
                 Some(Ok(frame)) => {
                     if let Some(data) = frame.data_ref() {
                         this.scanner.feed(data);
                     }
-                    if !this.inner.is_end_stream() {
-                        return Poll::Ready(Some(Ok(frame)));
-                    }
                     // A client that knows the length has the whole answer with this frame.
-                    this.held = Some(frame);
-                    this.start_settling();
+                    this.done = this.inner.is_end_stream();
+                    if this.settlement.is_some() {
+                        let usage = if this.done {
+                            Some(this.scanner.usage())
+                        } else {
+                            this.scanner.usage_at_last_event().map(Some)
+                        };
+                        if let Some(usage) = usage {
+                            this.held = Some(frame);
+                            this.start_settling(usage);
+                            continue;
+                        }
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
                 }
                 Some(Err(err)) => {
                     if let Some(settlement) = this.settlement.take() {
@@ -622,16 +637,17 @@ impl Body for SettlingBody {
                     this.done = true;
                     return Poll::Ready(Some(Err(err)));
                 }
-                None => this.start_settling(),
-            }
-            if this.settling.is_none() {
-                this.done = true;
+                None => {
+                    this.done = true;
+                    let usage = this.scanner.usage();
+                    this.start_settling(usage);
+                }
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.held.is_none()
+        self.done && self.held.is_none() && self.settling.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

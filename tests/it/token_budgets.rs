@@ -685,3 +685,44 @@ async fn a_decompression_bomb_keeps_the_reservation_in_bounded_memory() {
     let next = send(&sluice, "k", chat_body(4000, json!({}))).await;
     assert_eq!(next.status(), 429, "the bomb's reservation is kept");
 }
+
+/// A client that closes as soon as it has a stream's last event (OpenAI's sync Python client
+/// stops at `data: [DONE]`; an Anthropic client at `message_stop`), before the body's end,
+/// which here comes 5 s later: the reservation is settled to the usage at that event, not
+/// kept whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_after_the_last_event_settles_to_the_usage() {
+    for mode in ["sse", "anthropic"] {
+        let upstream = LlmUpstream::start().await;
+        let sluice =
+            Sluice::start(&policy(Policy::new(), &upstream.url(), 6000, "1m", usage())).await;
+        let body = chat_body(4000, json!({"mode": mode, "usage": 100, "tail_ms": 5000}));
+        let mut answer = send(&sluice, "k", body).await;
+        assert_eq!(answer.status(), 200);
+        let mut seen = Vec::new();
+        let last: &[u8] = if mode == "sse" {
+            b"[DONE]"
+        } else {
+            b"message_stop"
+        };
+        while !seen.windows(last.len()).any(|w| w == last) {
+            let chunk = tokio::time::timeout(Duration::from_secs(3), answer.chunk())
+                .await
+                .expect("the last event within 3 s")
+                .expect("a chunk")
+                .expect("the stream goes on");
+            seen.extend_from_slice(&chunk);
+        }
+        drop(answer);
+        support::wait_for(Duration::from_secs(2), "the settlement", || async {
+            metric(&sluice.metrics().await, "sluice_tokens_settled_total") == 100.0
+        })
+        .await;
+        let next = send(&sluice, "k", chat_body(4000, json!({}))).await;
+        assert_eq!(
+            next.status(),
+            200,
+            "{mode}: the unused reservation came back"
+        );
+    }
+}

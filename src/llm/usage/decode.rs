@@ -145,6 +145,18 @@ impl DecodingScanner {
         }
     }
 
+    /// The usage of a stream whose last event has passed (`UsageScanner::ended`), before its
+    /// body has ended: a client may close as soon as it has that event, and the figure is
+    /// whole by then. `None` before it, or when the bytes could not be decoded.
+    pub fn usage_at_last_event(&mut self) -> Option<Usage> {
+        let scanner = match &mut self.state {
+            State::Plain(scanner) => &*scanner,
+            State::Decoding(decoder) => &decoder.sink().scanner,
+            State::Stopped => return None,
+        };
+        scanner.ended().then(|| scanner.usage())
+    }
+
     /// What the answer reported, once its body has ended: `None` when its bytes could not
     /// all be decoded (a `Usage` without a whole figure when it gave none).
     pub fn usage(&mut self) -> Option<Usage> {

@@ -24,6 +24,8 @@
 //! - `status`: the answer's status (default 200);
 //! - `events`, `event_bytes`: content events of a streamed answer and the text of each;
 //! - `delay_ms`: wait before answering;
+//! - `tail_ms`: a streamed answer's body ends this long after its last event (a server that
+//!   keeps the stream open after `[DONE]` or `message_stop`);
 //! - `gate`: a streamed answer sends its first event, then waits for [`LlmUpstream::open_gate`]
 //!   before the rest;
 //! - `encoding`: `gzip`, `deflate` (zlib), `deflate-raw` (raw deflate, as some servers send
@@ -459,6 +461,7 @@ async fn answer(
     let encoding = sim["encoding"].as_str().map(str::to_owned);
     let frame_bytes = sim["frame_bytes"].as_u64().unwrap_or(64) as usize;
     let bomb_mb = sim["bomb_mb"].as_u64().unwrap_or(0);
+    let tail = Duration::from_millis(sim["tail_ms"].as_u64().unwrap_or(0));
     if let Some(delay) = sim["delay_ms"].as_u64() {
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
@@ -530,6 +533,7 @@ async fn answer(
                 if tx.send(Bytes::from(last)).await.is_ok() {
                     state.answers.lock().expect("answers")[index].finished = Some(Instant::now());
                 }
+                tokio::time::sleep(tail).await;
             });
             let stream = futures_util::stream::unfold(rx, |mut rx| async move {
                 let bytes = rx.recv().await?;
