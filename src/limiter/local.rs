@@ -466,12 +466,12 @@ impl LocalStore {
 
 /// Read and reset for the admin API: neither records an admission.
 impl LocalStore {
-    /// Where `check.key` stands now for one more request of cost 1, with the same arithmetic
-    /// as a decision; drops what time has expired, records nothing, and leaves the key's
-    /// place in the LRU order alone.
+    /// Where `check.key` stands now for one more request (its `wait` for the check's cost),
+    /// with the same arithmetic as a decision; drops what time has expired, records nothing,
+    /// and leaves the key's place in the LRU order alone.
     pub fn peek(&self, check: &Check) -> Peek {
         let spec = Spec {
-            cost: 1,
+            cost: check.spec.cost.max(1),
             ..check.spec
         };
         let now = micros_since(self.epoch);
@@ -484,6 +484,7 @@ impl LocalStore {
                     count: log.cell.count(&spec, &room),
                     remaining: room.state.remaining,
                     reset: room.state.reset,
+                    wait: Duration::from_micros(room.wait),
                 };
             }
             _ => Cell::new(spec.algorithm).check(&spec, now),
@@ -492,6 +493,7 @@ impl LocalStore {
             count: 0,
             remaining: room.state.remaining,
             reset: room.state.reset,
+            wait: Duration::from_micros(room.wait),
         }
     }
 

@@ -178,6 +178,8 @@ pub struct Peek {
     pub remaining: u32,
     /// Time until the limit admits one more request than now; zero when it holds nothing.
     pub reset: Duration,
+    /// Time until a request of the check's cost fits; zero when it fits now.
+    pub wait: Duration,
 }
 
 /// One request holding a place of a concurrency limit (the admin API's list).
@@ -543,7 +545,8 @@ impl Store {
 
 /// One identity's state, for the admin API: read without consuming, and reset.
 impl Store {
-    /// Where `check` stands for one more request of cost 1, and which store answered:
+    /// Where `check` stands for one more request (`count`, `remaining` and `reset` for cost
+    /// 1; `wait` for the check's own cost), and which store answered:
     /// `local`, `redis`, or `local_fallback` while the breaker is open (the store that decides
     /// then, for routes with `on_store_error: local`). Records nothing.
     pub async fn peek(&self, check: &Check) -> Result<(Peek, &'static str), StoreError> {

@@ -217,7 +217,10 @@ impl Gateway {
             None => ClientBody::Streaming(body),
             Some(limit) => {
                 let room = match tokens::refuse_upgrade(route, &head) {
-                    Ok(()) => Box::pin(tokens::check_room(&self.store, &plan, exchange)).await,
+                    Ok(()) => {
+                        let declared = body.size_hint().lower();
+                        Box::pin(tokens::check_room(&self.store, &plan, declared, exchange)).await
+                    }
                     Err(stop) => Err(stop),
                 };
                 let room =

@@ -169,12 +169,17 @@ pub async fn read_body<B: ForwardBody>(
 /// key and conditions do not read the body) has any room at all, asked of the store without
 /// recording anything. One without: the request is refused here, with the RateLimit fields
 /// and `Retry-After` of a rejection, and its body is never read, so an exhausted or invented
-/// identity cannot make sluice hold its bodies. Room for one token is all this asks; the
+/// identity cannot make sluice hold its bodies. It asks for room for the least the request
+/// will reserve: a token limit reserves at least the body's bytes, so a body of declared
+/// length `declared` needs that many tokens (one when its length is unknown; one unit of a
+/// money limit), and the `Retry-After` of its refusal is the time until those fit, not
+/// until one token does (which sent a client that obeyed it back to be refused again). The
 /// decision after the body is read stays the one atomic step that admits. A shadow limit,
 /// one that delays instead of refusing, and a store that cannot answer are left to it.
 pub async fn check_room<'r>(
     store: &Store,
     plan: &Plan<'r>,
+    declared: u64,
     exchange: &mut Exchange<'r>,
 ) -> Result<(), Stop> {
     let mut states: Vec<Option<LimitState>> = vec![None; plan.checks.len()];
@@ -184,16 +189,27 @@ pub async fn check_room<'r>(
         if limit.tokens.is_none() || limit.spec.shadow || !limit.spec.max_delay.is_zero() {
             continue;
         }
-        let Ok((peek, _)) = store.peek(check).await else {
+        let least = match limit.tokens.as_ref().map(|budget| &budget.unit) {
+            Some(Unit::Tokens) => u32::try_from(declared).unwrap_or(u32::MAX),
+            _ => 1,
+        };
+        let asked = Check {
+            key: check.key.clone(),
+            spec: crate::limiter::Spec {
+                cost: least.clamp(1, check.spec.requests.max(1)),
+                ..check.spec
+            },
+        };
+        let Ok((peek, _)) = store.peek(&asked).await else {
             continue;
         };
         states[index] = Some(LimitState {
             remaining: peek.remaining,
             reset: peek.reset,
         });
-        if peek.remaining == 0 {
+        if !peek.wait.is_zero() {
             rejecting[index] = true;
-            retry_after = retry_after.max(peek.reset);
+            retry_after = retry_after.max(peek.wait);
         }
     }
     if !rejecting.contains(&true) {

@@ -726,3 +726,45 @@ async fn a_client_gone_after_the_last_event_settles_to_the_usage() {
         );
     }
 }
+
+/// A request refused before its body is read is told when what it will reserve fits, not
+/// when one token does: a token limit reserves at least the body's bytes, so a request
+/// declaring 400 bytes waits for 400 tokens. Here the first 100 tokens of the window free up
+/// 7 s before the other 5,900: a `Retry-After` for one token (7 s) would send the client back
+/// to be refused again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_refusal_waits_for_what_the_request_will_reserve() {
+    let upstream = LlmUpstream::start().await;
+    let sluice = Sluice::start(&policy(
+        Policy::new(),
+        &upstream.url(),
+        6000,
+        "10s",
+        usage(),
+    ))
+    .await;
+    let first = send(
+        &sluice,
+        "k",
+        chat_body(300, json!({"mode": "json", "usage": 100})),
+    )
+    .await;
+    assert_eq!(first.status(), 200);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let second = send(
+        &sluice,
+        "k",
+        chat_body(300, json!({"mode": "json", "usage": 5900})),
+    )
+    .await;
+    assert_eq!(second.status(), 200);
+    let body = chat_body(10, json!({"pad": "x".repeat(400)}));
+    let refused = send(&sluice, "k", body).await;
+    assert_eq!(refused.status(), 429);
+    let retry: u64 = support::header(&refused, "retry-after").parse().unwrap();
+    assert!(
+        (9..=10).contains(&retry),
+        "Retry-After {retry}: until the 5,900 leave (about 10 s), not the first 100 (about 7 s)"
+    );
+    assert_eq!(upstream.answers().len(), 2, "refused before the upstream");
+}

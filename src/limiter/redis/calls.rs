@@ -243,9 +243,10 @@ impl RedisStore {
             .arg(spec.algorithm.label())
             .arg(spec.requests)
             .arg(spec.window_us())
-            .arg(spec.burst);
+            .arg(spec.burst)
+            .arg(spec.cost.max(1));
         let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.peek)).await?;
-        let [count, remaining, reset] = reply[..] else {
+        let [count, remaining, reset, wait] = reply[..] else {
             return Err(StoreError::Script(format!(
                 "unexpected peek reply {reply:?}"
             )));
@@ -254,6 +255,7 @@ impl RedisStore {
             count: u64::try_from(count).unwrap_or(0),
             remaining: u32::try_from(remaining).unwrap_or(0),
             reset: Duration::from_micros(u64::try_from(reset).unwrap_or(0)),
+            wait: Duration::from_micros(u64::try_from(wait).unwrap_or(0)),
         })
     }
 

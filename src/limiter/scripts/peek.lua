@@ -1,5 +1,6 @@
--- The admin API's read of one limit: where KEYS[1] stands for one more request of cost 1,
--- computed by its algorithm's own check function, recording nothing. Concatenated after
+-- A read of one limit (the admin API; a token route's room check before its body): where
+-- KEYS[1] stands for one more request, computed by its algorithm's own check function,
+-- recording nothing. Concatenated after
 -- prelude.lua, every algorithm's file and the `check` and `peek_count` dispatchers generated
 -- from the algorithm table (src/limiter/algorithm.rs, src/limiter/redis/scripts.rs), like
 -- decide.lua. The check functions drop what time has expired (the sliding log's old
@@ -11,22 +12,28 @@
 -- ARGV[3]   window in microseconds (calendar: the time left in the period; concurrency: the
 --           lease period)
 -- ARGV[4]   burst
+-- ARGV[5]   cost: what `wait_us` is for (1 when absent)
 --
--- Returns {count, remaining, reset_us}
+-- Returns {count, remaining, reset_us, wait_us}
 --   count      requests counted against the limit now (see the table's `peek_count`): the
 --              log's entries (the weighted log's units), the fixed window's counter, the
 --              quota's count in its period, the leases held; for the sliding-window counter
 --              and GCRA, the room used (capacity minus remaining)
 --   remaining  requests (of cost 1) the limit would still admit now
 --   reset_us   time until it admits one more than now (0 when it holds nothing)
+--   wait_us    time until a request of `cost` fits (0 when it fits now)
 
 local algorithm = ARGV[1]
 local requests, window, burst = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local ok, _, remaining, reset, counted = check(algorithm, KEYS[1], now, requests, window, burst,
-                                               1)
+local cost = tonumber(ARGV[5] or '1')
+local ok, wait, remaining, reset, counted = check(algorithm, KEYS[1], now, requests, window,
+                                                  burst, cost)
 if ok == nil then
   return redis.error_reply('unknown algorithm ' .. tostring(algorithm))
 end
-return {peek_count(algorithm, counted, remaining, requests, burst), remaining, reset}
+if ok then
+  wait = 0
+end
+return {peek_count(algorithm, counted, remaining, requests, burst), remaining, reset, wait}
