@@ -219,6 +219,14 @@ impl Admin {
         let store = self.gateway.store();
         let identity = store_key::identity_of(&policy, found, rule, &check.key);
         let concurrent = rule.spec.algorithm == crate::limiter::Algorithm::Concurrency;
+        let failed = |err: crate::limiter::StoreError| {
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("{} store: {err}", store.name()),
+                path,
+                &[],
+            )
+        };
         let outcome = if let Some(lease) = lease {
             if !concurrent {
                 return problem(
@@ -233,14 +241,7 @@ impl Admin {
                     tracing::info!(route, limit, identity = %crate::log::key_hash(&check.key), lease, ended, "admin API: concurrency lease ended");
                     json!({ "store": store.name(), "lease": lease, "ended": ended })
                 }
-                Err(err) => {
-                    return problem(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        &format!("{} store: {err}", store.name()),
-                        path,
-                        &[],
-                    )
-                }
+                Err(err) => return failed(err),
             }
         } else if method == Method::DELETE {
             match store.reset(&check).await {
@@ -276,14 +277,7 @@ impl Admin {
                     "reset": peek.reset.as_secs_f64(),
                     "store": answered,
                 }),
-                Err(err) => {
-                    return problem(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        &format!("{} store: {err}", store.name()),
-                        path,
-                        &[],
-                    )
-                }
+                Err(err) => return failed(err),
             }
         };
         let mut body = json!({
@@ -312,35 +306,8 @@ impl Admin {
         }
         if concurrent && lease.is_none() && method == Method::GET {
             match store.holders(&check).await {
-                Ok((holders, _)) => {
-                    let holders: Vec<serde_json::Value> = holders
-                        .iter()
-                        .map(|h| {
-                            json!({
-                                "lease": h.lease,
-                                "instance": h.instance,
-                                "age": h.age.as_secs_f64(),
-                            })
-                        })
-                        .collect();
-                    merge(
-                        &mut body,
-                        json!({
-                            "unit": "concurrent-requests",
-                            "lease_period": rule.spec.window.as_secs_f64(),
-                            "window": serde_json::Value::Null,
-                            "holders": holders,
-                        }),
-                    );
-                }
-                Err(err) => {
-                    return problem(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        &format!("{} store: {err}", store.name()),
-                        path,
-                        &[],
-                    )
-                }
+                Ok((holders, _)) => merge(&mut body, holders_view(rule, &holders)),
+                Err(err) => return failed(err),
             }
         }
         merge(&mut body, outcome);
@@ -401,6 +368,23 @@ fn error_fields(err: &ReloadError) -> serde_json::Value {
 }
 
 /// Adds the members of the object `extra` to the object `body`.
+/// A concurrency limit's read: its unit, lease period and the requests holding its places.
+fn holders_view(
+    rule: &crate::policy::Limit,
+    holders: &[crate::limiter::Holder],
+) -> serde_json::Value {
+    let holders: Vec<serde_json::Value> = holders
+        .iter()
+        .map(|h| json!({ "lease": h.lease, "instance": h.instance, "age": h.age.as_secs_f64() }))
+        .collect();
+    json!({
+        "unit": "concurrent-requests",
+        "lease_period": rule.spec.window.as_secs_f64(),
+        "window": serde_json::Value::Null,
+        "holders": holders,
+    })
+}
+
 fn merge(body: &mut serde_json::Value, extra: serde_json::Value) {
     if let (Some(members), serde_json::Value::Object(extra)) = (body.as_object_mut(), extra) {
         members.extend(extra);

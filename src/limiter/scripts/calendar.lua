@@ -45,20 +45,11 @@ local function calendar_record(key, now, requests, window, burst, cost, count, _
   return remaining, window
 end
 
--- Gives back `back` (release.lua): DECRBY within the period's key, only if it exists; at zero
--- the key goes. Exact: the key names the request's period, so a give-back after that period
--- ended lands on a key that no longer counts.
+-- Gives back `back` (release.lua) as fixed_window.lua does (DECRBY only if the key exists; at
+-- zero the key goes). Exact here: the key names the request's period, so a give-back after
+-- that period ended lands on a key that no longer counts.
 local function calendar_release(key, now, requests, window, back)
-  local count = tonumber(redis.call('GET', key) or '0')
-  if count <= 0 then
-    return false
-  end
-  if count > back then
-    redis.call('DECRBY', key, back)
-  else
-    redis.call('DEL', key)
-  end
-  return true
+  return fixed_window_release(key, now, requests, window, back)
 end
 
 -- Charges `extra` more: INCRBY, if the period's key exists.
