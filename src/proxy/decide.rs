@@ -10,7 +10,7 @@ use crate::log::RequestLog;
 use crate::policy::{Limit, Route};
 use crate::request::Plan;
 
-use super::hold::CountedAsHeld;
+use super::held::CountedAsHeld;
 use super::in_flight::{poll_gap, waits, Waiting};
 use super::stop::Stop;
 use super::Exchange;

@@ -6,10 +6,9 @@
 
 use std::sync::Arc;
 
-use prometheus::IntGauge;
-
 use super::decide::Decided;
 use super::give_back::give_back;
+use super::held::CountedAsHeld;
 use super::stop::Stop;
 use crate::limiter::{Admission, Algorithm, Check, Store};
 use crate::policy::Route;
@@ -43,23 +42,6 @@ pub async fn hold(store: &Arc<Store>, route: &Route, decided: &Decided<'_>) -> R
     tokio::time::sleep(delay).await;
     guard.pending = None;
     Ok(())
-}
-
-/// Counts the request among the route's held ones (`sluice_held_requests`, which
-/// `max_delayed` bounds) for as long as it lives.
-pub(super) struct CountedAsHeld<'a>(&'a IntGauge);
-
-impl<'a> CountedAsHeld<'a> {
-    pub(super) fn start(held: &'a IntGauge) -> CountedAsHeld<'a> {
-        held.inc();
-        CountedAsHeld(held)
-    }
-}
-
-impl Drop for CountedAsHeld<'_> {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
 }
 
 /// Gives an admission back if dropped while still pending: a held client that left. The

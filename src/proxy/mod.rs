@@ -16,6 +16,7 @@ mod body_budget;
 mod decide;
 mod finish;
 mod give_back;
+mod held;
 mod hold;
 mod in_flight;
 mod request_body;

@@ -97,7 +97,7 @@ impl ClusterLink {
         // the store's to count. The crate still refreshes its slot map on MOVED.
         let mut builder = ClusterClientBuilder::new(nodes)
             .connection_timeout(timeout)
-            .tcp_settings(super::connection::tcp_settings())
+            .tcp_settings(super::socket::tcp_settings())
             .retries(0);
         if let Some(username) = &settings.username {
             builder = builder.username(username);

@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::io::tcp::{socket2, TcpSettings};
 use redis::{Client, Cmd, RedisFuture, RedisResult, Script};
 
 use super::super::StoreError;
@@ -96,28 +95,6 @@ impl ConnectionLike for Connection {
             Connection::Cluster(conn) => conn.get_db(),
         }
     }
-}
-
-/// How long sent data may stay unacknowledged before the kernel gives a connection up
-/// (`TCP_USER_TIMEOUT`), and the keepalive probing of an idle one. Without them, a connection
-/// caught by a silent partition (packets dropped, no RST) keeps its unacknowledged data
-/// waiting for the next retransmission, whose backoff doubles up to 120 s: after the network
-/// heals, every call on it waits for that retransmission. With them, the connection fails
-/// within this bound, is replaced, and a fresh one answers as soon as the network does.
-pub(super) const UNACKNOWLEDGED_FOR: Duration = Duration::from_secs(1);
-
-/// The TCP settings of every connection to a Redis node: no Nagle delay on the small writes
-/// of a call (the crate's default leaves it on), and a dead or partitioned peer found within
-/// `UNACKNOWLEDGED_FOR` whether the connection is busy (user timeout) or idle (keepalive).
-pub(super) fn tcp_settings() -> TcpSettings {
-    let keepalive = socket2::TcpKeepalive::new()
-        .with_time(Duration::from_secs(5))
-        .with_interval(Duration::from_secs(1))
-        .with_retries(3);
-    TcpSettings::default()
-        .set_nodelay(true)
-        .set_keepalive(keepalive)
-        .set_user_timeout(UNACKNOWLEDGED_FOR)
 }
 
 /// `connections` lazily opened connection managers to the Redis `client` points at, each with

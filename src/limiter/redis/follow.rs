@@ -191,7 +191,7 @@ pub(super) async fn follow_once(
         .into_connection_info()
         .map_err(|e| StoreError::Connection(e.to_string()))?
         .set_redis_settings(nodes.redis.clone())
-        .set_tcp_settings(super::connection::tcp_settings());
+        .set_tcp_settings(super::socket::tcp_settings());
     let client = Client::open(info).map_err(|e| StoreError::Connection(e.to_string()))?;
     let connections = open_connections(&client, nodes.connections, shared.timeout)?;
     let mut first = connections

@@ -26,8 +26,9 @@
 //!
 //! The files, by job: `connection` (the connections to a node or a cluster, and the master
 //! as last known), `batch` (each connection's queue and the writer that drains it), `follow` (finding and following the master through Sentinel), `scripts`
-//! (the Lua sources and reading their replies), `calls` (decide, release, peek and reset, each
-//! one script call or one per cluster slot).
+//! (the Lua sources and reading their replies), `calls` (decide, release, peek, reset and
+//! the lease renewal, each one script call or one per cluster slot), `socket` (the TCP
+//! settings that get a connection out of a silent partition).
 
 mod batch;
 mod calls;
@@ -36,6 +37,7 @@ mod connection;
 mod follow;
 mod scripts;
 mod sentinel;
+mod socket;
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -116,7 +118,7 @@ impl RedisStore {
     pub fn new(url: &str, connections: usize, timeout: Duration) -> Result<RedisStore, StoreError> {
         let info = redis::IntoConnectionInfo::into_connection_info(url)
             .map_err(|e| StoreError::Connection(e.to_string()))?
-            .set_tcp_settings(connection::tcp_settings());
+            .set_tcp_settings(socket::tcp_settings());
         let client = Client::open(info).map_err(|e| StoreError::Connection(e.to_string()))?;
         let master = Master {
             addr: None,
