@@ -23,8 +23,8 @@ use tokio::sync::watch;
 use super::redis::RedisStore;
 use super::{Admission, Algorithm, Check, Spec, Store};
 
-/// How often the renewal looks at the keys held.
-const RENEW_TICK: Duration = Duration::from_millis(250);
+/// How often the renewal looks at the keys held (and at the leases it may have to cut).
+const RENEW_TICK: Duration = Duration::from_millis(100);
 
 /// The counters of lease events (`sluice_concurrency_leases_total`).
 #[derive(Clone)]
@@ -164,9 +164,11 @@ impl Held {
 pub(super) async fn renew(held: Weak<Held>, store: Arc<RedisStore>, counters: LeaseCounters) {
     let mut ticks = tokio::time::interval(RENEW_TICK);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // A lease is cut when its deadline is nearer than one more tick and a whole store call:
-    // with the shortest lease (1 s), after two renewals in a row did not land.
-    let margin = RENEW_TICK + store.timeout();
+    // A lease is cut when its deadline in Redis is nearer than one more look and a little
+    // slack: `renewed` is when the last renewal that landed was sent, so the deadline is at
+    // least that plus the period. With the shortest lease (1 s), renewed every 250 ms, a
+    // key is cut after 850 ms without a renewal landing.
+    let margin = RENEW_TICK + Duration::from_millis(50);
     loop {
         ticks.tick().await;
         let Some(held) = held.upgrade() else {
@@ -210,7 +212,10 @@ pub(super) async fn end_all(held: &Held, store: &RedisStore) -> usize {
 }
 
 /// One renewal call for `keys` (lease period `window`), and one restoring those the store
-/// forgot.
+/// forgot: it writes back the leases still held here that the store lacks (a key this
+/// instance renews for the first time has them all: nothing is added). A lease whose request
+/// ended while the restore was on its way may have been written back after its release: it
+/// is deleted again.
 async fn renew_keys(
     held: &Held,
     store: &RedisStore,
@@ -231,35 +236,44 @@ async fn renew_keys(
             return;
         }
     };
-    let mut forgotten = Vec::new();
-    for (check, (known, reclaimed)) in checks.into_iter().zip(answers) {
-        counters.reclaimed.inc_by(reclaimed);
-        if known {
+    let mut unknown = Vec::new();
+    for (check, answer) in checks.into_iter().zip(answers) {
+        counters.reclaimed.inc_by(answer.reclaimed);
+        if answer.known {
             held.renewed(&check.key, sent);
         } else {
-            forgotten.push(check);
+            unknown.push(check);
         }
     }
-    if forgotten.is_empty() {
+    if unknown.is_empty() {
         return;
     }
-    let ids: Vec<Vec<String>> = forgotten.iter().map(|c| held.ids(&c.key)).collect();
+    let ids: Vec<Vec<String>> = unknown.iter().map(|c| held.ids(&c.key)).collect();
     let sent = Instant::now();
-    match store.renew(&forgotten, window_us, Some(&ids)).await {
-        Ok(_) => {
-            let restored: usize = ids.iter().map(Vec::len).sum();
-            counters.restored.inc_by(restored as u64);
-            tracing::warn!(
-                leases = restored,
-                keys = forgotten.len(),
-                "the store had forgotten concurrency leases of requests still in flight (restarted empty, or failed over): restored"
-            );
-            for check in &forgotten {
-                held.renewed(&check.key, sent);
-            }
-        }
+    let answers = match store.renew(&unknown, window_us, Some(&ids)).await {
+        Ok(answers) => answers,
         Err(err) => {
             tracing::debug!(error = %err, "cannot restore concurrency leases; trying again");
+            return;
+        }
+    };
+    let restored: u64 = answers.iter().map(|a| a.restored).sum();
+    counters.restored.inc_by(restored);
+    if restored > 0 {
+        tracing::warn!(
+            leases = restored,
+            "the store had forgotten concurrency leases of requests still in flight (restarted empty, or failed over): restored"
+        );
+    }
+    for (check, sent_ids) in unknown.iter().zip(ids) {
+        held.renewed(&check.key, sent);
+        let now_held = held.ids(&check.key);
+        let ended: Vec<String> = sent_ids
+            .into_iter()
+            .filter(|id| !now_held.contains(id))
+            .collect();
+        if !ended.is_empty() {
+            let _ = store.end_leases(&check.key, &ended).await;
         }
     }
 }

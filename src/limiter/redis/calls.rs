@@ -170,19 +170,20 @@ impl RedisStore {
     /// Renews this instance's leases under `keys` (concurrency keys, all with the lease
     /// period `window_us`), or restores them when `restore` gives each key's lease ids
     /// (`leases.lua`); on a cluster, one call per slot. Per key, in order: whether the store
-    /// still knew this instance there, and the leases it reclaimed from dead instances.
+    /// still knew this instance there, the leases it reclaimed from dead instances, and the
+    /// leases a restore wrote back.
     pub async fn renew(
         &self,
         keys: &[Check],
         window_us: u64,
         restore: Option<&[Vec<String>]>,
-    ) -> Result<Vec<(bool, u64)>, StoreError> {
+    ) -> Result<Vec<Renewed>, StoreError> {
         let groups = match &self.link {
             Link::Cluster(_) => cluster::slot_groups(keys),
             Link::Single | Link::Sentinel(_) => None,
         }
         .unwrap_or_else(|| vec![(0..keys.len()).collect()]);
-        let mut answers = vec![(false, 0); keys.len()];
+        let mut answers = vec![Renewed::default(); keys.len()];
         for members in groups {
             let mut cmd = redis::cmd("EVALSHA");
             cmd.arg(self.shared.leases.get_hash()).arg(members.len());
@@ -202,13 +203,17 @@ impl RedisStore {
                 }
             }
             let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.leases)).await?;
-            if reply.len() != 2 * members.len() {
+            if reply.len() != 3 * members.len() {
                 return Err(StoreError::Script(format!(
                     "unexpected lease renewal reply {reply:?}"
                 )));
             }
-            for (pair, &index) in reply.chunks_exact(2).zip(&members) {
-                answers[index] = (pair[0] == 1, u64::try_from(pair[1]).unwrap_or(0));
+            for (three, &index) in reply.chunks_exact(3).zip(&members) {
+                answers[index] = Renewed {
+                    known: three[0] == 1,
+                    reclaimed: u64::try_from(three[1]).unwrap_or(0),
+                    restored: u64::try_from(three[2]).unwrap_or(0),
+                };
             }
         }
         Ok(answers)
@@ -229,6 +234,17 @@ impl RedisStore {
         let time: (u64, u64) = self.run(&redis::cmd("TIME"), None).await?;
         Ok((held, time.0 * 1_000_000 + time.1))
     }
+}
+
+/// What one key's renewal found (`leases.lua`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Renewed {
+    /// The store still held this instance's leases there.
+    pub known: bool,
+    /// Leases the key took back from dead instances since the last renewal.
+    pub reclaimed: u64,
+    /// Leases a restore wrote back (the store had forgotten them).
+    pub restored: u64,
 }
 
 /// Read and reset for the admin API, over the same connections and timeout as decisions.

@@ -6,7 +6,8 @@
 --            its lease id), value = when it was taken (us, Redis clock). Beside it, in the
 --            same Cluster slot (the name only adds a suffix after the hash tag), `key .. ':i'`:
 --            a hash of the instances holding leases there, field = instance id (16 hex
---            digits), value = the deadline (us) by which it must renew them (leases.lua), plus
+--            digits), value = the deadline (us) by which it must renew them (leases.lua), its
+--            marker `r:{instance}` (written by its renewals only, see leases.lua), plus
 --            `hold` (a moving average of how long a lease is held, us, for the retry hint) and
 --            `reclaimed` (leases taken from instances past their deadline, read and cleared
 --            by the next renewal, which counts them).
@@ -45,7 +46,7 @@ local function concurrency_reclaim(key, beats, now)
   -- Counted before the instances go, so the hash is never emptied (and never loses its TTL).
   redis.call('HINCRBY', beats, 'reclaimed', reclaimed)
   for _, instance in pairs(dead) do
-    redis.call('HDEL', beats, instance)
+    redis.call('HDEL', beats, instance, 'r:' .. instance)
   end
 end
 
