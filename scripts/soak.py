@@ -13,7 +13,10 @@ it reported). That record is the ground truth of every check.
 Load: open-loop clients on every route (each algorithm, a token budget with streamed and JSON
 answers, a calendar quota, shaping, counting by outcome, a multi-limit route), per-key and
 per-IP identities (trusted X-Forwarded-For, and distinct loopback source addresses), HTTP/1.1
-with and without keep-alive, HTTP/2 (h2c) with several streams per connection.
+with and without keep-alive, HTTP/2 (h2c) with several streams per connection; and closed-loop
+clients on a concurrency limit (`concurrent: 4` per key, `lease: 2s`), a dozen per key, whose
+requests the upstream holds 20-600 ms or streams (a few for 3 s, longer than the lease), some
+abandoned mid-stream.
 
 Faults, on a schedule drawn from --seed: the Redis master SIGKILLed and restarted empty,
 SIGSTOPped then SIGCONTed, a Sentinel failover, SCRIPT FLUSH, a policy reload that changes a
@@ -23,7 +26,10 @@ and answers slower than the upstream timeout (504).
 
 Checks (one line each, with the figure that decided it; exit 1 on any violation): per limit
 and identity the most the upstream received in any window against the bound the README
-promises for the faults in progress; every 5xx and failed request explained by a fault in
+promises for the faults in progress; per concurrency key the most requests the upstream served
+at any instant (its own record, from a request's arrival to the end or abort of its answer)
+against the limit, strictly but for requests that arrived during a Redis fault (reported
+apart), and the limit used whole; every 5xx and failed request explained by a fault in
 progress; no request left hanging; RSS and open fds flat; every Redis key with a TTL;
 sluice's request counters equal to what the clients saw.
 """
@@ -446,14 +452,30 @@ ROUTES = {
     "multi": dict(ose="local", limits=[
         dict(name="per-key", key="key", alg="sliding_log", n=8, window=4),
         dict(name="global", key="global", alg="fixed_window", n=30, window=4)]),
+    # A concurrency limit: at most `n` requests of a key in flight at once (no window). `deny`:
+    # a `local` fallback would count per instance. A short lease, so that the places of the
+    # SIGKILLed instance come back (reclaimed) within the run.
+    "conc": dict(ose="deny", limits=[dict(name="per-key", key="key", alg="concurrent", n=4,
+                                          lease=2)]),
 }
 SEED_BUG = None  # --seed-bug: a policy the checker must fail, to show that it can
 SLOG_LIMITS = (20, 12)  # the reload fault alternates /slog's limit between these
 UPSTREAM_TIMEOUT = 2.0
+# An answer sluice closed before its end (its client left, its upstream timeout, a lease cut)
+# is judged to have ended this long before the upstream saw its connection close: sluice frees
+# the place as it ends the request, and the FIN follows from hyper's connection task
+# (check_concurrency reports the raw record too).
+CLOSE_ALLOWANCE = 0.010
 
 
 def limit_yaml(lim, slog_limit, invalid):
     key = {"key": '["header:x-api-key"]', "ip": "[client_ip]", "global": "[]"}[lim["key"]]
+    if lim["alg"] == "concurrent":
+        # --seed-bug concurrent-plus-one: sluice is given one place more than the checker
+        # holds the upstream's record to.
+        n = lim["n"] + (1 if SEED_BUG == "concurrent-plus-one" else 0)
+        return (f"      - {{ name: {lim['name']}, key: {key}, concurrent: {n}, "
+                f"lease: {lim['lease']}s }}\n")
     n = slog_limit if lim["n"] == "SLOG" else lim["n"]
     if invalid and lim["n"] == "SLOG":
         n = 0  # refused: requests must be at least 1
@@ -603,6 +625,10 @@ def parse_metrics(text):
 class Upstream:
     def __init__(self, seed):
         self.records = []  # dicts: t, inst, route, ident, rid, status, tokens, fault
+        # /conc: each request's arrival (+1) and the end or abort of its answer (-1), in the
+        # order this loop saw them: (t, +1 or -1, record). The ground truth of the
+        # concurrency check (how many requests of a key the upstream serves at once).
+        self.conc = []
         self.fault = None  # None, or (mode, probability) during an upstream episode
         self.rng = random.Random(seed ^ 0x5eed)
         self.port = free_port()
@@ -633,7 +659,7 @@ class Upstream:
                         if size == 0:
                             break
                         body += chunk[:-2]
-                keep = await self.answer(t, method, target, headers, body, writer)
+                keep = await self.answer(t, method, target, headers, body, reader, writer)
                 if not keep:
                     break
         except (asyncio.IncompleteReadError, ConnectionError, ValueError, OSError,
@@ -645,7 +671,7 @@ class Upstream:
             except Exception:
                 pass
 
-    async def answer(self, t, method, target, headers, body, writer):
+    async def answer(self, t, method, target, headers, body, reader, writer):
         path = target.split("?")[0]
         parts = path.split("/")
         inst = parts[1] if len(parts) > 1 else "?"
@@ -661,6 +687,8 @@ class Upstream:
         if self.fault and self.rng.random() < self.fault[1]:
             fault = self.fault[0]
         rec["fault"] = fault
+        if route == "conc":
+            return await self.answer_conc(rec, fault, parts, reader, writer)
         if fault == "abort":
             rec["status"] = None
             writer.transport.abort()
@@ -720,6 +748,76 @@ class Upstream:
         self.send(writer, 200, b"ok\n")
         return True
 
+    async def answer_conc(self, rec, fault, parts, reader, writer):
+        """/conc/hold/<ms> (200 after ms) or /conc/stream/<n>/<ms> (n events ms apart, chunked).
+        The request counts as served from its head's arrival until the last byte of its answer
+        is handed to the kernel, or until its connection is gone: sluice closes it when it
+        gives up on the answer (its client left, its upstream timeout, a lease it could not
+        renew, its death), as a real server's slot is freed then. Injected faults as for any
+        route: an abort, a 500, an answer slower than sluice's upstream timeout."""
+        self.conc.append((rec["t"], 1, rec))
+        rec["end"] = "closed"
+        try:
+            if fault == "abort":
+                rec["status"] = None
+                rec["end"] = "aborted"
+                writer.transport.abort()
+                return False
+            if fault == "slow":
+                rec["status"] = "late"
+                if not await self.hold(reader, UPSTREAM_TIMEOUT + 1.0):
+                    return False
+                self.send(writer, 200, b"late\n")
+            elif fault == "error":
+                rec["status"] = 500
+                self.send(writer, 500, b"injected error\n")
+            elif len(parts) > 5 and parts[3] == "stream":
+                n, gap = int(parts[4]), int(parts[5]) / 1000
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for i in range(n):
+                    data = f"data: {i}\n\n".encode()
+                    writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                    if not await self.hold(reader, gap):
+                        return False
+                writer.write(b"0\r\n\r\n")
+            else:
+                ms = int(parts[4]) if len(parts) > 4 and parts[3] == "hold" else 0
+                if not await self.hold(reader, ms / 1000):
+                    return False
+                self.send(writer, 200, b"held\n")
+            await self.flushed(writer)
+            rec["end"] = "answered"
+            return True
+        finally:
+            rec["t_end"] = now()
+            self.conc.append((rec["t_end"], -1, rec))
+
+    @staticmethod
+    async def hold(reader, seconds):
+        """Waits `seconds`, or less if the peer closes the connection first (False then).
+        sluice sends nothing more on the connection before the answer ends (no pipelining), so
+        a read here can only see its close."""
+        if reader.at_eof():
+            return False
+        rd = asyncio.ensure_future(reader.read(1))
+        done, _ = await asyncio.wait({rd}, timeout=seconds)
+        if not done:
+            rd.cancel()
+        try:
+            return bool(await rd)
+        except asyncio.CancelledError:
+            return True
+        except (ConnectionError, OSError):
+            return False
+
+    @staticmethod
+    async def flushed(writer):
+        """Returns once every byte written is in the kernel (sent on loopback)."""
+        await writer.drain()
+        while writer.transport.get_write_buffer_size() and not writer.transport.is_closing():
+            await asyncio.sleep(0.001)
+
     @staticmethod
     def send(writer, status, body, ctype="text/plain"):
         reason = {200: "OK", 401: "Unauthorized", 500: "Internal Server Error"}[status]
@@ -764,9 +862,15 @@ class H1Conn:
                 pass
         self.reader = self.writer = None
 
-    async def request(self, method, path, headers, body, keepalive):
+    async def request(self, method, path, headers, body, keepalive, abandon=False):
+        """The answer's status (its headers in self.headers). A ClientError carries the status
+        when the answer was cut after its head (`status`). `abandon`: a chunked answer is left
+        after its first chunk, the connection closed (a client that goes away)."""
         await self.ensure()
         reused = self.used > 0
+        status = None
+        self.headers = {}
+        self.closed_at = None
         self.used += 1
         h = {"host": "soak", **headers}
         if body:
@@ -781,13 +885,19 @@ class H1Conn:
             if not status_line:
                 raise ClientError("eof_reused" if reused else "eof")
             status = int(status_line.split(b" ", 2)[1])
-            rh = {}
+            rh = self.headers
             while True:
                 line = await self.reader.readline()
                 if line in (b"\r\n", b""):
                     break
                 k, _, v = line.decode("latin-1").partition(":")
                 rh[k.strip().lower()] = v.strip()
+            if abandon and rh.get("transfer-encoding", "").lower() == "chunked":
+                size = int((await self.reader.readline()).split(b";")[0], 16)
+                await self.reader.readexactly(size + 2)
+                self.closed_at = now()
+                self.close()
+                return status
             if "content-length" in rh:
                 await self.reader.readexactly(int(rh["content-length"]))
             elif rh.get("transfer-encoding", "").lower() == "chunked":
@@ -803,9 +913,11 @@ class H1Conn:
             return status
         except (ConnectionResetError, BrokenPipeError, asyncio.IncompleteReadError) as e:
             self.close()
-            raise ClientError(("reset_reused" if reused else "reset")
+            err = ClientError(("reset_reused" if reused else "reset")
                               if not isinstance(e, asyncio.IncompleteReadError)
                               else ("eof_reused" if reused else "eof_mid"))
+            err.status = status
+            raise err
         except (ValueError, IndexError):
             self.close()
             raise ClientError("garbled")
@@ -899,6 +1011,51 @@ class Load:
             rec["t1"] = now()
             if t_next < now() - 1.0:
                 t_next = now()  # do not build a backlog behind a slow answer
+
+    async def conc_worker(self, wid, group, key, keepalive):
+        """A closed-loop client of /conc for one key: one request at a time, the next right
+        after an answer (0-50 ms), 0.2-0.6 s after a refusal. The upstream holds the request
+        20-600 ms (57 %), or streams 2-8 events 30-150 ms apart (35 %), or 12 events 250 ms
+        apart (3 %: 3 s, longer than the lease, kept by its renewals); 5 % are streams of 10
+        events 100 ms apart that the client leaves after the first (closing its connection)."""
+        rng = random.Random(self.args.seed * 1000 + wid)
+        conns = {}
+        await asyncio.sleep(rng.uniform(0.0, 0.5))
+        while now() < self.stop_at:
+            inst = rng.choice(group)
+            u, abandon = rng.random(), False
+            if u < 0.57:
+                path = f"/conc/hold/{rng.randint(20, 600)}"
+            elif u < 0.92:
+                path = f"/conc/stream/{rng.randint(2, 8)}/{rng.randint(30, 150)}"
+            elif u < 0.95:
+                path = "/conc/stream/12/250"
+            else:
+                path, abandon = "/conc/stream/10/100", True
+            rid = self.rid()
+            conn = conns.get(inst)
+            if conn is None:
+                conn = conns[inst] = H1Conn(self.instances[inst].listen)
+            rec = dict(t0=now(), t1=None, inst=inst, route="conc", ident=key, rid=rid,
+                       status=None, err=None, proto="h1" + ("ka" if keepalive else ""),
+                       abandon=abandon)
+            self.records.append(rec)
+            try:
+                rec["status"] = await asyncio.wait_for(
+                    conn.request("GET", path, {"x-api-key": key, "x-request-id": rid}, None,
+                                 keepalive, abandon=abandon), self.args.client_timeout)
+                if rec["status"] == 429:
+                    rec["policy"] = conn.headers.get("ratelimit-policy")
+                rec["closed_at"] = conn.closed_at
+            except ClientError as e:
+                rec["err"] = str(e)
+                rec["partial"] = getattr(e, "status", None)
+            except asyncio.TimeoutError:
+                rec["err"] = "timeout"
+                conn.close()
+            rec["t1"] = now()
+            await asyncio.sleep(rng.uniform(0.0, 0.05) if rec["status"] == 200
+                                else rng.uniform(0.2, 0.6))
 
     async def one(self, inst, route, ident, prompt=None, keepalive=False):
         """One request outside the workers' schedule (the faults' own)."""
@@ -1041,6 +1198,13 @@ class Load:
                     w.append(self.h2_worker(wid, route, group,
                                             keys(f"{g}{route}", 3 if route != "multi" else 4),
                                             6, 2.0 / r))
+            # /conc: 12 closed-loop clients per key on A, B and C (3 per key without
+            # keep-alive) for 4 places, so each key is full most of the time; on L, 6 on one key.
+            for key in (keys(f"{g}conc", 2) if group is redis_group else [f"{g}conc0"]):
+                n = round((12 if group is redis_group else 6) * r)
+                for i in range(n):
+                    wid += 1
+                    w.append(self.conc_worker(wid, group, key, keepalive=i % 4 != 3))
         return w
 
 
@@ -1285,6 +1449,8 @@ class Checker:
                 continue
             group = "local" if r["inst"] == "L" else "redis"
             for lim in ROUTES[r["route"]]["limits"]:
+                if lim["alg"] == "concurrent":
+                    continue  # no window: check_concurrency
                 ident = {"key": r["key"], "ip": r["ip"], "global": "*"}[lim["key"]]
                 if lim.get("count"):
                     if r["status"] not in lim["count"]:
@@ -1369,6 +1535,193 @@ class Checker:
                           f"; max in windows touching a Redis fault {agg['max_fault_use']}"
                           if agg["fault_windows"] else ""))
 
+    @staticmethod
+    def conc_sweep(events, n_lim):
+        """Per (group, key): the most in flight at once (all; and not counting arrivals in a
+        Redis fault window), instants over the limit (with the first's requests and each
+        one's duration), the most in flight while an arrival of each fault window was, the
+        time at the limit."""
+        keys = {}
+        for t, d, rec in events:
+            group = "local" if rec["inst"] == "L" else "redis"
+            k = keys.get((group, rec["key"]))
+            if k is None:
+                k = keys[(group, rec["key"])] = dict(
+                    all=0, strict=0, exempt=collections.Counter(), inflight={}, max_all=0,
+                    max_strict=0, max_strict_t=None, over=0, over_first=None, over_since=None,
+                    over_longest=0.0, win_max=collections.Counter(), full=0.0, first=t,
+                    last=t, served=0, ends=collections.Counter())
+            w = rec["_win"]
+            if k["all"] >= n_lim:
+                k["full"] += t - k["last"]
+            k["last"] = t
+            k["all"] += d
+            if w is None:
+                k["strict"] += d
+            else:
+                k["exempt"][w] += d
+            if d < 0:
+                k["inflight"].pop(id(rec), None)
+                k["ends"][rec.get("end")] += 1
+                if k["over_since"] is not None and k["strict"] <= n_lim:
+                    k["over_longest"] = max(k["over_longest"], t - k["over_since"])
+                    k["over_since"] = None
+                continue
+            k["inflight"][id(rec)] = rec
+            k["served"] += 1
+            k["max_all"] = max(k["max_all"], k["all"])
+            if k["strict"] > k["max_strict"]:
+                k["max_strict"], k["max_strict_t"] = k["strict"], t
+            if k["strict"] > n_lim:
+                k["over"] += 1
+                if k["over_since"] is None:
+                    k["over_since"] = t
+                if k["over_first"] is None:
+                    k["over_first"] = f"{k['strict']} at t={t:.4f}: " + ", ".join(
+                        f"{r['inst']} {r['rid']} {r['t']:.4f}-{r.get('t_end', 0):.4f} "
+                        f"{r.get('end')}" for r in sorted(k["inflight"].values(),
+                                                          key=lambda r: r["t"])
+                        if r["_win"] is None)
+            for wi, c in k["exempt"].items():
+                if c > 0:
+                    k["win_max"][wi] = max(k["win_max"][wi], k["all"])
+        return keys
+
+    def check_concurrency(self, conc_metrics, leases_left):
+        """The concurrency limit, against the upstream's own record of the requests of each key
+        it was serving at every instant (arrival to the end or abort of the answer), swept in
+        the order the upstream saw those events.
+
+        Strict: at no instant more than N in flight, counting every request but those that
+        arrived during a Redis fault window (from the fault's start to 3 s after the sentinels
+        name a working master: the redis_impact of the window check). Those are the documented
+        gaps: a master restarted empty or a replica promoted without the last leases forgets
+        places until each instance's next renewal (a quarter of the lease, 0.5 s, plus a
+        250 ms tick, after sluice follows the new master), or, when the instance admitted
+        under the key before renewing, until the forgotten requests end (found by this soak,
+        see docs/src/internals/soak.md). They are counted apart, with the
+        most in flight at any instant while one of them was, per fault. And the limit used
+        whole (N at some instant, not a deny-all).
+
+        An answer sluice closed (its client left, its upstream timeout, a lease cut) ends, for
+        the upstream, when the connection's FIN arrives; sluice frees the place when it ends
+        the request, and the FIN leaves a moment later (hyper's connection task). Such an end is
+        judged CLOSE_ALLOWANCE earlier than the upstream saw it; the raw record is reported
+        too (instants over N, and the longest)."""
+        lim = ROUTES["conc"]["limits"][0]
+        n_lim = lim["n"]
+        wins = [(f["t0"], f["effect_end"] + 3.0, f"{f['kind']}@{f['t0']:.1f}")
+                for f in self.faults.log if f["kind"] in ("redis_kill", "redis_stop", "failover")]
+        for t, d, rec in self.up.conc:
+            if d > 0:
+                rec["_win"] = next((i for i, (a, b, _) in enumerate(wins) if a <= t <= b),
+                                   None) if rec["inst"] != "L" else None
+        raw = self.conc_sweep(self.up.conc, n_lim)
+        judged_events = sorted(
+            ((t - CLOSE_ALLOWANCE if d < 0 and rec.get("end") == "closed" else t, i, d, rec)
+             for i, (t, d, rec) in enumerate(self.up.conc)), key=lambda e: (e[0], e[1]))
+        keys = self.conc_sweep([(t, d, rec) for t, _, d, rec in judged_events], n_lim)
+        # How long after an abandoning client closed its connection the upstream saw it end.
+        conc_by_rid = {r["rid"]: r for r in self.up.records if r["route"] == "conc"}
+        fin_lag = sorted(conc_by_rid[c["rid"]]["t_end"] - c["closed_at"]
+                         for c in self.load.records
+                         if c.get("closed_at") is not None and c["rid"] in conc_by_rid
+                         and "t_end" in conc_by_rid[c["rid"]])
+        for group in ("redis", "local"):
+            ks = sorted((key, k) for (g, key), k in keys.items() if g == group)
+            if not ks:
+                self.line(False, f"concurrency {group}/conc/per-key", "no request reached "
+                          "the upstream")
+                continue
+            over = sum(k["over"] for _, k in ks)
+            fig = "; ".join(
+                f"{key}: {k['max_strict']} (at t={k['max_strict_t']:.1f}), {k['served']} served"
+                + (f", {k['over']} instants over, first {k['over_first']}" if k["over"] else "")
+                for key, k in ks)
+            rk = [raw[(group, key)] for key, _ in ks]
+            raw_over = sum(k["over"] for k in rk)
+            fig += "; the upstream's raw record: " + (
+                f"{max(k['max_strict'] for k in rk)} at most, {raw_over} instants over "
+                f"{n_lim} (longest {1000 * max(k['over_longest'] for k in rk):.2f} ms; first "
+                + "; ".join(k["over_first"] for k in rk if k["over_first"]) + ")"
+                if raw_over else f"the same, {max(k['max_strict'] for k in rk)} at most")
+            wfig = ""
+            if group == "redis":
+                wfig = "; in Redis fault windows (arrivals there not held to the limit): " + (
+                    ", ".join(f"{label} [{a:.1f}, {b:.1f}] max "
+                              f"{max([k['win_max'][i] for _, k in ks] or [0])}"
+                              for i, (a, b, label) in enumerate(wins)) or "none")
+            self.line(over == 0, f"concurrency {group}/conc/per-key (concurrent {n_lim}, "
+                      f"lease {lim['lease']}s): most in flight at the upstream at once",
+                      f"{fig}; limit {n_lim}{wfig}")
+            self.line(all(k["max_strict"] == n_lim for _, k in ks),
+                      f"concurrency {group}/conc/per-key used whole (not a deny-all)",
+                      "; ".join(f"{key}: {n_lim} in flight {100 * k['full'] / max(1e-9, k['last'] - k['first']):.0f} % "
+                                f"of the time, answers ended {dict(k['ends'])}"
+                                for key, k in ks))
+        if fin_lag:
+            self.line(True, "concurrency: abandoned streams, their client's close to the "
+                      "upstream's seeing it end",
+                      f"{len(fin_lag)}: median {1000 * statistics.median(fin_lag):.2f} ms, "
+                      f"max {1000 * fin_lag[-1]:.2f} ms (allowance for an answer sluice "
+                      f"closed: {1000 * CLOSE_ALLOWANCE:.0f} ms)")
+        # What the clients got: 200, 429 (naming the limit in concurrent requests), 503 on
+        # A, B and C during Redis faults (deny), and the 5xx or failures check_answers explains.
+        recs = [r for r in self.load.records if r["route"] == "conc"]
+        statuses = collections.Counter(r["status"] if r["status"] is not None else
+                                       f"cut {r['partial']}" if r.get("partial") else
+                                       r["err"] for r in recs)
+        odd = {k: v for k, v in statuses.items()
+               if isinstance(k, int) and k not in (200, 429, 500, 502, 503, 504)}
+        want = f'"{lim["name"]}";q={n_lim};qu="concurrent-requests"'
+        bad_policy = collections.Counter(r.get("policy") for r in recs
+                                         if r["status"] == 429 and r.get("policy") != want)
+        unserved = sum(1 for r in recs if r["status"] == 200 and r["rid"] not in conc_by_rid)
+        abandoned = sum(1 for r in recs if r.get("abandon") and r["status"] == 200)
+        self.line(not odd and not bad_policy and unserved == 0,
+                  "concurrency answers: 200 or 429 (each 5xx and failure explained below)",
+                  ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items(), key=str)) +
+                  f"; {abandoned} streams left by their client after the first event; 429s "
+                  f"with RateLimit-Policy {want}: "
+                  f"{statuses[429] - sum(bad_policy.values())} of {statuses[429]}" +
+                  (f" (others: {dict(bad_policy)})" if bad_policy else "") +
+                  f"; 200s the upstream never saw: {unserved}" +
+                  (f"; other statuses: {odd}" if odd else ""))
+        # The places B held when SIGKILLed (its requests' connections to the upstream die with
+        # it, but Redis counts its leases until its deadline, then reclaims them): how many,
+        # and when each key next had the limit in flight at the upstream.
+        kills = []
+        for f in self.faults.log:
+            if f["kind"] != "sluice_kill":
+                continue
+            held_b = collections.Counter(r["key"] for r in self.up.records
+                                         if r["route"] == "conc" and r["inst"] == "B"
+                                         and r["t"] <= f["t0"] < r.get("t_end", 1e18))
+            full_again = []
+            for key in sorted(held_b):
+                cur, back = 0, None
+                for t, d, rec in self.up.conc:
+                    if rec["key"] != key:
+                        continue
+                    cur += d
+                    if t > f["t0"] and cur >= n_lim:
+                        back = t - f["t0"]
+                        break
+                full_again.append(f"{key} {n_lim} in flight again {back:.1f} s after"
+                                  if back is not None else f"{key} never full again")
+            kills.append(f"B SIGKILLed at {f['t0']:.1f} s holding {sum(held_b.values())} "
+                         f"places" + (f" ({', '.join(full_again)})" if full_again else ""))
+        # Every place given back: no lease held by any instance, none left in Redis.
+        held = {name: m.get("in_flight") for name, m in conc_metrics.items()}
+        events = "; ".join(f"{name} " + (", ".join(f"{e} {int(v)}" for e, v in
+                                                  sorted(m["events"].items()) if v) or "none")
+                           for name, m in conc_metrics.items())
+        self.line(all(v == 0 for v in held.values()) and leases_left == 0,
+                  "concurrency places all given back at the end",
+                  f"sluice_concurrency_in_flight {held}, leases left in Redis {leases_left}; "
+                  f"sluice_concurrency_leases_total (since each process started): {events}"
+                  + (f"; {'; '.join(kills)}" if kills else ""))
+
     def in_intervals(self, t, intervals, margin=0.0):
         return any(a - margin <= t <= (b if b is not None else 1e18) + margin
                    for a, b in intervals)
@@ -1411,6 +1764,13 @@ class Checker:
                             cause = ("SIGTERM: request on a kept-alive connection being closed"
                                      if err.endswith("_reused") else
                                      "SIGTERM: new connection reset as the listener closed")
+                if cause is None and rec["route"] == "conc" and rec.get("partial") == 200 \
+                        and rec["inst"] != "L" \
+                        and any(a <= rec["t1"] and rec["t0"] <= b for a, b in impact):
+                    # The instance could not renew the request's lease before its deadline in
+                    # Redis: it cuts the answer rather than let it run beside the request the
+                    # store will admit in its place.
+                    cause = "concurrency: answer cut, lease not renewable in a Redis fault"
             elif st is not None and st >= 500:
                 up = by_rid.get(rec["rid"])
                 group = "local" if rec["inst"] == "L" else "redis"
@@ -1495,9 +1855,11 @@ class Checker:
         for name, m in metrics.items():
             seen = collections.Counter()
             for rec in self.load.records:
-                if rec["inst"] != name or rec["status"] is None:
+                # An answer cut after its head (a concurrency lease lost) counts by its status.
+                st = rec["status"] if rec["status"] is not None else rec.get("partial")
+                if rec["inst"] != name or st is None:
                     continue
-                seen[(rec["route"], outcome_of.get(rec["status"], "forwarded"))] += 1
+                seen[(rec["route"], outcome_of.get(st, "forwarded"))] += 1
             got = collections.Counter()
             for k, v in m.items():
                 if k.startswith("sluice_requests_total{"):
@@ -1531,6 +1893,37 @@ def scan_all(group):
         total += t
         samples.update(s)
     return dict(no_ttl), total, samples
+
+
+def conc_leases(group):
+    """Leases held in Redis under /conc's concurrency keys (their hashes, not the `:i` ones)."""
+    masters = group.masters() if isinstance(group, ClusterGroup) else [group.master_port()]
+    total = 0
+    for m in masters:
+        cursor = "0"
+        while True:
+            r = redis_cmd(m, "SCAN", cursor, "MATCH", "*:conc:per-key:concurrency:*",
+                          "COUNT", "1000")
+            cursor, keys = r[0], [k for k in r[1] if not k.endswith(":i")]
+            if keys:
+                total += sum(n for n in redis_cmds(m, [["HLEN", k] for k in keys])
+                             if isinstance(n, int))
+            if cursor == "0":
+                break
+    return total
+
+
+def conc_metrics_of(admin):
+    """sluice_concurrency_in_flight of /conc and sluice_concurrency_leases_total by event."""
+    m = parse_metrics(http_get_body(admin, "/metrics"))
+    out = dict(in_flight=0, events={})
+    for k, v in m.items():
+        if k.startswith("sluice_concurrency_in_flight{") and 'route="conc"' in k:
+            out["in_flight"] += int(v)
+        elif k.startswith("sluice_concurrency_leases_total{"):
+            event = k.split('event="', 1)[1].split('"', 1)[0] if 'event="' in k else k
+            out["events"][event] = out["events"].get(event, 0) + v
+    return out
 
 
 def scan_ttls(port):
@@ -1612,6 +2005,16 @@ async def main_async(args):
                 http_get_body, instances[name].admin, "/metrics"))
         # Let the last held and slow answers finish, then scan Redis.
         await asyncio.sleep(0.5)
+        conc_metrics = {}
+        for name, s in instances.items():
+            try:
+                conc_metrics[name] = await asyncio.to_thread(conc_metrics_of, s.admin)
+            except OSError as e:
+                conc_metrics[name] = dict(in_flight=f"unreadable: {e}", events={})
+        try:
+            leases_left = await asyncio.to_thread(conc_leases, redis)
+        except (OSError, ConnectionError, TypeError, IndexError) as e:
+            leases_left = f"unreadable: {e}"
         ttl_result = await asyncio.to_thread(scan_all, redis)
         # Keys without a TTL never leave, so the last scan finds them all; the count of keys
         # seen is the busiest scan's.
@@ -1631,6 +2034,7 @@ async def main_async(args):
                      f"({collections.Counter(r['proto'] for r in load.records)}), upstream "
                      f"received {len(upstream.records)}")
         checker.check_windows()
+        checker.check_concurrency(conc_metrics, leases_left)
         checker.check_answers()
         checker.check_resources(samples)
         checker.check_ttls(ttl_result)
@@ -1669,7 +2073,8 @@ def main():
     ap.add_argument("--client-timeout", type=float, default=15.0)
     ap.add_argument("--history", help="write the whole history as JSON here")
     ap.add_argument("--keep", action="store_true", help="keep the state directory (logs)")
-    ap.add_argument("--seed-bug", choices=["split-prefix", "local-for-deny"],
+    ap.add_argument("--seed-bug", choices=["split-prefix", "local-for-deny",
+                                           "concurrent-plus-one"],
                     help="run a policy the checker must fail (to check the checker)")
     args = ap.parse_args()
     global SEED_BUG
