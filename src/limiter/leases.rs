@@ -355,11 +355,18 @@ impl Lease {
     /// Releases the leases now, to be awaited (the answer's last frame waits for it, so a
     /// client that sends its next request the moment it has the answer finds its place
     /// free); a later drop does nothing more.
+    ///
+    /// The release runs in a task of its own, which this future only waits for: a client
+    /// that goes away while it is on its way drops the wait, never the release (dropped
+    /// half-way, a lease would stay registered, renewed for ever, and held in the store).
     pub fn end(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let release = self.take_release();
+        let running = self.take_release().and_then(|release| {
+            let runtime = tokio::runtime::Handle::try_current().ok()?;
+            Some(runtime.spawn(release))
+        });
         async move {
-            if let Some(release) = release {
-                release.await;
+            if let Some(running) = running {
+                let _ = running.await;
             }
         }
     }

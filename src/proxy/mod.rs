@@ -274,7 +274,14 @@ impl Gateway {
         .await;
         let prices = match decided {
             Ok(prices) => prices,
-            Err(stop) => return exchange.refuse(head.version, body, stop).await,
+            Err(stop) => {
+                // A request admitted, then refused (held too long): its places are free
+                // before the answer goes, as for any request that ends.
+                if let Some(lease) = exchange.decided.as_ref().and_then(|d| d.lease.clone()) {
+                    Box::pin(lease.0.end()).await;
+                }
+                return exchange.refuse(head.version, body, stop).await;
+            }
         };
         let lease = exchange.decided.as_ref().and_then(|d| d.lease.clone());
         let mut acted = match &lease {
@@ -315,6 +322,10 @@ impl Gateway {
         }
         // A WebSocket's 101 has no body to hold it: its tunnel does.
         let switched = |a: &Answered| a.response.status() == http::StatusCode::SWITCHING_PROTOCOLS;
+        if let (Some(lease), Err(_)) = (&lease, &acted) {
+            // No answer of the upstream's to hold the lease: free before sluice's own goes.
+            Box::pin(lease.0.end()).await;
+        }
         if let (Some(lease), Ok(answered)) = (lease, &mut acted) {
             if switched(answered) {
                 return acted;

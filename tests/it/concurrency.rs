@@ -831,3 +831,50 @@ async fn a_lease_that_cannot_be_renewed_cuts_its_request() {
     )
     .await;
 }
+
+/// Clients that go away at any moment, the moment a release is on its way among them (40
+/// clients aborted mid-run): every lease is released all the same, and once no request is in
+/// flight the keys expire (an instance that kept a lease registered would renew it for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn clients_that_vanish_leave_no_lease_behind() {
+    let _heavy = support::heavy().await;
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = policy(&up, Limit::concurrent("many", 1000).set("lease", "1s")).store_redis(&redis);
+    let sluice = Sluice::start(&yaml).await;
+    let url = format!("{}/hold/0", sluice.url());
+    let tasks: Vec<_> = (0..40)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let client = support::client();
+                loop {
+                    let response = client
+                        .get(&url)
+                        .header("x-api-key", format!("k{}", i % 4))
+                        .send()
+                        .await;
+                    if let Ok(response) = response {
+                        let _ = response.bytes().await;
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Every connection dropped wherever its request stands.
+    for task in &tasks {
+        task.abort();
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    support::wait_for(Duration::from_secs(5), "every key gone", || async {
+        redis
+            .keys()
+            .await
+            .iter()
+            .all(|key| !key.contains(":many:concurrency:"))
+    })
+    .await;
+}
