@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use prometheus::{IntCounter, IntGauge};
 use tokio::sync::watch;
 
-use super::redis::RedisStore;
+use super::redis::{limit_of, RedisStore};
 use super::{Admission, Algorithm, Check, Spec, Store};
 
 /// How often the renewal looks at the keys held (and at the leases it may have to cut).
@@ -44,6 +44,10 @@ pub struct Held {
     /// keeps this instance alive under their keys, so they would never be reclaimed. At most
     /// the leases held when the store began to fail (no new one is taken in Redis meanwhile).
     orphans: Mutex<Vec<(Vec<Check>, Admission)>>,
+    /// Per limit (its keys' common prefix, before the identity's `{`), how long its leases
+    /// ended here were held, a moving average in microseconds: sent with each renewal as the
+    /// key's retry hint. Bounded by the policy's concurrency limits.
+    holds: Mutex<HashMap<String, u64>>,
 }
 
 struct HeldKey {
@@ -90,6 +94,35 @@ impl Held {
                 }
             }
         }
+    }
+
+    /// Folds one lease's hold, `held`, into the average of each of `checks`' limits.
+    fn held_for(&self, checks: &[Check], held: Duration) {
+        let held = u64::try_from(held.as_micros()).unwrap_or(u64::MAX).max(1);
+        let mut holds = self
+            .holds
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        for check in checks {
+            let limit = limit_of(&check.key);
+            match holds.get_mut(limit) {
+                // An eighth of each new hold, as the in-process store's average.
+                Some(hold) => *hold = (*hold * 7 + held) / 8,
+                None => {
+                    holds.insert(limit.to_owned(), held);
+                }
+            }
+        }
+    }
+
+    /// The average hold of `key`'s limit (microseconds), 0 before any lease of it ended here.
+    fn hold_of(&self, key: &str) -> u64 {
+        self.holds
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(limit_of(key))
+            .copied()
+            .unwrap_or(0)
     }
 
     fn orphan(&self, checks: Vec<Check>, admission: Admission) {
@@ -178,7 +211,7 @@ pub(super) async fn renew(held: Weak<Held>, store: Arc<RedisStore>, counters: Le
             renew_keys(&held, &store, &counters, window, keys).await;
         }
         for (checks, admission) in held.take_orphans() {
-            match store.release(&checks, &admission, 0).await {
+            match store.end_lease(&checks, &admission.member).await {
                 Ok(released) => {
                     counters
                         .gone
@@ -228,8 +261,9 @@ async fn renew_keys(
         .into_iter()
         .map(|key| lease_check(key, window))
         .collect();
+    let holds: Vec<u64> = checks.iter().map(|c| held.hold_of(&c.key)).collect();
     let sent = Instant::now();
-    let answers = match store.renew(&checks, window_us, None).await {
+    let answers = match store.renew(&checks, window_us, &holds, None).await {
         Ok(answers) => answers,
         Err(err) => {
             tracing::debug!(error = %err, "cannot renew concurrency leases; trying again");
@@ -237,12 +271,14 @@ async fn renew_keys(
         }
     };
     let mut unknown = Vec::new();
-    for (check, answer) in checks.into_iter().zip(answers) {
+    let mut unknown_holds = Vec::new();
+    for ((check, answer), hold) in checks.into_iter().zip(answers).zip(holds) {
         counters.reclaimed.inc_by(answer.reclaimed);
         if answer.known {
             held.renewed(&check.key, sent);
         } else {
             unknown.push(check);
+            unknown_holds.push(hold);
         }
     }
     if unknown.is_empty() {
@@ -250,7 +286,10 @@ async fn renew_keys(
     }
     let ids: Vec<Vec<String>> = unknown.iter().map(|c| held.ids(&c.key)).collect();
     let sent = Instant::now();
-    let answers = match store.renew(&unknown, window_us, Some(&ids)).await {
+    let answers = match store
+        .renew(&unknown, window_us, &unknown_holds, Some(&ids))
+        .await
+    {
         Ok(answers) => answers,
         Err(err) => {
             tracing::debug!(error = %err, "cannot restore concurrency leases; trying again");
@@ -303,6 +342,8 @@ pub struct Lease {
     /// `sluice_concurrency_in_flight` of each limit, raised while this lives.
     gauges: Vec<IntGauge>,
     lost: Option<watch::Receiver<bool>>,
+    /// When the call that took it was sent: its hold, at the end, feeds the retry hint.
+    taken: Instant,
     /// Released already (`end`), so a drop does nothing more.
     ended: AtomicBool,
 }
@@ -332,6 +373,7 @@ impl Lease {
             admission,
             gauges,
             lost,
+            taken: sent,
             ended: AtomicBool::new(false),
         }
     }
@@ -386,8 +428,11 @@ impl Lease {
         // Still registered until the store has it back: renewed meanwhile, and released at
         // exit (`Store::end_leases`) if the process stops first.
         let registered = self.lost.is_some();
+        if let (Some(held), true) = (self.store.held_leases(), registered) {
+            held.held_for(&self.checks, self.taken.elapsed());
+        }
         Some(async move {
-            match store.release(&checks, &admission).await {
+            match store.release_lease(&checks, &admission).await {
                 Ok(released) => {
                     store.count_gone(checks.len().saturating_sub(released));
                     if let (Some(held), true) = (store.held_leases(), registered) {
@@ -414,5 +459,29 @@ impl Drop for Lease {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(release);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(key: &str) -> Check {
+        lease_check(key.to_owned(), Duration::from_secs(10))
+    }
+
+    #[test]
+    fn the_hold_hint_is_an_average_per_limit() {
+        let held = Held::default();
+        let (a, b) = (
+            check("p:r:l:concurrency:{1}"),
+            check("p:r:l:concurrency:{2}"),
+        );
+        assert_eq!(held.hold_of(&a.key), 0, "nothing ended yet: no hint sent");
+        held.held_for(std::slice::from_ref(&a), Duration::from_millis(800));
+        assert_eq!(held.hold_of(&b.key), 800_000, "one limit, every identity");
+        held.held_for(std::slice::from_ref(&b), Duration::from_millis(1600));
+        assert_eq!(held.hold_of(&a.key), 900_000, "an eighth of the new hold");
+        assert_eq!(held.hold_of("p:r:other:concurrency:{1}"), 0);
     }
 }

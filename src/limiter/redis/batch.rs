@@ -35,6 +35,7 @@ use redis::{Cmd, ErrorKind, FromRedisValue, Script, ServerErrorKind};
 use tokio::sync::{mpsc, oneshot};
 
 use super::super::{Check, StoreError};
+use super::epochs::Epochs;
 use super::scripts::script_error;
 
 /// Most decisions in one call: enough to spread Redis's per-call cost thin (a GCRA script
@@ -65,12 +66,13 @@ pub(super) struct Pending {
 
 impl Pending {
     /// A decision of `checks` for the request named `member`; without `may_delay`, delay
-    /// limits reject instead. Also returns where its reply arrives: the script's numbers for
+    /// limits reject instead. A concurrency check's `burst` slot carries its epoch flag. Also returns where its reply arrives: the script's numbers for
     /// this request alone.
     pub(super) fn new<'a>(
         checks: impl Iterator<Item = &'a Check> + Clone,
         member: String,
         may_delay: bool,
+        epochs: &Epochs,
     ) -> (Pending, oneshot::Receiver<Result<Vec<i64>, StoreError>>) {
         let (reply, answer) = oneshot::channel();
         let limits = checks
@@ -81,7 +83,7 @@ impl Pending {
                 let numbers = [
                     u64::from(spec.requests),
                     spec.window_us(),
-                    u64::from(spec.burst),
+                    epochs.flag(check),
                     u64::from(spec.cost),
                     u64::from(spec.shadow),
                     delay,

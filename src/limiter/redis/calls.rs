@@ -35,7 +35,7 @@ impl RedisStore {
         may_delay: bool,
     ) -> Result<Decision, StoreError> {
         let count = checks.len();
-        let (pending, answer) = Pending::new(checks, member.clone(), may_delay);
+        let (pending, answer) = Pending::new(checks, member.clone(), may_delay, &self.epochs);
         let reply = if matches!(self.link, Link::Cluster(_)) {
             let cmd = batch::command(&self.shared.script, std::slice::from_ref(&pending));
             self.run::<Vec<i64>>(&cmd, Some(&self.shared.script))
@@ -176,6 +176,7 @@ impl RedisStore {
         &self,
         keys: &[Check],
         window_us: u64,
+        holds_us: &[u64],
         restore: Option<&[Vec<String>]>,
     ) -> Result<Vec<Renewed>, StoreError> {
         let groups = match &self.link {
@@ -193,6 +194,9 @@ impl RedisStore {
             cmd.arg(format!("{:016x}", self.instance))
                 .arg(window_us)
                 .arg(u8::from(restore.is_some()));
+            for &index in &members {
+                cmd.arg(holds_us.get(index).copied().unwrap_or(0));
+            }
             if let Some(leases) = restore {
                 for &index in &members {
                     let ids = leases.get(index).map_or(&[][..], Vec::as_slice);
@@ -217,6 +221,23 @@ impl RedisStore {
             }
         }
         Ok(answers)
+    }
+
+    /// Ends the concurrency lease `member` under each of `checks` (its own id only: `HDEL`,
+    /// idempotent); how many were still there. Plain commands, not a script: a request's end
+    /// is the commonest call after its decision, and a script call costs Redis several times
+    /// an HDEL (bench/RESULTS.md). On a cluster each goes to its key's master.
+    pub async fn end_lease(&self, checks: &[Check], member: &str) -> Result<usize, StoreError> {
+        let calls = checks.iter().map(|check| async move {
+            let mut cmd = redis::cmd("HDEL");
+            cmd.arg(&check.key).arg(member);
+            self.run::<i64>(&cmd, None).await
+        });
+        let mut ended = 0;
+        for result in futures_util::future::join_all(calls).await {
+            ended += usize::from(result? == 1);
+        }
+        Ok(ended)
     }
 
     /// Deletes the leases `ids` of the concurrency key `key` (at exit).

@@ -34,6 +34,7 @@ mod batch;
 mod calls;
 pub(super) mod cluster;
 mod connection;
+mod epochs;
 mod follow;
 mod scripts;
 mod sentinel;
@@ -50,6 +51,8 @@ use self::batch::{Lane, Pending, Writer};
 use self::cluster::ClusterLink;
 pub use self::cluster::{slot_of, ClusterSettings};
 use self::connection::{open_connections, Connection, Master, Shared};
+pub(super) use self::epochs::limit_of;
+use self::epochs::Epochs;
 use self::follow::Follower;
 use self::scripts::script_error;
 use self::scripts::{DECIDE, LEASES, PEEK, RELEASE};
@@ -75,6 +78,8 @@ pub struct RedisStore {
     /// Random per process, so members written by different instances never collide.
     instance: u64,
     sequence: AtomicU64,
+    /// The concurrency limits this process has checked, for their epoch flag (`epochs`).
+    epochs: Epochs,
 }
 
 /// How this store reaches Redis, by topology.
@@ -139,6 +144,7 @@ impl RedisStore {
         };
         let mut store = RedisStore::with_master(empty, timeout);
         store.link = Link::Cluster(ClusterLink::connect(settings, timeout).await?);
+        store.epochs = Epochs::new(false);
         Ok(store)
     }
 
@@ -163,6 +169,7 @@ impl RedisStore {
                 .build_hasher()
                 .finish(),
             sequence: AtomicU64::new(0),
+            epochs: Epochs::new(true),
         }
     }
 

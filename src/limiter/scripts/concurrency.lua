@@ -8,12 +8,21 @@
 --            a hash of the instances holding leases there, field = instance id (16 hex
 --            digits), value = the deadline (us) by which it must renew them (leases.lua), its
 --            marker `r:{instance}` (written by its renewals only, see leases.lua), plus
---            `hold` (a moving average of how long a lease is held, us, for the retry hint) and
---            `reclaimed` (leases taken from instances past their deadline, read and cleared
+--            `hold` (how long a lease of the limit is held on average, us, for the retry hint:
+--            measured by the instances and written by their renewals) and `reclaimed` (leases taken from instances past their deadline, read and cleared
 --            by the next renewal, which counts them).
 -- limit      requests = how many at once, window = the lease period (us): an instance's
 --            deadline is its last renewal plus the period, and both keys expire one period
---            after the last acquire or renewal; burst unused; cost 1 (`sluice check`)
+--            after the last acquire or renewal; cost 1 (`sluice check`); burst = the epoch
+--            flag (src/limiter/redis/epochs.rs): 0 none (a Cluster, the admin API's peek),
+--            1 hold the limit back while its epoch is missing or ahead, 2 the same but a
+--            missing epoch is written as known (a process's first check of the limit)
+-- epoch      the limit's keys' common part (all before the identity's `{`) .. 'epoch':
+--            since when (us) the store has known the limit; absent after the store forgot
+--            (restart, failover), and then written as now plus the time within which every
+--            live instance renews, so restores, its leases (a quarter period, its renewal
+--            tick twice and slack): until then the limit admits nothing. Expires after a day
+--            without admissions.
 -- Returns    check: ok, wait_us, remaining, reset_us (0: a slot frees at no known time),
 --            then its state for record: the leases held; record: remaining, reset_us
 --
@@ -50,6 +59,26 @@ local function concurrency_reclaim(key, beats, now)
   end
 end
 
+local CONCURRENCY_EPOCH_MS = '86400000'
+
+local function concurrency_epoch(key)
+  local brace = string.find(key, '{', 1, true)
+  return string.sub(key, 1, (brace or #key + 1) - 1) .. 'epoch'
+end
+
+-- How long the limit of `key` is still held back after the store forgot it (us; 0: not).
+local function concurrency_held_back(key, now, window, flag)
+  local epoch = concurrency_epoch(key)
+  local since = redis.call('GET', epoch)
+  if since then
+    since = tonumber(since)
+  else
+    since = flag == 2 and 0 or now + ceil(window / 4) + 300000
+    redis.call('SET', epoch, format('%d', since), 'PX', CONCURRENCY_EPOCH_MS)
+  end
+  return since > now and since - now or 0
+end
+
 local function concurrency_check(key, now, requests, window, burst, cost)
   local beats = key .. ':i'
   concurrency_reclaim(key, beats, now)
@@ -57,6 +86,12 @@ local function concurrency_check(key, now, requests, window, burst, cost)
   local remaining = requests - n
   if remaining < 0 then
     remaining = 0
+  end
+  if burst ~= 0 then
+    local held_back = concurrency_held_back(key, now, window, burst)
+    if held_back > 0 then
+      return false, held_back, remaining, 0, n
+    end
   end
   if n + cost > requests then
     local hold = tonumber(redis.call('HGET', beats, 'hold') or '1000000')
@@ -76,6 +111,9 @@ local function concurrency_record(key, now, requests, window, burst, cost, n, _,
   redis.call('HSET', beats, string.sub(member, 1, 16), format('%d', now + window))
   redis.call('PEXPIRE', key, ttl)
   redis.call('PEXPIRE', beats, ttl)
+  if burst ~= 0 then
+    redis.call('PEXPIRE', concurrency_epoch(key), CONCURRENCY_EPOCH_MS)
+  end
   local remaining = requests - n - 1
   if remaining < 0 then
     remaining = 0
@@ -83,21 +121,10 @@ local function concurrency_record(key, now, requests, window, burst, cost, n, _,
   return remaining, 0
 end
 
--- Ends the request's lease (release.lua): HDEL by its own id, so a second release, or one of
--- a lease already reclaimed, frees nothing. Folds its hold time into the average. Whether the
--- lease was there.
+-- Ends the request's lease (release.lua, when a request decided across Cluster slots is given
+-- back; a request's own end is a plain HDEL, `RedisStore::end_lease`): HDEL by its own id, so
+-- a second release, or one of a lease already reclaimed, frees nothing. Whether the lease was
+-- there.
 local function concurrency_release(key, now, requests, window, back, keep, member)
-  local taken = redis.call('HGET', key, member)
-  if not taken then
-    return false
-  end
-  redis.call('HDEL', key, member)
-  local beats = key .. ':i'
-  -- Only into a hash that exists: HSET would create one without an expiry.
-  if redis.call('EXISTS', beats) == 1 then
-    local held = now - tonumber(taken)
-    local hold = tonumber(redis.call('HGET', beats, 'hold') or tostring(held))
-    redis.call('HSET', beats, 'hold', format('%d', floor(hold + (held - hold) / 8)))
-  end
-  return true
+  return redis.call('HDEL', key, member) == 1
 end

@@ -9,7 +9,10 @@
 -- ARGV[1]          the instance id (16 hex digits)
 -- ARGV[2]          the lease period (us), the same for every key of the call
 -- ARGV[3]          1: restore, the leases follow; 0: renew only
--- ARGV[4..]        with restore: per key in order, its number of leases m, then m lease ids
+-- ARGV[4..3+n]     per key in order (n keys), how long the instance's leases of its limit
+--                  were held on average (us; 0: none ended yet), written as the key's `hold`,
+--                  the refusals' retry hint (concurrency.lua)
+-- ARGV[4+n..]      with restore: per key in order, its number of leases m, then m lease ids
 --
 -- Whether the store still holds what this instance had is told by a marker only this script
 -- writes, `r:{instance}` in the instances' hash: an admission writes the instance's deadline
@@ -35,7 +38,7 @@ local marker = 'r:' .. instance
 local ttl = format('%d', ceil(window / 1000))
 local deadline = format('%d', now + window)
 local taken = format('%d', now)
-local result, arg = {}, 4
+local result, arg = {}, 4 + #KEYS
 for i = 1, #KEYS do
   local key = KEYS[i]
   local beats = key .. ':i'
@@ -52,6 +55,10 @@ for i = 1, #KEYS do
   local reclaimed = 0
   if known == 1 then
     redis.call('HSET', beats, instance, deadline, marker, '1')
+    local hold = ARGV[3 + i]
+    if hold ~= '0' then
+      redis.call('HSET', beats, 'hold', hold)
+    end
     reclaimed = tonumber(redis.call('HGET', beats, 'reclaimed') or '0')
     if reclaimed > 0 then
       redis.call('HDEL', beats, 'reclaimed')
