@@ -348,7 +348,9 @@ pub async fn serve<H, F, B>(
 
 /// Ends one connection gracefully (the request in flight finishes, no new one starts) when
 /// the server shuts down or the connection has been silent for the idle timeout; and at once
-/// when no first request head has arrived within the header-read timeout of the accept.
+/// when no first request head has arrived within the header-read timeout of the accept, or
+/// when it has been silent for the idle timeout with a write waiting (the client stopped
+/// reading: the answer in flight could never finish).
 ///
 /// hyper's own header-read timeout only starts once the connection is known to speak
 /// HTTP/1.1, which takes its first byte, and HTTP/2 has none: a client that sends nothing,
@@ -408,10 +410,19 @@ impl ConnectionCloser {
                     closing = true;
                     connection.as_mut().graceful_shutdown();
                 }
-                _ = tokio::time::sleep_until(self.idle.next()), if !closing => {
+                // Looked at while closing too: a graceful close waits for the answer in
+                // progress, which a client that reads nothing never lets finish.
+                _ = tokio::time::sleep_until(self.idle.next()) => {
                     if self.idle.look() {
-                        closing = true;
-                        connection.as_mut().graceful_shutdown();
+                        if self.idle.write_waiting() {
+                            // Nothing read for the idle timeout with an answer to send: cut,
+                            // and the answer with it (its concurrency lease is released).
+                            return Err("the client read nothing for the idle timeout".into());
+                        }
+                        if !closing {
+                            closing = true;
+                            connection.as_mut().graceful_shutdown();
+                        }
                     }
                 }
             }

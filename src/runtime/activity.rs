@@ -7,6 +7,10 @@
 //! enforces the timeout looks at the flag on a coarse tick ([`IdleWatch`], a quarter of the
 //! timeout): a connection is closed after between one and one and a quarter idle timeouts of
 //! silence.
+//!
+//! A write that the socket could not take (its buffer full: the peer reads nothing) is noted
+//! too, until a later write goes through: a silence with a write waiting is a peer that
+//! stopped reading, not one waiting for an answer ([`IdleWatch::write_waiting`]).
 
 use std::io;
 use std::pin::Pin;
@@ -18,23 +22,38 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
-/// Whether a byte moved since the last look. Several streams may share one (the two sides
-/// of a tunnel).
+/// Whether a byte moved since the last look, and whether a write is waiting for the socket.
+/// Several streams may share one (the two sides of a tunnel).
 #[derive(Clone, Default)]
-pub struct Activity(Arc<AtomicBool>);
+pub struct Activity(Arc<Marks>);
+
+#[derive(Default)]
+struct Marks {
+    moved: AtomicBool,
+    /// The last write the socket was offered could not be taken (`Pending`).
+    write_waiting: AtomicBool,
+}
 
 impl Activity {
     fn touch(&self) {
         // A load first: the flag is usually set already, and a store would take the cache
         // line from the core that last looked.
-        if !self.0.load(Ordering::Relaxed) {
-            self.0.store(true, Ordering::Relaxed);
+        if !self.0.moved.load(Ordering::Relaxed) {
+            self.0.moved.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Notes how a write ended: waiting (`Pending`) or not.
+    fn write_waits(&self, waiting: bool) {
+        // A load first, as in `touch`: the flag rarely changes.
+        if self.0.write_waiting.load(Ordering::Relaxed) != waiting {
+            self.0.write_waiting.store(waiting, Ordering::Relaxed);
         }
     }
 
     /// Whether a byte moved since the last call (and clears the mark).
     fn take(&self) -> bool {
-        self.0.swap(false, Ordering::Relaxed)
+        self.0.moved.swap(false, Ordering::Relaxed)
     }
 }
 
@@ -77,6 +96,13 @@ impl IdleWatch {
         }
         self.next += self.tick;
         self.quiet >= TICKS
+    }
+
+    /// Whether a write is waiting for the socket to take it: with [`IdleWatch::look`] saying
+    /// silence, the peer has read nothing for the idle timeout while there was something to
+    /// send it.
+    pub fn write_waiting(&self) -> bool {
+        self.activity.0.write_waiting.load(Ordering::Relaxed)
     }
 }
 
@@ -122,6 +148,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StampedIo<T> {
         if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
             this.activity.touch();
         }
+        this.activity.write_waits(result.is_pending());
         result
     }
 
@@ -135,6 +162,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StampedIo<T> {
         if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
             this.activity.touch();
         }
+        this.activity.write_waits(result.is_pending());
         result
     }
 
@@ -175,6 +203,30 @@ mod tests {
             watch.next() - first,
             Duration::from_secs(9),
             "one tick a second"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_write_the_peer_does_not_take_is_noted_until_one_goes_through() {
+        use futures_util::FutureExt;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (ours, mut peer) = tokio::io::duplex(64);
+        let activity = Activity::default();
+        let watch = IdleWatch::new(activity.clone(), Duration::from_secs(4));
+        let mut io = StampedIo::new(ours, &activity);
+        assert_eq!(io.write(&[b'x'; 64]).now_or_never().unwrap().unwrap(), 64);
+        assert!(!watch.write_waiting(), "the write went through");
+        assert!(
+            io.write(b"y").now_or_never().is_none(),
+            "the peer reads nothing: the write waits"
+        );
+        assert!(watch.write_waiting());
+        let mut read = [0u8; 64];
+        peer.read_exact(&mut read).await.unwrap();
+        assert_eq!(io.write(b"y").now_or_never().unwrap().unwrap(), 1);
+        assert!(
+            !watch.write_waiting(),
+            "the peer read: the write went through"
         );
     }
 }

@@ -1,8 +1,10 @@
 //! Concurrency limits (`concurrent:`), judged by the upstream's own record of how many
 //! requests of each key it serves at once (`support::in_flight_upstream`): exact across
-//! instances on one Redis, released on every way a request ends, reclaimed from an instance
-//! killed while holding places, kept by a stream that outlives its lease, restored when Redis
-//! comes back empty; the refusal's fields; waiting for a place.
+//! instances on one Redis, released on every way a request ends (a client that reads nothing
+//! too, cut at the idle timeout), reclaimed from an instance killed while holding places, kept
+//! by a stream that outlives its lease, restored when Redis comes back empty, kept through a
+//! reload that lowers or removes the limit and released as the requests end; the refusal's
+//! fields; waiting for a place.
 
 use crate::support;
 
@@ -886,4 +888,331 @@ async fn clients_that_vanish_leave_no_lease_behind() {
             .all(|key| !key.contains(":many:concurrency:{"))
     })
     .await;
+}
+
+/// `sluice_config_reloads_total{result}`.
+async fn reloads(sluice: &Sluice, result: &str) -> f64 {
+    support::metric_sum(
+        &support::parse_metrics(&sluice.metrics().await),
+        "sluice_config_reloads_total",
+        &[("result", result)],
+    )
+}
+
+/// `sluice_concurrency_leases_total{event}`.
+async fn lease_events(sluice: &Sluice, event: &str) -> f64 {
+    support::metric_sum(
+        &support::parse_metrics(&sluice.metrics().await),
+        "sluice_concurrency_leases_total",
+        &[("event", event)],
+    )
+}
+
+/// Reloads a running `sluice` with `policy` (same store, so no restart is needed): its config
+/// file rewritten by a rename (the `listen` and `admin_listen` lines kept), then SIGHUP;
+/// returns once the reload counts as applied.
+async fn reload(sluice: &Sluice, policy: &Policy) {
+    let before = reloads(sluice, "ok").await;
+    let text = std::fs::read_to_string(sluice.config_path()).expect("read the config");
+    let head: String = text.lines().take(2).map(|l| format!("{l}\n")).collect();
+    support::replace_file(sluice.config_path(), &format!("{head}{}", policy.to_yaml()));
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &sluice.pid().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -HUP {}", sluice.pid());
+    support::wait_for(Duration::from_secs(10), "the reload applied", || async {
+        reloads(sluice, "ok").await > before
+    })
+    .await;
+    assert_eq!(reloads(sluice, "error").await, 0.0, "{}", sluice.log());
+}
+
+/// Waits (up to 5 s) until the upstream serves exactly `n` requests of the key at once.
+async fn in_flight_at_upstream(up: &InFlightUpstream, n: usize) {
+    support::wait_for(
+        Duration::from_secs(5),
+        &format!("{n} in flight at the upstream"),
+        || async { up.of(KEY).now == n },
+    )
+    .await;
+}
+
+/// A reload lowers a limit from 10 to 4 while 7 requests hold places: the store key does not
+/// carry the number, so the 7 still count. Nothing new is admitted while 7, 6, 5 or 4 are in
+/// flight; with 3, one is; from then on the upstream never serves more than 4 at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reload_that_lowers_a_limit_admits_nothing_until_below_it() {
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let with = |at_once: u32| {
+        policy(
+            &up,
+            Limit::concurrent("at-once", at_once).set("lease", "60s"),
+        )
+        .store_redis(&redis)
+    };
+    let sluice = Sluice::start(&with(10)).await;
+    let client = support::client();
+    let probe = format!("{}/hold/0", sluice.url());
+    // Seven streams that last until their clients leave (the 1000 events take 50 s).
+    let mut held = Vec::new();
+    for _ in 0..7 {
+        let mut stream = get(&client, &format!("{}/stream/1000/50", sluice.url())).await;
+        assert_eq!(stream.status(), 200);
+        stream.chunk().await.unwrap().expect("a first event");
+        held.push(stream);
+    }
+    in_flight_at_upstream(&up, 7).await;
+    assert_eq!(
+        status_of(&client, &probe).await,
+        200,
+        "under 10, an eighth is admitted"
+    );
+
+    reload(&sluice, &with(4)).await;
+    up.reset_max(KEY);
+    let refused = get(&client, &probe).await;
+    assert_eq!(refused.status(), 429, "7 in flight under the lowered limit");
+    let body: serde_json::Value = refused.json().await.unwrap();
+    assert_eq!(body["limit"], "at-once", "{body}");
+    assert!(
+        body["detail"].as_str().unwrap().contains("allows 4 "),
+        "the lowered limit refused it: {body}"
+    );
+    for in_flight in (4..=7).rev() {
+        in_flight_at_upstream(&up, in_flight).await;
+        for _ in 0..3 {
+            assert_eq!(
+                status_of(&client, &probe).await,
+                429,
+                "{in_flight} in flight under a limit lowered to 4"
+            );
+        }
+        // One of the old requests ends: its client leaves mid-stream.
+        drop(held.pop());
+    }
+    in_flight_at_upstream(&up, 3).await;
+    let record = up.of(KEY);
+    assert!(
+        record.max <= 7,
+        "{} in flight at once after the reload, with 7 before it",
+        record.max
+    );
+    up.reset_max(KEY);
+    let waited = admitted_within(&client, &probe, Duration::from_secs(3)).await;
+    println!("admitted {waited:?} after the fourth old request ended");
+
+    // From 3 in flight on, many clients at once: never more than 4, and 4 reached.
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let client = client.clone();
+            let url = format!("{}/hold/{}", sluice.url(), 40 + i * 10);
+            tokio::spawn(async move {
+                let mut admitted = 0;
+                while start.elapsed() < Duration::from_millis(1500) {
+                    match status_of(&client, &url).await {
+                        200 => admitted += 1,
+                        429 => tokio::time::sleep(Duration::from_millis(10)).await,
+                        other => panic!("unexpected status {other}"),
+                    }
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += task.await.unwrap();
+    }
+    let record = up.of(KEY);
+    assert!(
+        record.max <= 4,
+        "{} in flight at once under the lowered limit of 4, once below it",
+        record.max
+    );
+    assert_eq!(record.max, 4, "the lowered limit is used whole");
+    assert!(admitted > 8, "the clients were admitted: {admitted}");
+    drop(held);
+    support::wait_for(Duration::from_secs(3), "every lease released", || async {
+        lease_count(&redis, "at-once").await == 0
+    })
+    .await;
+}
+
+/// A reload removes the route's concurrency limit while 3 requests hold all its places: new
+/// requests pass unlimited at once; the old ones keep their leases until they end, and their
+/// ends release them (the old limit's lease hash empties, no release found its lease gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reload_that_removes_a_limit_releases_its_leases_as_requests_end() {
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let limited =
+        policy(&up, Limit::concurrent("capped", 3).set("lease", "60s")).store_redis(&redis);
+    let unlimited = Policy::new()
+        .store_redis(&redis)
+        .upstream(
+            "api",
+            UpstreamSpec::new(&up.url())
+                .connect_timeout("2s")
+                .timeout("20s"),
+        )
+        .route(Route::new("default", "/").upstream("api"));
+    let sluice = Sluice::start(&limited).await;
+    let client = support::client();
+    let probe = format!("{}/hold/0", sluice.url());
+    // Three streams of 60 events 50 ms apart: about 3 s, read whole later.
+    let mut old = Vec::new();
+    for _ in 0..3 {
+        let mut stream = get(&client, &format!("{}/stream/60/50", sluice.url())).await;
+        assert_eq!(stream.status(), 200);
+        let first = stream.chunk().await.unwrap().expect("a first event");
+        old.push((stream, first));
+    }
+    assert_eq!(status_of(&client, &probe).await, 429, "the 3 places taken");
+    assert_eq!(lease_count(&redis, "capped").await, 3);
+
+    reload(&sluice, &unlimited).await;
+    let reloaded = Instant::now();
+    // New requests: unlimited, 6 at once beside the 3 old ones.
+    up.reset_max(KEY);
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let (client, url) = (client.clone(), format!("{}/hold/400", sluice.url()));
+            tokio::spawn(async move {
+                let response = get(&client, &url).await;
+                let status = response.status().as_u16();
+                let limited = response.headers().contains_key("ratelimit-policy");
+                let _ = response.bytes().await;
+                (status, limited)
+            })
+        })
+        .collect();
+    for task in tasks {
+        assert_eq!(
+            task.await.unwrap(),
+            (200, false),
+            "admitted, under no limit"
+        );
+    }
+    let record = up.of(KEY);
+    assert!(
+        record.max >= 6,
+        "{} in flight at once: the new requests were not held to the old limit",
+        record.max
+    );
+    assert_eq!(
+        up.of(KEY).now,
+        3,
+        "the old requests are still in flight ({:?} since the reload)",
+        reloaded.elapsed()
+    );
+    assert_eq!(
+        lease_count(&redis, "capped").await,
+        3,
+        "the old requests keep their leases"
+    );
+
+    // The old requests end, each answer read whole.
+    for (stream, first) in old {
+        let mut body = first.to_vec();
+        body.extend_from_slice(&stream.bytes().await.expect("the rest of the stream"));
+        assert!(
+            String::from_utf8_lossy(&body).ends_with("data: [DONE]\n\n"),
+            "the old stream arrived whole"
+        );
+    }
+    let ended = Instant::now();
+    support::wait_for(
+        Duration::from_secs(3),
+        "the old limit's leases released",
+        || async { lease_count(&redis, "capped").await == 0 },
+    )
+    .await;
+    println!("the old leases released within {:?}", ended.elapsed());
+    let keys = redis.keys().await;
+    assert!(
+        !keys
+            .iter()
+            .any(|key| key.contains(":capped:concurrency:") && !key.ends_with(":i")),
+        "the old limit's lease hash is gone: {keys:?}"
+    );
+    assert_eq!(
+        lease_events(&sluice, "gone").await,
+        0.0,
+        "the releases found their leases"
+    );
+}
+
+/// A client that requests an endless answer and then reads nothing: once sluice's writes to
+/// it have been blocked for `idle_timeout` (1 s), its connection is cut, and so is the answer:
+/// its place is free (the next request of the key is admitted, its lease gone from Redis)
+/// and the upstream sees its request end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_reader_cut_by_the_idle_timeout_releases_its_place() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _heavy = support::heavy().await;
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = policy(&up, Limit::concurrent("one", 1).set("lease", "60s"))
+        .store_redis(&redis)
+        .server("idle_timeout", "1s");
+    let sluice = Sluice::start(&yaml).await;
+    let client = support::client();
+    let probe = format!("{}/hold/0", sluice.url());
+
+    // 1 GiB, never read: the buffers between sluice and the client fill at once.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(sluice.addr()).await.unwrap();
+    stalled
+        .write_all(
+            format!(
+                "GET /bytes/{} HTTP/1.1\r\nhost: sluice\r\nx-api-key: {KEY}\r\n\r\n",
+                1u64 << 30
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    in_flight_at_upstream(&up, 1).await;
+    let started = Instant::now();
+    assert_eq!(
+        status_of(&client, &probe).await,
+        429,
+        "the stalled reader holds the place"
+    );
+    // Cut between 1 and 1.25 idle timeouts after its last byte moved; 4 s of margin.
+    let waited = admitted_within(&client, &probe, Duration::from_secs(5)).await;
+    println!(
+        "admitted {:?} after the stalled request reached the upstream",
+        started.elapsed()
+    );
+    assert!(
+        waited >= Duration::from_millis(800),
+        "not before the idle timeout: {waited:?}"
+    );
+    support::wait_for(
+        Duration::from_secs(2),
+        "the lease gone from Redis",
+        || async { lease_count(&redis, "one").await == 0 },
+    )
+    .await;
+    in_flight_at_upstream(&up, 0).await;
+    // sluice closed the connection: what the buffers held, then the end.
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut read = 0usize;
+        loop {
+            match stalled.read(&mut buf).await {
+                Ok(0) | Err(_) => return read,
+                Ok(n) => read += n,
+            }
+        }
+    })
+    .await;
+    let read = closed.expect("sluice closed the stalled connection");
+    assert!(read < 1 << 30, "the answer was cut: {read} bytes");
+    assert_eq!(up.of(KEY).max, 1, "never two at once");
 }

@@ -7,6 +7,7 @@
 //! skipped):
 //! - `/hold/<ms>`: answers 200 after `ms`, a small body;
 //! - `/stream/<n>/<ms>`: 200 `text/event-stream`, `n` events `ms` apart, then `data: [DONE]`;
+//! - `/bytes/<n>`: 200, `n` bytes in 16 KiB chunks as fast as they are taken;
 //! - anything else: 200 at once.
 
 use std::collections::HashMap;
@@ -108,6 +109,14 @@ impl InFlightUpstream {
             .copied()
             .unwrap_or_default()
     }
+
+    /// Starts `key`'s record of the most in flight at once over from the number in flight
+    /// now, so that `of(key).max` tells the most since this call.
+    pub fn reset_max(&self, key: &str) {
+        if let Some(k) = self.record.keys.lock().unwrap().get_mut(key) {
+            k.max = k.now;
+        }
+    }
 }
 
 impl Drop for InFlightUpstream {
@@ -158,7 +167,7 @@ async fn handle(
         _serving: serving,
     };
     // A route's prefix may come first (`/slow/hold/2000`).
-    let path = ["/hold/", "/stream/"]
+    let path = ["/hold/", "/stream/", "/bytes/"]
         .iter()
         .find_map(|verb| path.find(verb).map(|at| path[at..].to_owned()))
         .unwrap_or(path);
@@ -186,6 +195,23 @@ async fn handle(
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
                 let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            });
+            return Ok(Response::builder()
+                .header("content-type", content_type)
+                .body(body.boxed())
+                .unwrap());
+        }
+        (Some("bytes"), Some(n), _) => {
+            let mut left: usize = n.parse().unwrap_or(0);
+            tokio::spawn(async move {
+                let chunk = Bytes::from(vec![b'x'; 16 * 1024]);
+                while left > 0 {
+                    let size = left.min(chunk.len());
+                    if tx.send(chunk.slice(..size)).await.is_err() {
+                        return;
+                    }
+                    left -= size;
+                }
             });
             return Ok(Response::builder()
                 .header("content-type", content_type)
