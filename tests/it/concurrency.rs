@@ -1135,7 +1135,7 @@ async fn a_reload_that_removes_a_limit_releases_its_leases_as_requests_end() {
     assert!(
         !keys
             .iter()
-            .any(|key| key.contains(":capped:concurrency:") && !key.ends_with(":i")),
+            .any(|key| key.contains(":capped:concurrency:{") && !key.ends_with(":i")),
         "the old limit's lease hash is gone: {keys:?}"
     );
     assert_eq!(
@@ -1215,4 +1215,82 @@ async fn a_stalled_reader_cut_by_the_idle_timeout_releases_its_place() {
     let read = closed.expect("sluice closed the stalled connection");
     assert!(read < 1 << 30, "the answer was cut: {read} bytes");
     assert_eq!(up.of(KEY).max, 1, "never two at once");
+}
+
+/// Two concurrency limits on one request (3 per key, 4 for the route), two keys, 16 clients:
+/// the ends ride in the connection's batched calls with decisions, and every one lands in
+/// both limits: the upstream never serves more than 3 of a key or 4 in all, and afterwards
+/// no lease is left in either limit and no end found its lease gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_under_two_limits_ends_in_both() {
+    let _heavy = support::heavy().await;
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = Policy::new()
+        .store_redis(&redis)
+        .upstream("api", UpstreamSpec::new(&up.url()).timeout("20s"))
+        .route(
+            Route::new("default", "/")
+                .upstream("api")
+                .limit(Limit::concurrent("per-key", 3).key(["header:x-api-key"]))
+                .limit(Limit::concurrent("route", 4).key::<0>([])),
+        );
+    let sluice = Sluice::start(&yaml).await;
+    let client = support::client();
+    let url = sluice.url();
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..16usize)
+        .map(|i| {
+            let (client, url) = (client.clone(), url.clone());
+            tokio::spawn(async move {
+                let key = if i % 2 == 0 { "a" } else { "b" };
+                let mut ok = 0;
+                while start.elapsed() < Duration::from_secs(2) {
+                    let response = client
+                        .get(format!("{url}/hold/{}", 5 + i % 7))
+                        .header("x-api-key", key)
+                        .send()
+                        .await
+                        .expect("a response");
+                    match response.status().as_u16() {
+                        200 => {
+                            response.bytes().await.expect("the body");
+                            ok += 1;
+                        }
+                        429 => {}
+                        other => panic!("unexpected status {other}"),
+                    }
+                }
+                ok
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    for task in tasks {
+        ok += task.await.unwrap();
+    }
+    let (a, b) = (up.of("a"), up.of("b"));
+    assert!(a.max <= 3 && b.max <= 3, "per key: {} and {}", a.max, b.max);
+    assert_eq!(
+        a.served + b.served,
+        ok,
+        "every admitted request reached the upstream"
+    );
+    assert!(ok > 50, "the limits admit ({ok} admitted)");
+    for limit in ["per-key", "route"] {
+        support::wait_for(Duration::from_secs(3), "every lease ended", || async {
+            lease_count(&redis, limit).await == 0
+        })
+        .await;
+    }
+    let metrics = support::parse_metrics(&sluice.metrics().await);
+    assert_eq!(
+        support::metric_sum(
+            &metrics,
+            "sluice_concurrency_leases_total",
+            &[("event", "gone")]
+        ),
+        0.0,
+        "every end found its lease"
+    );
 }

@@ -55,10 +55,14 @@ pub(super) struct Lane {
     queue: Arc<Mutex<Option<mpsc::Sender<Pending>>>>,
 }
 
-/// One decision waiting for its call.
+/// One decision waiting for its call, or the end of a request's concurrency leases (`end`),
+/// which rides in the same call: an `HDEL` inside a batch costs Redis a fraction of a call of
+/// its own (bench/RESULTS.md).
 pub(super) struct Pending {
     keys: Vec<String>,
     member: String,
+    /// The end of the leases `member` holds under `keys`, not a decision.
+    end: bool,
     /// Per key: the algorithm's label and requests, window, burst, cost, shadow, max delay.
     limits: Vec<(&'static str, [u64; 6])>,
     reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
@@ -94,7 +98,25 @@ impl Pending {
         let pending = Pending {
             keys: checks.map(|check| check.key.clone()).collect(),
             member,
+            end: false,
             limits,
+            reply,
+        };
+        (pending, answer)
+    }
+
+    /// The end of the leases `member` holds under each of `checks` (concurrency checks). Its
+    /// reply: per key, 1 if the lease was there.
+    pub(super) fn end<'a>(
+        checks: impl Iterator<Item = &'a Check>,
+        member: String,
+    ) -> (Pending, oneshot::Receiver<Result<Vec<i64>, StoreError>>) {
+        let (reply, answer) = oneshot::channel();
+        let pending = Pending {
+            keys: checks.map(|check| check.key.clone()).collect(),
+            member,
+            end: true,
+            limits: Vec::new(),
             reply,
         };
         (pending, answer)
@@ -102,7 +124,11 @@ impl Pending {
 
     /// How many numbers the script answers for this request.
     fn reply_len(&self) -> usize {
-        4 + 3 * self.keys.len()
+        if self.end {
+            self.keys.len()
+        } else {
+            4 + 3 * self.keys.len()
+        }
     }
 }
 
@@ -155,6 +181,8 @@ async fn write(mut conn: ConnectionManager, mut queue: mpsc::Receiver<Pending>, 
         if batch.is_empty() {
             continue;
         }
+        // The script takes the decisions first, then the ends (stable: each in its order).
+        batch.sort_by_key(|pending| pending.end);
         let cmd = command(&writer.script, &batch);
         let result = tokio::time::timeout(writer.timeout, call(&mut conn, &cmd, &writer.script))
             .await
@@ -163,7 +191,7 @@ async fn write(mut conn: ConnectionManager, mut queue: mpsc::Receiver<Pending>, 
     }
 }
 
-/// The EVALSHA of the decide script over `batch`, in order.
+/// The EVALSHA of the decide script over `batch`, in order: its decisions, then its ends.
 pub(super) fn command(script: &Script, batch: &[Pending]) -> Cmd {
     let keys: usize = batch.iter().map(|pending| pending.keys.len()).sum();
     let mut cmd = redis::cmd("EVALSHA");
@@ -173,8 +201,9 @@ pub(super) fn command(script: &Script, batch: &[Pending]) -> Cmd {
             cmd.arg(key);
         }
     }
-    cmd.arg(batch.len());
-    for pending in batch {
+    let ends = batch.iter().filter(|pending| pending.end).count();
+    cmd.arg(batch.len() - ends);
+    for pending in batch.iter().filter(|pending| !pending.end) {
         cmd.arg(&pending.member).arg(pending.keys.len());
         for (algorithm, numbers) in &pending.limits {
             cmd.arg(*algorithm);
@@ -182,6 +211,10 @@ pub(super) fn command(script: &Script, batch: &[Pending]) -> Cmd {
                 cmd.arg(*number);
             }
         }
+    }
+    cmd.arg(ends);
+    for pending in batch.iter().filter(|pending| pending.end) {
+        cmd.arg(&pending.member).arg(pending.keys.len());
     }
     cmd
 }

@@ -35,7 +35,8 @@ impl RedisStore {
         may_delay: bool,
     ) -> Result<Decision, StoreError> {
         let count = checks.len();
-        let (pending, answer) = Pending::new(checks, member.clone(), may_delay, &self.epochs);
+        let (pending, answer) =
+            Pending::new(checks.clone(), member.clone(), may_delay, &self.epochs);
         let reply = if matches!(self.link, Link::Cluster(_)) {
             let cmd = batch::command(&self.shared.script, std::slice::from_ref(&pending));
             self.run::<Vec<i64>>(&cmd, Some(&self.shared.script))
@@ -57,6 +58,7 @@ impl RedisStore {
             }
             result?
         };
+        self.epochs.answered(checks);
         decision_from_reply(&reply, count, member)
     }
 
@@ -224,10 +226,25 @@ impl RedisStore {
     }
 
     /// Ends the concurrency lease `member` under each of `checks` (its own id only: `HDEL`,
-    /// idempotent); how many were still there. Plain commands, not a script: a request's end
-    /// is the commonest call after its decision, and a script call costs Redis several times
-    /// an HDEL (bench/RESULTS.md). On a cluster each goes to its key's master.
+    /// idempotent); how many were still there. On a node, in the decide script's next batched
+    /// call on the connection (a call of its own per end cost Redis as much again as the
+    /// decision, bench/RESULTS.md); on a cluster, a plain `HDEL` to each key's master.
     pub async fn end_lease(&self, checks: &[Check], member: &str) -> Result<usize, StoreError> {
+        if !matches!(self.link, Link::Cluster(_)) {
+            // In the next call of the connection's batch (`batch`): no call of its own.
+            let (pending, answer) = Pending::end(checks.iter(), member.to_owned());
+            self.enqueue(pending)?;
+            let reply = self
+                .bounded(async {
+                    answer.await.unwrap_or_else(|_| {
+                        Err(StoreError::Connection(
+                            "the connection's writer stopped".to_owned(),
+                        ))
+                    })
+                })
+                .await?;
+            return Ok(reply.iter().filter(|&&was| was == 1).count());
+        }
         let calls = checks.iter().map(|check| async move {
             let mut cmd = redis::cmd("HDEL");
             cmd.arg(&check.key).arg(member);

@@ -8,7 +8,9 @@
 //! back, its leases" and the limit admits nothing until then: the leases still held by live
 //! requests count before any new one is admitted. A process that uses a limit for the first
 //! time cannot tell a store that forgot from one that never knew the limit (a fresh
-//! deployment), so its first check only marks the limit as known; on a Cluster there is no
+//! deployment), so its checks only mark the limit as known until one of them has been answered
+//! (checks sent at once may reach Redis in any order: one that holds back must follow a mark
+//! already done); on a Cluster there is no
 //! epoch (a script may touch only its own slot's keys), and a failover's forgotten leases
 //! count again at the holders' next renewal. See docs/src/guides/concurrency.md.
 
@@ -21,17 +23,17 @@ use super::super::{Algorithm, Check};
 const NONE: u64 = 0;
 /// Hold the limit back when its epoch is missing.
 const HOLD_BACK: u64 = 1;
-/// This process's first check of the limit: mark it known if it is not.
+/// Before this process has had an answer for the limit: mark it known if it is not.
 const MARK: u64 = 2;
 
 /// Most limits remembered; past it the memory starts again (each limit's next check only
 /// marks it known, as at start). Bounded by the policies' limits in practice.
 const MAX_LIMITS: usize = 4096;
 
-/// The concurrency limits this process has checked in Redis.
+/// The concurrency limits this process has had a decision of from Redis.
 pub(super) struct Epochs {
     kept: bool,
-    used: Mutex<HashSet<String>>,
+    answered: Mutex<HashSet<String>>,
 }
 
 impl Epochs {
@@ -39,7 +41,7 @@ impl Epochs {
     pub(super) fn new(kept: bool) -> Epochs {
         Epochs {
             kept,
-            used: Mutex::new(HashSet::new()),
+            answered: Mutex::new(HashSet::new()),
         }
     }
 
@@ -51,16 +53,29 @@ impl Epochs {
         if !self.kept {
             return NONE;
         }
-        let limit = limit_of(&check.key);
-        let mut used = self.used.lock().unwrap_or_else(PoisonError::into_inner);
-        if used.contains(limit) {
-            return HOLD_BACK;
+        let answered = self.answered.lock().unwrap_or_else(PoisonError::into_inner);
+        if answered.contains(limit_of(&check.key)) {
+            HOLD_BACK
+        } else {
+            MARK
         }
-        if used.len() >= MAX_LIMITS {
-            used.clear();
+    }
+
+    /// Notes that Redis answered a decision of `checks`: their limits' epochs exist now.
+    pub(super) fn answered<'a>(&self, checks: impl Iterator<Item = &'a Check>) {
+        if !self.kept {
+            return;
         }
-        used.insert(limit.to_owned());
-        MARK
+        let mut answered = self.answered.lock().unwrap_or_else(PoisonError::into_inner);
+        for check in checks.filter(|check| check.spec.algorithm == Algorithm::Concurrency) {
+            let limit = limit_of(&check.key);
+            if !answered.contains(limit) {
+                if answered.len() >= MAX_LIMITS {
+                    answered.clear();
+                }
+                answered.insert(limit.to_owned());
+            }
+        }
     }
 }
 
@@ -87,11 +102,13 @@ mod tests {
     }
 
     #[test]
-    fn a_limit_is_marked_once_then_held_back() {
+    fn a_limit_is_marked_until_answered_then_held_back() {
         let epochs = Epochs::new(true);
         let a = check("p:r:l:concurrency:{h:k=1}", Algorithm::Concurrency);
         let b = check("p:r:l:concurrency:{h:k=2}", Algorithm::Concurrency);
         assert_eq!(epochs.flag(&a), MARK);
+        assert_eq!(epochs.flag(&a), MARK, "not answered yet: still a mark");
+        epochs.answered(std::iter::once(&a));
         assert_eq!(
             epochs.flag(&b),
             HOLD_BACK,
@@ -109,6 +126,7 @@ mod tests {
         let cluster = Epochs::new(false);
         let a = check("p:r:l:concurrency:{x}", Algorithm::Concurrency);
         assert_eq!(cluster.flag(&a), NONE);
+        cluster.answered(std::iter::once(&a));
         assert_eq!(cluster.flag(&a), NONE);
     }
 

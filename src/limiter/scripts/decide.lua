@@ -19,6 +19,10 @@
 --              microseconds (for a calendar quota: the time left in its period), burst, cost,
 --              shadow (1: the limit is counted but never rejects), max delay in microseconds
 --              (`on_exceed: delay`; 0: a limit without room rejects)
+-- then         e, the number of lease ends (the ends of requests' concurrency leases queued
+--              on the same connection, `RedisStore::end_lease`), and per end: its lease id
+--              (the request's member) and its number of keys, which follow the requests'
+--              in KEYS
 --
 -- Returns, flat, request after request, 4 + 3 k_r numbers each:
 --          {admitted, retry_after_us, now_us, at_us, remaining_1, reset_us_1, rejecting_1,
@@ -34,6 +38,8 @@
 --   reset_us_i      time until key i admits one more than now (0 when it holds nothing)
 --   rejecting_i     1 if key i had no room for the request (for a shadow limit: would have
 --                   rejected it), else 0
+--
+--          then per end, per key: 1 if the lease was there (HDEL), else 0
 --
 -- Each request is all-or-nothing, as if it had been sent alone: every key is checked before
 -- any is recorded, a rejection records nothing anywhere, and a later request of the batch
@@ -169,5 +175,15 @@ for _ = 1, tonumber(argv[1]) do
   end
   first = first + count
   base = base + 7 * count
+end
+-- The lease ends, after every decision: HDEL of the lease's own id (concurrency.lua).
+for _ = 1, tonumber(argv[base]) do
+  local member, count = argv[base + 1], tonumber(argv[base + 2])
+  base = base + 2
+  for i = 1, count do
+    n = n + 1
+    result[n] = redis.call('HDEL', keys[first + i], member)
+  end
+  first = first + count
 end
 return result
