@@ -26,6 +26,10 @@ use super::{Admission, Algorithm, Check, Spec, Store};
 /// How often the renewal looks at the keys held (and at the leases it may have to cut).
 const RENEW_TICK: Duration = Duration::from_millis(100);
 
+/// An acquire leaves an instance's deadline alone while it is more than a period less an
+/// eighth of one away (`concurrency.lua`'s record, which spells the same eighth).
+const ACQUIRE_SLACK: u32 = 8;
+
 /// The counters of lease events (`sluice_concurrency_leases_total`).
 #[derive(Clone)]
 pub struct LeaseCounters {
@@ -52,8 +56,9 @@ pub struct Held {
 
 struct HeldKey {
     window: Duration,
-    /// When the last call that set this instance's deadline under the key (an acquire or a
-    /// renewal) was sent: the deadline in Redis is at least this plus the period.
+    /// When the last renewal that landed under the key was sent (for a key held anew, its
+    /// acquire's call less an eighth of the period): the deadline in Redis is at least this
+    /// plus the period.
     renewed: Instant,
     /// Lease id → the signal that cuts its request.
     leases: HashMap<String, watch::Sender<bool>>,
@@ -72,12 +77,16 @@ impl Held {
         let (lost, receiver) = watch::channel(false);
         let mut keys = self.lock();
         for check in checks {
+            // An acquire moves this instance's deadline in Redis only when it is less than
+            // 7/8 of a period away (concurrency.lua): a key held already keeps the time of the
+            // last renewal; one held anew counts on 7/8 of a period from the call.
             let held = keys.entry(check.key.clone()).or_insert_with(|| HeldKey {
                 window: check.spec.window,
-                renewed: sent,
+                renewed: sent
+                    .checked_sub(check.spec.window / ACQUIRE_SLACK)
+                    .unwrap_or(sent),
                 leases: HashMap::new(),
             });
-            held.renewed = held.renewed.max(sent);
             held.window = check.spec.window;
             held.leases.insert(id.to_owned(), lost.clone());
         }

@@ -106,17 +106,30 @@ end
 
 local function concurrency_record(key, now, requests, window, burst, cost, n, _, member)
   local beats = key .. ':i'
-  local ttl = format('%d', ceil(window / 1000))
+  local instance = string.sub(member, 1, 16)
   redis.call('HSET', key, member, format('%d', now))
-  redis.call('HSET', beats, string.sub(member, 1, 16), format('%d', now + window))
+  local remaining = requests - n - 1
+  if remaining < 0 then
+    remaining = 0
+  end
+  -- This instance's deadline and the expiries (both keys', the epoch's) are written again only
+  -- when its deadline is less than 7/8 of a period away. Otherwise they stand that long: the
+  -- write that set the deadline (an acquire, or a renewal, which extends the lease hash if it
+  -- exists, and it did if it holds leases now, n > 0) gave both keys a period then. The
+  -- instance counts on no more than that for a key it starts to hold (`Held::register`,
+  -- src/limiter/leases.rs); most admissions of a busy key write one field.
+  if n > 0 then
+    local deadline = tonumber(redis.call('HGET', beats, instance) or '0')
+    if deadline >= now + window - floor(window / 8) then
+      return remaining, 0
+    end
+  end
+  local ttl = format('%d', ceil(window / 1000))
+  redis.call('HSET', beats, instance, format('%d', now + window))
   redis.call('PEXPIRE', key, ttl)
   redis.call('PEXPIRE', beats, ttl)
   if burst ~= 0 then
     redis.call('PEXPIRE', concurrency_epoch(key), CONCURRENCY_EPOCH_MS)
-  end
-  local remaining = requests - n - 1
-  if remaining < 0 then
-    remaining = 0
   end
   return remaining, 0
 end
