@@ -112,21 +112,26 @@ local function concurrency_record(key, now, requests, window, burst, cost, n, _,
   if remaining < 0 then
     remaining = 0
   end
-  -- This instance's deadline and the expiries (both keys', the epoch's) are written again only
-  -- when its deadline is less than 7/8 of a period away. Otherwise they stand that long: the
-  -- write that set the deadline (an acquire, or a renewal, which extends the lease hash if it
-  -- exists, and it did if it holds leases now, n > 0) gave both keys a period then. The
-  -- instance counts on no more than that for a key it starts to hold (`Held::register`,
-  -- src/limiter/leases.rs); most admissions of a busy key write one field.
-  if n > 0 then
-    local deadline = tonumber(redis.call('HGET', beats, instance) or '0')
-    if deadline >= now + window - floor(window / 8) then
-      return remaining, 0
-    end
-  end
   local ttl = format('%d', ceil(window / 1000))
+  if n == 0 then
+    -- The lease hash was empty, so gone: made anew by the HSET, without an expiry.
+    redis.call('PEXPIRE', key, ttl)
+  end
+  -- This instance's deadline and the other expiries (the lease hash's, when it held leases,
+  -- the instances' hash's, the epoch's) are written again only when its deadline is less than
+  -- 7/8 of a period away. Otherwise they stand that long: the write that set the deadline (an
+  -- acquire, or a renewal, which extends the lease hash if it exists, and it did if it holds
+  -- leases now) gave both keys a period then. The instance counts on no more than that for a
+  -- key it starts to hold (`Held::register`, src/limiter/leases.rs); most admissions of a busy
+  -- instance write its lease and read its deadline.
+  local deadline = tonumber(redis.call('HGET', beats, instance) or '0')
+  if deadline >= now + window - floor(window / 8) then
+    return remaining, 0
+  end
   redis.call('HSET', beats, instance, format('%d', now + window))
-  redis.call('PEXPIRE', key, ttl)
+  if n > 0 then
+    redis.call('PEXPIRE', key, ttl)
+  end
   redis.call('PEXPIRE', beats, ttl)
   if burst ~= 0 then
     redis.call('PEXPIRE', concurrency_epoch(key), CONCURRENCY_EPOCH_MS)
