@@ -15,7 +15,8 @@ install_if_missing redis-sentinel redis-sentinel
 # tests/it/cluster.rs creates a Redis Cluster with redis-cli (Debian's redis-tools).
 install_if_missing redis-cli redis-tools
 # tests/it/partitions.rs puts a redis-server in its own network namespace (iproute2's `ip`)
-# and cuts its link with iptables.
+# and cuts its link with iptables; for delay and loss, two TUN devices joined by
+# scripts/tunrelay.py (python3, which scripts/test-tools.sh needs too).
 install_if_missing ip iproute2 iproute2
 install_if_missing iptables iptables iptables
 # tests/it/tls.rs uses curl as a real TLS client (HTTP/2 through ALPN), and openssl to rewrite

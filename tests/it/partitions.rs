@@ -136,3 +136,79 @@ async fn decisions_return_to_redis_within_2s_of_a_partition_healing() {
         "/readyz ready {ready_after:?} after the heal"
     );
 }
+
+/// 1 % of packets lost each way between sluice and Redis on a link of about 2.3 ms round trip
+/// (`scripts/tunrelay.py`: 0.5 ms each way and its own wake-ups): a route that refuses without
+/// the store (`on_store_error: deny`, the default 50 ms store timeout) still answers at least
+/// 95 % of its requests from Redis. (Measured: 100 % at 1 %, 99.9 % at 3 %, 99.7 % at 5 %; a
+/// 20 % loss, seeded once, fails it with 1.6 %.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deny_route_answers_from_redis_under_one_percent_loss() {
+    let _heavy = support::heavy().await;
+    let net = NetRedis::start_relayed(0.5, 0.01).await;
+    let up = Upstream::start().await;
+    let yaml = Policy::new()
+        .store_redis_url(&net.url())
+        .upstream("api", UpstreamSpec::new(&up.url()))
+        .route(
+            Route::new("default", "/")
+                .upstream("api")
+                .on_store_error(OnStoreError::Deny)
+                .limit(Limit::requests("per-key", 1_000_000, "1m").key(["header:x-api-key"])),
+        );
+    let sluice = Sluice::start(&yaml).await;
+    sluice.expect_store_faults();
+    let client = support::client();
+    let url = format!("{}/x", sluice.url());
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (client, url) = (client.clone(), url.clone());
+            tokio::spawn(async move {
+                let (mut ok, mut failed) = (0u32, 0u32);
+                while start.elapsed() < Duration::from_secs(10) {
+                    let response = client
+                        .get(&url)
+                        .header("x-api-key", format!("k{i}"))
+                        .timeout(Duration::from_secs(5))
+                        .send()
+                        .await
+                        .expect("an answer");
+                    match response.status().as_u16() {
+                        200 => ok += 1,
+                        503 => failed += 1,
+                        other => panic!("unexpected {other}"),
+                    }
+                }
+                (ok, failed)
+            })
+        })
+        .collect();
+    let (mut ok, mut failed) = (0, 0);
+    for task in tasks {
+        let (o, f) = task.await.unwrap();
+        ok += o;
+        failed += f;
+    }
+    let share = f64::from(ok) / f64::from(ok + failed);
+    eprintln!(
+        "under 1 % loss: {ok} answered from Redis, {failed} 503 ({:.1} %)",
+        100.0 * share
+    );
+    let metrics = sluice.metrics().await;
+    for line in metrics.lines().filter(|l| {
+        l.starts_with("sluice_store_errors_total") || l.starts_with("sluice_store_breaker")
+    }) {
+        eprintln!("{line}");
+    }
+    assert!(
+        ok + failed > 1000,
+        "traffic flowed ({} answers)",
+        ok + failed
+    );
+    assert!(
+        share >= 0.95,
+        "{:.1} % answered from Redis under 1 % loss",
+        100.0 * share
+    );
+}

@@ -33,10 +33,23 @@ pub struct NetRedis {
     host_link: String,
     pub ip: String,
     child: Option<Child>,
+    /// The relay of a link with delay and loss (`start_relayed`).
+    relay: Option<Child>,
 }
 
 impl NetRedis {
+    /// Behind a veth pair: a link as fast as the host's loopback.
     pub async fn start() -> NetRedis {
+        NetRedis::start_with(None).await
+    }
+
+    /// Behind two TUN devices joined by `scripts/tunrelay.py`, which delays each packet by
+    /// `delay_ms` (plus its own wake-ups, about 0.6 ms) and drops it with probability `loss`.
+    pub async fn start_relayed(delay_ms: f64, loss: f64) -> NetRedis {
+        NetRedis::start_with(Some((delay_ms, loss))).await
+    }
+
+    async fn start_with(relayed: Option<(f64, f64)>) -> NetRedis {
         let k = NEXT.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         let namespace = format!("sluice-{pid}-{k}");
@@ -49,18 +62,49 @@ impl NetRedis {
         let _ = Command::new("ip")
             .args(["netns", "del", &namespace])
             .status();
+        let _ = Command::new("ip")
+            .args(["link", "del", &host_link])
+            .status();
         run(&["ip", "netns", "add", &namespace]);
-        run(&[
-            "ip",
-            "link",
-            "add",
-            &host_link,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &inner_link,
-        ]);
+        let relay = match relayed {
+            None => {
+                run(&[
+                    "ip",
+                    "link",
+                    "add",
+                    &host_link,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    &inner_link,
+                ]);
+                None
+            }
+            Some((delay_ms, loss)) => {
+                run(&["ip", "tuntap", "add", "mode", "tun", "name", &host_link]);
+                run(&["ip", "tuntap", "add", "mode", "tun", "name", &inner_link]);
+                let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/tunrelay.py");
+                let mut relay = Command::new("python3")
+                    .arg(script)
+                    .args([&host_link, &inner_link])
+                    .arg(delay_ms.to_string())
+                    .arg(loss.to_string())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::inherit())
+                    .spawn()
+                    .expect("start scripts/tunrelay.py (python3)");
+                // Attached to both devices before one moves into the namespace.
+                let mut ready = String::new();
+                std::io::BufRead::read_line(
+                    &mut std::io::BufReader::new(relay.stdout.take().expect("its stdout")),
+                    &mut ready,
+                )
+                .expect("the relay's first line");
+                assert_eq!(ready.trim(), "ready", "scripts/tunrelay.py did not start");
+                Some(relay)
+            }
+        };
         run(&["ip", "link", "set", &inner_link, "netns", &namespace]);
         run(&[
             "ip",
@@ -93,6 +137,7 @@ impl NetRedis {
             host_link,
             ip,
             child: Some(child),
+            relay,
         };
         let deadline = Instant::now() + Duration::from_secs(10);
         while tokio::net::TcpStream::connect((redis.ip.as_str(), 6379))
@@ -135,7 +180,7 @@ impl NetRedis {
 
 impl Drop for NetRedis {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
+        for mut child in [self.child.take(), self.relay.take()].into_iter().flatten() {
             let _ = child.kill();
             let _ = child.wait();
         }
