@@ -17,6 +17,19 @@ use support::{Limit, OnStoreError, Policy, Route, Sluice, Upstream, UpstreamSpec
 /// kernel's next retransmission (6 s and more after an 8 s partition without it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn decisions_return_to_redis_within_2s_of_a_partition_healing() {
+    back_in_redis_after(NetRedis::partition).await;
+}
+
+/// A half-open link for 8 s: Redis receives and runs every call but its answers are dropped
+/// (its side's OUTPUT only). The same: no request hangs, only 503 meanwhile, back in Redis
+/// within 2 s of the heal, the breaker steady after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn decisions_return_to_redis_within_2s_of_a_half_open_link_healing() {
+    back_in_redis_after(NetRedis::drop_answers).await;
+}
+
+/// Steady traffic on a `deny` route, the link cut by `cut` for 8 s, then healed.
+async fn back_in_redis_after(cut: fn(&NetRedis)) {
     let _heavy = support::heavy().await;
     let net = NetRedis::start().await;
     let up = Upstream::start().await;
@@ -39,27 +52,34 @@ async fn decisions_return_to_redis_within_2s_of_a_partition_healing() {
     // link is cut.
     let seen: Arc<Mutex<Vec<(Instant, u16)>>> = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let slowest: Arc<Mutex<Duration>> = Arc::default();
     let clients: Vec<_> = (0..8)
         .map(|i| {
-            let (client, url, seen, stop) = (
+            let (client, url, seen, stop, slowest) = (
                 client.clone(),
                 url.clone(),
                 Arc::clone(&seen),
                 Arc::clone(&stop),
+                Arc::clone(&slowest),
             );
             tokio::spawn(async move {
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let asked = Instant::now();
                     let sent = client
                         .get(&url)
                         .header("x-api-key", format!("k{i}"))
                         .timeout(Duration::from_secs(5))
                         .send()
                         .await;
-                    if let Ok(response) = sent {
-                        seen.lock()
-                            .unwrap()
-                            .push((Instant::now(), response.status().as_u16()));
+                    let response = sent.expect("an answer within 5 s: no request hangs");
+                    let took = asked.elapsed();
+                    {
+                        let mut slowest = slowest.lock().unwrap();
+                        *slowest = (*slowest).max(took);
                     }
+                    seen.lock()
+                        .unwrap()
+                        .push((Instant::now(), response.status().as_u16()));
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             })
@@ -70,7 +90,7 @@ async fn decisions_return_to_redis_within_2s_of_a_partition_healing() {
         seen.lock().unwrap().iter().any(|&(_, s)| s == 200),
         "decided in Redis before the partition"
     );
-    net.partition();
+    cut(&net);
     let cut = Instant::now();
     tokio::time::sleep(Duration::from_secs(8)).await;
     {
@@ -88,6 +108,14 @@ async fn decisions_return_to_redis_within_2s_of_a_partition_healing() {
             "only 503 while Redis is cut off (deny)"
         );
     }
+    let opened = |text: &str| {
+        support::metric_sum(
+            &support::parse_metrics(text),
+            "sluice_store_breaker_transitions_total",
+            &[("to", "open")],
+        )
+    };
+    let opened_before_heal = opened(&sluice.metrics().await);
     net.heal();
     let healed = Instant::now();
     let readyz = format!("{}/readyz", sluice.admin_url());
@@ -120,11 +148,34 @@ async fn decisions_return_to_redis_within_2s_of_a_partition_healing() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Two more seconds of traffic: the breaker, closed again, stays closed (it does not flap
+    // while some connections recover before others).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let opened_after_heal = opened(&sluice.metrics().await) - opened_before_heal;
+    let failed_late = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|&&(at, s)| at > healed + Duration::from_secs(2) && s != 200)
+        .count();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for task in clients {
         task.await.unwrap();
     }
-    eprintln!("after the heal: decided in Redis {decided_after:?}, ready {ready_after:?}");
+    eprintln!("after the heal: decided in Redis {decided_after:?}, ready {ready_after:?}, breaker opened {opened_after_heal} times, {failed_late} refused after 2 s");
+    assert_eq!(
+        opened_after_heal, 0.0,
+        "the breaker did not open again after the heal"
+    );
+    let slowest = *slowest.lock().unwrap();
+    assert!(
+        slowest < Duration::from_millis(1500),
+        "no request waited long: the slowest took {slowest:?}"
+    );
+    assert_eq!(
+        failed_late, 0,
+        "every request from 2 s after the heal decided in Redis"
+    );
     let decided_after = decided_after.expect("decided in Redis again within 10 s");
     let ready_after = ready_after.expect("ready again within 10 s");
     assert!(

@@ -59,12 +59,9 @@ impl NetRedis {
         let (a, b) = ((tag / 250) % 250 + 1, tag % 250);
         let (host_ip, ip) = (format!("10.{a}.{b}.1"), format!("10.{a}.{b}.2"));
         // A namespace left by a test that was killed goes first.
-        let _ = Command::new("ip")
-            .args(["netns", "del", &namespace])
-            .status();
-        let _ = Command::new("ip")
-            .args(["link", "del", &host_link])
-            .status();
+        for args in [["netns", "del", &namespace], ["link", "del", &host_link]] {
+            let _ = Command::new("ip").args(args).stderr(Stdio::null()).status();
+        }
         run(&["ip", "netns", "add", &namespace]);
         let relay = match relayed {
             None => {
@@ -168,6 +165,12 @@ impl NetRedis {
     /// Cuts the link silently: every packet into and out of the namespace is dropped.
     pub fn partition(&self) {
         self.iptables(&["-A", "INPUT", "-j", "DROP"]);
+        self.iptables(&["-A", "OUTPUT", "-j", "DROP"]);
+    }
+
+    /// Makes the link half-open: Redis receives every packet, but what it sends is dropped
+    /// (its calls run; their answers never arrive).
+    pub fn drop_answers(&self) {
         self.iptables(&["-A", "OUTPUT", "-j", "DROP"]);
     }
 
