@@ -2,14 +2,19 @@
 //! timeout.
 //!
 //! Closed: decisions go to Redis; consecutive failures are counted, and a success resets the
-//! count. After `FAILURES_TO_OPEN` in a row the breaker opens: decisions fail at once, without
+//! count. After `FAILURES_TO_OPEN` in a row, spread over at least the store timeout, the
+//! breaker opens (a burst of timeouts at one instant is one connection stalled behind a lost
+//! segment, whose calls all time out together while the other connections answer: not a
+//! store that is gone): decisions fail at once, without
 //! touching Redis, and the caller applies the route's `on_store_error`. While open, one
 //! background probe pings Redis every `PROBE_EVERY`; the first answer closes the breaker, so
 //! decisions return to Redis within about that interval (plus one timeout) of it answering.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use prometheus::{IntCounter, IntGauge};
 
@@ -31,16 +36,29 @@ pub struct BreakerMetrics {
 pub struct Breaker {
     open: AtomicBool,
     failures: AtomicU32,
+    /// When the current run of failures began (microseconds since `origin`).
+    streak_began: AtomicU64,
+    /// How long a run of failures must last to open the breaker: the store timeout.
+    spread: Duration,
+    origin: Instant,
     metrics: BreakerMetrics,
 }
 
 impl Breaker {
-    pub fn new(metrics: BreakerMetrics) -> Breaker {
+    /// A breaker that opens after failures spread over at least `spread` (the store timeout).
+    pub fn new(metrics: BreakerMetrics, spread: Duration) -> Breaker {
         Breaker {
             open: AtomicBool::new(false),
             failures: AtomicU32::new(0),
+            streak_began: AtomicU64::new(0),
+            spread,
+            origin: Instant::now(),
             metrics,
         }
+    }
+
+    fn now_us(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
     /// Whether calls must not go to the store now.
@@ -56,7 +74,14 @@ impl Breaker {
     /// then starts the probe).
     pub fn record_failure(&self) -> bool {
         let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if failures < FAILURES_TO_OPEN {
+        let now = self.now_us();
+        if failures == 1 {
+            self.streak_began.store(now, Ordering::Relaxed);
+        }
+        let lasted = now.saturating_sub(self.streak_began.load(Ordering::Relaxed));
+        if failures < FAILURES_TO_OPEN
+            || lasted < u64::try_from(self.spread.as_micros()).unwrap_or(u64::MAX)
+        {
             return false;
         }
         let opened = self
@@ -68,7 +93,7 @@ impl Breaker {
             self.metrics.opened.inc();
             tracing::warn!(
                 failures,
-                "the store failed {FAILURES_TO_OPEN} times in a row: deciding without it until it answers again"
+                "the store failed {FAILURES_TO_OPEN} times in a row or more, for at least its timeout: deciding without it until it answers again"
             );
         }
         opened
@@ -108,15 +133,42 @@ mod tests {
     use super::*;
 
     fn breaker() -> Arc<Breaker> {
-        Arc::new(Breaker::new(BreakerMetrics {
-            open: IntGauge::new("open", "open").unwrap(),
-            opened: IntCounter::new("opened", "opened").unwrap(),
-            closed: IntCounter::new("closed", "closed").unwrap(),
-        }))
+        breaker_spread(Duration::ZERO)
     }
 
-    #[test]
-    fn opens_after_consecutive_failures_only() {
+    fn breaker_spread(spread: Duration) -> Arc<Breaker> {
+        Arc::new(Breaker::new(
+            BreakerMetrics {
+                open: IntGauge::new("open", "open").unwrap(),
+                opened: IntCounter::new("opened", "opened").unwrap(),
+                closed: IntCounter::new("closed", "closed").unwrap(),
+            },
+            spread,
+        ))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_of_failures_at_one_instant_does_not_open_it() {
+        let b = breaker_spread(Duration::from_millis(50));
+        for _ in 0..3 * FAILURES_TO_OPEN {
+            assert!(!b.record_failure(), "one stalled connection's calls");
+        }
+        tokio::time::advance(Duration::from_millis(30)).await;
+        assert!(!b.record_failure(), "30 ms of failures: not yet");
+        tokio::time::advance(Duration::from_millis(20)).await;
+        assert!(b.record_failure(), "failing for the whole timeout: gone");
+        b.close();
+        tokio::time::advance(Duration::from_millis(100)).await;
+        for _ in 0..FAILURES_TO_OPEN - 1 {
+            assert!(!b.record_failure());
+        }
+        b.record_success();
+        tokio::time::advance(Duration::from_millis(100)).await;
+        assert!(!b.record_failure(), "a success began a new run");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_after_consecutive_failures_only() {
         let b = breaker();
         for _ in 0..FAILURES_TO_OPEN - 1 {
             assert!(!b.record_failure());

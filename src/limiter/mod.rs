@@ -332,15 +332,19 @@ impl Store {
             Arc::clone(&store),
             lease_counters(metrics),
         ));
+        let timeout = store.timeout();
         let backend = Backend::Redis {
             store,
             denials: DenyCache::new(),
             cache_answers: metrics.deny_cache_answers.clone(),
-            breaker: Arc::new(Breaker::new(BreakerMetrics {
-                open: metrics.store_fallback_active.clone(),
-                opened: transitions("open"),
-                closed: transitions("closed"),
-            })),
+            breaker: Arc::new(Breaker::new(
+                BreakerMetrics {
+                    open: metrics.store_fallback_active.clone(),
+                    opened: transitions("open"),
+                    closed: transitions("closed"),
+                },
+                timeout,
+            )),
             fallback: local_store(max_keys, metrics),
             leases,
         };

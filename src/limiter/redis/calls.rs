@@ -42,24 +42,34 @@ impl RedisStore {
             self.run::<Vec<i64>>(&cmd, Some(&self.shared.script))
                 .await?
         } else {
-            self.enqueue(pending)?;
-            let result = self
-                .bounded(async {
-                    answer.await.unwrap_or_else(|_| {
-                        Err(StoreError::Connection(
-                            "the connection's writer stopped".to_owned(),
-                        ))
-                    })
-                })
-                .await;
-            if let Err(StoreError::Connection(_) | StoreError::Timeout(_)) = &result {
-                // A failover would explain it (`failed`).
-                self.rediscover();
-            }
-            result?
+            self.batched(pending, answer).await?
         };
         self.epochs.answered(checks);
         decision_from_reply(&reply, count, member)
+    }
+
+    /// Queues `pending` on its connection's batch and waits for its part of the reply,
+    /// bounded by the timeout.
+    async fn batched(
+        &self,
+        pending: Pending,
+        answer: tokio::sync::oneshot::Receiver<Result<Vec<i64>, StoreError>>,
+    ) -> Result<Vec<i64>, StoreError> {
+        self.enqueue(pending)?;
+        let result = self
+            .bounded(async {
+                answer.await.unwrap_or_else(|_| {
+                    Err(StoreError::Connection(
+                        "the connection's writer stopped".to_owned(),
+                    ))
+                })
+            })
+            .await;
+        if let Err(StoreError::Connection(_) | StoreError::Timeout(_)) = &result {
+            // A failover would explain it (`failed`).
+            self.rediscover();
+        }
+        result
     }
 
     /// A request whose limits live in several cluster slots: each slot decided by its own
@@ -233,16 +243,7 @@ impl RedisStore {
         if !matches!(self.link, Link::Cluster(_)) {
             // In the next call of the connection's batch (`batch`): no call of its own.
             let (pending, answer) = Pending::end(checks.iter(), member.to_owned());
-            self.enqueue(pending)?;
-            let reply = self
-                .bounded(async {
-                    answer.await.unwrap_or_else(|_| {
-                        Err(StoreError::Connection(
-                            "the connection's writer stopped".to_owned(),
-                        ))
-                    })
-                })
-                .await?;
+            let reply = self.batched(pending, answer).await?;
             return Ok(reply.iter().filter(|&&was| was == 1).count());
         }
         let calls = checks.iter().map(|check| async move {
