@@ -27,8 +27,10 @@
 //! The files, by job: `connection` (the connections to a node or a cluster, and the master
 //! as last known), `batch` (each connection's queue and the writer that drains it), `follow` (finding and following the master through Sentinel), `scripts`
 //! (the Lua sources and reading their replies), `calls` (decide, release, peek, reset and
-//! the lease renewal, each one script call or one per cluster slot), `socket` (the TCP
-//! settings that get a connection out of a silent partition).
+//! the lease renewal, each one script call or one per cluster slot; a concurrency lease's
+//! end rides in its connection's batch), `epochs` (whether Redis forgot a concurrency limit's
+//! leases: the flag its checks carry), `socket` (the TCP settings that get a connection out
+//! of a silent partition).
 
 mod batch;
 mod calls;
