@@ -220,7 +220,7 @@ pub(super) async fn renew(held: Weak<Held>, store: Arc<RedisStore>, counters: Le
             renew_keys(&held, &store, &counters, window, keys).await;
         }
         for (checks, admission) in held.take_orphans() {
-            match store.end_lease(&checks, &admission.member).await {
+            match store.release(&checks, &admission, 0).await {
                 Ok(released) => {
                     counters
                         .gone
@@ -441,7 +441,7 @@ impl Lease {
             held.held_for(&self.checks, self.taken.elapsed());
         }
         Some(async move {
-            match store.release_lease(&checks, &admission).await {
+            match store.release(&checks, &admission).await {
                 Ok(released) => {
                     store.count_gone(checks.len().saturating_sub(released));
                     if let (Some(held), true) = (store.held_leases(), registered) {

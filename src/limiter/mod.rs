@@ -503,30 +503,6 @@ impl Store {
         self.keep(checks, admission, 0).await
     }
 
-    /// Ends the concurrency leases an admitted request took under `checks` (its concurrency
-    /// checks); how many were still there (a reclaim or an earlier end may have taken one).
-    /// In Redis a plain `HDEL` of the request's own lease per key (`RedisStore::end_lease`).
-    pub async fn release_lease(
-        &self,
-        checks: &[Check],
-        admission: &Admission,
-    ) -> Result<usize, StoreError> {
-        match &self.backend {
-            Backend::Local(store) => Ok(store.release(checks, admission, 0)),
-            Backend::Redis { fallback, .. } if admission.local => {
-                Ok(fallback.release(checks, admission, 0))
-            }
-            Backend::Redis { store, denials, .. } => {
-                denials.forget_checks(checks);
-                let result = store.end_lease(checks, &admission.member).await;
-                if let Some(counter) = result.as_ref().err().and_then(|err| self.errors.of(err)) {
-                    counter.inc();
-                }
-                result
-            }
-        }
-    }
-
     /// Keeps `used` units of each check's cost of an admitted request and gives back the
     /// rest, as `release` does, so each limit stands as if the request had been admitted with
     /// cost `used`: the store's part of the token settlement (`proxy::tokens::settle`). A
@@ -633,7 +609,7 @@ impl Store {
             local: matches!(self.backend, Backend::Local(_)),
         };
         let released = self
-            .release_lease(std::slice::from_ref(check), &admission)
+            .release(std::slice::from_ref(check), &admission)
             .await?;
         Ok(released > 0)
     }

@@ -70,8 +70,8 @@ pub(super) struct Pending {
 
 impl Pending {
     /// A decision of `checks` for the request named `member`; without `may_delay`, delay
-    /// limits reject instead. A concurrency check's `burst` slot carries its epoch flag. Also returns where its reply arrives: the script's numbers for
-    /// this request alone.
+    /// limits reject instead. A concurrency check's `burst` slot carries its epoch flag. Also
+    /// returns where its reply arrives: the script's numbers for this request alone.
     pub(super) fn new<'a>(
         checks: impl Iterator<Item = &'a Check> + Clone,
         member: String,
@@ -191,7 +191,8 @@ async fn write(mut conn: ConnectionManager, mut queue: mpsc::Receiver<Pending>, 
     }
 }
 
-/// The EVALSHA of the decide script over `batch`, in order: its decisions, then its ends.
+/// The EVALSHA of the decide script over `batch`, whose decisions must come before its ends
+/// (`write` sorts them so; `answer` hands the reply back in that order).
 pub(super) fn command(script: &Script, batch: &[Pending]) -> Cmd {
     let keys: usize = batch.iter().map(|pending| pending.keys.len()).sum();
     let mut cmd = redis::cmd("EVALSHA");

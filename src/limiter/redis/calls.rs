@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::super::{Admission, Check, Decision, Peek, StoreError};
+use super::super::{Admission, Algorithm, Check, Decision, Peek, StoreError};
 use super::batch::{self, Pending};
 use super::cluster;
 use super::scripts::decision_from_reply;
@@ -133,6 +133,14 @@ impl RedisStore {
         admission: &Admission,
         keep: u32,
     ) -> Result<usize, StoreError> {
+        // A request's concurrency leases given back whole: an `HDEL` each, no script call.
+        if keep == 0
+            && checks
+                .iter()
+                .all(|check| check.spec.algorithm == Algorithm::Concurrency)
+        {
+            return self.end_lease(checks, &admission.member).await;
+        }
         let groups = match &self.link {
             Link::Cluster(_) => cluster::slot_groups(checks),
             Link::Single | Link::Sentinel(_) => None,
@@ -239,7 +247,7 @@ impl RedisStore {
     /// idempotent); how many were still there. On a node, in the decide script's next batched
     /// call on the connection (a call of its own per end cost Redis as much again as the
     /// decision, bench/RESULTS.md); on a cluster, a plain `HDEL` to each key's master.
-    pub async fn end_lease(&self, checks: &[Check], member: &str) -> Result<usize, StoreError> {
+    async fn end_lease(&self, checks: &[Check], member: &str) -> Result<usize, StoreError> {
         if !matches!(self.link, Link::Cluster(_)) {
             // In the next call of the connection's batch (`batch`): no call of its own.
             let (pending, answer) = Pending::end(checks.iter(), member.to_owned());

@@ -9,8 +9,9 @@
 --            digits), value = the deadline (us) by which it must renew them (leases.lua), its
 --            marker `r:{instance}` (written by its renewals only, see leases.lua), plus
 --            `hold` (how long a lease of the limit is held on average, us, for the retry hint:
---            measured by the instances and written by their renewals) and `reclaimed` (leases taken from instances past their deadline, read and cleared
---            by the next renewal, which counts them).
+--            measured by the instances and written by their renewals) and `reclaimed` (leases
+--            taken from instances past their deadline, read and cleared by the next renewal,
+--            which counts them).
 -- limit      requests = how many at once, window = the lease period (us): an instance's
 --            deadline is its last renewal plus the period, and both keys expire one period
 --            after the last acquire or renewal; cost 1 (`sluice check`); burst = the epoch
