@@ -19,7 +19,8 @@ requests the upstream holds 20-600 ms or streams (a few for 3 s, longer than the
 abandoned mid-stream.
 
 Faults, on a schedule drawn from --seed: the Redis master SIGKILLed and restarted empty,
-SIGSTOPped then SIGCONTed, a Sentinel failover, SCRIPT FLUSH, a policy reload that changes a
+SIGSTOPped then SIGCONTed, cut off by a silent partition (iptables DROP on its port, 1-5 s),
+behind 1 % packet loss (iptables' statistic match, 3-6 s), a Sentinel failover, SCRIPT FLUSH, a policy reload that changes a
 limit, an invalid policy pushed then fixed, sluice B SIGKILLed and restarted, sluice C SIGTERMed
 with requests in flight and restarted, and upstream episodes of 500s, aborted answers (502)
 and answers slower than the upstream timeout (504).
@@ -1212,9 +1213,43 @@ class Load:
 # Faults.
 
 
+# The faults that keep Redis from deciding (or lose its state): the checker judges the windows
+# they touch apart, and a calendar quota may count afresh after each.
+REDIS_FAULTS = ("redis_kill", "redis_stop", "failover", "redis_partition", "redis_loss")
+
+# iptables rules the soak adds (a partition, a loss period) carry this comment, so that they
+# are all removed when the run ends, however it ends.
+RULE_TAG = f"sluice-soak-{os.getpid()}"
+
+
+def iptables(action, port, extra=()):
+    """Adds (-I) or deletes (-D) the rules dropping loopback packets to and from `port`
+    (OUTPUT on lo sees both directions of a loopback connection): silently, no RST, as a
+    partition does; with `extra` (iptables' statistic match) only some of them, as loss."""
+    for way in ("--dport", "--sport"):
+        subprocess.run(["iptables", action, "OUTPUT", "-o", "lo", "-p", "tcp", way, str(port),
+                        *extra, "-m", "comment", "--comment", RULE_TAG, "-j", "DROP"],
+                       check=True, capture_output=True)
+
+
+def remove_rules():
+    """Deletes every rule this run added (a fault interrupted midway leaves its rules)."""
+    try:
+        listing = subprocess.run(["iptables", "-S", "OUTPUT"], capture_output=True, text=True,
+                                 check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return
+    for rule in listing.splitlines():
+        if RULE_TAG in rule and rule.startswith("-A "):
+            args = rule.split()
+            args = [a.strip('"') for a in args]
+            subprocess.run(["iptables", "-D", *args[1:]], capture_output=True)
+
+
 class Faults:
     KINDS = ["redis_kill", "redis_stop", "failover", "script_flush", "reload", "invalid_policy",
-             "sluice_kill", "sluice_term", "upstream_error", "upstream_abort", "upstream_slow"]
+             "sluice_kill", "sluice_term", "upstream_error", "upstream_abort", "upstream_slow",
+             "redis_partition", "redis_loss"]
 
     def __init__(self, args, redis, instances, upstream, load, rng):
         self.args, self.redis, self.instances = args, redis, instances
@@ -1294,6 +1329,36 @@ class Faults:
         self.redis.servers[m].signal(signal.SIGCONT)
         end = await self.wait_redis("redis_stop", t0)
         self.record("redis_stop", t0, now(), f"master :{m} stopped {pause:.1f} s", end)
+
+    async def redis_partition(self):
+        """A silent partition of a master's port (every connection to it: sluice's, the
+        replica's, the sentinels'), 1-5 s: no RST, no FIN; connections with data in flight
+        wait for the kernel's retransmissions after it heals unless sluice gives them up."""
+        m = await asyncio.to_thread(self.redis.victim, self.rng)
+        t0 = now()
+        length = self.rng.uniform(1.0, 5.0)
+        await asyncio.to_thread(iptables, "-I", m)
+        try:
+            await asyncio.sleep(length)
+        finally:
+            await asyncio.to_thread(iptables, "-D", m)
+        end = await self.wait_redis("redis_partition", t0)
+        self.record("redis_partition", t0, now(), f"master :{m} cut {length:.1f} s", end)
+
+    async def redis_loss(self):
+        """1 % of the packets to and from a master's port dropped for 3-6 s: each lost
+        segment stalls the calls behind it on its connection for 200 ms or more."""
+        m = await asyncio.to_thread(self.redis.victim, self.rng)
+        t0 = now()
+        length = self.rng.uniform(3.0, 6.0)
+        loss = ("-m", "statistic", "--mode", "random", "--probability", "0.01")
+        await asyncio.to_thread(iptables, "-I", m, loss)
+        try:
+            await asyncio.sleep(length)
+        finally:
+            await asyncio.to_thread(iptables, "-D", m, loss)
+        end = await self.wait_redis("redis_loss", t0)
+        self.record("redis_loss", t0, now(), f"master :{m} 1 % loss {length:.1f} s", end)
 
     async def failover(self):
         t0 = now()
@@ -1421,7 +1486,7 @@ class Checker:
         to 3 s after the sentinels named a master that answers as one (sluice asks them every
         500 ms; the breaker probes every 250 ms; the README's bound on the switch is 1 s)."""
         return [(f["t0"], f["effect_end"] + 3.0) for f in self.faults.log
-                if f["kind"] in ("redis_kill", "redis_stop", "failover")]
+                if f["kind"] in REDIS_FAULTS]
 
     def slog_limit_over(self, a, b):
         """The largest /slog limit in force at any time in [a - 1.5 s, b]: a reload takes up
@@ -1469,7 +1534,7 @@ class Checker:
             if "quota" in lim:
                 total = sum(w for _, w in events)
                 losses = sum(1 for f in self.faults.log if f["kind"] in
-                             ("redis_kill", "redis_stop", "failover")) if group == "redis" else 0
+                             REDIS_FAULTS) if group == "redis" else 0
                 bound = lim["n"] * (1 + losses)
                 agg["max_use"] = max(agg["max_use"], total)
                 agg["limit"] = lim["n"]
@@ -1611,7 +1676,7 @@ class Checker:
         lim = ROUTES["conc"]["limits"][0]
         n_lim = lim["n"]
         wins = [(f["t0"], f["effect_end"] + 3.0, f"{f['kind']}@{f['t0']:.1f}")
-                for f in self.faults.log if f["kind"] in ("redis_kill", "redis_stop", "failover")]
+                for f in self.faults.log if f["kind"] in REDIS_FAULTS]
         for t, d, rec in self.up.conc:
             if d > 0:
                 rec["_win"] = next((i for i, (a, b, _) in enumerate(wins) if a <= t <= b),
@@ -2050,6 +2115,7 @@ async def main_async(args):
               f" (seed {args.seed}" + (f"; logs in {state})" if args.keep else ")"), flush=True)
         return 1 if checker.violations else 0
     finally:
+        remove_rules()
         for s in instances.values():
             s.proc.stop()
         redis.stop()

@@ -15,7 +15,7 @@
 # scripts/test.sh does), the `h2` package (HTTP/2 clients) in a venv under target/, and builds
 # sluice in release (`cargo build --release --locked`: bench/run.sh then reuses that build).
 # Exits 1 when any check fails. Every process listens on 127.0.0.1 only and is stopped when
-# the run ends.
+# the run ends, and the iptables rules of its network faults are removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +25,14 @@ source scripts/install.sh
 install_if_missing redis-server redis-server
 install_if_missing redis-sentinel redis-sentinel
 install_if_missing python3 python3 python@3.11
+# The partition and loss faults drop loopback packets to a Redis port with iptables (its
+# statistic match for loss), which needs root: without it the soak stops here rather than
+# run without them.
+install_if_missing iptables iptables iptables
+if ! iptables -S OUTPUT >/dev/null 2>&1; then
+  echo "soak: iptables cannot be used here (root is needed for the partition and loss faults)" >&2
+  exit 1
+fi
 # Debian's python3 makes venvs only with python3-venv (ensurepip).
 python3 -c 'import ensurepip' >/dev/null 2>&1 || {
   if command -v apt-get >/dev/null 2>&1; then

@@ -75,9 +75,14 @@ async fn send(c: &reqwest::Client, url: &str, key: Option<&str>) -> reqwest::Res
 }
 
 /// Check an admitted response of the single-limit route: 200, policy
-/// `"per-key";q=Q;w=W`, ratelimit `"per-key";r=R;t=T` with 1 <= T <= W.
+/// `"per-key";q=Q;w=W`, ratelimit `"per-key";r=R;t=T` with 1 <= T <= W + `late` (the store's
+/// lateness bound, for which the log counts an admission past its window), rounded up.
 /// Returns T.
-fn assert_admitted(resp: &reqwest::Response, q: i64, w: i64, remaining: i64) -> i64 {
+fn assert_admitted(
+    resp: &reqwest::Response,
+    (q, w, late): (i64, i64, Duration),
+    remaining: i64,
+) -> i64 {
     assert_eq!(
         resp.status(),
         200,
@@ -95,8 +100,14 @@ fn assert_admitted(resp: &reqwest::Response, q: i64, w: i64, remaining: i64) -> 
     assert_eq!(rl[0].name, "per-key");
     assert_eq!(rl[0].param("r"), remaining, "remaining in ratelimit {rl:?}");
     let t = rl[0].param("t");
-    assert!((1..=w).contains(&t), "ratelimit t={t} not in 1..={w}");
+    let most = ceil_secs(Duration::from_secs(w as u64) + late);
+    assert!((1..=most).contains(&t), "ratelimit t={t} not in 1..={most}");
     t
+}
+
+/// Whole seconds, rounded up.
+fn ceil_secs(d: Duration) -> i64 {
+    d.as_nanos().div_ceil(1_000_000_000) as i64
 }
 
 /// Check a 429 from limit `limit` of route `route`: headers, problem+json
@@ -156,7 +167,7 @@ fn seconds_left(
     (opened_after, opened_by): (Instant, Instant),
     (asked, answered): (Instant, Instant),
 ) -> RangeInclusive<i64> {
-    let ceil = |d: Duration| d.as_nanos().div_ceil(1_000_000_000) as i64;
+    let ceil = ceil_secs;
     let least = window.saturating_sub(answered.saturating_duration_since(opened_after));
     let most = window.saturating_sub(asked.saturating_duration_since(opened_by));
     ceil(least)..=ceil(most)
@@ -178,20 +189,24 @@ async fn timed_send(
 /// 5 per 10 s: exactly 5 admitted per key, 6th and later rejected; keys are
 /// independent; no x-api-key falls back to a per-IP key.
 async fn exact_count_and_independent_keys(kind: StoreKind) {
-    let (_store, up, sluice) = start(kind, 5, "10s").await;
+    let (store, up, sluice) = start(kind, 5, "10s").await;
     let c = support::client();
     let url = format!("{}/things", sluice.url());
 
-    let window = Duration::from_secs(10);
+    let late = store.lateness();
+    let limit = (5, 10, late);
+    // The first entry leaves the log the lateness bound after its window.
+    let window = Duration::from_secs(10) + late;
     let (r, first) = timed_send(&c, &url, Some("alpha")).await;
-    let t = assert_admitted(&r, 5, 10, 4);
+    let t = assert_admitted(&r, limit, 4);
     assert_eq!(
-        t, 10,
+        t,
+        ceil_secs(window),
         "t = whole seconds (rounded up) until the first entry leaves"
     );
     for i in 2..=5 {
         let (r, now) = timed_send(&c, &url, Some("alpha")).await;
-        let t = assert_admitted(&r, 5, 10, 5 - i);
+        let t = assert_admitted(&r, limit, 5 - i);
         let expected = seconds_left(window, first, now);
         assert!(
             expected.contains(&t),
@@ -211,14 +226,14 @@ async fn exact_count_and_independent_keys(kind: StoreKind) {
     // Another key has its own budget.
     for i in 1..=5 {
         let r = send(&c, &url, Some("beta")).await;
-        assert_admitted(&r, 5, 10, 5 - i);
+        assert_admitted(&r, limit, 5 - i);
     }
     assert_rejected(send(&c, &url, Some("beta")).await, "default", "per-key").await;
 
     // No x-api-key: limited per client IP, also exactly 5.
     for i in 1..=5 {
         let r = send(&c, &url, None).await;
-        assert_admitted(&r, 5, 10, 5 - i);
+        assert_admitted(&r, limit, 5 - i);
     }
     assert_rejected(send(&c, &url, None).await, "default", "per-key").await;
 
@@ -291,9 +306,10 @@ async fn limited_respond_route(kind: StoreKind) {
 /// Two limits on one route: the policy header lists both in config order; a
 /// request rejected by one limit is not recorded in the other.
 async fn rejections_are_not_recorded(kind: StoreKind) {
-    let (_store, up, sluice) = start(kind, 5, "10s").await;
+    let (store, up, sluice) = start(kind, 5, "10s").await;
     let c = support::client();
     let url = format!("{}/multi/x", sluice.url());
+    let most = ceil_secs(Duration::from_secs(60) + store.lateness());
     let policy = "\"per-ip\";q=4;w=60, \"per-key\";q=2;w=60";
 
     // key X: 2 admitted (per-ip 2/4 used, per-key 2/2).
@@ -308,7 +324,7 @@ async fn rejections_are_not_recorded(kind: StoreKind) {
         assert_eq!(rl[1].name, "per-key");
         assert_eq!(rl[1].param("r"), 2 - i);
         for item in &rl {
-            assert!((59..=60).contains(&item.param("t")), "t in {rl:?}");
+            assert!((59..=most).contains(&item.param("t")), "t in {rl:?}");
         }
     }
     // key X again: rejected by per-key. Must not consume per-ip.
@@ -352,10 +368,12 @@ fn next_wall_clock_boundary(window: Duration, lead: Duration) -> Instant {
 /// sliding log rejects all of it (Retry-After: until the first admission is 2 s old), and
 /// admits 5 again once the first five have left their window.
 async fn boundary_burst_is_impossible(kind: StoreKind) {
-    let (_store, up, sluice) = start(kind, 5, "2s").await;
+    let (store, up, sluice) = start(kind, 5, "2s").await;
     let c = support::client();
     let url = format!("{}/burst", sluice.url());
     let window = Duration::from_secs(2);
+    let late = store.lateness();
+    let limit = (5, 2, late);
     let lead = Duration::from_millis(600);
 
     // Warm up connections/scripts with an unrelated key.
@@ -370,9 +388,9 @@ async fn boundary_burst_is_impossible(kind: StoreKind) {
         let boundary = next_wall_clock_boundary(window, lead + Duration::from_millis(100));
         tokio::time::sleep_until((boundary - lead).into()).await;
         let (r, first) = timed_send(&c, &url, Some(&key)).await;
-        assert_admitted(&r, 5, 2, 4);
+        assert_admitted(&r, limit, 4);
         for i in 2..=5 {
-            assert_admitted(&send(&c, &url, Some(&key)).await, 5, 2, 5 - i);
+            assert_admitted(&send(&c, &url, Some(&key)).await, limit, 5 - i);
         }
         let filled = Instant::now();
         if filled < boundary {
@@ -401,19 +419,19 @@ async fn boundary_burst_is_impossible(kind: StoreKind) {
             now.0 - boundary
         );
         let ra = assert_rejected(r, "default", "per-key").await;
-        let expected = seconds_left(window, first, now);
+        let expected = seconds_left(window + late, first, now);
         assert!(
             expected.contains(&ra),
             "burst request {i} after the boundary: retry-after {ra}, expected {expected:?}"
         );
     }
 
-    // After the window of the first five has passed, the key is free again:
-    // rejected requests were not recorded.
-    tokio::time::sleep_until((boundary + window).into()).await;
+    // After the window of the first five has passed (and the lateness bound), the key is
+    // free again: rejected requests were not recorded.
+    tokio::time::sleep_until((boundary + window + late).into()).await;
     for i in 1..=5 {
         let r = send(&c, &url, Some(&key)).await;
-        assert_admitted(&r, 5, 2, 5 - i);
+        assert_admitted(&r, limit, 5 - i);
     }
     assert_rejected(send(&c, &url, Some(&key)).await, "default", "per-key").await;
     assert_eq!(up.hits(), 1 + 5 * attempt + 5);
@@ -422,9 +440,10 @@ async fn boundary_burst_is_impossible(kind: StoreKind) {
 /// 3 per 3 s: fill at t0, at t0+1.2 s a 429 says retry-after 2; waiting 1 s
 /// is not enough (429, retry-after 1), waiting the full 2 s is (200).
 async fn retry_after_is_exact(kind: StoreKind) {
-    let (_store, up, sluice) = start(kind, 3, "3s").await;
+    let (store, up, sluice) = start(kind, 3, "3s").await;
     let c = support::client();
     let url = format!("{}/ra", sluice.url());
+    let late = store.lateness();
 
     assert_eq!(send(&c, &url, Some("warmup")).await.status(), 200);
 
@@ -444,15 +463,19 @@ async fn retry_after_is_exact(kind: StoreKind) {
     let got = Instant::now();
     let ra = assert_rejected(r, "default", "per-key").await;
     assert_eq!(
-        ra, 2,
-        "at t0+1.2s the oldest entry (t0) leaves in 1.8 s -> 2"
+        ra,
+        ceil_secs(Duration::from_millis(1800) + late),
+        "at t0+1.2s the oldest entry (t0) leaves in 1.8 s and the lateness bound {late:?}"
     );
 
     // retry-after - 1 seconds is not enough.
     tokio::time::sleep_until((got + Duration::from_secs(ra as u64 - 1)).into()).await;
     let r = send(&c, &url, Some("k")).await;
     let ra2 = assert_rejected(r, "default", "per-key").await;
-    assert_eq!(ra2, 1, "at t0+2.2s the oldest entry leaves in 0.8 s -> 1");
+    assert_eq!(
+        ra2, 1,
+        "one second before, the oldest entry leaves within 1 s"
+    );
 
     // The full retry-after is enough.
     tokio::time::sleep_until(

@@ -768,11 +768,22 @@ async fn every_field_reloads_or_is_refused_naming_it() {
                 );
                 wait_reloads(&sluice, "error", refused).await;
                 *said_before.entry(message).or_insert(0) += 1;
-                let logged = sluice
-                    .log()
-                    .lines()
-                    .filter(|line| line.contains("config reload refused") && line.contains(message))
-                    .count();
+                // The counter moves before the log line is written out: wait a little for it.
+                let count = || {
+                    sluice
+                        .log()
+                        .lines()
+                        .filter(|line| {
+                            line.contains("config reload refused") && line.contains(message)
+                        })
+                        .count()
+                };
+                let waited = Instant::now();
+                let mut logged = count();
+                while logged < said_before[message] && waited.elapsed() < Duration::from_secs(5) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    logged = count();
+                }
                 assert_eq!(
                     logged, said_before[message],
                     "{}: logged once",

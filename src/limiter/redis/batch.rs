@@ -183,7 +183,7 @@ async fn write(mut conn: ConnectionManager, mut queue: mpsc::Receiver<Pending>, 
         }
         // The script takes the decisions first, then the ends (stable: each in its order).
         batch.sort_by_key(|pending| pending.end);
-        let cmd = command(&writer.script, &batch);
+        let cmd = command(&writer.script, &batch, writer.timeout);
         let result = tokio::time::timeout(writer.timeout, call(&mut conn, &cmd, &writer.script))
             .await
             .unwrap_or(Err(StoreError::Timeout(writer.timeout)));
@@ -192,8 +192,11 @@ async fn write(mut conn: ConnectionManager, mut queue: mpsc::Receiver<Pending>, 
 }
 
 /// The EVALSHA of the decide script over `batch`, whose decisions must come before its ends
-/// (`write` sorts them so; `answer` hands the reply back in that order).
-pub(super) fn command(script: &Script, batch: &[Pending]) -> Cmd {
+/// (`write` sorts them so; `answer` hands the reply back in that order). `lateness` is the
+/// store timeout: no answer is acted on later than that after the decision was queued, so
+/// the exact logs count each admission that much past the time it is forwarded at (see
+/// `decide.lua`'s ARGV[2]).
+pub(super) fn command(script: &Script, batch: &[Pending], lateness: Duration) -> Cmd {
     let keys: usize = batch.iter().map(|pending| pending.keys.len()).sum();
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(script.get_hash()).arg(keys);
@@ -203,7 +206,8 @@ pub(super) fn command(script: &Script, batch: &[Pending]) -> Cmd {
         }
     }
     let ends = batch.iter().filter(|pending| pending.end).count();
-    cmd.arg(batch.len() - ends);
+    cmd.arg(batch.len() - ends)
+        .arg(u64::try_from(lateness.as_micros()).unwrap_or(u64::MAX));
     for pending in batch.iter().filter(|pending| !pending.end) {
         cmd.arg(&pending.member).arg(pending.keys.len());
         for (algorithm, numbers) in &pending.limits {

@@ -38,7 +38,11 @@ impl RedisStore {
         let (pending, answer) =
             Pending::new(checks.clone(), member.clone(), may_delay, &self.epochs);
         let reply = if matches!(self.link, Link::Cluster(_)) {
-            let cmd = batch::command(&self.shared.script, std::slice::from_ref(&pending));
+            let cmd = batch::command(
+                &self.shared.script,
+                std::slice::from_ref(&pending),
+                self.shared.timeout,
+            );
             self.run::<Vec<i64>>(&cmd, Some(&self.shared.script))
                 .await?
         } else {

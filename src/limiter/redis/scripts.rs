@@ -56,9 +56,9 @@ pub(super) static LEASES: LazyLock<String> = LazyLock::new(|| {
 /// arguments a function does not name, so every algorithm gets the same list.
 const CHECK_ARGS: &str = "key, now, requests, window, burst, cost";
 const RECORD_ARGS: &str =
-    "key, now, requests, window, burst, cost, a, b, member, at, delays, cost_arg";
+    "key, now, requests, window, burst, cost, a, b, member, at, delays, cost_arg, lateness";
 const RELEASE_ARGS: &str = "key, now, requests, window, back, keep, member, at, decided";
-const CHARGE_ARGS: &str = "key, requests, extra, cost, member, at";
+const CHARGE_ARGS: &str = "key, requests, extra, cost, member";
 
 /// `prelude.lua`, every algorithm's file in the table's order, `dispatchers`, then `driver`.
 fn script(dispatchers: &[String], driver: &str) -> String {

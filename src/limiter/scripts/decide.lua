@@ -5,11 +5,16 @@
 -- dispatchers generated from the algorithm table (src/limiter/algorithm.rs and
 -- src/limiter/redis/scripts.rs): check(algorithm, key, now, requests, window, burst, cost)
 -- and record(algorithm, key, now, requests, window, burst, cost, a, b, member, at, delays,
--- cost_arg) call `{algorithm}_check` and `{algorithm}_record`.
+-- cost_arg, lateness) call `{algorithm}_check` and `{algorithm}_record`.
 --
 -- KEYS         every key of every request, request after request: request r's k_r keys, one
 --              per limit, of the type its algorithm keeps
 -- ARGV[1]      n, the number of requests
+-- ARGV[2]      the lateness bound in microseconds: how long after this call sluice may still
+--              forward a request it admits (the store timeout, which bounds the whole
+--              decision: a later answer is a store error). The exact logs (sliding_log,
+--              weighted_log) record an admission that much later, so that what the upstream
+--              receives, not only what Redis decided, stays within the limit in any window
 -- then, per request r in order:
 --   member     a name unique to the request (instance id and sequence number), so two
 --              requests admitted in the same microsecond never collapse into one entry
@@ -31,9 +36,10 @@
 --                   rejected and recorded under none
 --   retry_after_us  for a rejection, the time until every rejecting limit admits it
 --   now_us          the Redis TIME the decision was made at (one TIME for the whole call)
---   at_us           for an admission, when it is recorded in the exact algorithms: now_us,
---                   or later for a request delayed by a limit with a max delay (the longest
---                   wait among those limits; every other limit must admit it now)
+--   at_us           for an admission, when it is forwarded: now_us, or later for a request
+--                   delayed by a limit with a max delay (the longest wait among those limits;
+--                   every other limit must admit it now); the logs record it at at_us plus
+--                   the lateness bound, gcra at at_us
 --   remaining_i     requests (of cost 1) key i would still admit now
 --   reset_us_i      time until key i admits one more than now (0 when it holds nothing)
 --   rejecting_i     1 if key i had no room for the request (for a shadow limit: would have
@@ -73,7 +79,8 @@ local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local result, n = {}, 0
 -- Request r's keys are KEYS[first + 1 .. first + count]; its limits start at ARGV[base].
-local first, base = 0, 2
+local lateness = tonumber(argv[2])
+local first, base = 0, 3
 for _ = 1, tonumber(argv[1]) do
   local member, count = argv[base], tonumber(argv[base + 1])
   base = base + 2
@@ -109,7 +116,7 @@ for _ = 1, tonumber(argv[1]) do
     -- a max delay of '0' is none.)
     if admitted == 1 and (ok or not shadow) then
       remaining, reset = record(algorithm, key, now, requests, window, burst, cost, a, b,
-                                member, at, argv[base + 6] ~= '0', argv[base + 4])
+                                member, at, argv[base + 6] ~= '0', argv[base + 4], lateness)
     end
     result[n + 5], result[n + 6], result[n + 7] = remaining, reset, ok and 0 or 1
     n = n + 7
@@ -167,7 +174,7 @@ for _ = 1, tonumber(argv[1]) do
         remaining, reset = record(argv[arg], keys[first + i], now, pending[s + 1],
                                   pending[s + 2], pending[s + 3], pending[s + 4],
                                   pending[s + 8], pending[s + 9], member, at, delays,
-                                  argv[arg + 4])
+                                  argv[arg + 4], lateness)
       end
       result[n + 1], result[n + 2], result[n + 3] = remaining, reset, ok and 0 or 1
       n = n + 3

@@ -23,7 +23,7 @@
 -- Each algorithm's file says how exactly it gives back `back` = cost - keep units
 -- (`{algorithm}_release`, true when the key held something) and, for the algorithms that
 -- settle exactly (the table's `settles_exactly`), how it charges an overrun (keep > cost,
--- `{algorithm}_charge`): where the request is still recorded, at the time it was recorded, so
+-- `{algorithm}_charge`): where the request is still recorded, at the time it is recorded at, so
 -- the window makes its identity wait for what it really spent (this can take a limit past
 -- `requests`: the units were spent upstream already). A request no longer there (reset by the
 -- admin API, gone from its window or period) is not charged. The other algorithms charge
@@ -54,7 +54,7 @@ for i = 1, #KEYS do
     -- Everything is kept: nothing to give back or charge.
     held = false
   elseif back < 0 then
-    held = charge(algorithm, key, requests, -back, keep + back, member, at)
+    held = charge(algorithm, key, requests, -back, keep + back, member)
   else
     held = release(algorithm, key, now, requests, window, back, keep, member, at, decided)
   end

@@ -8,8 +8,10 @@
 -- Returns    check: ok, wait_us, remaining, reset_us, then its state for record: the number
 --            of entries and the pivot (below); record: remaining, reset_us
 --
--- Entries can be in the future (a delayed request is recorded at the time it is forwarded):
--- the check counts them, since it only removes entries that have left the window.
+-- Entries are in the future: an admission is recorded at the time it is forwarded (later for
+-- a delayed request) plus the lateness bound (decide.lua's ARGV[2]), the longest sluice may
+-- take to forward it after Redis decided; the check counts them, since it only removes
+-- entries that have left the window.
 --
 -- Scores and indexes are written with format('%d') (prelude.lua), an exact integer
 -- conversion: Lua would print a 16-digit number with 14 significant digits.
@@ -54,9 +56,11 @@ local function sliding_log_check(key, now, requests, window, burst, cost)
 end
 
 -- A log (this file's, and weighted_log.lua's after it) lives until its newest entry leaves
--- the window. Entries can be in the future only on a route with a delay limit (which then
+-- the window. An entry lands after the others only on a route with a delay limit (which then
 -- applies to every request of the route: `sluice check` refuses `when:` on it), so only there
--- is the newest entry read; otherwise it is `at`, the entry just added.
+-- is the newest entry read; otherwise it is `at`, the entry just added. (Every instance adds
+-- the same lateness, its store timeout from the same policy; one whose timeout is larger
+-- during a rolling change could see its newest entry leave up to the difference early.)
 local function log_expire(key, now, window, at, delays)
   local newest = at
   if delays then
@@ -69,7 +73,9 @@ local function log_expire(key, now, window, at, delays)
 end
 
 local function sliding_log_record(key, now, requests, window, burst, cost, n, pivot, member,
-                                  at, delays)
+                                  at, delays, _, lateness)
+  -- Counted until `lateness` after the time it is forwarded at (decide.lua's ARGV[2]).
+  at = at + lateness
   local score = format('%d', at)
   if cost == 1 then
     redis.call('ZADD', key, score, member .. ':1')
@@ -125,14 +131,14 @@ local function sliding_log_release(key, now, requests, window, back, keep, membe
 end
 
 -- Charges `extra` more to a request recorded with `cost` (release.lua), if member:cost is
--- still there: min(extra, requests) entries member:cost+1 .. at its time `at` (a window full
--- of the request's entries admits nothing more until they leave, so entries past the limit
--- would change no decision). Whether anything was charged.
-local function sliding_log_charge(key, requests, extra, cost, member, at)
-  if not redis.call('ZSCORE', key, member .. ':' .. cost) then
+-- still there: min(extra, requests) entries member:cost+1 .. at its entries' score (a window
+-- full of the request's entries admits nothing more until they leave, so entries past the
+-- limit would change no decision). Whether anything was charged.
+local function sliding_log_charge(key, requests, extra, cost, member)
+  local score = redis.call('ZSCORE', key, member .. ':' .. cost)
+  if not score then
     return false
   end
-  local score = format('%d', at)
   local last = cost + math.min(extra, requests)
   local args = {}
   for j = cost + 1, last do

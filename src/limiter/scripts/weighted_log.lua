@@ -96,7 +96,9 @@ end
 -- `cost_arg`: the cost as sent (ARGV), the canonical decimal Lua's own conversion of the
 -- number gives below 10^14 (a cost is 32 bits).
 local function weighted_log_record(key, now, requests, window, burst, cost, total, flat,
-                                   member, at, delays, cost_arg)
+                                   member, at, delays, cost_arg, lateness)
+  -- Counted until `lateness` after the time it is forwarded at (decide.lua's ARGV[2]).
+  at = at + lateness
   redis.call('ZADD', key, format('%d', at), member .. '#' .. cost_arg)
   log_expire(key, now, window, at, delays)
   -- The state with the new entry in its place among the others.

@@ -254,7 +254,8 @@ impl Policy {
         }
     }
 
-    /// The harness's standalone Redis store: `redis`'s URL, a generous 500 ms timeout, a pool
+    /// The harness's standalone Redis store: `redis`'s URL, a generous timeout
+    /// ([`super::REDIS_TIMEOUT`]), a pool
     /// of 8 and the `sluice-test` key prefix (as [`super::redis_store_yaml`]).
     pub fn store_redis(self, redis: &Redis) -> Policy {
         self.store_redis_url(&redis.url())
@@ -264,7 +265,10 @@ impl Policy {
     pub fn store_redis_url(mut self, url: &str) -> Policy {
         self.store = StoreChoice::Redis(vec![
             ("url".into(), url.into()),
-            ("timeout".into(), "500ms".into()),
+            (
+                "timeout".into(),
+                format!("{}ms", super::REDIS_TIMEOUT.as_millis()).into(),
+            ),
             ("pool_size".into(), 8u32.into()),
         ]);
         self.store_extra = vec![("key_prefix".into(), "sluice-test".into())];
@@ -613,6 +617,16 @@ impl Limit {
     /// Hold an over-limit request up to `max_delay` instead of refusing it.
     pub fn delay(self, max_delay: &str) -> Limit {
         self.set("on_exceed", "delay").set("max_delay", max_delay)
+    }
+
+    /// Whether it is an exact log (`sliding_log`, the default, or `weighted_log`): in Redis
+    /// its waits and resets are the lateness bound longer than its window
+    /// ([`super::Store::lateness`]).
+    pub fn is_log(&self) -> bool {
+        !self.0.iter().any(|(field, value)| {
+            field == "algorithm"
+                && !matches!(value, Node::Str(a) if a == "sliding_log" || a == "weighted_log")
+        })
     }
 
     /// Any other field of the limit (`cost`, `shadow`, `when`, `ipv6_prefix`, ...).

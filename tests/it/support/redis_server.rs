@@ -307,11 +307,12 @@ impl Redis {
 
     /// Asserts that every key in db 0 (read with `SCAN`, so none is missed) expires on its
     /// own: `PTTL` above 0 and at most `longest` (the longest window or period the test's
-    /// limits keep a key for, with its margin). Returns how many keys it checked, so that a
-    /// test can also assert it looked at something.
+    /// limits keep a key for, with its margin) and the harness's lateness bound
+    /// ([`REDIS_TIMEOUT`]: the exact logs keep an entry that much past its window). Returns
+    /// how many keys it checked, so that a test can also assert it looked at something.
     pub async fn assert_every_key_expires(&self, longest: Duration) -> usize {
         let ttls = self.key_ttls().await;
-        let most = i64::try_from(longest.as_millis()).unwrap_or(i64::MAX);
+        let most = i64::try_from((longest + REDIS_TIMEOUT).as_millis()).unwrap_or(i64::MAX);
         let wrong: Vec<String> = ttls
             .iter()
             // -2: the key expired between SCAN and PTTL, which is what the check wants.
@@ -536,7 +537,22 @@ pub struct Store {
     pub yaml: String,
 }
 
+/// The harness's Redis timeout ([`redis_store_yaml`], [`super::Policy::store_redis`]). It is
+/// also the store's lateness bound: the exact logs (sliding_log, weighted_log) count an
+/// admission this much past the time it is forwarded at (`decide.lua`'s ARGV[2]), so their
+/// waits and resets are this much longer than the window alone.
+pub const REDIS_TIMEOUT: Duration = Duration::from_millis(500);
+
 impl Store {
+    /// How much later than its window an exact log forgets an admission: the Redis timeout,
+    /// nothing in process (which forwards as it decides).
+    pub fn lateness(&self) -> Duration {
+        match self.redis {
+            Some(_) => REDIS_TIMEOUT,
+            None => Duration::ZERO,
+        }
+    }
+
     pub async fn start(kind: StoreKind) -> Store {
         match kind {
             StoreKind::Memory => Store {
@@ -558,6 +574,7 @@ impl Store {
 /// The `store:` section for a Redis at `url`, with a generous timeout.
 pub fn redis_store_yaml(url: &str) -> String {
     format!(
-        "store:\n  redis:\n    url: {url}\n    timeout: 500ms\n    pool_size: 8\n  key_prefix: sluice-test\n"
+        "store:\n  redis:\n    url: {url}\n    timeout: {}ms\n    pool_size: 8\n  key_prefix: sluice-test\n",
+        REDIS_TIMEOUT.as_millis()
     )
 }
