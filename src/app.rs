@@ -274,6 +274,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         workers,
         tls = config.tls.is_some(),
         admin_listen = %config.admin_listen.value,
+        admin_listen_default = config.admin_listen.referenced == serde_saphyr::Location::UNKNOWN,
         routes = policy.routes.len(),
         store = store.name(),
         admin_api = match (admin_api, &token) {

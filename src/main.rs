@@ -72,7 +72,16 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Check { config } => app::check(&config)
             .map(|summary| println!("{summary}"))
-            .map_err(anyhow::Error::from),
+            .map_err(|err| {
+                // The line in question under the message, with a caret, as compilers show it.
+                let excerpt = std::fs::read_to_string(&config)
+                    .ok()
+                    .and_then(|text| err.excerpt(&text));
+                match excerpt {
+                    Some(excerpt) => anyhow::anyhow!("{err}\n{}", excerpt.trim_end()),
+                    None => anyhow::Error::from(err),
+                }
+            }),
         Command::Explain {
             config,
             method,

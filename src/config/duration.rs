@@ -15,12 +15,36 @@ pub struct ConfigDuration(pub Duration);
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DurationError {
-    #[error("expected a duration like 30s (units: ms, s, m, h, d), got `{0}`")]
+    #[error("expected a duration like 30s (units: ms, s, m, h, d), got `{0}`{hint}", hint = spelled(.0))]
     Malformed(String),
     #[error("a duration must be greater than zero, got `{0}`")]
     Zero(String),
     #[error("duration `{0}` is too long")]
     Overflow(String),
+}
+
+/// For a duration written in words or with a space (`1 minute`, `30 secs`, `2 hours`), "did
+/// you mean" with the unit sluice reads (`1m`).
+fn spelled(text: &str) -> String {
+    let trimmed = text.trim();
+    let split = trimmed
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(trimmed.len());
+    let (number, word) = trimmed.split_at(split);
+    let word = word.trim().to_ascii_lowercase();
+    // No number, or no unit at all (a bare number is refused on purpose: no guess).
+    if number.is_empty() || word.is_empty() {
+        return String::new();
+    }
+    let unit = match word.as_str() {
+        "ms" | "msec" | "msecs" | "millisecond" | "milliseconds" => "ms",
+        "s" | "sec" | "secs" | "second" | "seconds" => "s",
+        "m" | "min" | "mins" | "minute" | "minutes" => "m",
+        "h" | "hr" | "hrs" | "hour" | "hours" => "h",
+        "d" | "day" | "days" => "d",
+        _ => return String::new(),
+    };
+    format!("; did you mean `{number}{unit}`?")
 }
 
 impl FromStr for ConfigDuration {
@@ -148,6 +172,14 @@ mod tests {
     #[test]
     fn refuses_what_is_ambiguous_or_empty() {
         assert!(matches!(parse("thirty"), Err(DurationError::Malformed(_))));
+        let said = |text: &str| parse(text).unwrap_err().to_string();
+        assert!(said("1 minute").ends_with("got `1 minute`; did you mean `1m`?"));
+        assert!(said("30 secs").ends_with("; did you mean `30s`?"));
+        assert!(said("2hours").ends_with("; did you mean `2h`?"));
+        assert!(said("500 ms").ends_with("; did you mean `500ms`?"));
+        assert!(said("1 day").ends_with("; did you mean `1d`?"));
+        assert!(said("thirty").ends_with("got `thirty`"));
+        assert!(said("60").ends_with("got `60`"));
         assert!(matches!(parse("60"), Err(DurationError::Malformed(_))));
         assert!(matches!(parse("s"), Err(DurationError::Malformed(_))));
         assert!(matches!(parse("1.5s"), Err(DurationError::Malformed(_))));

@@ -55,6 +55,57 @@ impl ConfigError {
     }
 }
 
+impl ConfigError {
+    /// The line of `text` (the file's contents) the error points at, with a caret under what
+    /// is wrong, the way compilers show it; nothing for an error at no position.
+    pub fn excerpt(&self, text: &str) -> Option<String> {
+        let ConfigError::Invalid { position, .. } = self else {
+            return None;
+        };
+        let index = usize::try_from(position.line).ok()?.checked_sub(1)?;
+        let line = text.lines().nth(index)?;
+        let column = usize::try_from(position.column).ok()?.max(1);
+        let width = scalar_at(text, *position).map_or(1, |s| s.chars().count().max(1));
+        let number = position.line.to_string();
+        let gutter = " ".repeat(number.len());
+        let pad: String = line
+            .chars()
+            .take(column - 1)
+            .map(|c| if c == '\t' { '\t' } else { ' ' })
+            .collect();
+        Some(format!(
+            "{gutter} |\n{number} | {line}\n{gutter} | {pad}{}\n",
+            "^".repeat(width)
+        ))
+    }
+}
+
+/// The scalar written at `position` (up to the end of its line, or a flow collection's `,`,
+/// `}` or `]`, a comment, or the `: ` after a key), without quotes: what a message says it
+/// got.
+pub(super) fn scalar_at(text: &str, position: Position) -> Option<&str> {
+    let line = text
+        .lines()
+        .nth(usize::try_from(position.line).ok()?.checked_sub(1)?)?;
+    let start = line
+        .char_indices()
+        .nth(usize::try_from(position.column).ok()?.checked_sub(1)?)?
+        .0;
+    let rest = &line[start..];
+    // A key ends at its `: ` (a URL's or an IPv6 address's colon is not followed by a space).
+    let key_end = rest
+        .find(": ")
+        .or_else(|| rest.strip_suffix(':').map(str::len));
+    let end = rest
+        .find([',', '}', ']', '#'])
+        .into_iter()
+        .chain(key_end)
+        .min()
+        .unwrap_or(rest.len());
+    let value = rest[..end].trim().trim_matches(['"', '\'']);
+    (!value.is_empty()).then_some(value)
+}
+
 /// Renders `file:line:column: field` the way compilers do, so editors can jump to it.
 struct Located<'a> {
     file: &'a Path,

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
+use super::error::scalar_at;
 use super::{admin, Config, ConfigError, Position};
 
 /// A policy file as read: its contents, and the SHA-256 of the bytes they were parsed from
@@ -77,7 +78,7 @@ pub fn parse_as<T: serde::de::DeserializeOwned>(text: &str, file: &Path) -> Resu
             file,
             position,
             field_of(&failed_at, &err),
-            plain_message(&err),
+            plain_message(&err, scalar_at(text, position)),
         )
     })
 }
@@ -150,16 +151,54 @@ fn segment_into(path: &mut String, segment: &str) {
 }
 
 /// The parser appends " at line L, column C"; we print the position up front instead. Its
-/// message for a duplicate key suggests a parser option, which is no help to a user.
-fn plain_message(err: &serde_saphyr::Error) -> String {
+/// message for a duplicate key suggests a parser option, which is no help to a user; for a
+/// number it names a Rust type ("invalid u32"), which says nothing either: the message says
+/// what was expected and what was written. An unknown field or name gets the nearest of the
+/// ones expected.
+fn plain_message(err: &serde_saphyr::Error, written: Option<&str>) -> String {
     if let Some(key) = duplicate_key(err) {
         return format!("`{key}` is given twice; each key may appear once");
     }
     let text = err.to_string();
-    match text.rfind(" at line ") {
-        Some(cut) => text[..cut].to_owned(),
-        None => text,
+    let text = match text.rfind(" at line ") {
+        Some(cut) => &text[..cut],
+        None => &text,
+    };
+    let got = written.map(|w| format!(", got `{w}`")).unwrap_or_default();
+    match text.strip_prefix("invalid ") {
+        Some("u8" | "u16" | "u32" | "u64" | "usize" | "i8" | "i16" | "i32" | "i64" | "isize") => {
+            return format!("expected a whole number{got}");
+        }
+        Some("f32" | "f64") => return format!("expected a number{got}"),
+        Some("bool" | "boolean") => return format!("expected true or false{got}"),
+        Some("socket address syntax") => {
+            return format!("expected an address and port like 127.0.0.1:8080{got}")
+        }
+        _ => {}
     }
+    format!("{text}{}", nearest_expected(text))
+}
+
+/// For serde's "unknown field `x`, expected one of `a`, `b`" (or "unknown variant", or
+/// "expected `a` or `b`"): "did you mean" the nearest of those.
+fn nearest_expected(message: &str) -> String {
+    let Some(rest) = message
+        .strip_prefix("unknown field `")
+        .or_else(|| message.strip_prefix("unknown variant `"))
+    else {
+        return String::new();
+    };
+    let Some((written, expected)) = rest.split_once('`') else {
+        return String::new();
+    };
+    let expected = expected
+        .trim_start_matches(", expected ")
+        .trim_start_matches("one of ");
+    let names = expected
+        .split([',', ' '])
+        .map(|name| name.trim_matches('`'))
+        .filter(|name| !name.is_empty() && *name != "or");
+    super::did_you_mean(written, names)
 }
 
 #[cfg(test)]

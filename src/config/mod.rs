@@ -25,6 +25,7 @@ mod load;
 mod restart;
 mod rls;
 mod schema;
+mod suggest;
 mod topology;
 mod tree;
 mod types;
@@ -37,6 +38,7 @@ pub use error::{ConfigError, Position};
 pub use load::{from_bytes, load, parse, parse_as, read_error, to_json, Source};
 pub use rls::{RlsAlgorithm, RlsConfig};
 pub use schema::json_schema;
+pub use suggest::{closest, did_you_mean};
 pub use tree::{
     ClusterConfig, ConditionConfig, Config, CountConfig, JwtAlgorithm, JwtConfig, JwtKeyConfig,
     LimitConfig, ListenerTlsConfig, LocalConfig, MatchConfig, OnInvalid, QuotaPeriod, RedisConfig,

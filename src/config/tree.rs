@@ -26,6 +26,18 @@ pub const DEFAULT_LEASE: std::time::Duration = std::time::Duration::from_secs(10
 pub const MIN_LEASE_MS: u64 = 1_000;
 pub const MAX_LEASE_MS: u64 = 3_600_000;
 
+/// Default `admin_listen`: loopback only, the port every example uses.
+pub const DEFAULT_ADMIN_LISTEN: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+    std::net::Ipv4Addr::LOCALHOST,
+    9090,
+));
+
+/// `admin_listen` when the file leaves it out: at no position in the file.
+fn default_admin_listen() -> Spanned<SocketAddr> {
+    let nowhere = serde_saphyr::Location::UNKNOWN;
+    Spanned::new(DEFAULT_ADMIN_LISTEN, nowhere, nowhere)
+}
+
 /// Default timeout of one store call, including waiting for a pooled connection.
 pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 50;
 /// Default number of multiplexed Redis connections (few suffice: each carries many decisions).
@@ -75,7 +87,10 @@ pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 30_000;
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub listen: SocketAddr,
+    /// `/metrics`, `/healthz`, `/readyz` and the admin API; by default loopback only
+    /// ([`DEFAULT_ADMIN_LISTEN`]), so a minimal policy is `listen` and routes.
     #[schemars(with = "SocketAddr")]
+    #[serde(default = "default_admin_listen")]
     pub admin_listen: Spanned<SocketAddr>,
     /// Who may use the admin API on `admin_listen` (applied at start).
     #[serde(default)]

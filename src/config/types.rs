@@ -243,8 +243,17 @@ impl FromStr for KeyPart {
         if let Some(name) = text.strip_prefix("jwt:") {
             return named("claim", name).map(KeyPart::Jwt);
         }
+        // "Did you mean": a plain part, or a prefixed one with its name kept.
+        let hint = match text.split_once(':') {
+            Some((prefix, name)) => {
+                super::closest(prefix, ["header", "query", "cookie", "param", "jwt"])
+                    .map(|prefix| format!("; did you mean `{prefix}:{name}`?"))
+                    .unwrap_or_default()
+            }
+            None => super::did_you_mean(text, ["client_ip", "method", "host", "path", "model"]),
+        };
         Err(format!(
-            "expected a key part `client_ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `param:NAME`, `jwt:CLAIM`, `method`, `host`, `path` or `model`, got `{text}`"
+            "expected a key part `client_ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `param:NAME`, `jwt:CLAIM`, `method`, `host`, `path` or `model`, got `{text}`{hint}"
         ))
     }
 }

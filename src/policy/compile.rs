@@ -242,13 +242,14 @@ fn compile_action(
                     Position::from(upstream),
                     format!("{field}.upstream"),
                     format!(
-                        "unknown upstream `{}` (defined: {})",
+                        "unknown upstream `{}` (defined: {}){}",
                         upstream.value,
                         if known.is_empty() {
                             "none".to_owned()
                         } else {
                             known.join(", ")
-                        }
+                        },
+                        crate::config::did_you_mean(upstream.value.as_str(), known.iter().copied())
                     ),
                 )
             }),

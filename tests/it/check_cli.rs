@@ -367,7 +367,7 @@ fn bad_admin_listen() {
         "admin_listen: localhost",
         "localhost",
         "admin_listen: ",
-        &["socket address"],
+        &["an address and port", "localhost:nine"],
     );
 }
 
@@ -623,7 +623,7 @@ fn upstream_http2_must_be_a_boolean() {
         "http2: maybe",
         "maybe",
         "upstreams.api.http2",
-        &["boolean"],
+        &["true or false", "maybe"],
     );
 }
 

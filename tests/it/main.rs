@@ -21,6 +21,7 @@ mod algorithms;
 mod batching;
 mod calendar_quotas;
 mod check_cli;
+mod check_mistakes;
 mod cluster;
 mod combos;
 mod concurrency;
