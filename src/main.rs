@@ -73,14 +73,9 @@ fn main() -> ExitCode {
         Command::Check { config } => app::check(&config)
             .map(|summary| println!("{summary}"))
             .map_err(|err| {
-                // The line in question under the message, with a caret, as compilers show it.
-                let excerpt = std::fs::read_to_string(&config)
-                    .ok()
-                    .and_then(|text| err.excerpt(&text));
-                match excerpt {
-                    Some(excerpt) => anyhow::anyhow!("{err}\n{}", excerpt.trim_end()),
-                    None => anyhow::Error::from(err),
-                }
+                // Each mistake with its line and a caret, as compilers show them.
+                let text = std::fs::read_to_string(&config).ok();
+                anyhow::anyhow!("{}", err.report(text.as_deref()))
             }),
         Command::Explain {
             config,

@@ -344,26 +344,41 @@ impl Admin {
 /// Where a refused config is wrong, as members of the 422 answer.
 fn error_fields(err: &ReloadError) -> serde_json::Value {
     match err {
-        ReloadError::Config(ConfigError::Invalid {
+        ReloadError::Config(err) => config_error_fields(err),
+        ReloadError::NeedsRestart { file, change } => json!({
+            "file": file.display().to_string(),
+            "message": format!("{change}: a restart is needed to apply it"),
+        }),
+    }
+}
+
+/// One refused file's mistakes: where and what; with several, the first's place and every
+/// one in `errors`.
+fn config_error_fields(err: &ConfigError) -> serde_json::Value {
+    match err {
+        ConfigError::Invalid {
             file,
             position,
             field,
             message,
-        }) => json!({
+        } => json!({
             "file": file.display().to_string(),
             "line": position.line,
             "column": position.column,
             "field": field,
             "message": message,
         }),
-        ReloadError::Config(ConfigError::Read { file, source }) => json!({
+        ConfigError::Read { file, source } => json!({
             "file": file.display().to_string(),
             "message": format!("cannot read the file: {source}"),
         }),
-        ReloadError::NeedsRestart { file, change } => json!({
-            "file": file.display().to_string(),
-            "message": format!("{change}: a restart is needed to apply it"),
-        }),
+        ConfigError::Several { errors } => {
+            let each: Vec<serde_json::Value> = errors.iter().map(config_error_fields).collect();
+            let mut fields = each.first().cloned().unwrap_or_else(|| json!({}));
+            fields["message"] = err.to_string().into();
+            fields["errors"] = each.into();
+            fields
+        }
     }
 }
 

@@ -37,6 +37,9 @@ pub enum ConfigError {
         field: String,
         message: String,
     },
+    /// Every mistake found in one reading (two or more), in the file's order.
+    #[error("{}", Listed(errors))]
+    Several { errors: Vec<ConfigError> },
 }
 
 impl ConfigError {
@@ -56,6 +59,56 @@ impl ConfigError {
 }
 
 impl ConfigError {
+    /// `errors` as one error: the only one, or all of them in the file's order (an error at
+    /// no position first, as the file's), nested lists flattened. `errors` must not be empty.
+    pub fn all(errors: Vec<ConfigError>) -> ConfigError {
+        let mut flat: Vec<ConfigError> = errors.into_iter().flat_map(ConfigError::list).collect();
+        flat.sort_by_key(|err| match err {
+            ConfigError::Invalid { position, .. } => (position.line, position.column),
+            _ => (0, 0),
+        });
+        if flat.len() == 1 {
+            flat.swap_remove(0)
+        } else {
+            ConfigError::Several { errors: flat }
+        }
+    }
+
+    /// The mistakes this error stands for, one by one.
+    pub fn list(self) -> Vec<ConfigError> {
+        match self {
+            ConfigError::Several { errors } => errors,
+            one => vec![one],
+        }
+    }
+
+    /// Every mistake, each with its line of `text` (the file's contents, when it could be
+    /// read) and a caret, then how many: what `sluice check` prints after `error: `.
+    pub fn report(self, text: Option<&str>) -> String {
+        let errors = self.list();
+        let mut out = String::new();
+        for (index, err) in errors.iter().enumerate() {
+            if index > 0 {
+                out.push_str("\nerror: ");
+            }
+            out.push_str(&err.to_string());
+            // A file that cannot be read says why (the error's source).
+            let mut source = std::error::Error::source(err);
+            while let Some(cause) = source {
+                out.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            if let Some(excerpt) = text.and_then(|text| err.excerpt(text)) {
+                out.push('\n');
+                out.push_str(excerpt.trim_end());
+            }
+        }
+        if errors.len() > 1 {
+            out.push_str(&format!("\n{} errors", errors.len()));
+        }
+        out
+    }
+
     /// The line of `text` (the file's contents) the error points at, with a caret under what
     /// is wrong, the way compilers show it; nothing for an error at no position.
     pub fn excerpt(&self, text: &str) -> Option<String> {
@@ -87,9 +140,17 @@ pub(super) fn scalar_at(text: &str, position: Position) -> Option<&str> {
     let line = text
         .lines()
         .nth(usize::try_from(position.line).ok()?.checked_sub(1)?)?;
+    let range = scalar_range(line, position.column)?;
+    let value = line[range].trim_matches(['"', '\'']);
+    (!value.is_empty()).then_some(value)
+}
+
+/// The bytes of `line` holding the scalar that starts at `column` (1-based, in characters),
+/// quotes included, as [`scalar_at`] reads it.
+pub(super) fn scalar_range(line: &str, column: u64) -> Option<std::ops::Range<usize>> {
     let start = line
         .char_indices()
-        .nth(usize::try_from(position.column).ok()?.checked_sub(1)?)?
+        .nth(usize::try_from(column).ok()?.checked_sub(1)?)?
         .0;
     let rest = &line[start..];
     // A key ends at its `: ` (a URL's or an IPv6 address's colon is not followed by a space).
@@ -102,8 +163,20 @@ pub(super) fn scalar_at(text: &str, position: Position) -> Option<&str> {
         .chain(key_end)
         .min()
         .unwrap_or(rest.len());
-    let value = rest[..end].trim().trim_matches(['"', '\'']);
-    (!value.is_empty()).then_some(value)
+    let value = rest[..end].trim_end();
+    (!value.is_empty()).then_some(start..start + value.len())
+}
+
+/// One error per line, then how many.
+struct Listed<'a>(&'a [ConfigError]);
+
+impl fmt::Display for Listed<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for err in self.0 {
+            writeln!(f, "{err}")?;
+        }
+        write!(f, "{} errors", self.0.len())
+    }
 }
 
 /// Renders `file:line:column: field` the way compilers do, so editors can jump to it.

@@ -6,7 +6,7 @@ use std::path::Path;
 use sha2::{Digest, Sha256};
 
 use super::error::scalar_at;
-use super::{admin, Config, ConfigError, Position};
+use super::{admin, recover, Config, ConfigError, Position};
 
 /// A policy file as read: its contents, and the SHA-256 of the bytes they were parsed from
 /// (which version of the file serves, see `sluice_config_hash`).
@@ -25,6 +25,13 @@ pub fn load(file: &Path) -> Result<Source, ConfigError> {
 
 /// Parses the bytes of a policy file; `file` is only used to name the source in errors.
 pub fn from_bytes(bytes: &[u8], file: &Path) -> Result<Source, ConfigError> {
+    strict(read_bytes(bytes, file)?)
+}
+
+/// Reads the bytes of a policy file past its mistakes (see `recover`): the source as read,
+/// its values patched where they were wrong, with the mistakes, for a caller that checks the
+/// rest of the file before it refuses it whole. An error when the text cannot be read on.
+pub fn read_bytes(bytes: &[u8], file: &Path) -> Result<(Source, Vec<ConfigError>), ConfigError> {
     let digest = Sha256::digest(bytes).into();
     let text = std::str::from_utf8(bytes).map_err(|err| {
         read_error(
@@ -32,12 +39,24 @@ pub fn from_bytes(bytes: &[u8], file: &Path) -> Result<Source, ConfigError> {
             std::io::Error::new(std::io::ErrorKind::InvalidData, err),
         )
     })?;
-    let config = parse(text, file)?;
-    Ok(Source {
-        config,
-        digest,
-        text: std::sync::Arc::from(text),
-    })
+    let (config, mistakes) = read(text, file)?;
+    Ok((
+        Source {
+            config,
+            digest,
+            text: std::sync::Arc::from(text),
+        },
+        mistakes,
+    ))
+}
+
+/// The value, or every mistake found.
+fn strict<T>((value, mistakes): (T, Vec<ConfigError>)) -> Result<T, ConfigError> {
+    if mistakes.is_empty() {
+        Ok(value)
+    } else {
+        Err(ConfigError::all(mistakes))
+    }
 }
 
 /// The error for a policy file that cannot be read (or is not UTF-8).
@@ -50,15 +69,68 @@ pub fn read_error(file: &Path, source: std::io::Error) -> ConfigError {
 
 /// Parses policy text; `file` is only used to name the source in errors.
 pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
-    let mut config: Config = parse_as(text, file)?;
-    config.store.topology = config.store.read_topology(file)?;
-    admin::check(&config.admin_listen, &config.admin, file)?;
-    Ok(config)
+    strict(read(text, file)?)
+}
+
+/// Policy text read past its mistakes, with them (see [`read_bytes`]).
+fn read(text: &str, file: &Path) -> Result<(Config, Vec<ConfigError>), ConfigError> {
+    let (mut config, mut mistakes) = read_as::<Config>(text, file)?;
+    match config.store.read_topology(file) {
+        Ok(topology) => config.store.topology = topology,
+        Err(err) => mistakes.push(err),
+    }
+    if let Err(err) = admin::check(&config.admin_listen, &config.admin, file) {
+        mistakes.push(err);
+    }
+    Ok((config, mistakes))
 }
 
 /// Parses YAML text into `T` with the policy file's limits and errors (file, line, column,
-/// field as written): also used for the files other sections name (`rls.config`).
+/// field as written): also used for the files other sections name (`rls.config`). Every
+/// mistake the reading can pass (see `recover`) is reported, in the file's order.
 pub fn parse_as<T: serde::de::DeserializeOwned>(text: &str, file: &Path) -> Result<T, ConfigError> {
+    strict(read_as(text, file)?)
+}
+
+/// Most mistakes one reading reports: past it, the file is more wrong than a list can help.
+const MOST_MISTAKES: usize = 50;
+
+/// [`parse_as`] past the mistakes it can patch: the value read from the patched text and
+/// the mistakes; an error (every mistake so far) when one cannot be patched.
+fn read_as<T: serde::de::DeserializeOwned>(
+    text: &str,
+    file: &Path,
+) -> Result<(T, Vec<ConfigError>), ConfigError> {
+    let mut doc = text.to_owned();
+    let mut mistakes: Vec<ConfigError> = Vec::new();
+    loop {
+        match parse_once(&doc, file) {
+            Ok(value) => return Ok((value, mistakes)),
+            Err(err) => {
+                // A patch that did not move the reading on (the same place again) ends it.
+                let again = mistakes.iter().any(|seen| same_place(seen, &err));
+                let patched = !again && recover::repair(&mut doc, &err);
+                if !again {
+                    mistakes.push(err);
+                }
+                if !patched || mistakes.len() >= MOST_MISTAKES {
+                    return Err(ConfigError::all(mistakes));
+                }
+            }
+        }
+    }
+}
+
+fn same_place(a: &ConfigError, b: &ConfigError) -> bool {
+    matches!(
+        (a, b),
+        (ConfigError::Invalid { position: p, .. }, ConfigError::Invalid { position: q, .. })
+            if p == q
+    )
+}
+
+/// One reading of `text`, which stops at its first error.
+fn parse_once<T: serde::de::DeserializeOwned>(text: &str, file: &Path) -> Result<T, ConfigError> {
     let mut failed_at = String::new();
     let result = serde_saphyr::with_deserializer_from_str_with_options(text, options(), |de| {
         serde_path_to_error::deserialize(de).map_err(|err| {

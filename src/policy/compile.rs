@@ -72,22 +72,39 @@ impl Compiled {
         let mut conditions = Vec::with_capacity(config.routes.len());
         let mut jwts = Vec::with_capacity(config.routes.len());
         let models = crate::llm::config::models(config, file)?;
+        // Every route is checked, each to its first mistake, so one reading reports them all.
+        let mut mistakes = Vec::new();
         for (index, route) in config.routes.iter().enumerate() {
             let field = format!("routes[{index}]");
-            if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
-                return Err(ConfigError::invalid(
-                    file,
-                    Position::from(&route.name),
-                    format!("{field}.name"),
-                    format!(
-                        "duplicate route name `{}` (first used at line {})",
-                        route.name.value, first.line
-                    ),
-                ));
+            let mut compile_route = || {
+                if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
+                    return Err(ConfigError::invalid(
+                        file,
+                        Position::from(&route.name),
+                        format!("{field}.name"),
+                        format!(
+                            "duplicate route name `{}` (first used at line {})",
+                            route.name.value, first.line
+                        ),
+                    ));
+                }
+                Ok((
+                    compile_action(route, &upstreams, file, &field)?,
+                    check_limits(route, &models, file, &field)?,
+                    route_jwt(route, verifiers, file, &field)?,
+                ))
+            };
+            match compile_route() {
+                Ok((action, condition, jwt)) => {
+                    actions.push(action);
+                    conditions.push(condition);
+                    jwts.push(jwt);
+                }
+                Err(err) => mistakes.push(err),
             }
-            actions.push(compile_action(route, &upstreams, file, &field)?);
-            conditions.push(check_limits(route, &models, file, &field)?);
-            jwts.push(route_jwt(route, verifiers, file, &field)?);
+        }
+        if !mistakes.is_empty() {
+            return Err(ConfigError::all(mistakes));
         }
         let routes: Vec<Route<Unmetered>> = config
             .routes

@@ -1,9 +1,8 @@
 //! The mistakes a new user makes in a first policy, each with the exact message `sluice check`
 //! prints: what was expected in words a user knows (never a Rust type), what was written, the
 //! nearest valid name ("did you mean"), and the line with a caret under the mistake. A minimal
-//! policy is `listen` plus routes (`admin_listen` defaults to loopback).
-//!
-//! Not yet: every error in one run (each run reports the first it meets).
+//! policy is `listen` plus routes (`admin_listen` defaults to loopback). A file with many
+//! mistakes gets them all in one run, in the file's order, with a count.
 
 use crate::support;
 
@@ -26,6 +25,67 @@ routes:
         requests: 100
         window: 1m
 ";
+
+/// The issue's five ordinary mistakes and two more, in two routes: all seven in one run, in
+/// the file's order; the unknown upstreams too, which only the checks after reading find.
+#[test]
+fn every_mistake_of_a_file_in_one_run() {
+    let yaml = "\
+listen: 127.0.0.1:8080
+upstreams:
+  api:
+    url: http://127.0.0.1:9000
+routes:
+  - name: api
+    match: { path_prefx: /api }
+    upstream: apii
+    limits:
+      - name: per-ip
+        key: [clientip]
+        requests: ten
+        window: 1 minute
+  - name: other
+    match:
+      path_prefix: /o
+    upstream: ap
+    limits:
+      - { name: x, key: [method], requests: 5, window: 1m, algorithm: gcraa, burst: 3 }
+";
+    let file = write_config(yaml);
+    let (status, _, stderr) = sluice_check(file.path());
+    assert!(!status.success());
+    let path = file.path().to_str().unwrap();
+    let said: Vec<String> = stderr
+        .lines()
+        .filter_map(|line| line.strip_prefix("error: "))
+        .map(|line| line.replacen(&format!("{path}:"), "", 1))
+        .map(|line| line.split(": ").take(2).collect::<Vec<_>>().join(": "))
+        .collect();
+    assert_eq!(
+        said,
+        [
+            "7:14: routes[0].match.path_prefx",
+            "8:15: routes[0].upstream",
+            "11:15: routes[0].limits[0].key[0]",
+            "12:19: routes[0].limits[0].requests",
+            "13:17: routes[0].limits[0].window",
+            "17:15: routes[1].upstream",
+            "19:71: routes[1].limits[0].algorithm",
+        ],
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("unknown upstream `ap` (defined: api); did you mean `api`?"),
+        "{stderr}"
+    );
+    // `burst` beside the misspelt `gcraa` is not judged against the placeholder algorithm.
+    assert!(!said.iter().any(|line| line.contains("burst")), "{stderr}");
+    assert_eq!(
+        stderr.trim_end().lines().last(),
+        Some("7 errors"),
+        "{stderr}"
+    );
+}
 
 #[test]
 fn a_minimal_policy_needs_no_admin_listen() {

@@ -815,3 +815,40 @@ async fn every_field_reloads_or_is_refused_naming_it() {
         applied += 1.0;
     }
 }
+
+/// A reload through the admin API of a file with two mistakes is refused naming both (the
+/// same reading as `sluice check`): the answer's `error.errors` lists each with its line and
+/// field, `error.message` all of them and their count; the old policy keeps serving.
+#[tokio::test]
+async fn a_refused_reload_names_every_mistake() {
+    let sluice = Sluice::start(&limited(3, "1m")).await;
+    let c = client();
+    let written = rewrite(&sluice, &limited(0, "thirty"));
+    let answer = c
+        .post(format!("{}/admin/v1/reload", sluice.admin_url()))
+        .header("x-sluice-admin", "1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status().as_u16(), 422);
+    let body: serde_json::Value = answer.json().await.unwrap();
+    let errors = body["error"]["errors"]
+        .as_array()
+        .expect("a list of mistakes");
+    let fields: Vec<(&str, u64)> = errors
+        .iter()
+        .map(|e| (e["field"].as_str().unwrap(), e["line"].as_u64().unwrap()))
+        .collect();
+    let line = |token: &str| locate(&written, token).0 as u64;
+    assert_eq!(
+        fields,
+        [
+            ("routes[0].limits[0].requests", line("requests: 0")),
+            ("routes[0].limits[0].window", line("thirty")),
+        ],
+        "{body}"
+    );
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.ends_with("2 errors"), "{message}");
+    assert_eq!(policy_q(&c, &sluice).await, 3, "the old policy serves");
+}
