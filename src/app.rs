@@ -93,54 +93,7 @@ pub fn version(bytes: &[u8], file: &Path, listener: ListenerFiles) -> Result<Ver
     if mistakes.is_empty() {
         return checked;
     }
-    Err(ConfigError::all(with_later_mistakes(
-        mistakes,
-        checked.err(),
-    )))
-}
-
-/// `mistakes` found while reading, and those the later checks found (`later`) in parts of the
-/// file that read without one: a later check of a part whose value was patched would judge
-/// the patch, not what was written.
-fn with_later_mistakes(
-    mut mistakes: Vec<ConfigError>,
-    later: Option<ConfigError>,
-) -> Vec<ConfigError> {
-    /// The part of the file a field is in: a route's field or limit (`routes[0].upstream`,
-    /// `routes[0].limits[1]`), an upstream, or a top-level field.
-    fn part(err: &ConfigError) -> Option<&str> {
-        let ConfigError::Invalid { field, .. } = err else {
-            return None;
-        };
-        let segments = if field.starts_with("routes[") || field.starts_with("upstreams.") {
-            2
-        } else {
-            1
-        };
-        let end = field
-            .match_indices('.')
-            .nth(segments - 1)
-            .map_or(field.len(), |(at, _)| at);
-        let part = &field[..end];
-        // A top-level field's list index is part of it (`trusted_proxies[2]` is the list).
-        Some(if segments == 1 {
-            part.split('[').next().unwrap_or(part)
-        } else {
-            part
-        })
-    }
-    let read: Vec<String> = mistakes
-        .iter()
-        .filter_map(|err| part(err).map(str::to_owned))
-        .collect();
-    let later: Vec<ConfigError> = later
-        .map(ConfigError::list)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|err| part(err).is_some_and(|p| !read.iter().any(|r| r == p)))
-        .collect();
-    mistakes.extend(later);
-    mistakes
+    Err(ConfigError::with_later(mistakes, checked.err()))
 }
 
 /// The checks and files of a version after its policy file has been read.

@@ -74,6 +74,45 @@ impl ConfigError {
         }
     }
 
+    /// The `mistakes` found while reading a file past them, and those the checks after the
+    /// reading found (`later`) in parts of the file that read without one: a later check of
+    /// a part whose value was patched (`recover`) would judge the patch, not what was written.
+    pub fn with_later(mut mistakes: Vec<ConfigError>, later: Option<ConfigError>) -> ConfigError {
+        let read: Vec<&str> = mistakes.iter().filter_map(ConfigError::part).collect();
+        let later: Vec<ConfigError> = later
+            .map(ConfigError::list)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|err| err.part().is_none_or(|part| !read.contains(&part)))
+            .collect();
+        mistakes.extend(later);
+        ConfigError::all(mistakes)
+    }
+
+    /// The part of the file a mistake is in: a route's field or limit (`routes[0].upstream`,
+    /// `routes[0].limits[1]`), an upstream (`upstreams.api`), or a top-level field (with its
+    /// list: `trusted_proxies`).
+    fn part(&self) -> Option<&str> {
+        let ConfigError::Invalid { field, .. } = self else {
+            return None;
+        };
+        let segments = if field.starts_with("routes[") || field.starts_with("upstreams.") {
+            2
+        } else {
+            1
+        };
+        let end = field
+            .match_indices('.')
+            .nth(segments - 1)
+            .map_or(field.len(), |(at, _)| at);
+        let part = &field[..end];
+        Some(if segments == 1 {
+            part.split('[').next().unwrap_or(part)
+        } else {
+            part
+        })
+    }
+
     /// The mistakes this error stands for, one by one.
     pub fn list(self) -> Vec<ConfigError> {
         match self {

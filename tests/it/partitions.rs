@@ -14,16 +14,21 @@ use support::{Limit, OnStoreError, Policy, Route, Sluice, Upstream, UpstreamSpec
 /// A route on Redis across `net` that refuses without it (`on_store_error: deny`), with a
 /// limit no test reaches: a 200 is a decision Redis made. The default 50 ms store timeout.
 fn deny_route(net: &NetRedis, up: &Upstream) -> Policy {
+    deny_route_with(net, up, "50ms", Limit::requests("per-key", 1_000_000, "1m"))
+}
+
+/// The same with this store timeout and limit (keyed on `x-api-key`).
+fn deny_route_with(net: &NetRedis, up: &Upstream, timeout: &str, limit: Limit) -> Policy {
     Policy::new()
         .store_redis_url(&net.url())
-        .redis_setting("timeout", "50ms")
+        .redis_setting("timeout", timeout)
         .redis_setting("pool_size", 4u32)
         .upstream("api", UpstreamSpec::new(&up.url()))
         .route(
             Route::new("default", "/")
                 .upstream("api")
                 .on_store_error(OnStoreError::Deny)
-                .limit(Limit::requests("per-key", 1_000_000, "1m").key(["header:x-api-key"])),
+                .limit(limit.key(["header:x-api-key"])),
         )
 }
 
@@ -286,18 +291,8 @@ async fn the_upstream_receives_no_more_than_the_limit_under_one_percent_loss() {
     let _heavy = support::heavy().await;
     let net = NetRedis::start_relayed(0.5, 0.01).await;
     let up = Upstream::start().await;
-    let policy = Policy::new()
-        .store_redis_url(&net.url())
-        .redis_setting("timeout", "300ms")
-        .redis_setting("pool_size", 4u32)
-        .upstream("api", UpstreamSpec::new(&up.url()))
-        .route(
-            Route::new("default", "/")
-                .upstream("api")
-                .on_store_error(OnStoreError::Deny)
-                .limit(Limit::requests("per-key", LIMIT as u32, "1s").key(["header:x-api-key"])),
-        );
-    let sluice = Sluice::start(&policy).await;
+    let limit = Limit::requests("per-key", LIMIT as u32, "1s");
+    let sluice = Sluice::start(&deny_route_with(&net, &up, "300ms", limit)).await;
     sluice.expect_store_faults();
     let client = support::client();
     let url = format!("{}/x", sluice.url());

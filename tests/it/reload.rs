@@ -60,6 +60,15 @@ fn rewrite_in_place(sluice: &Sluice, rest: &str) -> String {
     text
 }
 
+/// `POST /admin/v1/reload`, from a browser-proof client (`x-sluice-admin`).
+async fn admin_reload(c: &reqwest::Client, sluice: &Sluice) -> reqwest::Response {
+    c.post(format!("{}/admin/v1/reload", sluice.admin_url()))
+        .header("x-sluice-admin", "1")
+        .send()
+        .await
+        .unwrap()
+}
+
 /// The `q` of the `per-ip` item of the RateLimit-Policy of `GET /api`.
 async fn policy_q(c: &reqwest::Client, sluice: &Sluice) -> i64 {
     let r = c
@@ -747,12 +756,7 @@ async fn every_field_reloads_or_is_refused_naming_it() {
         };
         assert_ne!(text, start, "test bug: {} unchanged", change.field);
         support::replace_file(sluice.config_path(), &text);
-        let answer = c
-            .post(format!("{}/admin/v1/reload", sluice.admin_url()))
-            .header("x-sluice-admin", "1")
-            .send()
-            .await
-            .unwrap();
+        let answer = admin_reload(&c, &sluice).await;
         let status = answer.status().as_u16();
         let body: serde_json::Value = answer.json().await.unwrap();
         match change.refused {
@@ -805,12 +809,7 @@ async fn every_field_reloads_or_is_refused_naming_it() {
         }
         // Back to the file the process started with, for the next change.
         support::replace_file(sluice.config_path(), &start);
-        let back = c
-            .post(format!("{}/admin/v1/reload", sluice.admin_url()))
-            .header("x-sluice-admin", "1")
-            .send()
-            .await
-            .unwrap();
+        let back = admin_reload(&c, &sluice).await;
         assert_eq!(back.status(), 200, "{}: back to the start", change.field);
         applied += 1.0;
     }
@@ -824,12 +823,7 @@ async fn a_refused_reload_names_every_mistake() {
     let sluice = Sluice::start(&limited(3, "1m")).await;
     let c = client();
     let written = rewrite(&sluice, &limited(0, "thirty"));
-    let answer = c
-        .post(format!("{}/admin/v1/reload", sluice.admin_url()))
-        .header("x-sluice-admin", "1")
-        .send()
-        .await
-        .unwrap();
+    let answer = admin_reload(&c, &sluice).await;
     assert_eq!(answer.status().as_u16(), 422);
     let body: serde_json::Value = answer.json().await.unwrap();
     let errors = body["error"]["errors"]

@@ -9,26 +9,26 @@ use std::net::IpAddr;
 
 use bytes::{BufMut, BytesMut};
 
-use http::header::{
-    HeaderMap, HeaderName, HeaderValue, CONNECTION, TE, TRAILER, TRANSFER_ENCODING, UPGRADE,
-};
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONNECTION};
 
-const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
-const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 pub const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 pub const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// The fixed hop-by-hop fields; `Connection` first.
-const HOP_BY_HOP: [HeaderName; 7] = [
-    CONNECTION,
-    KEEP_ALIVE,
-    PROXY_CONNECTION,
-    TE,
-    TRAILER,
-    TRANSFER_ENCODING,
-    UPGRADE,
-];
+/// The fixed hop-by-hop fields, the list the policy's key parts are refused on too
+/// (`config::HOP_BY_HOP`, `Connection` first), as names to compare at no cost.
+const HOP_BY_HOP: [HeaderName; 7] = {
+    let names = crate::config::HOP_BY_HOP;
+    [
+        HeaderName::from_static(names[0]),
+        HeaderName::from_static(names[1]),
+        HeaderName::from_static(names[2]),
+        HeaderName::from_static(names[3]),
+        HeaderName::from_static(names[4]),
+        HeaderName::from_static(names[5]),
+        HeaderName::from_static(names[6]),
+    ]
+};
 
 /// What one pass over a header map's names found.
 #[derive(Debug, Default, Clone, Copy)]
@@ -171,7 +171,12 @@ fn write_ip(out: &mut BytesMut, ip: IpAddr) {
 
 #[cfg(test)]
 mod tests {
+    use http::header::{TE, TRANSFER_ENCODING, UPGRADE};
+
     use super::*;
+
+    const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+    const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
     #[test]
     fn hop_by_hop_fields_and_the_ones_connection_names_go() {
