@@ -4,7 +4,7 @@
 //!   and hands each request to the gateway, `proxy`.
 //! - `request` reads the request and plans it, a pure function of the policy, the head and
 //!   the time: head, route, identify (`jwt`), plan, each limit's check under its store key.
-//!   The phase order is stated once, in [`request`]'s docs. `sluice explain` (`explain`) and
+//!   The phase order is stated once, in [`request`]'s docs. `sluice explain` (`cli`) and
 //!   the admin API (`admin`) read requests and keys there too.
 //! - `proxy` acts on the plan: a token budget's body (`llm`), the decision (the `limiter`,
 //!   one store call), a hold, the act (its upstream side in `proxy::upstream`), the give-back
@@ -13,9 +13,9 @@
 //! - `policy` is the compiled policy the phases read; `config` reads the policy file.
 //! - `metrics` observe each step and `admin` serves them with the admin API; `log` writes
 //!   lines that never block a request.
-//! - `app` loads one version of the policy (for `run`, `check`, a reload and `explain`
-//!   alike) and wires the running process; `reload` watches it and swaps in each valid new
-//!   policy whole; `runtime` holds the process helpers every layer may use (the clock, file
+//! - `version` loads one version of the policy (for `run`, `check`, a reload and `explain`
+//!   alike); `app` wires the running process from it and `cli` holds the other commands;
+//!   `reload` watches the file and swaps in each valid new policy whole; `runtime` holds the process helpers every layer may use (the clock, file
 //!   watching, activity stamps, background workers).
 //!
 //! The binary (`main.rs`) is the command line around this library; the library exists so
@@ -24,8 +24,8 @@
 pub mod admin;
 pub mod app;
 pub mod body;
+pub mod cli;
 pub mod config;
-pub mod explain;
 pub mod jwt;
 pub mod limiter;
 pub mod llm;
@@ -43,3 +43,4 @@ pub mod rls;
 pub mod runtime;
 pub mod server;
 pub mod tls;
+pub mod version;

@@ -1,6 +1,7 @@
 //! sluice: a rate-limiting reverse proxy. This file is the command line and the process edge
-//! only (exit codes, errors as text); loading a config and wiring the parts together is
-//! `sluice::app`, and the request path starts in `server` and `proxy` (see `lib.rs`).
+//! only (exit codes, errors as text); loading a config is `sluice::version`, wiring the parts
+//! together `sluice::app`, the other commands `sluice::cli`, and the request path starts in
+//! `server` and `proxy` (see `lib.rs`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,7 +9,9 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
-use sluice::app::{self, ListenerFiles};
+use sluice::app;
+use sluice::cli;
+use sluice::version::{self, ListenerFiles};
 
 #[derive(Parser)]
 #[command(
@@ -70,7 +73,7 @@ fn main() -> ExitCode {
         sluice::log::init_direct(sluice::log::Format::Text);
     }
     let result = match cli.command {
-        Command::Check { config } => app::check(&config)
+        Command::Check { config } => cli::check(&config)
             .map(|summary| println!("{summary}"))
             .map_err(|err| {
                 // Each mistake with its line and a caret, as compilers show them.
@@ -84,7 +87,7 @@ fn main() -> ExitCode {
             headers,
             from,
         } => {
-            let question = sluice::explain::Question {
+            let question = cli::Question {
                 method: &method,
                 target: &target,
                 headers: &headers,
@@ -92,9 +95,7 @@ fn main() -> ExitCode {
             };
             sluice::runtime::clock::init()
                 .map_err(anyhow::Error::from)
-                .and_then(|_| {
-                    sluice::explain::explain(&config, &question).map_err(anyhow::Error::from)
-                })
+                .and_then(|_| cli::explain(&config, &question).map_err(anyhow::Error::from))
                 .map(|text| print!("{text}"))
         }
         Command::ExplainRls {
@@ -104,7 +105,7 @@ fn main() -> ExitCode {
             hits,
         } => sluice::runtime::clock::init()
             .map_err(anyhow::Error::from)
-            .and_then(|_| app::explain_rls(&config, &domain, &descriptors, hits))
+            .and_then(|_| cli::explain_rls(&config, &domain, &descriptors, hits))
             .map(|text| print!("{text}")),
         Command::Run { config } => run(&config),
     };
@@ -118,7 +119,7 @@ fn main() -> ExitCode {
 }
 
 fn run(config: &std::path::Path) -> anyhow::Result<()> {
-    let loaded = app::load(config, ListenerFiles::Read)?;
+    let loaded = version::load(config, ListenerFiles::Read)?;
     // The file names the log format, so it is read before anything is logged.
     let flusher = sluice::log::init(loaded.source.config.log_format.into())
         .context("cannot start the log writer")?;

@@ -88,7 +88,7 @@ pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 30_000;
 pub struct Config {
     pub listen: SocketAddr,
     /// `/metrics`, `/healthz`, `/readyz` and the admin API; by default loopback only
-    /// ([`DEFAULT_ADMIN_LISTEN`]), so a minimal policy is `listen` and routes.
+    /// (`127.0.0.1:9090`), so a minimal policy is `listen` and routes.
     #[schemars(with = "SocketAddr")]
     #[serde(default = "default_admin_listen")]
     pub admin_listen: Spanned<SocketAddr>,

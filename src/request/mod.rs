@@ -1,6 +1,6 @@
 //! The request layer: everything sluice reads from one request before it asks the store, as
 //! one pure function, [`plan`]. The gateway (`crate::proxy`), `sluice explain`
-//! (`crate::explain`) and the admin API (`crate::admin`, through [`store_key`]) all read
+//! (`crate::cli::explain`) and the admin API (`crate::admin`, through [`store_key`]) all read
 //! requests here, so none of them can tell a different story.
 //!
 //! # The phase order

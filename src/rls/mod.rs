@@ -6,7 +6,7 @@
 //! turns one call into checks decided in one store call and maps the decision to Envoy's
 //! answer, `service` is the gRPC listener (`tls` its TLS accept loop), `metrics` the counters (sluice's and
 //! envoyproxy/ratelimit's names). The rules are compiled with the rest of the config file
-//! (`app::version`), so `check`, `run` and a reload accept and refuse the same files;
+//! (`version::version`), so `check`, `run` and a reload accept and refuse the same files;
 //! `explain` shows what one call would do (`sluice explain-rls`).
 
 mod decide;

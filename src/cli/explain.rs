@@ -12,7 +12,6 @@ use std::time::Duration;
 use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Uri};
 
-use crate::app::{self, ListenerFiles};
 use crate::config::{ConfigError, KeyPart};
 use crate::metrics::Metrics;
 use crate::policy::{Action, Route};
@@ -20,6 +19,7 @@ use crate::proxy::Stop;
 use crate::request::client::client_network;
 use crate::request::store_key::{self, RequestParts};
 use crate::request::{self, HeadLimits, Now, Why};
+use crate::version::{self, ListenerFiles};
 
 /// The request to explain, as given on the command line.
 pub struct Question<'a> {
@@ -48,7 +48,7 @@ pub enum ExplainError {
 
 /// The explanation, as lines of text.
 pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainError> {
-    let loaded = app::load(file, ListenerFiles::Skip)?;
+    let loaded = version::load(file, ListenerFiles::Skip)?;
     let source = loaded.source;
     // The gateway's phases read a policy with its metric handles; these count into a registry
     // of their own that nothing reads.
