@@ -4,7 +4,9 @@
 #   - every ```yaml example of the book (and of README.md) goes through the real `sluice check`:
 #     accepted, or refused when its fence says ```yaml,refused (```yaml,fragment: not a whole
 #     policy, not checked);
-#   - every field of config/sluice.schema.json is in the policy file's reference page.
+#   - every field of config/sluice.schema.json is in the policy file's reference page;
+#   - every repository path a code span of the book (or README.md) names exists, and every
+#     README or book section a comment of src/ cites by its heading exists.
 # `bash scripts/book.sh --open` also opens the book in a browser.
 #
 # mdBook is installed when missing, pinned, from crates.io with cargo into target/book-tools
@@ -37,7 +39,10 @@ python3 scripts/book_check.py \
   --fixtures docs/fixtures \
   --sluice target/debug/sluice \
   --schema config/sluice.schema.json \
-  --reference docs/src/reference/policy.md
+  --reference docs/src/reference/policy.md \
+  --root . \
+  --code src \
+  --readme README.md
 
 echo "the book: docs/book/index.html" >&2
 if [ "${1:-}" = --open ]; then

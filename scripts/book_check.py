@@ -12,6 +12,15 @@
 - files:    every relative link of README.md (and the other --also files) leads to a file.
 - schema:   every field of config/sluice.schema.json appears in the policy file's reference
             page as a code span spelled like `routes[].limits[].window` or `upstreams.<name>.url`.
+- paths:    every code span of the book's Markdown (and of README.md) that names a repository
+            path (`src/limiter/gcra.rs`, `tests/it/faults.rs:12`, `scripts/soak.sh --x`,
+            `Cargo.toml`) names one that exists: a span whose first word starts with a
+            top-level directory of the repository and a `/`, or is a top-level file. A trailing
+            `:line` or `#anchor` is dropped; a missing path with a placeholder in it (`*`, `{`,
+            `<`, `...`, `…`, `$`, an upper-case word such as NAME) is not a path and is skipped.
+- sections: every comment of src/ that names a section of the README or of the book in quotes
+            (`README, "Models"`, `the book's "Adding an algorithm or a limit kind"`) names a
+            heading that README.md (for the README) or the book (for the book) has.
 
 Exit status 1 with one line per fault; 0 with a summary line per check.
 """
@@ -253,6 +262,143 @@ def check_schema(schema_path, reference):
     )
 
 
+def repository_entries(root):
+    """The repository's top-level directories and files: those git tracks, or, without git,
+    what the root holds (build outputs left out)."""
+    try:
+        run = subprocess.run(
+            ["git", "-C", root, "ls-files"], capture_output=True, text=True, timeout=60, check=True
+        )
+        names = run.stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    if names:
+        dirs = {name.split("/", 1)[0] for name in names if "/" in name}
+        files = {name for name in names if "/" not in name}
+        return dirs, files
+    dirs, files = set(), set()
+    for name in os.listdir(root):
+        if name in ("target", ".git"):
+            continue
+        (dirs if os.path.isdir(os.path.join(root, name)) else files).add(name)
+    return dirs, files
+
+
+PLACEHOLDER = re.compile(r"[*?{}<>\[\]$…|]|\.\.\.|(^|[/._-])[A-Z][A-Z0-9_]+([/._-]|$)")
+
+
+def code_spans(text):
+    """(line, text) of each inline code span of a Markdown text, fenced blocks left out."""
+    spans, fence = [], None
+    for number, line in enumerate(text.split("\n"), 1):
+        m = FENCE.match(line)
+        if m:
+            if fence is None:
+                fence = m.group(2)[0] * len(m.group(2))
+            elif m.group(2).startswith(fence) and not m.group(3).strip():
+                fence = None
+            continue
+        if fence is not None:
+            continue
+        # A span is delimited by runs of backticks of the same length.
+        for m in re.finditer(r"(`+)(.+?)\1(?!`)", line):
+            spans.append((number, m.group(2).strip()))
+    return spans
+
+
+def check_paths(sources, root):
+    """Code spans naming a repository path name one that exists."""
+    dirs, files = repository_entries(root)
+    faults, checked = [], 0
+    for path in sources:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        for line, span in code_spans(text):
+            word = span.split()[0] if span.split() else ""
+            word = word.rstrip(".,;:)")
+            first = word.split("/", 1)[0]
+            if not ((first in dirs and "/" in word) or word in files):
+                continue
+            target = re.sub(r"#.*$", "", word)
+            target = re.sub(r":\d+(-\d+)?(:\d+)?$", "", target)
+            if os.path.exists(os.path.join(root, target)):
+                checked += 1
+                continue
+            if PLACEHOLDER.search(target):
+                continue
+            checked += 1
+            faults.append(f"{path}:{line}: `{span}`: no file or folder {target} in the repository")
+    return faults, f"paths: {checked} repository paths named in code spans exist"
+
+
+def headings(paths):
+    """The headings of Markdown files (any level, fenced blocks left out), normalised."""
+    found = set()
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        fence = None
+        for line in lines:
+            m = FENCE.match(line)
+            if m:
+                if fence is None:
+                    fence = m.group(2)[0] * len(m.group(2))
+                elif m.group(2).startswith(fence) and not m.group(3).strip():
+                    fence = None
+                continue
+            if fence is None:
+                h = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+                if h:
+                    found.add(normalise_heading(h.group(1)))
+    return found
+
+
+def normalise_heading(text):
+    return " ".join(text.replace("`", "").split()).casefold()
+
+
+# `README, "Models"`, `README's "Two commands"`, `the book's "Adding an algorithm"`,
+# `see README section "…"`: a section named in quotes right after README or the book.
+SECTION_CITE = re.compile(r"\b(README(?:\.md)?|book)(?:'s)?(?:,|:)?\s+(?:section\s+|page\s+)?\"([^\"]+)\"")
+
+
+def check_sections(code_root, readme, book_sources):
+    """Comments of the code that cite a section of the README or the book by its heading name
+    a heading that exists there."""
+    readme_headings, book_headings = headings([readme]), headings(book_sources)
+    faults, checked = [], 0
+    for folder, _, names in os.walk(code_root):
+        for name in sorted(names):
+            if not name.endswith(".rs"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().split("\n")
+            # Runs of comment lines, read as one text (a citation may break across lines).
+            runs, run = [], []
+            for number, line in enumerate(lines, 1):
+                m = re.match(r"^\s*//[/!]?\s?(.*)$", line)
+                if m:
+                    run.append((number, m.group(1)))
+                elif run:
+                    runs.append(run)
+                    run = []
+            if run:
+                runs.append(run)
+            for run in runs:
+                text = " ".join(part for _, part in run)
+                for m in SECTION_CITE.finditer(text):
+                    checked += 1
+                    where, section = m.group(1), m.group(2)
+                    known = readme_headings if where.startswith("README") else book_headings
+                    if normalise_heading(section) not in known:
+                        faults.append(
+                            f"{path}:{run[0][0]}: a comment cites the {'README' if known is readme_headings else 'book'}'s "
+                            f"section \"{section}\", which has no such heading"
+                        )
+    return faults, f"sections: {checked} sections of the README or the book cited in {code_root}'s comments exist"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--html", required=True, help="the built book (docs/book)")
@@ -262,6 +408,9 @@ def main():
     parser.add_argument("--schema", required=True, help="config/sluice.schema.json")
     parser.add_argument("--reference", required=True, help="the policy file's reference page")
     parser.add_argument("--also", nargs="*", default=[], help="more Markdown files with examples")
+    parser.add_argument("--root", default=".", help="the repository, for the paths code spans name")
+    parser.add_argument("--code", help="source folder whose comments' README/book citations are checked")
+    parser.add_argument("--readme", default="README.md", help="the README those comments cite")
     args = parser.parse_args()
 
     sources = sorted(
@@ -270,13 +419,15 @@ def main():
         for name in files
         if name.endswith(".md")
     ) + args.also
+    book_sources = [path for path in sources if path not in args.also]
     faults = []
     for fault_list, summary in (
         check_links(args.html),
         check_examples(sources, args.sluice, args.fixtures),
         check_schema(args.schema, args.reference),
         check_file_links(args.also),
-    ):
+        check_paths(sources, args.root),
+    ) + ((check_sections(args.code, args.readme, book_sources),) if args.code else ()):
         faults += fault_list
         if not fault_list:
             print(summary)

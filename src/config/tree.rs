@@ -610,8 +610,8 @@ pub enum ContextWord {
 }
 
 /// One entry of `models:`: facts about the models whose name `match` matches (`*` matches
-/// any run of characters). Each fact left out takes the default for an unknown model (README,
-/// "Models").
+/// any run of characters). Each fact left out takes the default for an unknown model (the
+/// book's "Models", in `docs/src/guides/token-bound.md`).
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
