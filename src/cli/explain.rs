@@ -14,7 +14,8 @@ use http::{HeaderMap, Method, Uri};
 
 use crate::config::{ConfigError, KeyPart};
 use crate::metrics::Metrics;
-use crate::policy::{Action, Route};
+use crate::limiter::Check;
+use crate::policy::{Action, Limit, Route};
 use crate::proxy::Stop;
 use crate::request::client::client_network;
 use crate::request::store_key::{self, RequestParts};
@@ -53,26 +54,13 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     // The gateway's phases read a policy with its metric handles; these count into a registry
     // of their own that nothing reads.
     let policy = loaded.policy.metered(&Metrics::new()?);
-    let method = Method::from_bytes(question.method.as_bytes())
-        .map_err(|_| ExplainError::Method(question.method.to_owned()))?;
-    let headers = parse_headers(question.headers)?;
-    let sent: Uri = question
-        .target
-        .parse()
-        .ok()
-        .filter(|uri: &Uri| uri.path().starts_with('/'))
-        .ok_or_else(|| ExplainError::Target(question.target.to_owned()))?;
-    let mut request = http::Request::new(());
-    *request.method_mut() = method.clone();
-    *request.uri_mut() = sent.clone();
-    *request.headers_mut() = headers;
-    let (mut head, ()) = request.into_parts();
+    let (mut head, sent) = head_of(question)?;
 
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "request:    {method} {} from {}",
-        question.target, question.from
+        "request:    {} {} from {}",
+        head.method, question.target, question.from
     );
     // The gateway's own reading, up to the decision: what is refused here is refused there.
     let head_limits = HeadLimits::new(&source.config.server);
@@ -90,34 +78,12 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     };
     // The head was read (its path is canonical) unless the head itself was refused.
     if route.is_some() || matches!(why, Some(Why::NoRoute)) {
-        let canonical = head.uri.path();
-        if canonical != sent.path() {
-            let _ = writeln!(
-                out,
-                "path:       {canonical} (normalized; forwarded like this)"
-            );
-        } else {
-            let _ = writeln!(out, "path:       {canonical}");
-        }
+        write_path(&mut out, head.uri.path(), sent.path());
     }
     let planned = match planned {
         Ok(planned) => planned,
         Err(refused) => {
-            match (&refused.why, refused.route) {
-                (Why::NoRoute, _) => {
-                    let _ = writeln!(out, "route:      none matches: 404 Not Found");
-                }
-                (Why::Unauthenticated(_) | Why::KeysUnavailable, Some(route)) => {
-                    write_route(&mut out, route, &head);
-                    write_refusal(&mut out, refused.why, Some(route));
-                }
-                (_, route) => {
-                    if let Some(route) = route {
-                        write_route_name(&mut out, route);
-                    }
-                    write_refusal(&mut out, refused.why, route);
-                }
-            }
+            write_refused(&mut out, refused.why, refused.route, &head);
             return Ok(out);
         }
     };
@@ -126,9 +92,8 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     let claims = planned.claims;
     if let Some(jwt) = &route.jwt {
         let verdict = match &claims {
-            Some(_) => "valid: its claims are read below".to_owned(),
-            None => "missing or invalid: the limits of an anonymous client (on_invalid: anonymous)"
-                .to_owned(),
+            Some(_) => "valid: its claims are read below",
+            None => "missing or invalid: the limits of an anonymous client (on_invalid: anonymous)",
         };
         let _ = writeln!(
             out,
@@ -150,14 +115,6 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         let _ = writeln!(out, "limits:     none");
         return Ok(out);
     }
-    let request = RequestParts {
-        claims: claims.as_ref(),
-        method: &head.method,
-        uri: &head.uri,
-        headers: &head.headers,
-        client_ip,
-        model: None,
-    };
     let cluster = source
         .config
         .store
@@ -176,125 +133,31 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             "limits:     all that apply decided together, in one store call"
         );
     }
+    let request = RequestParts {
+        claims: claims.as_ref(),
+        method: &head.method,
+        uri: &head.uri,
+        headers: &head.headers,
+        client_ip,
+        model: None,
+    };
+    let context = LimitContext {
+        policy: &policy,
+        route,
+        request: &request,
+        cluster,
+    };
     for limit in &route.limits {
         let Some(at) = plan.limits.iter().position(|l| std::ptr::eq(*l, limit)) else {
-            if plan.deferred.iter().any(|l| std::ptr::eq(*l, limit)) {
-                let _ = writeln!(
-                    out,
-                    "  {}: reads the body's `model`: planned once the body is read (explain \
-                     reads no body)",
-                    limit.name
-                );
-                continue;
-            }
-            let _ = writeln!(
-                out,
-                "  {}: does not apply (its `when` does not hold)",
-                limit.name
-            );
+            let why = if plan.deferred.iter().any(|l| std::ptr::eq(*l, limit)) {
+                "reads the body's `model`: planned once the body is read (explain reads no body)"
+            } else {
+                "does not apply (its `when` does not hold)"
+            };
+            let _ = writeln!(out, "  {}: {why}", limit.name);
             continue;
         };
-        let check = &plan.checks[at];
-        let parts: Vec<String> = limit.key.iter().map(KeyPart::to_string).collect();
-        let traits = limit.spec.algorithm.traits();
-        let mut extras = vec![traits.label.to_owned()];
-        if !traits.exact {
-            extras.push("approximate".to_owned());
-        }
-        if limit.spec.cost > 1 {
-            extras.push(format!("cost {}", limit.spec.cost));
-        }
-        if limit.spec.shadow {
-            extras.push("shadow: counted, never rejects".to_owned());
-        }
-        if !limit.spec.max_delay.is_zero() {
-            extras.push(format!(
-                "over the limit: held up to {}, then 429",
-                human(limit.spec.max_delay)
-            ));
-        }
-        if let Some(statuses) = &limit.count {
-            let listed: Vec<String> = statuses
-                .iter()
-                .map(|s| match s {
-                    crate::config::StatusMatch::Exact(code) => code.to_string(),
-                    crate::config::StatusMatch::Class(class) => format!("{class}xx"),
-                })
-                .collect();
-            extras.push(format!(
-                "counts only responses {}: others are given back",
-                listed.join(", ")
-            ));
-        }
-        let unit = limit
-            .tokens
-            .as_ref()
-            .map_or(String::new(), |b| format!(" {}", b.unit.label()));
-        // A calendar quota: its period and zone, and when the one holding now ends.
-        let per = match &limit.quota {
-            Some(quota) => format!(
-                "{} ({}), resets at {}",
-                quota.period.label(),
-                quota.zone_name,
-                crate::response::reset_instant(quota, check.spec.window)
-            ),
-            None => human(limit.spec.window),
-        };
-        let amount = if limit.spec.algorithm == crate::limiter::Algorithm::Concurrency {
-            format!(
-                "{} at once (lease {})",
-                limit.spec.requests,
-                human(limit.spec.window)
-            )
-        } else {
-            format!("{}{unit} per {per}", limit.spec.requests)
-        };
-        let _ = writeln!(
-            out,
-            "  {}: {amount} ({}), key [{}]",
-            limit.name,
-            extras.join(", "),
-            parts.join(", ")
-        );
-        if let Some(budget) = &limit.tokens {
-            let _ = writeln!(out, "    {}", crate::llm::describe(budget));
-        }
-        if let Some(missing) = store_key::missing_part(limit, &request) {
-            let _ = writeln!(
-                out,
-                "    the request has no {missing}: this limit counts the client ip instead"
-            );
-        }
-        let counts_client = store_key::missing_part(limit, &request).is_some()
-            || limit.key.contains(&KeyPart::ClientIp);
-        if counts_client {
-            let (network, bits) = client_network(client_ip, limit.client_prefix);
-            let _ = writeln!(
-                out,
-                "    client address counted as {network}/{bits} (IPv6 grouped by /{}, IPv4 by /{}: \
-                 ipv6_prefix, ipv4_prefix)",
-                limit.client_prefix.ipv6, limit.client_prefix.ipv4
-            );
-        }
-        let _ = writeln!(out, "    store key: {}", check.key);
-        if limit.spec.algorithm == crate::limiter::Algorithm::Concurrency {
-            // `explain` asks no store; a running instance's admin API does.
-            let _ = writeln!(
-                out,
-                "    in flight now: GET /admin/v1/limits/{}/{}?key={} on a running instance \
-                 lists the holders",
-                route.name,
-                limit.name,
-                query_value(store_key::identity_of(&policy, route, limit, &check.key))
-            );
-        }
-        if cluster {
-            let _ = writeln!(
-                out,
-                "    cluster slot: {}",
-                crate::limiter::slot_of(&check.key)
-            );
-        }
+        write_limit(&mut out, limit, &plan.checks[at], &context);
     }
 
     let _ = writeln!(
@@ -303,6 +166,180 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         route.on_store_error.label()
     );
     Ok(out)
+}
+
+/// The request's head as the gateway would receive it, and the target as sent.
+fn head_of(question: &Question<'_>) -> Result<(http::request::Parts, Uri), ExplainError> {
+    let method = Method::from_bytes(question.method.as_bytes())
+        .map_err(|_| ExplainError::Method(question.method.to_owned()))?;
+    let headers = parse_headers(question.headers)?;
+    let sent: Uri = question
+        .target
+        .parse()
+        .ok()
+        .filter(|uri: &Uri| uri.path().starts_with('/'))
+        .ok_or_else(|| ExplainError::Target(question.target.to_owned()))?;
+    let mut request = http::Request::new(());
+    *request.method_mut() = method;
+    *request.uri_mut() = sent.clone();
+    *request.headers_mut() = headers;
+    Ok((request.into_parts().0, sent))
+}
+
+fn write_path(out: &mut String, canonical: &str, sent: &str) {
+    if canonical != sent {
+        let _ = writeln!(
+            out,
+            "path:       {canonical} (normalized; forwarded like this)"
+        );
+    } else {
+        let _ = writeln!(out, "path:       {canonical}");
+    }
+}
+
+/// The lines of a request refused before its limits: the route, when one matched, and the
+/// answer.
+fn write_refused(out: &mut String, why: Why, route: Option<&Route>, head: &http::request::Parts) {
+    match (&why, route) {
+        (Why::NoRoute, _) => {
+            let _ = writeln!(out, "route:      none matches: 404 Not Found");
+        }
+        (Why::Unauthenticated(_) | Why::KeysUnavailable, Some(route)) => {
+            write_route(out, route, head);
+            write_refusal(out, why, Some(route));
+        }
+        (_, route) => {
+            if let Some(route) = route {
+                write_route_name(out, route);
+            }
+            write_refusal(out, why, route);
+        }
+    }
+}
+
+/// What every limit's lines read besides the limit itself.
+struct LimitContext<'a> {
+    policy: &'a crate::policy::Policy,
+    route: &'a Route,
+    request: &'a RequestParts<'a>,
+    cluster: bool,
+}
+
+/// One limit that applies: what it allows and how it counts, its key and store key, and where
+/// a running instance shows more.
+fn write_limit(out: &mut String, limit: &Limit, check: &Check, context: &LimitContext<'_>) {
+    let parts: Vec<String> = limit.key.iter().map(KeyPart::to_string).collect();
+    let _ = writeln!(
+        out,
+        "  {}: {} ({}), key [{}]",
+        limit.name,
+        amount(limit, check),
+        how_it_counts(limit).join(", "),
+        parts.join(", ")
+    );
+    if let Some(budget) = &limit.tokens {
+        let _ = writeln!(out, "    {}", crate::llm::describe(budget));
+    }
+    let missing = store_key::missing_part(limit, context.request);
+    if let Some(missing) = missing {
+        let _ = writeln!(
+            out,
+            "    the request has no {missing}: this limit counts the client ip instead"
+        );
+    }
+    if missing.is_some() || limit.key.contains(&KeyPart::ClientIp) {
+        let client_ip = context.request.client_ip;
+        let (network, bits) = client_network(client_ip, limit.client_prefix);
+        let _ = writeln!(
+            out,
+            "    client address counted as {network}/{bits} (IPv6 grouped by /{}, IPv4 by /{}: \
+             ipv6_prefix, ipv4_prefix)",
+            limit.client_prefix.ipv6, limit.client_prefix.ipv4
+        );
+    }
+    let _ = writeln!(out, "    store key: {}", check.key);
+    if limit.spec.algorithm == crate::limiter::Algorithm::Concurrency {
+        // `explain` asks no store; a running instance's admin API does.
+        let identity = store_key::identity_of(context.policy, context.route, limit, &check.key);
+        let _ = writeln!(
+            out,
+            "    in flight now: GET /admin/v1/limits/{}/{}?key={} on a running instance \
+             lists the holders",
+            context.route.name,
+            limit.name,
+            query_value(identity)
+        );
+    }
+    if context.cluster {
+        let _ = writeln!(
+            out,
+            "    cluster slot: {}",
+            crate::limiter::slot_of(&check.key)
+        );
+    }
+}
+
+/// How much a limit allows: `100 per 1m`, `5000 tokens per day (UTC), resets at ...`, `4 at
+/// once (lease 10s)`.
+fn amount(limit: &Limit, check: &Check) -> String {
+    if limit.spec.algorithm == crate::limiter::Algorithm::Concurrency {
+        return format!(
+            "{} at once (lease {})",
+            limit.spec.requests,
+            human(limit.spec.window)
+        );
+    }
+    let unit = limit
+        .tokens
+        .as_ref()
+        .map_or(String::new(), |b| format!(" {}", b.unit.label()));
+    // A calendar quota: its period and zone, and when the one holding now ends.
+    let per = match &limit.quota {
+        Some(quota) => format!(
+            "{} ({}), resets at {}",
+            quota.period.label(),
+            quota.zone_name,
+            crate::response::reset_instant(quota, check.spec.window)
+        ),
+        None => human(limit.spec.window),
+    };
+    format!("{}{unit} per {per}", limit.spec.requests)
+}
+
+/// The algorithm and what else changes how a limit counts: cost, shadow, a hold, the outcomes
+/// it counts.
+fn how_it_counts(limit: &Limit) -> Vec<String> {
+    let traits = limit.spec.algorithm.traits();
+    let mut extras = vec![traits.label.to_owned()];
+    if !traits.exact {
+        extras.push("approximate".to_owned());
+    }
+    if limit.spec.cost > 1 {
+        extras.push(format!("cost {}", limit.spec.cost));
+    }
+    if limit.spec.shadow {
+        extras.push("shadow: counted, never rejects".to_owned());
+    }
+    if !limit.spec.max_delay.is_zero() {
+        extras.push(format!(
+            "over the limit: held up to {}, then 429",
+            human(limit.spec.max_delay)
+        ));
+    }
+    if let Some(statuses) = &limit.count {
+        let listed: Vec<String> = statuses
+            .iter()
+            .map(|s| match s {
+                crate::config::StatusMatch::Exact(code) => code.to_string(),
+                crate::config::StatusMatch::Class(class) => format!("{class}xx"),
+            })
+            .collect();
+        extras.push(format!(
+            "counts only responses {}: others are given back",
+            listed.join(", ")
+        ));
+    }
+    extras
 }
 
 /// The line for a request the request layer refused: what the gateway would answer instead,
