@@ -13,8 +13,8 @@ use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Uri};
 
 use crate::config::{ConfigError, KeyPart};
-use crate::metrics::Metrics;
 use crate::limiter::Check;
+use crate::metrics::Metrics;
 use crate::policy::{Action, Limit, Route};
 use crate::proxy::Stop;
 use crate::request::client::client_network;
