@@ -115,42 +115,13 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     let policy = policy.metered(&metrics);
     // In the background from now: the verifiers' routes answer 503 until their keys are in.
     verifiers.start(&jwks_metrics(&metrics));
-    let store = match (&config.store.redis, &config.store.topology) {
-        (Some(redis), Some(topology)) => {
-            let (pool_size, timeout) = (redis.value.pool_size.0 as usize, redis.value.timeout.0);
-            let store = RedisStore::connect(topology, pool_size, timeout).await?;
-            if let Err(err) = store.load_script().await {
-                tracing::warn!(error = %err, "Redis is not answering yet; limited routes follow their on_store_error until it does");
-            }
-            Store::redis(store, config.store.local.max_keys.0 as usize, &metrics)
-        }
-        _ => Store::local(config.store.local.max_keys.0 as usize, &metrics),
-    };
+    let store = open_store(config, &metrics).await?;
     let workers = config.server.workers.resolve();
-    let listeners =
-        server::bind_workers(config.listen, workers).map_err(|source| StartError::Listen {
-            addr: config.listen,
-            what: "",
-            source,
-        })?;
-    let rls_listener = match &config.rls {
-        Some(section) => {
-            Some(
-                server::bind(section.value.listen).map_err(|source| StartError::Listen {
-                    addr: section.value.listen,
-                    what: " (rls.listen)",
-                    source,
-                })?,
-            )
-        }
-        None => None,
-    };
-    let admin_listener =
-        server::bind(config.admin_listen.value).map_err(|source| StartError::Listen {
-            addr: config.admin_listen.value,
-            what: " (admin_listen)",
-            source,
-        })?;
+    let Bound {
+        gateway: listeners,
+        rls: rls_listener,
+        admin: admin_listener,
+    } = bind(config, workers)?;
     tracing::info!(
         listen = %config.listen,
         workers,
@@ -228,18 +199,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         guard: Guard::new(admin_hosts),
     });
     tokio::spawn(reloader.run(stopping.clone()));
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        // Unready first, so load balancers stop sending while the listeners still accept.
-        draining.store(true, Ordering::Relaxed);
-        tracing::info!(
-            ?shutdown_delay,
-            "shutting down: /readyz answers 503; listeners close after the delay"
-        );
-        tokio::time::sleep(shutdown_delay).await;
-        tracing::info!("listeners closed: finishing requests in flight");
-        let _ = stop.send(true);
-    });
+    tokio::spawn(shut_down_on_signal(draining, shutdown_delay, stop));
     let handler = move |request, peer| {
         let gateway = Arc::clone(&gateway);
         async move { gateway.handle(request, peer).await }
@@ -330,6 +290,73 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     // The counts since the last report, so a rejection summary is never lost at exit.
     request_log.report();
     Ok(())
+}
+
+/// The store the policy names: Redis (connected, its script loaded when it answers) or the
+/// in-process one.
+async fn open_store(
+    config: &crate::config::Config,
+    metrics: &Metrics,
+) -> Result<Store, StartError> {
+    let max_keys = config.store.local.max_keys.0 as usize;
+    Ok(match (&config.store.redis, &config.store.topology) {
+        (Some(redis), Some(topology)) => {
+            let (pool_size, timeout) = (redis.value.pool_size.0 as usize, redis.value.timeout.0);
+            let store = RedisStore::connect(topology, pool_size, timeout).await?;
+            if let Err(err) = store.load_script().await {
+                tracing::warn!(error = %err, "Redis is not answering yet; limited routes follow their on_store_error until it does");
+            }
+            Store::redis(store, max_keys, metrics)
+        }
+        _ => Store::local(max_keys, metrics),
+    })
+}
+
+/// Every listener, bound before anything serves: a port taken stops the start.
+struct Bound {
+    /// One per worker.
+    gateway: Vec<std::net::TcpListener>,
+    rls: Option<tokio::net::TcpListener>,
+    admin: tokio::net::TcpListener,
+}
+
+fn bind(config: &crate::config::Config, workers: usize) -> Result<Bound, StartError> {
+    let taken = |addr: SocketAddr, what: &'static str| {
+        move |source| StartError::Listen { addr, what, source }
+    };
+    let gateway = server::bind_workers(config.listen, workers).map_err(taken(config.listen, ""))?;
+    let rls = match &config.rls {
+        Some(section) => Some(
+            server::bind(section.value.listen)
+                .map_err(taken(section.value.listen, " (rls.listen)"))?,
+        ),
+        None => None,
+    };
+    let admin = server::bind(config.admin_listen.value)
+        .map_err(taken(config.admin_listen.value, " (admin_listen)"))?;
+    Ok(Bound {
+        gateway,
+        rls,
+        admin,
+    })
+}
+
+/// On SIGTERM or Ctrl-C: unready first (`/readyz` answers 503), so load balancers stop sending
+/// while the listeners still accept; after `delay`, the listeners close (`stop`).
+async fn shut_down_on_signal(
+    draining: Arc<AtomicBool>,
+    delay: Duration,
+    stop: watch::Sender<bool>,
+) {
+    shutdown_signal().await;
+    draining.store(true, Ordering::Relaxed);
+    tracing::info!(
+        shutdown_delay = ?delay,
+        "shutting down: /readyz answers 503; listeners close after the delay"
+    );
+    tokio::time::sleep(delay).await;
+    tracing::info!("listeners closed: finishing requests in flight");
+    let _ = stop.send(true);
 }
 
 /// SIGTERM (Kubernetes, Docker) or Ctrl-C.
