@@ -13,7 +13,7 @@
 //! instances then admit in their place.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -52,6 +52,10 @@ pub struct Held {
     /// ended here were held, a moving average in microseconds: sent with each renewal as the
     /// key's retry hint. Bounded by the policy's concurrency limits.
     holds: Mutex<HashMap<String, u64>>,
+    /// Raised to odd when a restore's leases are read and to even once its clean-up has
+    /// landed: a release that overlapped one cannot tell a lease the store forgot from one the
+    /// clean-up deleted, so it does not count it `gone` (`Lease::take_release`).
+    restores: AtomicU64,
 }
 
 struct HeldKey {
@@ -62,6 +66,9 @@ struct HeldKey {
     renewed: Instant,
     /// Lease id → the signal that cuts its request.
     leases: HashMap<String, watch::Sender<bool>>,
+    /// Leases whose release is on its way: still renewed, never restored (a restore landing
+    /// after the release would write back a lease that ended, held for ever).
+    ending: std::collections::HashSet<String>,
 }
 
 impl Held {
@@ -86,6 +93,7 @@ impl Held {
                     .checked_sub(check.spec.window / ACQUIRE_SLACK)
                     .unwrap_or(sent),
                 leases: HashMap::new(),
+                ending: std::collections::HashSet::new(),
             });
             held.window = check.spec.window;
             held.leases.insert(id.to_owned(), lost.clone());
@@ -98,9 +106,20 @@ impl Held {
         for check in checks {
             if let Some(held) = keys.get_mut(&check.key) {
                 held.leases.remove(id);
+                held.ending.remove(id);
                 if held.leases.is_empty() {
                     keys.remove(&check.key);
                 }
+            }
+        }
+    }
+
+    /// Marks the lease `id` as ending: its release is on its way.
+    fn ending(&self, checks: &[Check], id: &str) {
+        let mut keys = self.lock();
+        for check in checks {
+            if let Some(held) = keys.get_mut(&check.key) {
+                held.ending.insert(id.to_owned());
             }
         }
     }
@@ -167,12 +186,23 @@ impl Held {
         }
     }
 
-    /// The lease ids held under `key`.
+    /// The lease ids held under `key` whose release has not begun.
     fn ids(&self, key: &str) -> Vec<String> {
         self.lock()
             .get(key)
-            .map(|held| held.leases.keys().cloned().collect())
+            .map(|held| {
+                held.leases
+                    .keys()
+                    .filter(|id| !held.ending.contains(*id))
+                    .cloned()
+                    .collect()
+            })
             .unwrap_or_default()
+    }
+
+    /// Where the restores stand (see `restores`).
+    fn restores(&self) -> u64 {
+        self.restores.load(Ordering::Acquire)
     }
 
     /// Every key with the lease ids registered under it, forgotten here.
@@ -255,9 +285,7 @@ pub(super) async fn end_all(held: &Held, store: &RedisStore) -> usize {
 
 /// One renewal call for `keys` (lease period `window`), and one restoring those the store
 /// forgot: it writes back the leases still held here that the store lacks (a key this
-/// instance renews for the first time has them all: nothing is added). A lease whose request
-/// ended while the restore was on its way may have been written back after its release: it
-/// is deleted again.
+/// instance renews for the first time has them all: nothing is added).
 async fn renew_keys(
     held: &Held,
     store: &RedisStore,
@@ -293,10 +321,26 @@ async fn renew_keys(
     if unknown.is_empty() {
         return;
     }
+    held.restores.fetch_add(1, Ordering::AcqRel);
+    restore(held, store, counters, window_us, &unknown, &unknown_holds).await;
+    held.restores.fetch_add(1, Ordering::AcqRel);
+}
+
+/// Writes back the leases of `unknown` still held here (none whose release has begun), then
+/// deletes again those whose release began meanwhile: a release that landed before the restore
+/// would otherwise leave its lease written back, held for ever.
+async fn restore(
+    held: &Held,
+    store: &RedisStore,
+    counters: &LeaseCounters,
+    window_us: u64,
+    unknown: &[Check],
+    unknown_holds: &[u64],
+) {
     let ids: Vec<Vec<String>> = unknown.iter().map(|c| held.ids(&c.key)).collect();
     let sent = Instant::now();
     let answers = match store
-        .renew(&unknown, window_us, &unknown_holds, Some(&ids))
+        .renew(unknown, window_us, unknown_holds, Some(&ids))
         .await
     {
         Ok(answers) => answers,
@@ -315,6 +359,7 @@ async fn renew_keys(
     }
     for (check, sent_ids) in unknown.iter().zip(ids) {
         held.renewed(&check.key, sent);
+        // Ended or ending now, though sent: deleted again, whichever lands first.
         let now_held = held.ids(&check.key);
         let ended: Vec<String> = sent_ids
             .into_iter()
@@ -439,11 +484,19 @@ impl Lease {
         let registered = self.lost.is_some();
         if let (Some(held), true) = (self.store.held_leases(), registered) {
             held.held_for(&self.checks, self.taken.elapsed());
+            held.ending(&self.checks, &self.admission.member);
         }
         Some(async move {
+            let restores = store.held_leases().map(|held| held.restores());
             match store.release(&checks, &admission).await {
                 Ok(released) => {
-                    store.count_gone(checks.len().saturating_sub(released));
+                    // A restore that overlapped the release may have deleted the lease first.
+                    let overlapped = restores.is_some_and(|before| {
+                        before % 2 == 1 || store.held_leases().map(|h| h.restores()) != Some(before)
+                    });
+                    if !overlapped {
+                        store.count_gone(checks.len().saturating_sub(released));
+                    }
                     if let (Some(held), true) = (store.held_leases(), registered) {
                         held.unregister(&checks, &admission.member);
                     }

@@ -1294,3 +1294,57 @@ async fn a_request_under_two_limits_ends_in_both() {
         "every end found its lease"
     );
 }
+
+/// Sixty keys, each new to the instance, with short requests ending all the time: each key's
+/// first renewal (125 ms in, a 1 s lease) is a restore, and requests end while it is on its
+/// way. A lease whose release landed before the restore must not be written back: a moment
+/// after the traffic stops (well inside the lease, so nothing expired), no key holds a lease,
+/// and no end found its lease gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restore_on_its_way_as_requests_end_writes_back_none_of_them() {
+    const KEYS: usize = 60;
+    let _heavy = support::heavy().await;
+    let redis = Redis::start().await;
+    let up = InFlightUpstream::start().await;
+    let yaml = policy(&up, Limit::concurrent("many", 1000).set("lease", "1s")).store_redis(&redis);
+    let sluice = Sluice::start(&yaml).await;
+    let client = support::client();
+    let url = sluice.url();
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..2 * KEYS)
+        .map(|i| {
+            let (client, url) = (client.clone(), url.clone());
+            tokio::spawn(async move {
+                // The keys start one by one, so their first renewals spread over the run.
+                tokio::time::sleep(Duration::from_millis(10 * (i % KEYS) as u64)).await;
+                while start.elapsed() < Duration::from_millis(1500) {
+                    let response = client
+                        .get(format!("{url}/hold/1"))
+                        .header("x-api-key", format!("k{}", i % KEYS))
+                        .send()
+                        .await
+                        .expect("a response");
+                    assert_eq!(response.status(), 200, "the limit is never reached");
+                    response.bytes().await.expect("the body");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    support::wait_for(Duration::from_millis(400), "every lease ended", || async {
+        lease_count(&redis, "many").await == 0
+    })
+    .await;
+    let metrics = support::parse_metrics(&sluice.metrics().await);
+    assert_eq!(
+        support::metric_sum(
+            &metrics,
+            "sluice_concurrency_leases_total",
+            &[("event", "gone")]
+        ),
+        0.0,
+        "every end found its lease"
+    );
+}
