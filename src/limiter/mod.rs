@@ -18,6 +18,7 @@ mod concurrency;
 mod deny_cache;
 mod fixed_window;
 mod gcra;
+pub mod key_text;
 mod leases;
 mod local;
 mod redis;

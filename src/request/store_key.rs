@@ -19,10 +19,9 @@
 //! - `:period` ends a calendar quota's key: the label of the period holding now (`:2026-11`),
 //!   outside the braces so that every period of one identity is in its slot ([`check`]).
 //!
-//! A value taken from the request is written as it came (with the key's separators escaped)
-//! only when it is short and printable; anything longer than [`MAX_RAW_VALUE`] bytes, or with
-//! a byte outside printable ASCII, is written as `#` and a SHA-256 of the value truncated to
-//! 128 bits, so a hostile client cannot make a store key large or unreadable.
+//! A value taken from the request is written by [`key_text`], as the rate limit service's
+//! keys are: as it came (escaped) when short and printable, otherwise hashed, so a hostile
+//! client cannot make a store key large or unreadable.
 //!
 //! Built here for a live request ([`build`]), for an operator's per-part values and for an
 //! identity an operator copied from `sluice explain` (the admin API, [`from_identity`] after
@@ -35,12 +34,12 @@ use std::time::Duration;
 
 use http::header::HOST;
 use http::{HeaderMap, Method, Uri};
-use sha2::{Digest, Sha256};
 
 use super::client::client_network;
 use super::fields::{cookie_values, query_values};
 use crate::config::KeyPart;
 use crate::jwt::Claims;
+use crate::limiter::key_text;
 use crate::limiter::{Algorithm, Check};
 use crate::policy::{ClientPrefix, Limit, Matcher, Policy, Route};
 
@@ -319,54 +318,12 @@ fn push_part(
     }
 }
 
-/// Longest value, in bytes, written into a key as it came; longer values are hashed.
-pub const MAX_RAW_VALUE: usize = 64;
+/// The separators of this key shape a value must not forge (`key_text` adds `%`, `,`, `#`).
+const RESERVED: &[u8] = b"|{}";
 
-/// Hex digits of the truncated SHA-256 written for a hashed value (128 bits).
-const HASH_HEX_DIGITS: usize = 32;
-
-/// Writes the values of one key part (several values count as one identity, in the order
-/// sent): raw and escaped when short and printable, otherwise hashed.
+/// Writes the values of one key part (see `key_text::push_values`).
 fn push_values<V: AsRef<[u8]>>(key: &mut String, values: &[V]) {
-    let total: usize = values.iter().map(|v| v.as_ref().len() + 1).sum();
-    let printable = values
-        .iter()
-        .all(|v| v.as_ref().iter().all(|b| (0x20..=0x7E).contains(b)));
-    if printable && total <= MAX_RAW_VALUE + 1 {
-        for (index, value) in values.iter().enumerate() {
-            if index > 0 {
-                key.push(',');
-            }
-            push_escaped(key, value.as_ref());
-        }
-    } else {
-        let mut hasher = Sha256::new();
-        for value in values {
-            // Length-prefixed, so no two lists of values hash the same input.
-            hasher.update((value.as_ref().len() as u64).to_be_bytes());
-            hasher.update(value.as_ref());
-        }
-        key.push('#');
-        for byte in &hasher.finalize()[..HASH_HEX_DIGITS / 2] {
-            let _ = write!(key, "{byte:02x}");
-        }
-    }
-}
-
-/// Writes header bytes so that distinct values stay distinct and cannot forge the key's own
-/// separators (`|`, `{`, `}`, `,`) or the mark of a hashed value (`#`).
-fn push_escaped(key: &mut String, bytes: &[u8]) {
-    for &byte in bytes {
-        match byte {
-            b'%' | b'|' | b'{' | b'}' | b',' | b'#' => {
-                let _ = write!(key, "%{byte:02X}");
-            }
-            0x21..=0x7E => key.push(char::from(byte)),
-            _ => {
-                let _ = write!(key, "%{byte:02X}");
-            }
-        }
-    }
+    key_text::push_values(key, values, RESERVED);
 }
 
 #[cfg(test)]
@@ -469,11 +426,11 @@ pub(crate) mod tests {
     fn long_or_binary_values_are_hashed_to_a_fixed_length() {
         let long = header_key(&[&[b'k'; 200_000]]);
         let binary = header_key(&[b"caf\xc3\xa9"]);
-        let raw = header_key(&[&[b'k'; MAX_RAW_VALUE]]);
+        let raw = header_key(&[&[b'k'; key_text::MAX_RAW_VALUE]]);
         for hashed in [&long, &binary] {
             let (head, hash) = hashed.split_once('#').unwrap();
             assert_eq!(head, "sluice:r:l:{h:x-api-key=");
-            assert_eq!(hash.len(), HASH_HEX_DIGITS + 1, "{hashed}");
+            assert_eq!(hash.len(), key_text::HASH_HEX_DIGITS + 1, "{hashed}");
             assert!(hash.ends_with('}'));
         }
         assert_ne!(long, header_key(&[&[b'k'; 200_001]]));
@@ -521,7 +478,7 @@ pub(crate) mod tests {
                 proptest::prop_assert_eq!(key.matches(close).count(), 1);
                 proptest::prop_assert!(!key.contains('|'));
                 proptest::prop_assert!(key.bytes().all(|b| (0x21..=0x7E).contains(&b)));
-                let longest = HEAD.len() + 1 + 3 * (MAX_RAW_VALUE + 1);
+                let longest = HEAD.len() + 1 + 3 * (key_text::MAX_RAW_VALUE + 1);
                 proptest::prop_assert!(key.len() <= longest);
             }
         }
