@@ -254,6 +254,7 @@ impl Admin {
                             "deny_cache": forgotten.deny_cache,
                             "local_fallback": forgotten.fallback,
                         },
+                        "instances_told": forgotten.instances_told,
                     })
                 }
                 Err(err) => {

@@ -39,12 +39,17 @@
 //! Entries are keyed by the store key *and* every parameter that changes a decision
 //! (algorithm, `requests`, `window`, `burst`, `cost`), so a changed limit never reuses a stale
 //! denial (envoy ratelimit's cache is wrong there, their #1077).
+//! A reset or an override made through another instance can end a denial early, so denials
+//! are remembered only while the store's events are heard (`redis::events`): each event
+//! forgets the denials under the keys it names, and a subscription lost forgets them all and
+//! stops remembering until it is back.
 //! The cache is bounded; when a shard is full, expired entries are dropped, and if none has
 //! expired the new denial is simply not remembered (Redis decides it next time).
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -94,6 +99,9 @@ pub struct Asking {
 pub struct DenyCache {
     shards: Vec<Mutex<HashMap<String, Denial>>>,
     hasher: RandomState,
+    /// Whether this instance hears the store's events (`redis::events`): a denial is
+    /// remembered only while it does, since a reset or an override elsewhere could end it.
+    listening: AtomicBool,
 }
 
 impl DenyCache {
@@ -101,7 +109,30 @@ impl DenyCache {
         DenyCache {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: RandomState::new(),
+            listening: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the store's events are heard from now on. Either way every denial is forgotten:
+    /// one remembered before a subscription came up may have missed an event, and none is to
+    /// be answered while they are not heard.
+    pub fn listening(&self, listening: bool) {
+        self.listening.store(listening, Ordering::Release);
+        self.forget_prefix("");
+    }
+
+    /// Forgets every denial under a store key starting with `prefix`; how many.
+    pub fn forget_prefix(&self, prefix: &str) -> usize {
+        let mut forgotten = 0;
+        for shard in &self.shards {
+            let mut shard = shard
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let before = shard.len();
+            shard.retain(|key, _| !key.starts_with(prefix));
+            forgotten += before - shard.len();
+        }
+        forgotten
     }
 
     fn shard(&self, key: &str) -> MutexGuard<'_, HashMap<String, Denial>> {
@@ -222,7 +253,7 @@ impl DenyCache {
 
     /// Remembers every exhausted limit of a rejection decided by a store call sent at `sent`.
     pub fn remember(&self, checks: &[Check], decision: &Decision, sent: Instant) {
-        if decision.admitted {
+        if decision.admitted || !self.listening.load(Ordering::Acquire) {
             return;
         }
         // A shadow limit's "rejection" rejected nothing: it is never remembered as a denial.
@@ -298,6 +329,13 @@ impl DenyCache {
 mod tests {
     use super::*;
 
+    /// A cache whose instance hears the store's events (it remembers denials).
+    fn heard() -> DenyCache {
+        let cache = DenyCache::new();
+        cache.listening(true);
+        cache
+    }
+
     fn check(key: &str, requests: u32, window_s: u64) -> Check {
         Check {
             key: key.to_owned(),
@@ -334,7 +372,7 @@ mod tests {
 
     #[test]
     fn a_denial_is_answered_until_it_expires_and_only_for_the_same_limit() {
-        let cache = DenyCache::new();
+        let cache = heard();
         let sent = Instant::now();
         let checks = [check("a", 5, 60), check("b", 100, 60)];
         let open = Some(LimitState {
@@ -368,7 +406,7 @@ mod tests {
 
     #[test]
     fn an_admission_remembers_nothing() {
-        let cache = DenyCache::new();
+        let cache = heard();
         let checks = [check("a", 1, 60)];
         let admitted = Decision {
             admitted: true,
@@ -383,7 +421,7 @@ mod tests {
 
     #[test]
     fn a_shadow_rejection_is_never_remembered() {
-        let cache = DenyCache::new();
+        let cache = heard();
         let mut shadow = check("a", 1, 60);
         shadow.spec.shadow = true;
         let checks = [shadow, check("b", 1, 60)];
@@ -394,7 +432,7 @@ mod tests {
 
     #[test]
     fn a_delay_limit_is_denied_only_until_it_would_hold_the_request() {
-        let cache = DenyCache::new();
+        let cache = heard();
         let sent = Instant::now();
         let mut delayed = check("a", 5, 60);
         delayed.spec.max_delay = Duration::from_secs(2);
@@ -406,14 +444,14 @@ mod tests {
             .answer(&checks, sent + Duration::from_secs(3))
             .is_none());
         // A wait within max_delay is no denial at all.
-        let cache = DenyCache::new();
+        let cache = heard();
         cache.remember(&checks, &rejected(vec![full(2)]), sent);
         assert!(cache.answer(&checks, sent).is_none());
     }
 
     #[test]
     fn a_returnable_limit_is_never_remembered_and_forget_drops_a_denial() {
-        let cache = DenyCache::new();
+        let cache = heard();
         let mut counted = check("a", 1, 60);
         counted.spec.returnable = true;
         let checks = [counted, check("b", 1, 60)];
@@ -424,9 +462,28 @@ mod tests {
         assert!(cache.answer(&checks[1..], Instant::now()).is_none());
     }
 
+    /// Unheard store events: every denial forgotten and none remembered until they are heard
+    /// again; an event forgets the denials under its prefix only.
+    #[test]
+    fn denials_are_remembered_only_while_events_are_heard() {
+        let cache = heard();
+        let checks = [check("p:{a}", 1, 60), check("p:{ab}", 1, 60)];
+        let denial = rejected(vec![full(60), full(60)]);
+        cache.remember(&checks, &denial, Instant::now());
+        assert_eq!(cache.forget_prefix("p:{a}"), 1);
+        assert!(cache.answer(&checks[1..], Instant::now()).is_some());
+        cache.listening(false);
+        assert!(cache.answer(&checks[1..], Instant::now()).is_none());
+        cache.remember(&checks, &denial, Instant::now());
+        assert!(cache.answer(&checks[..1], Instant::now()).is_none());
+        cache.listening(true);
+        cache.remember(&checks, &denial, Instant::now());
+        assert!(cache.answer(&checks[..1], Instant::now()).is_some());
+    }
+
     #[test]
     fn a_quota_denial_holds_for_later_requests_of_its_period_until_it_ends() {
-        let cache = DenyCache::new();
+        let cache = heard();
         let sent = Instant::now();
         let mut quota = check("q:{a}:2026-11", 5, 100);
         quota.spec.algorithm = crate::limiter::Algorithm::Calendar;
@@ -457,7 +514,7 @@ mod tests {
 
     #[test]
     fn after_a_denial_expires_one_request_asks_and_the_others_wait_for_its_answer() {
-        let cache = DenyCache::new();
+        let cache = heard();
         let sent = Instant::now();
         let checks = [check("a", 5, 60)];
         cache.remember(&checks, &rejected(vec![full(5)]), sent);
@@ -485,7 +542,7 @@ mod tests {
 
     #[test]
     fn an_asker_that_is_cancelled_leaves_the_key_to_the_next_request() {
-        let cache = DenyCache::new();
+        let cache = heard();
         let sent = Instant::now();
         let checks = [check("a", 5, 60)];
         cache.remember(&checks, &rejected(vec![full(1)]), sent);
@@ -502,7 +559,7 @@ mod tests {
 
     #[test]
     fn the_cache_is_bounded() {
-        let cache = DenyCache::new();
+        let cache = heard();
         let sent = Instant::now();
         for n in 0..MAX_ENTRIES * 2 {
             let checks = [check(&format!("k{n}"), 1, 60)];

@@ -200,6 +200,10 @@ pub struct Forgotten {
     pub store_key: bool,
     pub deny_cache: bool,
     pub fallback: bool,
+    /// How many instances (this one included) were told to forget their denials of the key
+    /// (`redis::events`); `None` in process, or when the event could not be published (the
+    /// others then answer their remembered denial until it ends).
+    pub instances_told: Option<u64>,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -294,7 +298,7 @@ enum Backend {
     /// breaker in front, and an in-process store for routes that fall back to local limits.
     Redis {
         store: Arc<RedisStore>,
-        denials: DenyCache,
+        denials: Arc<DenyCache>,
         /// `sluice_deny_cache_answers_total`.
         cache_answers: IntCounter,
         breaker: Arc<Breaker>,
@@ -333,10 +337,15 @@ impl Store {
             Arc::clone(&store),
             lease_counters(metrics),
         ));
+        let denials = Arc::new(DenyCache::new());
+        tokio::spawn(redis::listen(Arc::downgrade(&store), {
+            let denials = Arc::clone(&denials);
+            move |event| heard(&denials, event)
+        }));
         let timeout = store.timeout();
         let backend = Backend::Redis {
             store,
-            denials: DenyCache::new(),
+            denials,
             cache_answers: metrics.deny_cache_answers.clone(),
             breaker: Arc::new(Breaker::new(
                 BreakerMetrics {
@@ -633,12 +642,34 @@ impl Store {
             } => {
                 let deny_cache = denials.forget(&check.key);
                 let fallback = fallback.forget(&check.key);
+                let store_key = store.reset(&check.key).await?;
+                // Every other instance forgets its denials of the key too (`redis::events`).
+                let told = store.publish_forget(&check.key).await.ok();
                 Ok(Forgotten {
-                    store_key: store.reset(&check.key).await?,
+                    store_key,
                     deny_cache,
                     fallback,
+                    instances_told: told,
                 })
             }
+        }
+    }
+}
+
+/// What the store's event channel says, applied to this instance's deny cache.
+fn heard(denials: &DenyCache, event: redis::Event) {
+    match event {
+        redis::Event::Subscribed => {
+            denials.listening(true);
+            tracing::info!("listening to the store's events: denials are remembered");
+        }
+        redis::Event::Lost => {
+            denials.listening(false);
+            tracing::warn!("cannot hear the store's events: no denial is remembered (every decision asks the store) until they are heard again");
+        }
+        redis::Event::Forget(prefix) => {
+            let forgotten = denials.forget_prefix(&prefix);
+            tracing::debug!(forgotten, "store event: denials forgotten");
         }
     }
 }

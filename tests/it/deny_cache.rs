@@ -324,3 +324,136 @@ async fn a_flood_costs_redis_under_a_twentieth_of_a_command_per_rejection() {
         );
     }
 }
+
+/// Three instances on one Redis, a day quota of 3 spent: each instance answers the key's
+/// refusals from its deny cache (a denial held until midnight). A reset through one instance's
+/// admin API reaches every instance's deny cache through the store's event channel: at once,
+/// each instance asks Redis again and admits. Seeded: without the event, the other two answer
+/// 429 from memory until the day ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reset_through_one_instance_ends_the_denials_of_every_instance() {
+    let redis = Redis::start().await;
+    let up = Upstream::start().await;
+    let yaml = Policy::new()
+        .store_redis(&redis)
+        .upstream("api", up.url())
+        .route(
+            Route::new("api", "/")
+                .upstream("api")
+                .limit(Limit::quota("daily", 3, "day").key(["header:x-api-key"])),
+        );
+    let instances = [
+        Sluice::start(&yaml).await,
+        Sluice::start(&yaml).await,
+        Sluice::start(&yaml).await,
+    ];
+    let client = support::client();
+    let hit = |sluice: &Sluice| {
+        let request = client
+            .get(format!("{}/x", sluice.url()))
+            .header("x-api-key", "customer-4711");
+        async move { request.send().await.expect("a response").status().as_u16() }
+    };
+    for _ in 0..3 {
+        assert_eq!(hit(&instances[0]).await, 200);
+    }
+    for sluice in &instances {
+        for _ in 0..3 {
+            assert_eq!(hit(sluice).await, 429, "the quota is spent");
+        }
+        let metrics = support::parse_metrics(&sluice.metrics().await);
+        assert_eq!(
+            support::metric_sum(&metrics, "sluice_deny_cache_answers_total", &[]),
+            2.0,
+            "the instance remembers the denial"
+        );
+    }
+    let reset = client
+        .delete(format!(
+            "{}/admin/v1/limits/api/daily?header.x-api-key=customer-4711",
+            instances[0].admin_url()
+        ))
+        .header("x-sluice-admin", "1")
+        .send()
+        .await
+        .expect("the admin API answers");
+    assert_eq!(reset.status(), 200);
+    let body: serde_json::Value = reset.json().await.expect("JSON");
+    assert_eq!(body["instances_told"], 3, "{body}");
+    // Pub/sub delivers in milliseconds; a second is a generous bound on a loaded machine.
+    for (index, sluice) in instances.iter().enumerate().rev() {
+        support::wait_for(
+            Duration::from_secs(1),
+            &format!("instance {index} admits after the reset"),
+            || async { hit(sluice).await == 200 },
+        )
+        .await;
+    }
+    assert_eq!(
+        up.hits(),
+        6,
+        "three before the reset and one per instance after"
+    );
+}
+
+/// The event subscriptions cut by Redis (`CLIENT KILL TYPE pubsub`): each instance subscribes
+/// again on its own, and a reset made afterwards still ends the other's denial. Seeded: a
+/// listener that does not come back leaves the channel with no subscriber.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_event_subscription_is_cut_subscribes_again() {
+    let redis = Redis::start().await;
+    let up = Upstream::start().await;
+    let yaml = Policy::new()
+        .store_redis(&redis)
+        .upstream("api", up.url())
+        .route(
+            Route::new("api", "/")
+                .upstream("api")
+                .limit(Limit::quota("daily", 1, "day").key(["header:x-api-key"])),
+        );
+    let (a, b) = (Sluice::start(&yaml).await, Sluice::start(&yaml).await);
+    let subscribers = || async {
+        match redis.cmd(&["PUBSUB", "NUMSUB", "sluice:events"]).await {
+            redis::Value::Array(reply) => match reply.get(1) {
+                Some(redis::Value::Int(n)) => *n,
+                _ => -1,
+            },
+            _ => -1,
+        }
+    };
+    support::wait_for(Duration::from_secs(2), "both subscribed", || async {
+        subscribers().await == 2
+    })
+    .await;
+    redis.cmd(&["CLIENT", "KILL", "TYPE", "pubsub"]).await;
+    support::wait_for(Duration::from_secs(3), "both subscribed again", || async {
+        subscribers().await == 2
+    })
+    .await;
+    let client = support::client();
+    let hit = |sluice: &Sluice| {
+        let request = client
+            .get(format!("{}/x", sluice.url()))
+            .header("x-api-key", "k");
+        async move { request.send().await.expect("a response").status().as_u16() }
+    };
+    assert_eq!(hit(&a).await, 200);
+    assert_eq!(hit(&b).await, 429);
+    assert_eq!(hit(&b).await, 429, "remembered");
+    let reset = client
+        .delete(format!(
+            "{}/admin/v1/limits/api/daily?header.x-api-key=k",
+            a.admin_url()
+        ))
+        .header("x-sluice-admin", "1")
+        .send()
+        .await
+        .expect("the admin API answers");
+    assert_eq!(reset.status(), 200);
+    support::wait_for(
+        Duration::from_secs(1),
+        "b admits after the reset",
+        || async { hit(&b).await == 200 },
+    )
+    .await;
+}

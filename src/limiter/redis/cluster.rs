@@ -39,6 +39,7 @@ use redis::aio::ConnectionLike;
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::Client;
 use redis::{
     Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo, RedisError, RedisResult,
     ServerErrorKind, Value,
@@ -62,6 +63,32 @@ pub struct ClusterSettings {
     pub nodes: Vec<(String, u16)>,
     pub username: Option<String>,
     pub password: Option<String>,
+}
+
+/// A client of each seed node of `settings`, with its credentials: the event channel
+/// subscribes through one (a Cluster delivers what is published on any node to every node's
+/// subscribers).
+pub(super) fn node_clients(settings: &ClusterSettings) -> Result<Vec<Client>, StoreError> {
+    settings
+        .nodes
+        .iter()
+        .map(|(host, port)| {
+            let mut info = ConnectionAddr::Tcp(host.clone(), *port)
+                .into_connection_info()
+                .map_err(|e| StoreError::Connection(e.to_string()))?;
+            let mut redis = info.redis_settings().clone();
+            if let Some(username) = &settings.username {
+                redis = redis.set_username(username);
+            }
+            if let Some(password) = &settings.password {
+                redis = redis.set_password(password);
+            }
+            info = info
+                .set_redis_settings(redis)
+                .set_tcp_settings(super::socket::tcp_settings());
+            Client::open(info).map_err(|e| StoreError::Connection(e.to_string()))
+        })
+        .collect()
 }
 
 /// The cluster connection, opened in the background: sluice starts (and serves its

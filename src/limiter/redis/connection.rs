@@ -35,6 +35,8 @@ pub(super) struct Master {
     /// `None` for a fixed URL, or before the sentinels have named a master.
     pub(super) addr: Option<MasterAddr>,
     pub(super) connections: Vec<Lane>,
+    /// What the connections were opened with: the event channel subscribes through it.
+    pub(super) client: Option<Client>,
 }
 
 impl Shared {

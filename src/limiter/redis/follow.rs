@@ -67,6 +67,7 @@ impl RedisStore {
         let empty = Master {
             addr: None,
             connections: Vec::new(),
+            client: None,
         };
         let mut store = RedisStore::with_master(empty, timeout);
         let nodes = NodeSettings {
@@ -110,6 +111,7 @@ impl Shared {
             self.replace(Master {
                 addr: None,
                 connections: Vec::new(),
+                client: None,
             });
         }
         *self.fence.lock().unwrap_or_else(PoisonError::into_inner) =
@@ -230,6 +232,7 @@ pub(super) async fn follow_once(
     shared.replace(Master {
         addr: Some(addr),
         connections,
+        client: Some(client),
     });
     Ok(())
 }

@@ -37,6 +37,7 @@ mod calls;
 pub(super) mod cluster;
 mod connection;
 mod epochs;
+mod events;
 mod follow;
 mod scripts;
 mod sentinel;
@@ -55,6 +56,7 @@ pub use self::cluster::{slot_of, ClusterSettings};
 use self::connection::{open_connections, Connection, Master, Shared};
 pub(super) use self::epochs::limit_of;
 use self::epochs::Epochs;
+pub use self::events::{listen, Event};
 use self::follow::Follower;
 use self::scripts::script_error;
 use self::scripts::{DECIDE, LEASES, PEEK, RELEASE};
@@ -82,6 +84,8 @@ pub struct RedisStore {
     sequence: AtomicU64,
     /// The concurrency limits this process has checked, for their epoch flag (`epochs`).
     epochs: Epochs,
+    /// A Cluster's seed nodes, one client each (the event channel subscribes through one).
+    nodes: Vec<Client>,
 }
 
 /// How this store reaches Redis, by topology.
@@ -130,6 +134,7 @@ impl RedisStore {
         let master = Master {
             addr: None,
             connections: open_connections(&client, connections, timeout)?,
+            client: Some(client),
         };
         Ok(RedisStore::with_master(master, timeout))
     }
@@ -143,9 +148,11 @@ impl RedisStore {
         let empty = Master {
             addr: None,
             connections: Vec::new(),
+            client: None,
         };
         let mut store = RedisStore::with_master(empty, timeout);
         store.link = Link::Cluster(ClusterLink::connect(settings, timeout).await?);
+        store.nodes = cluster::node_clients(settings)?;
         store.epochs = Epochs::new(false);
         Ok(store)
     }
@@ -172,6 +179,7 @@ impl RedisStore {
                 .finish(),
             sequence: AtomicU64::new(0),
             epochs: Epochs::new(true),
+            nodes: Vec::new(),
         }
     }
 
