@@ -10,7 +10,7 @@ use http::{Response, StatusCode};
 use crate::body::ProxyBody;
 use crate::config::ResponseHeaders;
 use crate::limiter::Decision;
-use crate::policy::{rate_limit_policy, Limit, Route};
+use crate::policy::{rate_limit_policy_in_force, Limit, Route};
 pub use crate::ratelimit_field::ceil_seconds;
 use crate::ratelimit_field::limit_items;
 
@@ -62,10 +62,23 @@ pub fn add_rate_limit_fields(
         ResponseHeaders::None => (false, false),
     };
     if ietf {
+        let overridden = |index: usize| {
+            decision
+                .limits
+                .get(index)
+                .and_then(|state| state.and_then(|state| state.overridden))
+        };
+        let any_overridden = (0..limits.len()).any(|index| overridden(index).is_some());
         let policy = match &route.rate_limit_policy {
-            Some(policy) => Some(policy.clone()),
-            // Conditional limits: the field lists those that applied.
-            None => rate_limit_policy(limits.iter().copied()),
+            Some(policy) if !any_overridden => Some(policy.clone()),
+            // Conditional limits: the field lists those that applied; an identity's override
+            // is its own number.
+            _ => rate_limit_policy_in_force(
+                limits
+                    .iter()
+                    .enumerate()
+                    .map(|(index, &limit)| (limit, overridden(index))),
+            ),
         };
         if let Some(policy) = policy {
             headers.insert(RATELIMIT_POLICY, policy);
@@ -83,7 +96,10 @@ pub fn add_rate_limit_fields(
             .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
             .min_by_key(|(_, state)| (state.remaining, std::cmp::Reverse(state.reset)));
         if let Some((limit, state)) = closest {
-            headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(limit.spec.requests));
+            headers.insert(
+                X_RATELIMIT_LIMIT,
+                HeaderValue::from(state.overridden.unwrap_or(limit.spec.requests)),
+            );
             headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(state.remaining));
             headers.insert(
                 X_RATELIMIT_RESET,

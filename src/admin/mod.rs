@@ -9,6 +9,7 @@ mod auth;
 mod config_view;
 mod guard;
 mod limits;
+mod overrides;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -175,10 +176,25 @@ impl Admin {
                     .await
             }
             ["limits", _, _, "leases", _] => not_allowed(path, "DELETE"),
+            ["limits", route, limit, "override"]
+                if [Method::GET, Method::PUT, Method::DELETE].contains(method) =>
+            {
+                let query = request.uri().query().unwrap_or_default();
+                // Who, for the audit line: the token holder, or anyone on loopback.
+                let by = if api.token.is_some() {
+                    "admin token"
+                } else {
+                    "loopback (no token)"
+                };
+                self.override_of(method, (route, limit), query, path, by)
+                    .await
+            }
+            ["limits", _, _, "override"] => not_allowed(path, "GET, PUT, DELETE"),
             _ => problem(
                 StatusCode::NOT_FOUND,
                 "no such admin endpoint: try /admin/v1/limits/{route}/{limit}?key=..., \
-                 /admin/v1/config or /admin/v1/reload",
+                 /admin/v1/limits/{route}/{limit}/override?key=..., /admin/v1/config or \
+                 /admin/v1/reload",
                 path,
                 &[],
             ),
@@ -195,21 +211,9 @@ impl Admin {
         path: &str,
     ) -> Response<ProxyBody> {
         let policy = self.gateway.policy();
-        let Some(found) = policy.routes.iter().find(|r| r.name.as_str() == route) else {
-            return problem(
-                StatusCode::NOT_FOUND,
-                &format!("no route `{route}` in the policy in force"),
-                path,
-                &[("route", route)],
-            );
-        };
-        let Some(rule) = found.limits.iter().find(|l| l.name.as_str() == limit) else {
-            return problem(
-                StatusCode::NOT_FOUND,
-                &format!("route `{route}` has no limit `{limit}`"),
-                path,
-                &[("route", route), ("limit", limit)],
-            );
+        let (found, rule) = match find_limit(&policy, route, limit, path) {
+            Ok(found) => found,
+            Err(response) => return *response,
         };
         let key = match limits::store_key(&policy, found, rule, query) {
             Ok(key) => key,
@@ -399,6 +403,32 @@ fn holders_view(
         "window": serde_json::Value::Null,
         "holders": holders,
     })
+}
+
+/// `route`'s `limit` in `policy`, or the 404 that says which is missing.
+fn find_limit<'p>(
+    policy: &'p crate::policy::Policy,
+    route: &str,
+    limit: &str,
+    path: &str,
+) -> Result<(&'p crate::policy::Route, &'p crate::policy::Limit), Box<Response<ProxyBody>>> {
+    let Some(found) = policy.routes.iter().find(|r| r.name.as_str() == route) else {
+        return Err(Box::new(problem(
+            StatusCode::NOT_FOUND,
+            &format!("no route `{route}` in the policy in force"),
+            path,
+            &[("route", route)],
+        )));
+    };
+    let Some(rule) = found.limits.iter().find(|l| l.name.as_str() == limit) else {
+        return Err(Box::new(problem(
+            StatusCode::NOT_FOUND,
+            &format!("route `{route}` has no limit `{limit}`"),
+            path,
+            &[("route", route), ("limit", limit)],
+        )));
+    };
+    Ok((found, rule))
 }
 
 fn merge(body: &mut serde_json::Value, extra: serde_json::Value) {

@@ -526,6 +526,11 @@ pub struct LimitConfig {
     /// Evaluate and count, but never reject (to try a limit on live traffic).
     #[serde(default)]
     pub shadow: bool,
+    /// Let the admin API override this limit's number for one identity at run time (a
+    /// customer's contract, a trial's budget); each decision reads the identity's override
+    /// in the store. Off by default: an override costs one more read per decision.
+    #[serde(default)]
+    pub overrides: bool,
     /// Conditions on the request, all of which must hold for this limit to apply.
     #[serde(default)]
     #[schemars(with = "Vec<ConditionConfig>")]

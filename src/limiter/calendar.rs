@@ -217,6 +217,7 @@ fn state(count: u64, spec: &Spec) -> LimitState {
         remaining: u32::try_from(u64::from(spec.requests).saturating_sub(count))
             .unwrap_or(u32::MAX),
         reset: spec.window,
+        overridden: None,
     }
 }
 

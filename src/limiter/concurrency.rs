@@ -53,6 +53,7 @@ impl Leases {
             state: LimitState {
                 remaining: u32::try_from(remaining).unwrap_or(u32::MAX),
                 reset: Duration::ZERO,
+                overridden: None,
             },
         }
     }
@@ -68,6 +69,7 @@ impl Leases {
         LimitState {
             remaining: u32::try_from(remaining).unwrap_or(u32::MAX),
             reset: Duration::ZERO,
+            overridden: None,
         }
     }
 

@@ -224,6 +224,7 @@ impl DenyCache {
                 limits[index] = Some(LimitState {
                     remaining: 0,
                     reset: wait,
+                    overridden: None,
                 });
             }
         }
@@ -367,6 +368,7 @@ mod tests {
         Some(LimitState {
             remaining: 0,
             reset: Duration::from_secs(reset_s),
+            overridden: None,
         })
     }
 
@@ -378,6 +380,7 @@ mod tests {
         let open = Some(LimitState {
             remaining: 40,
             reset: Duration::from_secs(1),
+            overridden: None,
         });
         cache.remember(&checks, &rejected(vec![full(5), open]), sent);
 

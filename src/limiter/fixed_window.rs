@@ -32,6 +32,7 @@ impl Counter {
         LimitState {
             remaining: remaining(spec.requests, self.count),
             reset: Duration::from_micros(self.expires.saturating_sub(now)),
+            overridden: None,
         }
     }
 }

@@ -24,6 +24,7 @@ fn state(ahead: u64, t: u64, burst: u32) -> LimitState {
         return LimitState {
             remaining: burst,
             reset: Duration::ZERO,
+            overridden: None,
         };
     }
     let capacity = u64::from(burst) * t;
@@ -33,6 +34,7 @@ fn state(ahead: u64, t: u64, burst: u32) -> LimitState {
     LimitState {
         remaining: u32::try_from(remaining).unwrap_or(0),
         reset: Duration::from_micros(reset),
+        overridden: None,
     }
 }
 

@@ -16,6 +16,7 @@
 //! not of the whole store.
 
 use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -274,6 +275,9 @@ pub struct LocalStore {
     epoch: Instant,
     /// Numbers the leases of concurrency limits (an admission's member).
     sequence: AtomicU64,
+    /// The identities' overrides (`super::overrides`), by override key: the number and when
+    /// it expires (micros since `epoch`). At most `max_keys` of them.
+    overrides: Mutex<HashMap<String, (u32, u64)>>,
 }
 
 impl LocalStore {
@@ -296,6 +300,7 @@ impl LocalStore {
             shards,
             epoch,
             sequence: AtomicU64::new(0),
+            overrides: Mutex::new(HashMap::new()),
         }
     }
 
@@ -332,7 +337,7 @@ impl LocalStore {
         let mut states: Vec<Option<LimitState>> = Vec::with_capacity(checks.len());
         let mut rejecting = Vec::with_capacity(checks.len());
         for (check, &slot) in checks.iter().zip(&slot) {
-            let spec = check.spec;
+            let (spec, overridden) = self.in_force(check, now);
             let room = match guards[slot].get_mut(&check.key) {
                 // A key last used by another algorithm (after a reload) starts afresh.
                 Some(log) if log.cell.algorithm() == spec.algorithm => {
@@ -352,7 +357,10 @@ impl LocalStore {
                 retry_after = retry_after.max(room.wait);
             }
             rejecting.push(!room.admits);
-            states.push(Some(room.state));
+            states.push(Some(LimitState {
+                overridden,
+                ..room.state
+            }));
         }
         let at = now + delay;
         // A lease needs an id; no other algorithm reads one.
@@ -374,7 +382,12 @@ impl LocalStore {
             {
                 // Recorded: every limit with room, and every limit that delays it.
                 if !rejects || !check.spec.shadow {
-                    *state = Some(self.record(&mut guards[slot], check, now, at, &member));
+                    let (spec, overridden) = self.in_force(check, now);
+                    let recorded = self.record(&mut guards[slot], check, &spec, now, at, &member);
+                    *state = Some(LimitState {
+                        overridden,
+                        ..recorded
+                    });
                 }
             }
         }
@@ -429,16 +442,18 @@ impl LocalStore {
         held
     }
 
-    /// Records an admitted request under `check.key`, creating its state if needed.
+    /// Records an admitted request under `check.key` with the limit in force `spec`, creating
+    /// its state if needed.
     fn record(
         &self,
         logs: &mut Logs,
         check: &Check,
+        spec: &Spec,
         now: u64,
         at: u64,
         member: &str,
     ) -> LimitState {
-        let spec = check.spec;
+        let spec = *spec;
         // One lookup for a key already held under this algorithm (the usual case).
         if let Some(log) = logs.peek_mut(check.key.as_str()) {
             if log.cell.algorithm() == spec.algorithm {
@@ -470,11 +485,12 @@ impl LocalStore {
     /// with the same arithmetic as a decision; drops what time has expired, records nothing,
     /// and leaves the key's place in the LRU order alone.
     pub fn peek(&self, check: &Check) -> Peek {
+        let now = micros_since(self.epoch);
+        let (spec, overridden) = self.in_force(check, now);
         let spec = Spec {
             cost: check.spec.cost.max(1),
-            ..check.spec
+            ..spec
         };
-        let now = micros_since(self.epoch);
         let mut logs = lock(&self.shards.shards[self.shards.index(&check.key)]);
         let room = match logs.peek_mut(check.key.as_str()) {
             Some(log) if log.cell.algorithm() == spec.algorithm => {
@@ -485,6 +501,7 @@ impl LocalStore {
                     remaining: room.state.remaining,
                     reset: room.state.reset,
                     wait: Duration::from_micros(room.wait),
+                    overridden,
                 };
             }
             _ => Cell::new(spec.algorithm).check(&spec, now),
@@ -494,7 +511,83 @@ impl LocalStore {
             remaining: room.state.remaining,
             reset: room.state.reset,
             wait: Duration::from_micros(room.wait),
+            overridden,
         }
+    }
+
+    /// The limit of `check` in force at `now`: its spec with the identity's override, if the
+    /// limit takes one and one is set (a burst equal to `requests`, GCRA's default, follows
+    /// it, as in `prelude.lua`), and that override.
+    fn in_force(&self, check: &Check, now: u64) -> (Spec, Option<u32>) {
+        let spec = check.spec;
+        if !spec.overridable {
+            return (spec, None);
+        }
+        let Some(key) = super::overrides::key_of(&check.key) else {
+            return (spec, None);
+        };
+        let overrides = lock(&self.overrides);
+        match overrides.get(&key) {
+            Some(&(requests, expires)) if expires > now => {
+                let burst = if spec.burst == spec.requests {
+                    requests
+                } else {
+                    spec.burst
+                };
+                (
+                    Spec {
+                        requests,
+                        burst,
+                        ..spec
+                    },
+                    Some(requests),
+                )
+            }
+            _ => (spec, None),
+        }
+    }
+
+    /// Sets the override at `key` (an override key) to `requests` for `ttl`; the one it
+    /// replaced; refused when `max_keys` overrides are held.
+    pub fn set_override(
+        &self,
+        key: &str,
+        requests: u32,
+        ttl: Duration,
+    ) -> Result<Option<u32>, super::overrides::OverrideError> {
+        let now = micros_since(self.epoch);
+        let mut overrides = lock(&self.overrides);
+        overrides.retain(|_, &mut (_, expires)| expires > now);
+        if overrides.len() >= self.shards.max_keys && !overrides.contains_key(key) {
+            return Err(super::overrides::OverrideError::Full(self.shards.max_keys));
+        }
+        let expires = now.saturating_add(u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX));
+        Ok(overrides
+            .insert(key.to_owned(), (requests, expires))
+            .map(|(old, _)| old))
+    }
+
+    /// The override at `key` and the time left until it expires.
+    pub fn get_override(&self, key: &str) -> Option<super::overrides::Override> {
+        let now = micros_since(self.epoch);
+        let overrides = lock(&self.overrides);
+        let &(requests, expires) = overrides.get(key)?;
+        if expires <= now {
+            return None;
+        }
+        Some(super::overrides::Override {
+            requests,
+            expires_in: Duration::from_micros(expires - now),
+        })
+    }
+
+    /// Deletes the override at `key`; the one it was.
+    pub fn delete_override(&self, key: &str) -> Option<u32> {
+        let now = micros_since(self.epoch);
+        lock(&self.overrides)
+            .remove(key)
+            .filter(|&(_, expires)| expires > now)
+            .map(|(requests, _)| requests)
     }
 
     /// The leases held under the concurrency key `key`.
@@ -549,8 +642,10 @@ fn micros_since(epoch: Instant) -> u64 {
 
 /// A panic elsewhere while holding the lock leaves the logs consistent (every change is a
 /// single push or pop), so a poisoned lock is still safe to use.
-fn lock(logs: &Mutex<Logs>) -> MutexGuard<'_, Logs> {
-    logs.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+fn lock<T>(locked: &Mutex<T>) -> MutexGuard<'_, T> {
+    locked
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Drops emptied logs one shard at a time, letting requests in between shards.

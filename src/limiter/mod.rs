@@ -21,6 +21,7 @@ mod gcra;
 pub mod key_text;
 mod leases;
 mod local;
+pub mod overrides;
 mod redis;
 mod sliding_log;
 mod sliding_window;
@@ -64,6 +65,10 @@ pub struct Spec {
     /// The request's place may be given back before it expires (`count:` by outcome), so
     /// this limit's room can grow other than with time: its rejections are never cached.
     pub returnable: bool,
+    /// `overrides: true`: an identity's `requests` may be overridden at run time (the admin
+    /// API, `limiter::overrides`); the store reads the override, if any, in the decision's
+    /// own call, so one decision never mixes two numbers.
+    pub overridable: bool,
 }
 
 impl Spec {
@@ -119,6 +124,9 @@ pub struct Room {
 pub struct LimitState {
     /// Requests this limit would still admit now.
     pub remaining: u32,
+    /// The identity's override of the limit's `requests` that decided this (`overrides:
+    /// true`); `None`: the policy's number.
+    pub overridden: Option<u32>,
     /// Time until this limit admits one more request than it does now (for a full limit, the
     /// time until it admits again); zero when nothing is recorded.
     pub reset: Duration,
@@ -181,6 +189,8 @@ pub struct Peek {
     pub reset: Duration,
     /// Time until a request of the check's cost fits; zero when it fits now.
     pub wait: Duration,
+    /// The identity's override of `requests` in force (`overrides`); `None`: the policy's.
+    pub overridden: Option<u32>,
 }
 
 /// One request holding a place of a concurrency limit (the admin API's list).
@@ -654,6 +664,69 @@ impl Store {
             }
         }
     }
+}
+
+/// Overrides of one identity's limit (`overrides`), for the admin API.
+impl Store {
+    /// Sets the override of `check`'s identity to `requests` for `ttl`: the override it
+    /// replaced, and how many instances were told to forget their denials of the
+    /// identity (`None` in process, or when that could not be published).
+    pub async fn set_override(
+        &self,
+        check: &Check,
+        requests: u32,
+        ttl: Duration,
+    ) -> Result<(Option<u32>, Option<u64>), overrides::OverrideError> {
+        let key = override_key(check)?;
+        match &self.backend {
+            Backend::Local(store) => Ok((store.set_override(&key, requests, ttl)?, None)),
+            Backend::Redis { store, denials, .. } => {
+                let old = store.set_override(&key, requests, ttl).await?;
+                Ok((old, changed(store, denials, &check.key).await))
+            }
+        }
+    }
+
+    /// The override of `check`'s identity in force, if any.
+    pub async fn get_override(
+        &self,
+        check: &Check,
+    ) -> Result<Option<overrides::Override>, StoreError> {
+        let key = override_key(check)?;
+        match &self.backend {
+            Backend::Local(store) => Ok(store.get_override(&key)),
+            Backend::Redis { store, .. } => store.get_override(&key).await,
+        }
+    }
+
+    /// Deletes the override of `check`'s identity: the one it was, and how many instances
+    /// were told (as `set_override`).
+    pub async fn delete_override(
+        &self,
+        check: &Check,
+    ) -> Result<(Option<u32>, Option<u64>), StoreError> {
+        let key = override_key(check)?;
+        match &self.backend {
+            Backend::Local(store) => Ok((store.delete_override(&key), None)),
+            Backend::Redis { store, denials, .. } => {
+                let old = store.delete_override(&key).await?;
+                Ok((old, changed(store, denials, &check.key).await))
+            }
+        }
+    }
+}
+
+fn override_key(check: &Check) -> Result<String, StoreError> {
+    overrides::key_of(&check.key)
+        .ok_or_else(|| StoreError::Script(format!("the key {} has no identity", check.key)))
+}
+
+/// After an override of the identity of `key` changed: every instance forgets its denials
+/// of the identity (this one at once); how many instances heard it.
+async fn changed(store: &RedisStore, denials: &DenyCache, key: &str) -> Option<u64> {
+    let prefix = overrides::identity_prefix(key);
+    denials.forget_prefix(prefix);
+    store.publish_forget(prefix).await.ok()
 }
 
 /// What the store's event channel says, applied to this instance's deny cache.

@@ -106,6 +106,7 @@ pub fn state(times: &VecDeque<u64>, requests: u32, window_us: u64, now: u64) -> 
     LimitState {
         remaining: requests.saturating_sub(count),
         reset: Duration::from_micros(until_more_room(times, requests, window_us, now)),
+        overridden: None,
     }
 }
 
@@ -164,7 +165,8 @@ mod tests {
             state(&times, 3, 10 * SECOND, 4 * SECOND),
             LimitState {
                 remaining: 0,
-                reset: Duration::from_secs(7)
+                reset: Duration::from_secs(7),
+                overridden: None,
             }
         );
     }

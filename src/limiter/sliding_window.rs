@@ -84,6 +84,7 @@ fn state(counts: Counts, spec: &Spec, now: u64) -> LimitState {
     LimitState {
         remaining: remaining as u32,
         reset: Duration::from_micros(reset),
+        overridden: None,
     }
 }
 

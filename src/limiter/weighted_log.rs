@@ -74,6 +74,7 @@ impl Log {
         LimitState {
             remaining: u32::try_from(requests.saturating_sub(self.total)).unwrap_or(u32::MAX),
             reset: Duration::from_micros(reset),
+            overridden: None,
         }
     }
 

@@ -444,6 +444,7 @@ fn build_limit(
                 .map_or(crate::llm::config::quota(limit), |b| b.value.0),
             cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
             shadow: limit.shadow,
+            overridable: limit.overrides,
             max_delay: match (delays(limit), &limit.max_delay) {
                 (true, Some(max_delay)) => max_delay.value.0,
                 _ => Duration::ZERO,

@@ -298,15 +298,23 @@ impl<M: Metering> Policy<M> {
 pub fn rate_limit_policy<'a, M: Metering>(
     limits: impl ExactSizeIterator<Item = &'a Limit<M>>,
 ) -> Option<HeaderValue> {
+    rate_limit_policy_in_force(limits.map(|limit| (limit, None)))
+}
+
+/// `rate_limit_policy` with the number in force per limit: an identity's override (`None`:
+/// the limit's own).
+pub fn rate_limit_policy_in_force<'a, M: Metering>(
+    limits: impl ExactSizeIterator<Item = (&'a Limit<M>, Option<u32>)>,
+) -> Option<HeaderValue> {
     if limits.len() == 0 {
         return None;
     }
-    limit_items_in(limits.map(|limit| {
+    limit_items_in(limits.map(|(limit, overridden)| {
         // A concurrency limit has no window (its `window` is the lease period): the draft's
         // quota unit `concurrent-requests` says what its quota counts.
         let concurrent = limit.spec.algorithm == crate::limiter::Algorithm::Concurrency;
         let params = [
-            Some(('q', u64::from(limit.spec.requests))),
+            Some(('q', u64::from(overridden.unwrap_or(limit.spec.requests)))),
             (!concurrent).then(|| ('w', ceil_seconds(limit.spec.window))),
         ];
         let unit = match &limit.tokens {

@@ -206,6 +206,7 @@ pub async fn check_room<'r>(
         states[index] = Some(LimitState {
             remaining: peek.remaining,
             reset: peek.reset,
+            overridden: None,
         });
         if !peek.wait.is_zero() {
             rejecting[index] = true;

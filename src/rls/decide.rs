@@ -491,6 +491,7 @@ mod tests {
             Some(LimitState {
                 remaining,
                 reset: Duration::from_secs(secs),
+                overridden: None,
             })
         };
         let decision = Decision {

@@ -43,6 +43,7 @@ mod key_expiry;
 mod limits;
 mod local_store;
 mod logs;
+mod overrides;
 mod partitions;
 mod paths;
 mod policy_keys;

@@ -63,7 +63,8 @@ pub(super) struct Pending {
     member: String,
     /// The end of the leases `member` holds under `keys`, not a decision.
     end: bool,
-    /// Per key: the algorithm's label and requests, window, burst, cost, shadow, max delay.
+    /// Per key: the algorithm's label and requests, window, burst, cost, flags (shadow,
+    /// overridable: `decide.lua`), max delay.
     limits: Vec<(&'static str, [u64; 6])>,
     reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
 }
@@ -89,7 +90,7 @@ impl Pending {
                     spec.window_us(),
                     epochs.flag(check),
                     u64::from(spec.cost),
-                    u64::from(spec.shadow),
+                    u64::from(spec.shadow) | u64::from(spec.overridable) << 1,
                     delay,
                 ];
                 (spec.algorithm.label(), numbers)

@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use super::super::overrides::Override;
 use super::super::{Admission, Algorithm, Check, Decision, Peek, StoreError};
 use super::batch::{self, Pending};
 use super::cluster;
@@ -311,9 +312,10 @@ impl RedisStore {
             .arg(spec.requests)
             .arg(spec.window_us())
             .arg(spec.burst)
-            .arg(spec.cost.max(1));
+            .arg(spec.cost.max(1))
+            .arg(if spec.overridable { 2 } else { 0 });
         let reply: Vec<i64> = self.run(&cmd, Some(&self.shared.peek)).await?;
-        let [count, remaining, reset, wait] = reply[..] else {
+        let [count, remaining, reset, wait, overridden] = reply[..] else {
             return Err(StoreError::Script(format!(
                 "unexpected peek reply {reply:?}"
             )));
@@ -323,7 +325,44 @@ impl RedisStore {
             remaining: u32::try_from(remaining).unwrap_or(0),
             reset: Duration::from_micros(u64::try_from(reset).unwrap_or(0)),
             wait: Duration::from_micros(u64::try_from(wait).unwrap_or(0)),
+            overridden: u32::try_from(overridden).ok().filter(|&n| n > 0),
         })
+    }
+
+    /// Sets the override at `key` (`overrides::key_of`) to `requests` for `ttl`; the override
+    /// it replaced, if any.
+    pub async fn set_override(
+        &self,
+        key: &str,
+        requests: u32,
+        ttl: Duration,
+    ) -> Result<Option<u32>, StoreError> {
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(key).arg(requests).arg("PX").arg(ttl_ms).arg("GET");
+        self.run(&cmd, None).await
+    }
+
+    /// The override stored at `key` and the time left until it expires.
+    pub async fn get_override(&self, key: &str) -> Result<Option<Override>, StoreError> {
+        let requests: Option<u32> = self.run(redis::cmd("GET").arg(key), None).await?;
+        let Some(requests) = requests else {
+            return Ok(None);
+        };
+        // -2: gone since the GET (-1, no expiry, is never written).
+        let ttl: i64 = self.run(redis::cmd("PTTL").arg(key), None).await?;
+        let Ok(ttl) = u64::try_from(ttl) else {
+            return Ok(None);
+        };
+        Ok(Some(Override {
+            requests,
+            expires_in: Duration::from_millis(ttl),
+        }))
+    }
+
+    /// Deletes the override stored at `key`; the one it was, if any.
+    pub async fn delete_override(&self, key: &str) -> Result<Option<u32>, StoreError> {
+        self.run(redis::cmd("GETDEL").arg(key), None).await
     }
 
     /// Deletes `key` (and a concurrency key's instances beside it); whether it existed.

@@ -381,6 +381,7 @@ mod tests {
         let state = |remaining| LimitState {
             remaining,
             reset: Duration::from_secs(1),
+            overridden: None,
         };
         let groups = vec![vec![0, 2], vec![1]];
         let decisions = [

@@ -127,7 +127,7 @@ fn peek_count() -> String {
 }
 
 /// Reads the script's reply: `{admitted, retry_after_us, now_us, at_us, (remaining, reset_us,
-/// rejecting) per check}`; `member` is the request's member prefix, kept for a release.
+/// rejecting + 2 override) per check}`; `member` is the request's member prefix, kept for a release.
 pub(super) fn decision_from_reply(
     reply: &[i64],
     checks: usize,
@@ -147,10 +147,12 @@ pub(super) fn decision_from_reply(
             Some(LimitState {
                 remaining: u32::try_from(triple[0]).unwrap_or(0),
                 reset: micros(triple[1]),
+                // Twice the override in force, beside the rejecting bit.
+                overridden: u32::try_from(triple[2] >> 1).ok().filter(|&n| n > 0),
             })
         })
         .collect();
-    let rejecting = per_limit.chunks_exact(3).map(|t| t[2] == 1).collect();
+    let rejecting = per_limit.chunks_exact(3).map(|t| t[2] & 1 == 1).collect();
     let admitted = *admitted == 1;
     let time = |v: i64| u64::try_from(v).unwrap_or(0);
     Ok(Decision {

@@ -22,8 +22,10 @@
 --   7 per key  the limit of its i-th key: algorithm (a label of the algorithm table:
 --              sliding_log, weighted_log, gcra, concurrency ...), requests, window in
 --              microseconds (for a calendar quota: the time left in its period), burst, cost,
---              shadow (1: the limit is counted but never rejects), max delay in microseconds
---              (`on_exceed: delay`; 0: a limit without room rejects)
+--              flags (0 none; 1 shadow: the limit is counted but never rejects; 2 the
+--              identity's override, if any, replaces requests (prelude.lua's `overridden`);
+--              3 both), max delay in microseconds (`on_exceed: delay`; 0: a limit without room
+--              rejects)
 -- then         e, the number of lease ends (the ends of requests' concurrency leases queued
 --              on the same connection, `RedisStore::end_lease`), and per end: its lease id
 --              (the request's member) and its number of keys, which follow the requests'
@@ -43,7 +45,8 @@
 --   remaining_i     requests (of cost 1) key i would still admit now
 --   reset_us_i      time until key i admits one more than now (0 when it holds nothing)
 --   rejecting_i     1 if key i had no room for the request (for a shadow limit: would have
---                   rejected it), else 0
+--                   rejected it), else 0; plus twice the identity's override when one was in
+--                   force (0 without)
 --
 --          then per end, per key: 1 if the lease was there (HDEL), else 0
 --
@@ -71,8 +74,9 @@ local function number(text)
   return value
 end
 
--- Per limit of a request with several, 9 slots: requests, window, burst, cost, ok,
--- remaining, reset_us and the two values of state.
+-- Per limit of a request with several, 11 slots: requests, window, burst, cost, ok,
+-- remaining, reset_us, the two values of state, whether it is a shadow limit and its
+-- override.
 local pending = {}
 
 local time = redis.call('TIME')
@@ -91,12 +95,16 @@ for _ = 1, tonumber(argv[1]) do
       argv[base + 4]
     requests, window = numbers[requests] or number(requests), numbers[window] or number(window)
     burst, cost = numbers[burst] or number(burst), numbers[cost] or number(cost)
+    local flags, override = argv[base + 5], 0
+    if flags >= '2' then
+      requests, burst, override = overridden(key, requests, burst)
+    end
     local ok, wait, remaining, reset, a, b = check(algorithm, key, now, requests, window, burst,
                                                    cost)
     if ok == nil then
       return redis.error_reply('unknown algorithm ' .. tostring(algorithm))
     end
-    local shadow = argv[base + 5] == '1'
+    local shadow = flags == '1' or flags == '3'
     local admitted, retry_after, delay = 1, 0, 0
     if not ok and not shadow then
       if wait <= tonumber(argv[base + 6]) then
@@ -118,7 +126,7 @@ for _ = 1, tonumber(argv[1]) do
       remaining, reset = record(algorithm, key, now, requests, window, burst, cost, a, b,
                                 member, at, argv[base + 6] ~= '0', argv[base + 4], lateness)
     end
-    result[n + 5], result[n + 6], result[n + 7] = remaining, reset, ok and 0 or 1
+    result[n + 5], result[n + 6], result[n + 7] = remaining, reset, (ok and 0 or 1) + 2 * override
     n = n + 7
   else
     -- Whether some limit of the request may delay it: sliding_log keys may then hold future
@@ -136,12 +144,17 @@ for _ = 1, tonumber(argv[1]) do
         argv[at + 4]
       requests, window = numbers[requests] or number(requests), numbers[window] or number(window)
       burst, cost = numbers[burst] or number(burst), numbers[cost] or number(cost)
+      local flags, override = argv[at + 5], 0
+      if flags >= '2' then
+        requests, burst, override = overridden(keys[first + i], requests, burst)
+      end
       local ok, wait, remaining, reset, a, b = check(argv[at], keys[first + i], now, requests,
                                                      window, burst, cost)
       if ok == nil then
         return redis.error_reply('unknown algorithm ' .. tostring(argv[at]))
       end
-      if not ok and argv[at + 5] ~= '1' then
+      local shadow = flags == '1' or flags == '3'
+      if not ok and not shadow then
         if wait <= tonumber(argv[at + 6]) then
           if wait > delay then
             delay = wait
@@ -153,11 +166,11 @@ for _ = 1, tonumber(argv[1]) do
           retry_after = wait
         end
       end
-      local s = 9 * (i - 1)
+      local s = 11 * (i - 1)
       pending[s + 1], pending[s + 2], pending[s + 3], pending[s + 4] = requests, window, burst,
         cost
       pending[s + 5], pending[s + 6], pending[s + 7] = ok, remaining, reset
-      pending[s + 8], pending[s + 9] = a, b
+      pending[s + 8], pending[s + 9], pending[s + 10], pending[s + 11] = a, b, shadow, override
     end
     if admitted == 1 then
       retry_after = 0
@@ -166,17 +179,18 @@ for _ = 1, tonumber(argv[1]) do
     result[n + 1], result[n + 2], result[n + 3], result[n + 4] = admitted, retry_after, now, at
     n = n + 4
     for i = 1, count do
-      local s = 9 * (i - 1)
+      local s = 11 * (i - 1)
       local arg = base + 7 * (i - 1)
       local ok, remaining, reset = pending[s + 5], pending[s + 6], pending[s + 7]
       -- Recorded: every limit with room, and every limit that delays the request.
-      if admitted == 1 and (ok or argv[arg + 5] ~= '1') then
+      if admitted == 1 and (ok or not pending[s + 10]) then
         remaining, reset = record(argv[arg], keys[first + i], now, pending[s + 1],
                                   pending[s + 2], pending[s + 3], pending[s + 4],
                                   pending[s + 8], pending[s + 9], member, at, delays,
                                   argv[arg + 4], lateness)
       end
-      result[n + 1], result[n + 2], result[n + 3] = remaining, reset, ok and 0 or 1
+      result[n + 1], result[n + 2], result[n + 3] = remaining, reset,
+        (ok and 0 or 1) + 2 * pending[s + 11]
       n = n + 3
     end
   end

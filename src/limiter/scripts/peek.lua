@@ -13,8 +13,10 @@
 --           lease period)
 -- ARGV[4]   burst
 -- ARGV[5]   cost: what `wait_us` is for (1 when absent)
+-- ARGV[6]   2: the identity's override, if any, replaces requests (prelude.lua's
+--           `overridden`); absent or 0: not
 --
--- Returns {count, remaining, reset_us, wait_us}
+-- Returns {count, remaining, reset_us, wait_us, override}
 --   count      requests counted against the limit now (see the table's `peek_count`): the
 --              log's entries (the weighted log's units), the fixed window's counter, the
 --              quota's count in its period, the leases held; for the sliding-window counter
@@ -22,12 +24,17 @@
 --   remaining  requests (of cost 1) the limit would still admit now
 --   reset_us   time until it admits one more than now (0 when it holds nothing)
 --   wait_us    time until a request of `cost` fits (0 when it fits now)
+--   override   the identity's override in force (0: none)
 
 local algorithm = ARGV[1]
 local requests, window, burst = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local cost = tonumber(ARGV[5] or '1')
+local override = 0
+if ARGV[6] == '2' then
+  requests, burst, override = overridden(KEYS[1], requests, burst)
+end
 local ok, wait, remaining, reset, counted = check(algorithm, KEYS[1], now, requests, window,
                                                   burst, cost)
 if ok == nil then
@@ -36,4 +43,5 @@ end
 if ok then
   wait = 0
 end
-return {peek_count(algorithm, counted, remaining, requests, burst), remaining, reset, wait}
+return {peek_count(algorithm, counted, remaining, requests, burst), remaining, reset, wait,
+        override}

@@ -9,3 +9,21 @@
 -- '%.17g': float formatting, measured at 0.5 us more per SET than a '%d' string.
 
 local floor, ceil, format = math.floor, math.ceil, string.format
+
+-- An identity's override of its limit's number (written by the admin API, see
+-- src/limiter/overrides.rs, which spells the same key): beside the counted key, in its Redis
+-- Cluster slot, the key up to its hash tag's close and ':o', holding the number. Returns the
+-- requests and burst in force (a burst equal to requests, GCRA's default, follows the
+-- override) and the override (0: none).
+local function overridden(key, requests, burst)
+  local close = string.find(key, '}', 1, true)
+  local value = close and redis.call('GET', string.sub(key, 1, close) .. ':o')
+  if not value then
+    return requests, burst, 0
+  end
+  local n = tonumber(value)
+  if burst == requests then
+    burst = n
+  end
+  return n, burst, n
+end

@@ -1,0 +1,178 @@
+//! `/admin/v1/limits/{route}/{limit}/override?<identity>`: one identity's override of a
+//! limit's number (`limiter::overrides`), read (`GET`), set (`PUT ...&requests=N[&ttl=72h]`)
+//! or removed (`DELETE`). Every change is an audit line (target `sluice::audit`: who, what,
+//! old and new) and tells every instance to forget its denials of the identity.
+
+use std::time::Duration;
+
+use http::{Method, Response, StatusCode};
+use serde_json::json;
+
+use super::{find_limit, json_response, limits, merge, problem, Admin};
+use crate::config::ConfigDuration;
+use crate::limiter::overrides::{OverrideError, DEFAULT_TTL, MAX_TTL};
+use crate::policy::Limit;
+use crate::proxy::ProxyBody;
+use crate::request::store_key;
+
+/// What a `PUT` asks for, taken out of the query before the identity is read from the rest.
+struct Change {
+    requests: Option<u32>,
+    ttl: Option<Duration>,
+}
+
+/// Splits `requests=` and `ttl=` from the query; the rest names the identity.
+fn change_of(query: &str) -> Result<(Change, String), String> {
+    let mut change = Change {
+        requests: None,
+        ttl: None,
+    };
+    let mut rest = Vec::new();
+    for pair in query.split('&').filter(|pair| !pair.is_empty()) {
+        match pair.split_once('=') {
+            Some(("requests", value)) => {
+                change.requests = Some(value.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+                    format!("requests=`{value}`: expected a whole number of at least 1")
+                })?);
+            }
+            Some(("ttl", value)) => {
+                let ttl: ConfigDuration = value
+                    .parse()
+                    .map_err(|err| format!("ttl=`{value}`: {err}"))?;
+                if ttl.0.is_zero() || ttl.0 > MAX_TTL {
+                    return Err(format!(
+                        "ttl=`{value}`: an override lasts from 1 ms to {} days",
+                        MAX_TTL.as_secs() / 86_400
+                    ));
+                }
+                change.ttl = Some(ttl.0);
+            }
+            _ => rest.push(pair),
+        }
+    }
+    Ok((change, rest.join("&")))
+}
+
+impl Admin {
+    pub(super) async fn override_of(
+        &self,
+        method: &Method,
+        (route, limit): (&str, &str),
+        query: &str,
+        path: &str,
+        by: &str,
+    ) -> Response<ProxyBody> {
+        let policy = self.gateway.policy();
+        let (found, rule) = match find_limit(&policy, route, limit, path) {
+            Ok(found) => found,
+            Err(response) => return *response,
+        };
+        if !rule.spec.overridable {
+            return problem(
+                StatusCode::CONFLICT,
+                &format!(
+                    "limit `{limit}` of route `{route}` takes no overrides: set `overrides: true` \
+                     on it in the policy"
+                ),
+                path,
+                &[("route", route), ("limit", limit)],
+            );
+        }
+        let (change, identity_query) = match change_of(query) {
+            Ok(split) => split,
+            Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
+        };
+        let key = match limits::store_key(&policy, found, rule, &identity_query) {
+            Ok(key) => key,
+            Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
+        };
+        let check = store_key::check(rule, key, crate::runtime::clock::now());
+        let identity = store_key::identity_of(&policy, found, rule, &check.key).to_owned();
+        let store = self.gateway.store();
+        let failed = |detail: String| problem(StatusCode::SERVICE_UNAVAILABLE, &detail, path, &[]);
+        let mut body = json!({
+            "route": route,
+            "limit": limit,
+            "identity": identity,
+            "unit": unit(rule),
+            "policy_requests": rule.spec.requests,
+            "store": store.name(),
+        });
+        let audit = |action: &str, old: Option<u32>, new: Option<u32>| {
+            tracing::info!(
+                target: "sluice::audit",
+                by,
+                action,
+                route,
+                limit,
+                identity = %crate::log::key_hash(&check.key),
+                old = ?old,
+                new = ?new,
+                ttl_s = change.ttl.unwrap_or(DEFAULT_TTL).as_secs(),
+                "admin API: override {action}"
+            );
+        };
+        if *method == Method::PUT {
+            let Some(requests) = change.requests else {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    "PUT needs requests=N: the identity's number, in the limit's unit",
+                    path,
+                    &[],
+                );
+            };
+            let ttl = change.ttl.unwrap_or(DEFAULT_TTL);
+            match store.set_override(&check, requests, ttl).await {
+                Ok((old, told)) => {
+                    audit("set", old, Some(requests));
+                    merge(&mut body, json!({
+                        "old": old,
+                        "requests": requests,
+                        "expires_in": ttl.as_secs_f64(),
+                        "instances_told": told,
+                    }));
+                }
+                Err(OverrideError::Full(bound)) => {
+                    return problem(
+                        StatusCode::INSUFFICIENT_STORAGE,
+                        &format!("the in-process store holds {bound} overrides, its bound (store.local.max_keys)"),
+                        path,
+                        &[],
+                    )
+                }
+                Err(OverrideError::Store(err)) => return failed(format!("{} store: {err}", store.name())),
+            }
+        } else if *method == Method::DELETE {
+            match store.delete_override(&check).await {
+                Ok((old, told)) => {
+                    audit("deleted", old, None);
+                    merge(
+                        &mut body,
+                        json!({ "old": old, "requests": null, "instances_told": told }),
+                    );
+                }
+                Err(err) => return failed(format!("{} store: {err}", store.name())),
+            }
+        } else {
+            match store.get_override(&check).await {
+                Ok(found) => merge(
+                    &mut body,
+                    json!({
+                        "requests": found.map(|o| o.requests),
+                        "expires_in": found.map(|o| o.expires_in.as_secs_f64()),
+                    }),
+                ),
+                Err(err) => return failed(format!("{} store: {err}", store.name())),
+            }
+        }
+        json_response(StatusCode::OK, &body)
+    }
+}
+
+fn unit(rule: &Limit) -> &str {
+    match (&rule.tokens, rule.spec.algorithm) {
+        (Some(budget), _) => budget.unit.label(),
+        (None, crate::limiter::Algorithm::Concurrency) => "concurrent-requests",
+        (None, _) => "requests",
+    }
+}
