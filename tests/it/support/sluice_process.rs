@@ -327,8 +327,7 @@ impl From<String> for SluiceConfig {
 /// YAML is refused here: sluice would refuse it too, and the guard must not guess.
 fn names_redis_store(yaml: &str) -> bool {
     let config: serde_json::Value = serde_saphyr::from_str(yaml)
-        .unwrap_or_else(|e| panic!("store guard: the config is not YAML: {e}
-{yaml}"));
+        .unwrap_or_else(|e| panic!("store guard: the config is not YAML: {e}\n{yaml}"));
     !config
         .get("store")
         .and_then(|store| store.get("redis"))
