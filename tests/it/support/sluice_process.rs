@@ -334,32 +334,6 @@ fn names_redis_store(yaml: &str) -> bool {
         .is_none_or(serde_json::Value::is_null)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::names_redis_store;
-
-    #[test]
-    fn the_redis_guard_reads_the_store_in_block_and_flow_form() {
-        assert!(names_redis_store(
-            "store:\n  redis:\n    url: redis://127.0.0.1:1/0\nroutes: []\n"
-        ));
-        assert!(names_redis_store(
-            "store: { redis: { url: \"redis://127.0.0.1:1/0\" } }\nroutes: []\n"
-        ));
-        assert!(names_redis_store(
-            "store: { key_prefix: p, redis: { cluster: { nodes: [\"h:1\"] } } }\nroutes: []\n"
-        ));
-        assert!(!names_redis_store("routes: []\n"));
-        assert!(!names_redis_store(
-            "store: { key_prefix: p, local: { max_keys: 2048 } }\nroutes: []\n"
-        ));
-        // Not the store's: a route or upstream named redis, a comment.
-        assert!(!names_redis_store(
-            "store:\n  # redis: later\n  key_prefix: p\nupstreams:\n  redis: { url: \"http://127.0.0.1:1\" }\nroutes: []\n"
-        ));
-    }
-}
-
 /// A blocking `GET path` on 127.0.0.1:`port` over HTTP/1.1 (for `Drop`, which cannot await):
 /// the body of a 200 answer.
 fn blocking_get(port: u16, path: &str) -> Result<String, String> {
@@ -503,4 +477,30 @@ pub fn write_config(contents: &str) -> tempfile::NamedTempFile {
     f.write_all(contents.as_bytes()).unwrap();
     f.flush().unwrap();
     f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_redis_store;
+
+    #[test]
+    fn the_redis_guard_reads_the_store_in_block_and_flow_form() {
+        assert!(names_redis_store(
+            "store:\n  redis:\n    url: redis://127.0.0.1:1/0\nroutes: []\n"
+        ));
+        assert!(names_redis_store(
+            "store: { redis: { url: \"redis://127.0.0.1:1/0\" } }\nroutes: []\n"
+        ));
+        assert!(names_redis_store(
+            "store: { key_prefix: p, redis: { cluster: { nodes: [\"h:1\"] } } }\nroutes: []\n"
+        ));
+        assert!(!names_redis_store("routes: []\n"));
+        assert!(!names_redis_store(
+            "store: { key_prefix: p, local: { max_keys: 2048 } }\nroutes: []\n"
+        ));
+        // Not the store's: a route or upstream named redis, a comment.
+        assert!(!names_redis_store(
+            "store:\n  # redis: later\n  key_prefix: p\nupstreams:\n  redis: { url: \"http://127.0.0.1:1\" }\nroutes: []\n"
+        ));
+    }
 }
