@@ -9,10 +9,13 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use support::{metric_sum, parse_metrics, Redis, Sluice, Store, StoreKind, SLUICE_BIN};
+use support::{
+    metric_sum, parse_metrics, Limit, Node, Policy, Redis, Route, Sluice, Store, StoreKind,
+    SLUICE_BIN,
+};
 
 const TOKEN_ENV: &str = "SLUICE_TEST_ADMIN_TOKEN";
 const TOKEN: &str = "adm-tok-7f3c9e2b41d8";
@@ -20,29 +23,29 @@ const TOKEN: &str = "adm-tok-7f3c9e2b41d8";
 const LIMIT: u64 = 5;
 const ALGORITHMS: [&str; 4] = ["sliding_log", "sliding_window", "fixed_window", "gcra"];
 
-/// One route per algorithm, `/ALGORITHM`, limited per API key.
-fn routes() -> String {
-    let mut yaml = String::from("routes:\n");
-    for algorithm in ALGORITHMS {
-        yaml.push_str(&format!(
-            r#"  - name: {algorithm}
-    match: {{ path_prefix: /{algorithm} }}
-    respond: {{ status: 200, body: "ok\n" }}
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: {LIMIT}, window: 1d, algorithm: {algorithm} }}
-"#
-        ));
-    }
-    yaml
+/// One route per algorithm, `/ALGORITHM`, limited per API key, on `policy`.
+fn routes(policy: Policy) -> Policy {
+    ALGORITHMS.into_iter().fold(policy, |policy, algorithm| {
+        policy.route(
+            Route::new(algorithm, &format!("/{algorithm}"))
+                .respond(200, "ok\n")
+                .limit(
+                    Limit::requests("per-key", LIMIT as u32, "1d")
+                        .key(["header:x-api-key"])
+                        .algorithm(algorithm),
+                ),
+        )
+    })
 }
 
+/// The admin section of every test here: the token in [`TOKEN_ENV`].
 fn admin_section() -> String {
     format!("admin:\n  token_env: {TOKEN_ENV}\n")
 }
 
 async fn start(store: &Store) -> Sluice {
-    let yaml = format!("{}{}{}", admin_section(), store.yaml, routes());
-    Sluice::start_with_env(&yaml, &[(TOKEN_ENV, TOKEN)]).await
+    let policy = routes(Policy::new().admin_token_env(TOKEN_ENV).store(store));
+    Sluice::start_with_env(&policy, &[(TOKEN_ENV, TOKEN)]).await
 }
 
 /// Sends `GET /{route}` with `key`; the status.
@@ -357,13 +360,8 @@ async fn the_config_in_force_hides_its_secrets() {
     const PASSWORD: &str = "hunter2-redis-Pa55";
     let redis = Redis::start_with(&["--requirepass", PASSWORD]).await;
     assert!(redis.url().contains(PASSWORD));
-    let yaml = format!(
-        "{}{}{}",
-        admin_section(),
-        support::redis_store_yaml(&redis.url()),
-        routes()
-    );
-    let sluice = Sluice::start_with_env(&yaml, &[(TOKEN_ENV, TOKEN)]).await;
+    let policy = routes(Policy::new().admin_token_env(TOKEN_ENV).store_redis(&redis));
+    let sluice = Sluice::start_with_env(&policy, &[(TOKEN_ENV, TOKEN)]).await;
     let c = support::client();
     assert_eq!(
         hit(&c, &sluice, "gcra", "k").await,
@@ -559,7 +557,7 @@ async fn the_admin_api_needs_the_token_and_the_probes_do_not() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_token_the_api_is_open_on_loopback_only_and_can_be_off() {
-    let sluice = Sluice::start(&routes()).await;
+    let sluice = Sluice::start(&routes(Policy::new())).await;
     let c = support::client();
     let r = c
         .get(format!("{}/admin/v1/config", sluice.admin_url()))
@@ -568,7 +566,7 @@ async fn without_a_token_the_api_is_open_on_loopback_only_and_can_be_off() {
         .expect("GET config");
     assert_eq!(r.status(), 200, "loopback without a token: open");
     drop(sluice);
-    let off = Sluice::start(&format!("admin: {{ api: false }}\n{}", routes())).await;
+    let off = Sluice::start(&routes(Policy::new().admin_api(false))).await;
     let r = c
         .get(format!("{}/admin/v1/config", off.admin_url()))
         .send()
@@ -623,7 +621,10 @@ fn read(path: &Path) -> String {
 fn sluice_refuses_to_start_without_a_token_it_needs() {
     let (port, admin_port) = (support::free_port(), support::free_port());
     let head = format!("listen: 127.0.0.1:{port}\n");
-    let open = format!("{head}admin_listen: 0.0.0.0:{admin_port}\n{}", routes());
+    let open = format!(
+        "{head}admin_listen: 0.0.0.0:{admin_port}\n{}",
+        routes(Policy::new()).to_yaml()
+    );
     let (status, stderr) = run_until_exit(&open, &[]);
     assert!(!status.success());
     assert!(stderr.contains(":2:15: admin_listen:"), "{stderr}");
@@ -631,9 +632,8 @@ fn sluice_refuses_to_start_without_a_token_it_needs() {
     assert!(stderr.contains("admin: { token_env: NAME }"), "{stderr}");
 
     let named = format!(
-        "{head}admin_listen: 0.0.0.0:{admin_port}\n{}{}",
-        admin_section(),
-        routes()
+        "{head}admin_listen: 0.0.0.0:{admin_port}\n{}",
+        routes(Policy::new().admin_token_env(TOKEN_ENV)).to_yaml()
     );
     let (status, stderr) = run_until_exit(&named, &[]);
     assert!(!status.success());
@@ -687,14 +687,12 @@ async fn while_redis_is_down_the_local_fallback_answers_and_is_reset() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_key_sluice_explain_prints_names_the_identity() {
-    let routes = r#"routes:
-  - name: api
-    match: { path_prefix: /api }
-    respond: { status: 200 }
-    limits:
-      - { name: per-client, key: [client_ip, "header:x-api-key"], requests: 10, window: 1d }
-"#;
-    let sluice = Sluice::start(routes).await;
+    let policy = Policy::new().route(
+        Route::new("api", "/api")
+            .respond_status(200)
+            .limit(Limit::requests("per-client", 10, "1d").key(["client_ip", "header:x-api-key"])),
+    );
+    let sluice = Sluice::start(&policy).await;
     let config = sluice.config_path().to_str().expect("path").to_owned();
     let explained = support::run_sluice(
         &[
@@ -827,37 +825,55 @@ async fn wrong_methods_get_405_with_allow_and_unknown_paths_404() {
 async fn every_secret_the_readme_lists_is_redacted() {
     let nowhere = support::closed_port();
     let conditions = [
-        ("authorization", "equals", "\"Bearer s3cr-auth\""),
-        ("cookie", "equals", "\"sid=s3cr-cookie\""),
-        ("x-api-key", "one_of", "[s3cr-key1, s3cr-key2]"),
-        ("x-auth-token", "equals", "s3cr-token"),
-        ("x-client-secret", "equals", "s3cr-secret"),
-        ("x-session-id", "equals", "s3cr-session"),
-        ("x-password", "equals", "s3cr-password"),
-        ("x-plan", "equals", "gold-plan"),
+        ("authorization", "equals", json!("Bearer s3cr-auth")),
+        ("cookie", "equals", json!("sid=s3cr-cookie")),
+        ("x-api-key", "one_of", json!(["s3cr-key1", "s3cr-key2"])),
+        ("x-auth-token", "equals", json!("s3cr-token")),
+        ("x-client-secret", "equals", json!("s3cr-secret")),
+        ("x-session-id", "equals", json!("s3cr-session")),
+        ("x-password", "equals", json!("s3cr-password")),
+        ("x-plan", "equals", json!("gold-plan")),
     ];
-    let when: Vec<String> = conditions
+    let when: Vec<Node> = conditions
         .iter()
-        .map(|(header, op, value)| format!("{{ header: {header}, {op}: {value} }}"))
+        .map(|(header, op, value)| {
+            let value = match value {
+                Value::Array(items) => Node::from(
+                    items
+                        .iter()
+                        .map(|v| v.as_str().expect("a string"))
+                        .collect::<Vec<_>>(),
+                ),
+                v => Node::from(v.as_str().expect("a string")),
+            };
+            Node::map([("header", Node::from(*header)), (*op, value)])
+        })
         .collect();
-    let routes = format!(
-        "routes:\n  - name: api\n    match: {{ path_prefix: / }}\n    respond: {{ status: 200 }}\n    limits:\n      - {{ name: l, key: [client_ip], requests: 5, window: 1m, when: [{}] }}\n",
-        when.join(", ")
-    );
+    let routes = |policy: Policy| {
+        policy.route(
+            Route::new("api", "/")
+                .respond_status(200)
+                .limit(Limit::requests("l", 5, "1m").when(when.clone())),
+        )
+    };
+    let nodes = vec![format!("127.0.0.1:{nowhere}")];
     let stores = [
-        format!(
-            "store:\n  redis:\n    sentinel:\n      master_name: mymaster\n      nodes: [\"127.0.0.1:{nowhere}\"]\n      password: s3cr-master\n      sentinel_password: s3cr-sentinel\n"
-        ),
-        format!(
-            "store:\n  redis:\n    cluster:\n      nodes: [\"127.0.0.1:{nowhere}\"]\n      username: app\n      password: s3cr-cluster\n"
-        ),
-        format!("store:\n  redis:\n    url: \"redis://app:s3cr-userinfo@127.0.0.1:{nowhere}/0?password=s3cr-qp&secret=s3cr-qs&token=s3cr-qt&protocol=resp2\"\n"),
-        format!("store:\n  redis:\n    url: \"redis://s3cr-bare@127.0.0.1:{nowhere}/0\"\n"),
+        Policy::new()
+            .store_sentinel("mymaster", &nodes)
+            .sentinel_setting("password", "s3cr-master")
+            .sentinel_setting("sentinel_password", "s3cr-sentinel"),
+        Policy::new()
+            .store_cluster_nodes(&nodes)
+            .cluster_setting("username", "app")
+            .cluster_setting("password", "s3cr-cluster"),
+        Policy::new().store_redis_url_defaults(&format!("redis://app:s3cr-userinfo@127.0.0.1:{nowhere}/0?password=s3cr-qp&secret=s3cr-qs&token=s3cr-qt&protocol=resp2")),
+        Policy::new().store_redis_url_defaults(&format!("redis://s3cr-bare@127.0.0.1:{nowhere}/0")),
     ];
     let c = support::client();
     for store in stores {
-        let yaml = format!("{}{store}{routes}", admin_section());
-        let sluice = Sluice::start_with_env(&yaml, &[(TOKEN_ENV, TOKEN)]).await;
+        let policy = routes(store.admin_token_env(TOKEN_ENV));
+        let store = policy.to_yaml();
+        let sluice = Sluice::start_with_env(&policy, &[(TOKEN_ENV, TOKEN)]).await;
         let (status, body) = admin(&c, &sluice, reqwest::Method::GET, "/admin/v1/config").await;
         assert_eq!(status, 200, "{body}");
         let text = body.to_string();

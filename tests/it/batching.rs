@@ -8,7 +8,7 @@ use crate::support;
 use std::sync::Arc;
 
 use futures_util::StreamExt;
-use support::{redis_store_yaml, Redis, Sluice, Upstream};
+use support::{Limit, Policy, Redis, Route, Sluice, Upstream};
 
 const LIMIT: usize = 20;
 const KEYS_PER_ALGORITHM: usize = 8;
@@ -23,18 +23,22 @@ async fn batched_decisions_never_exceed_a_limit() {
     let up = Upstream::start().await;
     // A window far longer than the test: every key's count can only grow, so "exactly
     // LIMIT admitted" is exact for each algorithm (GCRA's burst is the limit).
-    let mut yaml = format!(
-        "{store}upstreams:\n  api: {{ url: \"{up}\" }}\nroutes:\n",
-        store = redis_store_yaml(&redis.url()),
-        up = up.url(),
+    let policy = ALGORITHMS.into_iter().fold(
+        Policy::new().store_redis(&redis).upstream("api", up.url()),
+        |policy, algorithm| {
+            policy.route(
+                Route::new(algorithm, &format!("/{algorithm}/"))
+                    .upstream("api")
+                    .limit(
+                        Limit::requests("a", LIMIT as u32, "1h")
+                            .key(["header:x-api-key"])
+                            .algorithm(algorithm),
+                    ),
+            )
+        },
     );
-    for algorithm in ALGORITHMS {
-        yaml.push_str(&format!(
-            "  - name: {algorithm}\n    match: {{ path_prefix: /{algorithm}/ }}\n    upstream: api\n    limits:\n      - {{ name: a, key: [\"header:x-api-key\"], requests: {LIMIT}, window: 1h, algorithm: {algorithm} }}\n"
-        ));
-    }
-    let a = Sluice::start(&yaml).await;
-    let b = Sluice::start(&yaml).await;
+    let a = Sluice::start(&policy).await;
+    let b = Sluice::start(&policy).await;
     let bases = Arc::new([a.url(), b.url()]);
     redis.cmd(&["CONFIG", "RESETSTAT"]).await;
 

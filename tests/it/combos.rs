@@ -33,7 +33,7 @@ use support::grpc::{
     GrpcUpstream, STEP,
 };
 use support::websocket::{EchoServer, Ended};
-use support::Sluice;
+use support::{Limit, Policy, Route, Sluice, UpstreamSpec};
 
 /// The files of one test (certificates, keys), removed with it.
 struct Files {
@@ -54,16 +54,12 @@ impl Files {
     }
 }
 
-/// The `tls:` block of a sluice listener serving a `localhost` certificate of `ca`.
-fn listener_tls(ca: &Ca, files: &Files) -> String {
+/// A policy whose listener serves TLS with a `localhost` certificate of `ca`.
+fn listener_tls(ca: &Ca, files: &Files) -> Policy {
     let leaf = ca.server("sluice");
     let cert = files.write("sluice-cert.pem", &leaf.cert);
     let key = files.write("sluice-key.pem", &leaf.key);
-    format!(
-        "tls:\n  cert: \"{}\"\n  key: \"{}\"\n",
-        cert.display(),
-        key.display()
-    )
+    Policy::new().tls(&cert, &key)
 }
 
 /// Opens TLS to sluice at `addr` as `localhost`, offering `alpn`; returns the stream and the
@@ -157,19 +153,10 @@ async fn failing_call(
     read_trailers(&mut body, &buf).await
 }
 
-fn grpc_config(tls: &str, upstream: &str) -> String {
-    format!(
-        r#"{tls}upstreams:
-  grpc:
-{upstream}    http2: true
-    timeout: 10s
-routes:
-  - name: grpc
-    match:
-      path_prefix: /
-    upstream: grpc
-"#
-    )
+fn grpc_config(listener: Policy, upstream: UpstreamSpec) -> Policy {
+    listener
+        .upstream("grpc", upstream.http2().timeout("10s"))
+        .route(Route::new("grpc", "/").upstream("grpc"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,12 +165,9 @@ async fn a_grpc_call_to_an_https_http2_upstream_streams_both_ways_with_its_trail
     let ca_file = files.write("ca.pem", &ca.pem());
     // The upstream offers only h2: an upstream client that offers http/1.1 alone is refused.
     let upstream = GrpcUpstream::start_tls(ca.server("grpc upstream").acceptor(&[b"h2"])).await;
-    let url = format!(
-        "    url: \"https://localhost:{}\"\n    ca_file: \"{}\"\n",
-        upstream.addr.port(),
-        ca_file.display()
-    );
-    let sluice = Sluice::start(&grpc_config("", &url)).await;
+    let url =
+        UpstreamSpec::new(&format!("https://localhost:{}", upstream.addr.port())).ca_file(&ca_file);
+    let sluice = Sluice::start(&grpc_config(Policy::new(), url)).await;
     let mut client = h2c_client(sluice.addr()).await;
     let addr = sluice.addr();
 
@@ -222,12 +206,9 @@ async fn an_https_http2_upstream_that_refuses_h2_is_a_bad_gateway() {
     // Offers only http/1.1: sluice offers only h2 to an http2 upstream, so no protocol fits.
     let upstream =
         GrpcUpstream::start_tls(ca.server("grpc upstream").acceptor(&[b"http/1.1"])).await;
-    let url = format!(
-        "    url: \"https://localhost:{}\"\n    ca_file: \"{}\"\n",
-        upstream.addr.port(),
-        ca_file.display()
-    );
-    let sluice = Sluice::start(&grpc_config("", &url)).await;
+    let url =
+        UpstreamSpec::new(&format!("https://localhost:{}", upstream.addr.port())).ca_file(&ca_file);
+    let sluice = Sluice::start(&grpc_config(Policy::new(), url)).await;
     let response = support::client()
         .post(format!("{}/echo.Echo/Chat", sluice.url()))
         .header("content-type", "application/grpc")
@@ -250,8 +231,8 @@ async fn an_https_http2_upstream_that_refuses_h2_is_a_bad_gateway() {
 async fn a_grpc_call_over_the_tls_listener_reaches_an_h2c_upstream_with_its_trailers() {
     let (ca, files) = (Ca::new("combos CA"), Files::new());
     let upstream = GrpcUpstream::start().await;
-    let url = format!("    url: \"http://{}\"\n", upstream.addr);
-    let sluice = Sluice::start(&grpc_config(&listener_tls(&ca, &files), &url)).await;
+    let url = UpstreamSpec::new(&format!("http://{}", upstream.addr));
+    let sluice = Sluice::start(&grpc_config(listener_tls(&ca, &files), url)).await;
 
     let (stream, alpn) = tls_to(&ca, sluice.addr(), &[b"h2", b"http/1.1"]).await;
     assert_eq!(alpn, b"h2", "sluice must choose HTTP/2 through ALPN");
@@ -289,12 +270,9 @@ async fn a_grpc_call_over_tls_on_both_sides_streams_with_its_trailers() {
     let (ca, files) = (Ca::new("combos CA"), Files::new());
     let ca_file = files.write("ca.pem", &ca.pem());
     let upstream = GrpcUpstream::start_tls(ca.server("grpc upstream").acceptor(&[b"h2"])).await;
-    let url = format!(
-        "    url: \"https://localhost:{}\"\n    ca_file: \"{}\"\n",
-        upstream.addr.port(),
-        ca_file.display()
-    );
-    let sluice = Sluice::start(&grpc_config(&listener_tls(&ca, &files), &url)).await;
+    let url =
+        UpstreamSpec::new(&format!("https://localhost:{}", upstream.addr.port())).ca_file(&ca_file);
+    let sluice = Sluice::start(&grpc_config(listener_tls(&ca, &files), url)).await;
 
     let (stream, alpn) = tls_to(&ca, sluice.addr(), &[b"h2"]).await;
     assert_eq!(alpn, b"h2");
@@ -381,33 +359,23 @@ where
     }
 }
 
-fn ws_config(tls: &str, upstream: &str, requests: u32) -> String {
-    format!(
-        r#"{tls}server:
-  idle_timeout: 60s
-upstreams:
-  echo:
-{upstream}    timeout: 10s
-routes:
-  - name: ws
-    match:
-      path_prefix: /ws
-    upstream: echo
-    limits:
-      - name: upgrades
-        key: [client_ip]
-        requests: {requests}
-        window: 1m
-"#
-    )
+fn ws_config(listener: Policy, upstream: UpstreamSpec, requests: u32) -> Policy {
+    listener
+        .server("idle_timeout", "60s")
+        .upstream("echo", upstream.timeout("10s"))
+        .route(
+            Route::new("ws", "/ws")
+                .upstream("echo")
+                .limit(Limit::requests("upgrades", requests, "1m")),
+        )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn websockets_over_the_tls_listener_echo_and_the_limit_counts_the_upgrades() {
     let (ca, files) = (Ca::new("combos CA"), Files::new());
     let upstream = EchoServer::start().await;
-    let url = format!("    url: \"http://{}\"\n", upstream.addr);
-    let sluice = Sluice::start(&ws_config(&listener_tls(&ca, &files), &url, 2)).await;
+    let url = UpstreamSpec::new(&format!("http://{}", upstream.addr));
+    let sluice = Sluice::start(&ws_config(listener_tls(&ca, &files), url, 2)).await;
 
     let mut open = Vec::new();
     for n in 0..2 {
@@ -449,12 +417,9 @@ async fn a_websocket_to_an_https_upstream_passes_its_upgrade_and_echoes() {
     let (ca, files) = (Ca::new("combos CA"), Files::new());
     let ca_file = files.write("ca.pem", &ca.pem());
     let upstream = EchoServer::start_tls(ca.server("wss upstream").acceptor(&[b"http/1.1"])).await;
-    let url = format!(
-        "    url: \"https://localhost:{}\"\n    ca_file: \"{}\"\n",
-        upstream.addr.port(),
-        ca_file.display()
-    );
-    let sluice = Sluice::start(&ws_config("", &url, 10)).await;
+    let url =
+        UpstreamSpec::new(&format!("https://localhost:{}", upstream.addr.port())).ca_file(&ca_file);
+    let sluice = Sluice::start(&ws_config(Policy::new(), url, 10)).await;
 
     let ws_url = format!("ws://127.0.0.1:{}/ws/chat", sluice.addr().port());
     let (mut ws, response) = tokio::time::timeout(STEP, tokio_tungstenite::connect_async(ws_url))

@@ -17,7 +17,8 @@ use hyper::body::Frame;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::wire::{NoResponse, Wire};
 use support::{
-    metric_sum, parse_metrics, raw_http, Policy, RawResponse, Route, Sluice, Upstream, UpstreamSpec,
+    metric_sum, parse_metrics, raw_http, Limit, Policy, RawResponse, Route, Sluice, Upstream,
+    UpstreamSpec,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -542,25 +543,15 @@ async fn header_read_timeout_is_configurable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_requests_keep_their_connection() {
     let up = Upstream::start().await;
-    let sluice = Sluice::start(&format!(
-        r#"upstreams:
-  api:
-    url: "{}"
-routes:
-  - name: limited
-    match:
-      path_prefix: /upload
-    upstream: api
-    limits:
-      - {{ name: one, key: [header:x-api-key], requests: 1, window: 1m }}
-  - name: open
-    match:
-      path_prefix: /open
-    respond: {{ status: 200, body: ok }}
-"#,
-        up.url(),
-    ))
-    .await;
+    let policy = Policy::new()
+        .upstream("api", up.url())
+        .route(
+            Route::new("limited", "/upload")
+                .upstream("api")
+                .limit(Limit::requests("one", 1, "1m").key(["header:x-api-key"])),
+        )
+        .route(Route::new("open", "/open").respond(200, "ok"));
+    let sluice = Sluice::start(&policy).await;
     let body = "x".repeat(2000);
     let mut wire = Wire::connect(sluice.addr()).await;
     let mut statuses = Vec::new();

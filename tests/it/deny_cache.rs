@@ -237,18 +237,22 @@ async fn a_flood_costs_redis_under_a_twentieth_of_a_command_per_rejection() {
     let redis = Redis::start().await;
     let up = Upstream::start().await;
     let algorithms = ["sliding_window", "gcra", "sliding_log", "fixed_window"];
-    let mut yaml = format!(
-        "{store}upstreams:\n  api: {{ url: \"{up}\" }}\nroutes:\n",
-        store = support::redis_store_yaml(&redis.url()),
-        up = up.url(),
+    let policy = algorithms.into_iter().fold(
+        Policy::new().store_redis(&redis).upstream("api", up.url()),
+        |policy, algorithm| {
+            policy.route(
+                Route::new(algorithm, &format!("/{algorithm}"))
+                    .upstream("api")
+                    .limit(
+                        Limit::requests("a", 1, "2s")
+                            .key(["header:x-api-key"])
+                            .algorithm(algorithm),
+                    ),
+            )
+        },
     );
-    for algorithm in algorithms {
-        yaml.push_str(&format!(
-            "  - name: {algorithm}\n    match: {{ path_prefix: /{algorithm} }}\n    upstream: api\n    limits:\n      - {{ name: a, key: [\"header:x-api-key\"], requests: 1, window: 2s, algorithm: {algorithm} }}\n"
-        ));
-    }
-    let a = Sluice::start(&yaml).await;
-    let b = Sluice::start(&yaml).await;
+    let a = Sluice::start(&policy).await;
+    let b = Sluice::start(&policy).await;
     let client = support::client();
     for algorithm in algorithms {
         let urls = Arc::new([

@@ -25,7 +25,7 @@ use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 
 use support::certs::Ca;
-use support::{metric_sum, parse_metrics, Sluice};
+use support::{metric_sum, parse_metrics, Jwt, Policy, Route, Sluice};
 
 /// What the JWKS server answers now.
 #[derive(Clone)]
@@ -146,26 +146,25 @@ impl JwksServer {
         self.hits.load(Ordering::SeqCst)
     }
 
-    /// The `jwt:` section and one route `/api` (401 on an invalid token, no limits).
-    fn yaml(&self, extra: &str) -> String {
-        format!(
-            r#"jwt:
-  - name: auth
-    issuer: "{ISSUER}"
-    audiences: [{AUDIENCE}]
-    jwks_url: "https://localhost:{port}/.well-known/jwks.json"
-    jwks_ca_file: {ca}
-    fetch_timeout: 1s
-{extra}routes:
-  - name: api
-    match: {{ path_prefix: /api }}
-    respond: {{ status: 200, body: ok }}
-    jwt: {{ verifier: auth }}
-"#,
-            port = self.port,
-            ca = self.ca_path.display(),
-        )
+    /// The `jwt:` section (its verifier's `refresh` bounds: `min_refresh`, `max_refresh`)
+    /// and one route `/api` (401 on an invalid token, no limits).
+    fn policy(&self, refresh: &[(&str, &str)]) -> Policy {
+        let url = format!("https://localhost:{}/.well-known/jwks.json", self.port);
+        let verifier = refresh.iter().fold(
+            Jwt::new("auth", ISSUER, [AUDIENCE])
+                .jwks_url(&url, Some(&self.ca_path))
+                .set("fetch_timeout", "1s"),
+            |verifier, (field, value)| verifier.set(field, *value),
+        );
+        Policy::new().jwt(verifier).route(api_route())
     }
+}
+
+/// `/api`, answering 200 to a request with a valid token of the verifier `auth`.
+fn api_route() -> Route {
+    Route::new("api", "/api")
+        .respond(200, "ok")
+        .jwt("auth", false)
 }
 
 /// The status of `GET /api` with `token`, and how long the answer took.
@@ -204,7 +203,8 @@ const REQUEST_BOUND: Duration = Duration::from_millis(600);
 async fn a_jwks_url_verifier_follows_rotation_and_keeps_its_keys_through_failures() {
     let (k1, k2, k3) = (Signer::rsa("k1", 1), Signer::rsa("k2", 2), Signer::ec("k3"));
     let server = JwksServer::start(Mode::Stall).await;
-    let sluice = Sluice::start(&server.yaml("    min_refresh: 1s\n    max_refresh: 1h\n")).await;
+    let sluice =
+        Sluice::start(&server.policy(&[("min_refresh", "1s"), ("max_refresh", "1h")])).await;
     let t1 = k1.token(&claims(json!("alice")));
     let t2 = k2.token(&claims(json!("bob")));
     let t3 = k3.token(&claims(json!("carol")));
@@ -368,25 +368,25 @@ async fn the_refresh_follows_max_age_within_the_bounds() {
     for (cache, bounds, low, high) in [
         (
             "max-age=1",
-            "    min_refresh: 1s\n    max_refresh: 1h\n",
+            [("min_refresh", "1s"), ("max_refresh", "1h")],
             3,
             6,
         ),
         (
             "max-age=3600",
-            "    min_refresh: 1s\n    max_refresh: 2s\n",
+            [("min_refresh", "1s"), ("max_refresh", "2s")],
             2,
             4,
         ),
         (
             "max-age=0",
-            "    min_refresh: 3s\n    max_refresh: 1h\n",
+            [("min_refresh", "3s"), ("max_refresh", "1h")],
             1,
             3,
         ),
     ] {
         let server = JwksServer::start(Mode::Serve(set(&[&key]), cache)).await;
-        let sluice = Sluice::start(&server.yaml(bounds)).await;
+        let sluice = Sluice::start(&server.policy(&bounds)).await;
         let token = key.token(&claims(json!("alice")));
         support::wait_for(Duration::from_secs(5), "the first fetch", || async {
             status(&sluice, &token).await == 200
@@ -411,22 +411,14 @@ async fn a_cached_token_past_its_exp_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let jwks = dir.path().join("jwks.json");
     std::fs::write(&jwks, set(&[&key])).expect("write");
-    let sluice = Sluice::start(&format!(
-        r#"jwt:
-  - name: auth
-    issuer: "{ISSUER}"
-    audiences: [{AUDIENCE}]
-    jwks_file: {jwks}
-    clock_skew: 1s
-routes:
-  - name: api
-    match: {{ path_prefix: /api }}
-    respond: {{ status: 200, body: ok }}
-    jwt: {{ verifier: auth }}
-"#,
-        jwks = jwks.display()
-    ))
-    .await;
+    let policy = Policy::new()
+        .jwt(
+            Jwt::new("auth", ISSUER, [AUDIENCE])
+                .jwks_file(&jwks)
+                .clock_skew("1s"),
+        )
+        .route(api_route());
+    let sluice = Sluice::start(&policy).await;
     let exp = now() + 2;
     let token = key.token(&with(claims(json!("alice")), "exp", json!(exp)));
     assert_eq!(status(&sluice, &token).await, 200);
@@ -542,7 +534,7 @@ async fn unusable_keys_are_left_out_and_a_reload_keeps_the_fetched_keys() {
     let p384 = json!({"kty": "EC", "crv": "P-384", "kid": "p384", "x": "AA", "y": "AA"});
     let published = json!({"keys": [enc, key.jwk(), p384]}).to_string();
     let server = JwksServer::start(Mode::Serve(published, "max-age=3600")).await;
-    let sluice = Sluice::start(&server.yaml("    min_refresh: 1s\n")).await;
+    let sluice = Sluice::start(&server.policy(&[("min_refresh", "1s")])).await;
     let token = key.token(&claims(json!("alice")));
     support::wait_for(Duration::from_secs(5), "the first fetch", || async {
         status(&sluice, &token).await == 200
@@ -550,11 +542,13 @@ async fn unusable_keys_are_left_out_and_a_reload_keeps_the_fetched_keys() {
     .await;
     server.set_mode(Mode::Stall);
     let text = std::fs::read_to_string(sluice.config_path()).expect("read the config");
-    let added = text.replace(
-        "routes:\n",
-        "routes:\n  - name: other\n    match: { path_prefix: /other }\n    respond: { status: 204 }\n",
+    let listen: String = text.lines().take(2).map(|l| format!("{l}\n")).collect();
+    let other = Route::new("other", "/other").respond_status(204);
+    let added = server.policy(&[("min_refresh", "1s")]).route(other.clone());
+    support::replace_file(
+        sluice.config_path(),
+        &format!("{listen}{}", added.to_yaml()),
     );
-    support::replace_file(sluice.config_path(), &added);
     support::wait_for(Duration::from_secs(10), "the reload", || async {
         reloads_ok(&sluice).await >= 1.0
     })
@@ -567,8 +561,11 @@ async fn unusable_keys_are_left_out_and_a_reload_keeps_the_fetched_keys() {
         "verified with the kept keys"
     );
 
-    let changed = added.replace("min_refresh: 1s", "min_refresh: 2s");
-    support::replace_file(sluice.config_path(), &changed);
+    let changed = server.policy(&[("min_refresh", "2s")]).route(other);
+    support::replace_file(
+        sluice.config_path(),
+        &format!("{listen}{}", changed.to_yaml()),
+    );
     support::wait_for(Duration::from_secs(10), "the second reload", || async {
         reloads_ok(&sluice).await >= 2.0
     })

@@ -255,19 +255,14 @@ async fn the_upstream_receives_the_canonical_path_and_the_query_as_sent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_case_sensitive_route_matches_only_its_own_case() {
     let upstream = PermissiveUpstream::start().await;
-    let yaml = format!(
-        r#"upstreams:
-  app: {{ url: "{}" }}
-routes:
-  - name: exact
-    match: {{ path_prefix: /Reports, case_sensitive: true }}
-    respond: {{ status: 200, body: exact }}
-  - name: default
-    match: {{ path_prefix: / }}
-    respond: {{ status: 200, body: default }}
-"#,
-        upstream.url()
-    );
+    let yaml = Policy::new()
+        .upstream("app", upstream.url())
+        .route(
+            Route::new("exact", "/Reports")
+                .matching("case_sensitive", true)
+                .respond(200, "exact"),
+        )
+        .route(Route::new("default", "/").respond(200, "default"));
     let sluice = Sluice::start(&yaml).await;
     assert_eq!(get(&sluice, "/Reports/1").await.body, b"exact");
     assert_eq!(get(&sluice, "/%52eports").await.body, b"exact");

@@ -326,37 +326,17 @@ async fn respond_route_answers_without_upstream() {
 /// Overlapping routes, most specific first and a catch-all last: the first match in file order
 /// takes the request, prefixes end at segment boundaries, and a method-restricted route lets
 /// other methods fall through to the routes after it.
-fn overlapping_routes(up: &str) -> String {
-    format!(
-        r#"upstreams:
-  main:
-    url: "{up}"
-routes:
-  - name: login
-    match:
-      path_prefix: /login
-      methods: [POST]
-    respond:
-      status: 201
-      body: "login\n"
-  - name: admin
-    match:
-      path_prefix: /api/admin
-    respond:
-      status: 200
-      body: "admin\n"
-  - name: api
-    match:
-      path_prefix: /api
-    upstream: main
-  - name: fallback
-    match:
-      path_prefix: /
-    respond:
-      status: 200
-      body: "fallback\n"
-"#
-    )
+fn overlapping_routes(up: &str) -> Policy {
+    Policy::new()
+        .upstream("main", up)
+        .route(
+            Route::new("login", "/login")
+                .methods(["POST"])
+                .respond(201, "login\n"),
+        )
+        .route(Route::new("admin", "/api/admin").respond(200, "admin\n"))
+        .route(Route::new("api", "/api").upstream("main"))
+        .route(Route::new("fallback", "/").respond(200, "fallback\n"))
 }
 
 #[tokio::test]

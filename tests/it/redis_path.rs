@@ -101,21 +101,16 @@ async fn concurrent_decisions_leave_batched_and_nothing_else_is_sent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_decision_leaves_at_once() {
     let redis = Redis::start().await;
-    let yaml = format!(
-        r#"store:
-  redis: {{ url: "{}", timeout: {TIMEOUT_MS}ms, pool_size: 2 }}
-routes:
-  - name: plain
-    match: {{ path_prefix: /plain }}
-    respond: {{ status: 200, body: ok }}
-  - name: api
-    match: {{ path_prefix: / }}
-    respond: {{ status: 200, body: ok }}
-    limits:
-      - {{ name: per-key, key: ["header:x-api-key"], requests: 1000000, window: 1m }}
-"#,
-        redis.url()
-    );
+    let yaml = Policy::new()
+        .store_redis_url_defaults(&redis.url())
+        .redis_setting("timeout", format!("{TIMEOUT_MS}ms"))
+        .redis_setting("pool_size", 2)
+        .route(Route::new("plain", "/plain").respond(200, "ok"))
+        .route(
+            Route::new("api", "/")
+                .respond(200, "ok")
+                .limit(Limit::requests("per-key", 1_000_000, "1m").key(["header:x-api-key"])),
+        );
     let sluice = Sluice::start(&yaml).await;
     let client = support::client();
     let time = |path: &'static str| {

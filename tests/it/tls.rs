@@ -29,7 +29,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 
 use support::certs::{Ca, Leaf};
-use support::{metric_sum, parse_metrics, sluice_check, wait_for, Sluice, Upstream};
+use support::{
+    metric_sum, parse_metrics, sluice_check, wait_for, Limit, Policy, Route, Sluice, Upstream,
+    UpstreamSpec,
+};
 
 // ---------------------------------------------------------------------------
 // Certificates
@@ -148,35 +151,19 @@ async fn curl(ca: &Path, port: u16, path: &str, version: &str) -> (u16, String, 
 }
 
 /// A TLS sluice in front of a cleartext upstream: `/limited` admits 3 requests a minute per
-/// client address, everything else is unlimited.
-async fn tls_sluice(files: &Files, upstream: &Upstream, extra: &str) -> Sluice {
-    Sluice::start(&format!(
-        r#"tls:
-  cert: "{}"
-  key: "{}"
-{extra}upstreams:
-  api:
-    url: "{}"
-routes:
-  - name: limited
-    match:
-      path_prefix: /limited
-    upstream: api
-    limits:
-      - name: per-ip
-        key: [client_ip]
-        requests: 3
-        window: 1m
-  - name: default
-    match:
-      path_prefix: /
-    upstream: api
-"#,
-        files.path("cert.pem").display(),
-        files.path("key.pem").display(),
-        upstream.url()
-    ))
-    .await
+/// client address, everything else is unlimited; `server` is a policy holding the test's
+/// `server:` settings, if any.
+async fn tls_sluice(files: &Files, upstream: &Upstream, server: Policy) -> Sluice {
+    let policy = server
+        .tls(&files.path("cert.pem"), &files.path("key.pem"))
+        .upstream("api", upstream.url())
+        .route(
+            Route::new("limited", "/limited")
+                .upstream("api")
+                .limit(Limit::requests("per-ip", 3, "1m")),
+        )
+        .route(Route::new("default", "/").upstream("api"));
+    Sluice::start(&policy).await
 }
 
 // ---------------------------------------------------------------------------
@@ -190,7 +177,7 @@ async fn https_over_http1_and_http2_through_alpn_with_reqwest_and_curl() {
     files.write("cert.pem", &leaf.cert);
     files.write("key.pem", &leaf.key);
     let ca_path = files.write("ca.pem", &ca.pem());
-    let sluice = tls_sluice(&files, &upstream, "").await;
+    let sluice = tls_sluice(&files, &upstream, Policy::new()).await;
 
     // reqwest offers h2 and http/1.1 through ALPN; sluice picks h2.
     let h2 = https_client(&ca.pem(), sluice.addr()).build().unwrap();
@@ -254,7 +241,7 @@ async fn rate_limits_hold_over_tls_on_http1_and_http2() {
     let leaf = ca.server("sluice");
     files.write("cert.pem", &leaf.cert);
     files.write("key.pem", &leaf.key);
-    let sluice = tls_sluice(&files, &upstream, "").await;
+    let sluice = tls_sluice(&files, &upstream, Policy::new()).await;
     let url = format!("https://localhost:{}/limited", sluice.addr().port());
     let h2 = https_client(&ca.pem(), sluice.addr()).build().unwrap();
     let h1 = https_client(&ca.pem(), sluice.addr())
@@ -284,7 +271,9 @@ async fn a_client_that_never_finishes_its_handshake_is_closed_by_the_header_read
     let sluice = tls_sluice(
         &files,
         &upstream,
-        "server:\n  header_read_timeout: 1s\n  max_connections: 2\n",
+        Policy::new()
+            .server("header_read_timeout", "1s")
+            .server("max_connections", 2),
     )
     .await;
 
@@ -333,7 +322,7 @@ async fn a_rotated_certificate_serves_new_connections_and_open_ones_keep_working
     let first = ca.server("sluice first");
     let cert = files.write("cert.pem", &first.cert);
     let key = files.write("key.pem", &first.key);
-    let sluice = tls_sluice(&files, &upstream, "").await;
+    let sluice = tls_sluice(&files, &upstream, Policy::new()).await;
     let url = format!("https://localhost:{}/", sluice.addr().port());
 
     // An HTTP/2 connection opened before the rotation, and kept.
@@ -376,7 +365,7 @@ async fn a_bad_new_certificate_is_refused_and_the_old_one_keeps_serving() {
     let good = ca.server("sluice good");
     let cert = files.write("cert.pem", &good.cert);
     let key = files.write("key.pem", &good.key);
-    let sluice = tls_sluice(&files, &upstream, "").await;
+    let sluice = tls_sluice(&files, &upstream, Policy::new()).await;
     let url = format!("https://localhost:{}/", sluice.addr().port());
     let errors = |text: &str| {
         metric_sum(
@@ -479,7 +468,7 @@ async fn keys_in_pkcs1_rsa_and_sec1_ec_pem_serve() {
         let files = Files::new();
         files.write("cert.pem", &leaf.cert);
         files.write("key.pem", &legacy);
-        let sluice = tls_sluice(&files, &upstream, "").await;
+        let sluice = tls_sluice(&files, &upstream, Policy::new()).await;
         let client = https_client(&ca.pem(), sluice.addr()).build().unwrap();
         let response = client
             .get(format!("https://localhost:{}/", sluice.addr().port()))
@@ -605,38 +594,27 @@ async fn https_upstreams_are_verified_against_ca_file_and_mtls_presents_the_clie
     let plain_tls = TlsUpstream::start(&server_ca.server("upstream"), None).await;
     let mtls = TlsUpstream::start(&server_ca.server("mtls upstream"), Some(&client_ca)).await;
     let stranger = TlsUpstream::start(&stranger_ca.server("stranger"), None).await;
-    let sluice = Sluice::start(&format!(
-        r#"upstreams:
-  trusted:
-    url: "{}"
-    ca_file: "{}"
-  mtls-without-cert:
-    url: "{}"
-    ca_file: "{}"
-  mtls:
-    url: "{}"
-    ca_file: "{}"
-    client_cert: "{}"
-    client_key: "{}"
-  untrusted:
-    url: "{}"
-routes:
-  - {{ name: trusted, match: {{ path_prefix: /trusted }}, upstream: trusted }}
-  - {{ name: anon, match: {{ path_prefix: /anon }}, upstream: mtls-without-cert }}
-  - {{ name: mtls, match: {{ path_prefix: /mtls }}, upstream: mtls }}
-  - {{ name: untrusted, match: {{ path_prefix: /untrusted }}, upstream: untrusted }}
-"#,
-        plain_tls.url(),
-        ca_file.display(),
-        mtls.url(),
-        ca_file.display(),
-        mtls.url(),
-        ca_file.display(),
-        client_cert.display(),
-        client_key.display(),
-        stranger.url(),
-    ))
-    .await;
+    let policy = Policy::new()
+        .upstream(
+            "trusted",
+            UpstreamSpec::new(&plain_tls.url()).ca_file(&ca_file),
+        )
+        .upstream(
+            "mtls-without-cert",
+            UpstreamSpec::new(&mtls.url()).ca_file(&ca_file),
+        )
+        .upstream(
+            "mtls",
+            UpstreamSpec::new(&mtls.url())
+                .ca_file(&ca_file)
+                .client_cert(&client_cert, &client_key),
+        )
+        .upstream("untrusted", stranger.url())
+        .route(Route::new("trusted", "/trusted").upstream("trusted"))
+        .route(Route::new("anon", "/anon").upstream("mtls-without-cert"))
+        .route(Route::new("mtls", "/mtls").upstream("mtls"))
+        .route(Route::new("untrusted", "/untrusted").upstream("untrusted"));
+    let sluice = Sluice::start(&policy).await;
     let http = support::client();
 
     let response = http

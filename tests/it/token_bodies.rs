@@ -27,8 +27,8 @@ use http_body::Frame;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{json, Value};
 use support::{
-    client, metric_sum, parse_metrics, sluice_check, write_config, LlmUpstream, Sluice, Store,
-    StoreKind,
+    client, metric_sum, parse_metrics, sluice_check, write_config, Limit, LlmUpstream, Node,
+    Policy, Route, Sluice, Store, StoreKind, UpstreamSpec,
 };
 
 const MIB: u64 = 1024 * 1024;
@@ -108,16 +108,36 @@ fn post(addr: SocketAddr, key: &str, body: Stalled) -> Request<Stalled> {
         .expect("a request")
 }
 
-/// A route `/v1/` to the fake LLM with `limits` (YAML flow mappings, one a line), after
-/// `server` settings.
-fn policy(store: &str, server: &str, upstream: &str, limits: &[&str]) -> String {
-    let mut yaml = format!(
-        "{store}server:\n{server}upstreams:\n  llm: {{ url: \"{upstream}\", timeout: 10s }}\nroutes:\n  - name: chat\n    match: {{ path_prefix: /v1/ }}\n    upstream: llm\n    limits:\n"
-    );
-    for limit in limits {
-        yaml.push_str(&format!("      - {limit}\n"));
-    }
-    yaml
+/// A route `/v1/` to the fake LLM with `limits`, on `store` (a policy naming its store, or
+/// [`Policy::new`] for the in-process one), with these `server:` settings.
+fn policy(store: Policy, server: &[(&str, &str)], upstream: &str, limits: Vec<Limit>) -> Policy {
+    let policy = server
+        .iter()
+        .fold(store, |policy, (field, value)| policy.server(field, *value));
+    let route = limits
+        .into_iter()
+        .fold(Route::new("chat", "/v1/").upstream("llm"), Route::limit);
+    policy
+        .upstream("llm", UpstreamSpec::new(upstream).timeout("10s"))
+        .route(route)
+}
+
+/// A token limit keyed by `x-api-key` (reserving the default 256 and at most 4,096 tokens of
+/// output, reading bodies up to `max_body`): `tokens` per `window`.
+fn tpm(name: &str, tokens: u32, window: &str, max_body: &str) -> Limit {
+    Limit::tokens(name, tokens, window)
+        .key(["header:x-api-key"])
+        .set("reserve", reserve(max_body))
+}
+
+/// A token limit's `reserve:`: the default 256 and at most 4,096 tokens of output, bodies read
+/// up to `max_body`.
+fn reserve(max_body: &str) -> Node {
+    Node::map([
+        ("default_output", Node::from(256)),
+        ("max_output", Node::from(4096)),
+        ("max_body", Node::from(max_body)),
+    ])
 }
 
 /// A chat body for `model`, with `max_tokens` and the fake's `sim`.
@@ -160,8 +180,12 @@ fn remaining(response: &reqwest::Response) -> u64 {
         .unwrap_or_else(|| panic!("no r in RateLimit: {field}"))
 }
 
-const ATTACK_SERVER: &str = "  body_timeout: 60s\n  body_rate_grace: 60s\n";
-const ROOMY: &str = "{ name: tpm, key: [header:x-api-key], tokens: 100000000, window: 1m, reserve: { default_output: 256, max_output: 4096, max_body: 2MiB } }";
+const ATTACK_SERVER: [(&str, &str); 2] = [("body_timeout", "60s"), ("body_rate_grace", "60s")];
+
+/// A token limit no test here fills: what it tests is the reading of bodies.
+fn roomy() -> Limit {
+    tpm("tpm", 100_000_000, "1m", "2MiB")
+}
 
 /// The attack: `connections` HTTP/2 connections, `streams` streams each, each stream sending
 /// 1 MiB and never finishing, every one from its own invented API key. Returns the
@@ -221,9 +245,19 @@ async fn peak_rss(sluice: &Sluice, span: Duration) -> u64 {
 async fn stalled_bodies_hold_no_more_than_the_budget() {
     let _heavy = support::heavy().await;
     let upstream = LlmUpstream::start().await;
-    let server =
-        format!("{ATTACK_SERVER}  token_body_budget: 16MiB\n  token_bodies_per_connection: 1000\n");
-    let sluice = Sluice::start(&policy("", &server, &upstream.url(), &[ROOMY])).await;
+    let server = [
+        ATTACK_SERVER[0],
+        ATTACK_SERVER[1],
+        ("token_body_budget", "16MiB"),
+        ("token_bodies_per_connection", "1000"),
+    ];
+    let sluice = Sluice::start(&policy(
+        Policy::new(),
+        &server,
+        &upstream.url(),
+        vec![roomy()],
+    ))
+    .await;
     let warm = send(&sluice, "k", support::chat_body(10, json!({"usage": 10}))).await;
     assert_eq!(warm.status(), 200);
     let before = sluice.rss_kb();
@@ -274,9 +308,19 @@ async fn stalled_bodies_hold_no_more_than_the_budget() {
 async fn one_connection_cannot_take_the_budget() {
     let _heavy = support::heavy().await;
     let upstream = LlmUpstream::start().await;
-    let server =
-        format!("{ATTACK_SERVER}  token_body_budget: 32MiB\n  token_bodies_per_connection: 8\n");
-    let sluice = Sluice::start(&policy("", &server, &upstream.url(), &[ROOMY])).await;
+    let server = [
+        ATTACK_SERVER[0],
+        ATTACK_SERVER[1],
+        ("token_body_budget", "32MiB"),
+        ("token_bodies_per_connection", "8"),
+    ];
+    let sluice = Sluice::start(&policy(
+        Policy::new(),
+        &server,
+        &upstream.url(),
+        vec![roomy()],
+    ))
+    .await;
     let warm = send(&sluice, "k", support::chat_body(10, json!({"usage": 10}))).await;
     assert_eq!(warm.status(), 200);
     let before = sluice.rss_kb();
@@ -332,12 +376,11 @@ fn body_reserving(model: &str, tokens: u64, sim: &Value) -> String {
 async fn exhausted_identity_is_refused_unread(kind: StoreKind) {
     let store = Store::start(kind).await;
     let upstream = LlmUpstream::start().await;
-    let limit = "{ name: tpm, key: [header:x-api-key], tokens: 2000, window: 1m, reserve: { default_output: 256, max_output: 4096, max_body: 2MiB } }";
     let sluice = Sluice::start(&policy(
-        &store.yaml,
-        "  body_timeout: 30s\n  body_rate_grace: 30s\n",
+        Policy::new().store(&store),
+        &[("body_timeout", "30s"), ("body_rate_grace", "30s")],
         &upstream.url(),
-        &[limit],
+        vec![tpm("tpm", 2000, "1m", "2MiB")],
     ))
     .await;
     // No usage figure: the whole reservation of 2,000 stays counted.
@@ -409,12 +452,14 @@ async fn period_is_the_decisions(kind: StoreKind) {
     const LEAD: Duration = Duration::from_secs(10);
     let store = Store::start(kind).await;
     let upstream = LlmUpstream::start().await;
-    let limit = "{ name: daily, key: [header:x-api-key], tokens: 1000, quota: day, reserve: { default_output: 256, max_output: 4096, max_body: 64KiB } }";
+    let daily = Limit::tokens_quota("daily", 1000, "day")
+        .key(["header:x-api-key"])
+        .set("reserve", reserve("64KiB"));
     let yaml = policy(
-        &store.yaml,
-        "  body_timeout: 60s\n  body_rate_grace: 60s\n",
+        Policy::new().store(&store),
+        &ATTACK_SERVER,
         &upstream.url(),
-        &[limit],
+        vec![daily],
     );
     let spawned = Instant::now();
     let sluice = Sluice::start_with_env(
@@ -502,10 +547,10 @@ async fn calendar_period_is_the_decisions_memory() {
 async fn websocket_upgrade_on_a_token_route_is_refused() {
     let echo = support::websocket::EchoServer::start().await;
     let yaml = policy(
-        "",
-        "  body_timeout: 10s\n",
+        Policy::new(),
+        &[("body_timeout", "10s")],
         &format!("http://{}", echo.addr),
-        &[ROOMY],
+        vec![roomy()],
     );
     let sluice = Sluice::start(&yaml).await;
     let url = format!("ws://127.0.0.1:{}/v1/realtime", sluice.addr().port());
@@ -528,12 +573,21 @@ async fn websocket_upgrade_on_a_token_route_is_refused() {
 async fn limits_per_model(kind: StoreKind) {
     let store = Store::start(kind).await;
     let upstream = LlmUpstream::start().await;
-    let reserve = "reserve: { default_output: 256, max_output: 4096, max_body: 64KiB }";
-    let yaml = format!(
-        "{}upstreams:\n  llm: {{ url: \"{}\", timeout: 10s }}\nroutes:\n  - name: chat\n    match: {{ path_prefix: /v1/ }}\n    upstream: llm\n    limits:\n      - {{ name: large, key: [header:x-api-key], tokens: 3000, window: 1m, when: [{{ model: [big-1, big-1-20*] }}], {reserve} }}\n      - {{ name: small, key: [header:x-api-key], tokens: 20000, window: 1m, when: [{{ model: [small-1*] }}], {reserve} }}\n  - name: keyed\n    match: {{ path_prefix: /v2/ }}\n    upstream: llm\n    limits:\n      - {{ name: per_model, key: [header:x-api-key, model], tokens: 2000, window: 1m, {reserve} }}\n",
-        store.yaml,
-        upstream.url()
-    );
+    let model = |patterns: Vec<&str>| vec![Node::map([("model", patterns)])];
+    let yaml = Policy::new()
+        .store(&store)
+        .upstream("llm", UpstreamSpec::new(&upstream.url()).timeout("10s"))
+        .route(
+            Route::new("chat", "/v1/")
+                .upstream("llm")
+                .limit(tpm("large", 3000, "1m", "64KiB").when(model(vec!["big-1", "big-1-20*"])))
+                .limit(tpm("small", 20000, "1m", "64KiB").when(model(vec!["small-1*"]))),
+        )
+        .route(
+            Route::new("keyed", "/v2/")
+                .upstream("llm")
+                .limit(tpm("per_model", 2000, "1m", "64KiB").key(["header:x-api-key", "model"])),
+        );
     let sluice = Sluice::start(&yaml).await;
     let sim = json!({"usage": 900});
     let mut statuses = Vec::new();
@@ -661,8 +715,13 @@ fn check_refuses_model_outside_token_limits() {
 #[tokio::test]
 async fn a_body_cut_while_read_whole_says_the_connection_closes() {
     let upstream = LlmUpstream::start().await;
-    let limit = "{ name: tpm, key: [header:x-api-key], tokens: 100000000, window: 1m, reserve: { default_output: 256, max_output: 4096, max_body: 1KiB } }";
-    let yaml = policy("", "  body_timeout: 10s\n", &upstream.url(), &[limit]);
+    let limit = tpm("tpm", 100_000_000, "1m", "1KiB");
+    let yaml = policy(
+        Policy::new(),
+        &[("body_timeout", "10s")],
+        &upstream.url(),
+        vec![limit],
+    );
     let sluice = Sluice::start(&yaml).await;
     let mut wire = support::wire::Wire::connect(sluice.addr()).await;
     let fields = "x-api-key: k\r\ncontent-type: application/json\r\n";

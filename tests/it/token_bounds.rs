@@ -9,32 +9,46 @@
 use crate::support;
 
 use serde_json::{json, Value};
-use support::{client, LlmUpstream, Sluice, Store, StoreKind};
+use support::llm_upstream::priced_models;
+use support::{
+    client, Limit, LlmUpstream, Node, Policy, Route, Sluice, Store, StoreKind, UpstreamSpec,
+};
 
 const BUDGET: u64 = 20_000;
 
-/// Sluice instances (two on Redis, one in process) with one route `/v1/` and one limit
-/// `budget` per `x-api-key`; `limit`: its `tokens:`/`money:` lines; `reserve`: its
-/// `reserve:`; `models`: the policy's `models:` section, if any.
+/// Sluice instances (two on Redis, one in process) with one route `/v1/` and `limit` (named
+/// `budget`, its `reserve` set) per `x-api-key`; `models`: the policy's `models:` section,
+/// if any.
 struct Gateway {
     upstream: LlmUpstream,
     sluices: Vec<Sluice>,
     _store: Store,
 }
 
+/// A token budget named `budget`: `tokens` a minute, reserving at most `max_output` of output.
+fn tokens(tokens: u32, max_output: u32) -> Limit {
+    Limit::tokens("budget", tokens, "1m").reserve_max_output(max_output)
+}
+
 impl Gateway {
-    async fn start(kind: StoreKind, limit: &str, reserve: &str, models: &str) -> Gateway {
+    async fn start(kind: StoreKind, limit: Limit, models: Option<Node>) -> Gateway {
         let upstream = LlmUpstream::start().await;
         let store = Store::start(kind).await;
-        let yaml = format!(
-            "{}{models}upstreams:\n  llm: {{ url: \"{}\", timeout: 10s }}\nroutes:\n  - name: llm\n    match: {{ path_prefix: /v1/ }}\n    upstream: llm\n    limits:\n      - name: budget\n        key: [header:x-api-key]\n        {limit}\n        window: 1m\n        reserve: {reserve}\n",
-            store.yaml,
-            upstream.url()
-        );
+        let mut policy = Policy::new().store(&store);
+        if let Some(models) = models {
+            policy = policy.set("models", models);
+        }
+        let policy = policy
+            .upstream("llm", UpstreamSpec::new(&upstream.url()).timeout("10s"))
+            .route(
+                Route::new("llm", "/v1/")
+                    .upstream("llm")
+                    .limit(limit.key(["header:x-api-key"])),
+            );
         let instances = if store.redis.is_some() { 2 } else { 1 };
         let mut sluices = Vec::new();
         for _ in 0..instances {
-            sluices.push(Sluice::start(&yaml).await);
+            sluices.push(Sluice::start(&policy).await);
         }
         Gateway {
             upstream,
@@ -113,7 +127,7 @@ fn chat(model: &str, text: &str) -> Value {
 /// Class 1: one request, several completions (Chat `n`, legacy `n` and `best_of`, an array
 /// of prompts): the cap is multiplied where the API multiplies.
 async fn several_completions_stay_within_the_budget(kind: StoreKind) {
-    let gw = Gateway::start(kind, "tokens: 20000", "{ max_output: 2000 }", "").await;
+    let gw = Gateway::start(kind, tokens(20000, 2000), None).await;
     let mut requests = Vec::new();
     for n in 0..12 {
         let mut body = chat("gpt-4o-mini", "Tell me a story.");
@@ -147,7 +161,7 @@ async fn several_completions_stay_within_the_budget_memory() {
 /// Class 2: no output cap in the body: sluice writes the cap it reserved (each API's field),
 /// with a correct length, so the upstream cannot use the model's own maximum.
 async fn a_missing_cap_is_written_and_holds(kind: StoreKind) {
-    let gw = Gateway::start(kind, "tokens: 20000", "{ max_output: 3000 }", "").await;
+    let gw = Gateway::start(kind, tokens(20000, 3000), None).await;
     let mut requests = Vec::new();
     for _ in 0..6 {
         requests.push((
@@ -195,7 +209,7 @@ async fn a_missing_cap_is_written_and_holds_memory() {
 /// Class 3: input that is not in the body. Refused, naming the field, when the route does
 /// not charge it; within the budget when it does.
 async fn input_held_by_the_provider_is_refused_or_charged(kind: StoreKind) {
-    let gw = Gateway::start(kind, "tokens: 20000", "{ max_output: 2000 }", "").await;
+    let gw = Gateway::start(kind, tokens(20000, 2000), None).await;
     gw.upstream.store("resp_big", 50_000);
     gw.upstream.store("conv_big", 50_000);
     let cases = [
@@ -249,13 +263,13 @@ async fn input_held_by_the_provider_is_refused_or_charged(kind: StoreKind) {
     // A route that charges stored state and server tools: a chain of responses and searches
     // stays within its budget.
     let budget = 100_000;
-    let gw = Gateway::start(
-        kind,
-        "tokens: 100000",
-        "{ max_output: 2000, stored_state: 12000, server_tool: 25000 }",
-        "",
-    )
-    .await;
+    let reserve = Node::map([
+        ("max_output", 2000),
+        ("stored_state", 12000),
+        ("server_tool", 25000),
+    ]);
+    let limit = Limit::tokens("budget", 100_000, "1m").set("reserve", reserve);
+    let gw = Gateway::start(kind, limit, None).await;
     let first = gw
         .send_all(vec![(
             "/v1/responses",
@@ -299,14 +313,17 @@ async fn input_held_by_the_provider_is_refused_or_charged(kind: StoreKind) {
 /// `stored_state: context` charges the model's context window from `models:`: a chain on a
 /// stored response larger than the window stays within the budget.
 async fn stored_state_charged_at_the_context_window(kind: StoreKind) {
-    let models = "models:\n  - { match: \"gpt-4o*\", per_image: { low: 85, high: 1445 }, context: 128000 }\n";
-    let gw = Gateway::start(
-        kind,
-        "tokens: 300000",
-        "{ max_output: 2000, stored_state: context }",
-        models,
-    )
-    .await;
+    let models = Node::Seq(vec![Node::map([
+        ("match", Node::from("gpt-4o*")),
+        ("per_image", Node::map([("low", 85), ("high", 1445)])),
+        ("context", Node::from(128_000)),
+    ])]);
+    let reserve = Node::map([
+        ("max_output", Node::from(2000)),
+        ("stored_state", Node::from("context")),
+    ]);
+    let limit = Limit::tokens("budget", 300_000, "1m").set("reserve", reserve);
+    let gw = Gateway::start(kind, limit, Some(models)).await;
     gw.upstream.store("resp_huge", 1_000_000);
     let requests = (0..6)
         .map(|_| {
@@ -353,7 +370,7 @@ async fn images_and_tool_prompts_are_charged_what_providers_charge(kind: StoreKi
     let tools = json!({"model": "claude-3-opus-20240229", "max_tokens": 50, "messages": [{"role": "user", "content": "Hi"}],
                        "tools": [{"name": "f", "input_schema": {"type": "object"}}]});
     // No table: an unknown model's image costs what gpt-4o-mini charges at most.
-    let gw = Gateway::start(kind, "tokens: 20000", "{ max_output: 2000 }", "").await;
+    let gw = Gateway::start(kind, tokens(20000, 2000), None).await;
     let mut requests = Vec::new();
     for _ in 0..4 {
         requests.push(("/v1/chat/completions", vision("gpt-4o-mini", "low", 2)));
@@ -369,8 +386,18 @@ async fn images_and_tool_prompts_are_charged_what_providers_charge(kind: StoreKi
         "a high-detail image on gpt-4o-mini can never fit 20,000: {answers:?}"
     );
     // A table listing gpt-4o's figures: many more of its images fit, still within the budget.
-    let models = "models:\n  - { match: \"gpt-4o-2*\", per_image: { low: 85, high: 1445 }, tool_prompt: 0 }\n  - { match: \"claude-3-opus*\", tool_prompt: 530 }\n";
-    let gw = Gateway::start(kind, "tokens: 20000", "{ max_output: 2000 }", models).await;
+    let models = Node::Seq(vec![
+        Node::map([
+            ("match", Node::from("gpt-4o-2*")),
+            ("per_image", Node::map([("low", 85), ("high", 1445)])),
+            ("tool_prompt", Node::from(0)),
+        ]),
+        Node::map([
+            ("match", Node::from("claude-3-opus*")),
+            ("tool_prompt", Node::from(530)),
+        ]),
+    ]);
+    let gw = Gateway::start(kind, tokens(20000, 2000), Some(models)).await;
     let requests = (0..16)
         .map(|_| {
             (
@@ -387,7 +414,7 @@ async fn images_and_tool_prompts_are_charged_what_providers_charge(kind: StoreKi
         "the table's figures let the budget be used: {spent}"
     );
     // Only requests with tools: each one's tool prompt is billed on top of its body.
-    let gw = Gateway::start(kind, "tokens: 20000", "{ max_output: 2000 }", "").await;
+    let gw = Gateway::start(kind, tokens(20000, 2000), None).await;
     let mut many_tools = tools.clone();
     many_tools["max_tokens"] = json!(1000);
     let requests = (0..24)
@@ -411,12 +438,10 @@ async fn images_and_tool_prompts_are_charged_what_providers_charge_memory() {
 /// spent at those prices stays within it; the unit shows in the RateLimit fields; a model
 /// without prices is refused (422) before anything is forwarded.
 async fn a_money_budget_holds_at_the_models_prices(kind: StoreKind) {
-    let models = "models:\n  - { match: \"gpt-4o-mini*\", per_image: { low: 2833, high: 48169 }, max_output: 16384, prices: { currency: USD, input: 0.15, cached_input: 0.075, output: 0.60 } }\n  - { match: \"claude-sonnet-4*\", per_image: { low: 1600, high: 1600 }, tool_prompt: 346, max_output: 64000, prices: { currency: USD, input: 3, cached_input: 0.30, output: 15 } }\n";
     let gw = Gateway::start(
         kind,
-        "money: 0.05\n        currency: USD",
-        "{ max_output: 4000 }",
-        models,
+        Limit::money("budget", 0.05, "USD", "1m").reserve_max_output(4000),
+        Some(priced_models()),
     )
     .await;
     let answer = client()

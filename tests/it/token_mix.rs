@@ -14,16 +14,15 @@ use crate::support;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use support::llm_upstream::priced_models;
 use support::llm_upstream::FINISH_HEADER;
-use support::{client, LlmUpstream, Sluice, Store, StoreKind};
+use support::{client, Limit, LlmUpstream, Policy, Route, Sluice, Store, StoreKind, UpstreamSpec};
 
 const TOKENS: u64 = 20_000;
 const MICRO_USD: f64 = 40_000.0;
 const WINDOW: Duration = Duration::from_secs(5);
 const CLIENTS: u64 = 44;
 const RUN: Duration = Duration::from_secs(12);
-
-const MODELS: &str = "models:\n  - { match: \"gpt-4o-mini*\", per_image: { low: 2833, high: 48169 }, max_output: 16384, prices: { currency: USD, input: 0.15, cached_input: 0.075, output: 0.60 } }\n  - { match: \"claude-sonnet-4*\", per_image: { low: 1600, high: 1600 }, tool_prompt: 346, max_output: 64000, prices: { currency: USD, input: 3, cached_input: 0.30, output: 15 } }\n";
 
 /// The `n`th request of client `c`: an API, a path and a body, chosen by a fixed mix so the
 /// run is the same every time.
@@ -87,13 +86,25 @@ async fn every_api_at_once_stays_within_tokens_and_money() {
     let _heavy = support::heavy().await;
     let upstream = LlmUpstream::start().await;
     let store = Store::start(StoreKind::Redis).await;
-    let yaml = format!(
-        "{}{MODELS}upstreams:\n  llm: {{ url: \"{}\", timeout: 10s }}\nroutes:\n  - name: llm\n    match: {{ path_prefix: /v1/ }}\n    upstream: llm\n    limits:\n      - name: tpm\n        key: [header:x-api-key]\n        tokens: {TOKENS}\n        window: 5s\n        reserve: {{ max_output: 3000 }}\n      - name: spend\n        key: [header:x-api-key]\n        money: {}\n        currency: USD\n        window: 5s\n        reserve: {{ max_output: 3000 }}\n",
-        store.yaml,
-        upstream.url(),
-        MICRO_USD / 1e6,
-    );
-    let sluices = [Sluice::start(&yaml).await, Sluice::start(&yaml).await];
+    let policy = Policy::new()
+        .store(&store)
+        .set("models", priced_models())
+        .upstream("llm", UpstreamSpec::new(&upstream.url()).timeout("10s"))
+        .route(
+            Route::new("llm", "/v1/")
+                .upstream("llm")
+                .limit(
+                    Limit::tokens("tpm", TOKENS as u32, "5s")
+                        .key(["header:x-api-key"])
+                        .reserve_max_output(3000),
+                )
+                .limit(
+                    Limit::money("spend", MICRO_USD / 1e6, "USD", "5s")
+                        .key(["header:x-api-key"])
+                        .reserve_max_output(3000),
+                ),
+        );
+    let sluices = [Sluice::start(&policy).await, Sluice::start(&policy).await];
     let urls: Vec<String> = sluices.iter().map(Sluice::url).collect();
     let c = client();
     let started = Instant::now();

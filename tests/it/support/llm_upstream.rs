@@ -54,6 +54,8 @@ use serde_json::{json, Value};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+use super::Node;
+
 type Body = BoxBody<Bytes, Infallible>;
 
 /// One answer: when its request arrived, what it spent (`usage` = `input + output` tokens,
@@ -176,6 +178,42 @@ pub fn chat_body(max_tokens: u64, sim: Value) -> String {
         "sim": sim,
     })
     .to_string()
+}
+
+/// A `models:` section pricing the fake's two families in USD, with their image and tool
+/// figures (as the providers list them): `gpt-4o-mini*` and `claude-sonnet-4*`.
+pub fn priced_models() -> Node {
+    Node::Seq(vec![
+        Node::map([
+            ("match", Node::from("gpt-4o-mini*")),
+            ("per_image", Node::map([("low", 2833), ("high", 48169)])),
+            ("max_output", Node::from(16384)),
+            (
+                "prices",
+                Node::map([
+                    ("currency", Node::from("USD")),
+                    ("input", Node::from(0.15)),
+                    ("cached_input", Node::from(0.075)),
+                    ("output", Node::from(0.60)),
+                ]),
+            ),
+        ]),
+        Node::map([
+            ("match", Node::from("claude-sonnet-4*")),
+            ("per_image", Node::map([("low", 1600), ("high", 1600)])),
+            ("tool_prompt", Node::from(346)),
+            ("max_output", Node::from(64000)),
+            (
+                "prices",
+                Node::map([
+                    ("currency", Node::from("USD")),
+                    ("input", Node::from(3)),
+                    ("cached_input", Node::from(0.30)),
+                    ("output", Node::from(15)),
+                ]),
+            ),
+        ]),
+    ])
 }
 
 /// A request header asking a charged answer to stop at this percentage of the output it may

@@ -38,7 +38,7 @@ pub mod wire;
 pub use cluster::*;
 pub use llm_upstream::{chat_body, LlmUpstream};
 pub use metrics::*;
-pub use policy::{Limit, Node, OnStoreError, Policy, Route, UpstreamSpec};
+pub use policy::{Jwt, Limit, Node, OnStoreError, Policy, Route, UpstreamSpec};
 pub use ratelimit_fields::*;
 pub use redis_server::*;
 pub use sentinel::*;

@@ -282,6 +282,38 @@ impl Policy {
         self
     }
 
+    /// A Redis at `url` with only its URL: every other setting (timeout, pool, key prefix)
+    /// at sluice's default.
+    pub fn store_redis_url_defaults(mut self, url: &str) -> Policy {
+        self.store = StoreChoice::Redis(vec![("url".into(), url.into())]);
+        self.store_extra = Vec::new();
+        self
+    }
+
+    /// A Redis Cluster at these seed nodes (`host:port`), nothing else set; more fields of
+    /// `store.redis.cluster` with [`Policy::cluster_setting`].
+    pub fn store_cluster_nodes(mut self, nodes: &[String]) -> Policy {
+        self.store = StoreChoice::Redis(vec![(
+            "cluster".into(),
+            Node::map([("nodes", Node::from(nodes.to_vec()))]),
+        )]);
+        self.store_extra = Vec::new();
+        self
+    }
+
+    /// Another field of `store.redis.cluster` (`username`, `password`).
+    pub fn cluster_setting(mut self, key: &str, value: impl Into<Node>) -> Policy {
+        let cluster = match &mut self.store {
+            StoreChoice::Redis(fields) => fields.iter_mut().find(|(k, _)| k == "cluster"),
+            StoreChoice::Memory => None,
+        };
+        match cluster {
+            Some((_, Node::Map(fields))) => put(fields, key, value.into()),
+            _ => panic!("cluster_setting({key}) on a policy without a Cluster store"),
+        }
+        self
+    }
+
     /// The store a limit test was started with ([`Store::start`]): Redis or in-process.
     pub fn store(self, store: &Store) -> Policy {
         match &store.redis {
@@ -354,6 +386,54 @@ impl Policy {
     /// A field of `server:` (`workers`, `max_connections`, `body_timeout`, ...).
     pub fn server(mut self, key: &str, value: impl Into<Node>) -> Policy {
         put(&mut self.server, key, value.into());
+        self
+    }
+
+    /// `admin.token_env`: the admin API asks for the bearer token held in this environment
+    /// variable.
+    pub fn admin_token_env(self, variable: &str) -> Policy {
+        self.admin_setting("token_env", variable)
+    }
+
+    /// `admin.api`: whether the admin API is served at all (default: on).
+    pub fn admin_api(self, on: bool) -> Policy {
+        self.admin_setting("api", on)
+    }
+
+    /// A field of `admin:`, kept beside the others already set.
+    fn admin_setting(mut self, key: &str, value: impl Into<Node>) -> Policy {
+        match self.fields.iter_mut().find(|(k, _)| k == "admin") {
+            Some((_, Node::Map(admin))) => put(admin, key, value.into()),
+            _ => put(
+                &mut self.fields,
+                "admin",
+                Node::Map(vec![(key.to_owned(), value.into())]),
+            ),
+        }
+        self
+    }
+
+    /// `tls:`: the listener serves HTTPS with this certificate chain and key (PEM files).
+    pub fn tls(self, cert: &std::path::Path, key: &std::path::Path) -> Policy {
+        self.set(
+            "tls",
+            Node::map([
+                ("cert", cert.display().to_string()),
+                ("key", key.display().to_string()),
+            ]),
+        )
+    }
+
+    /// One JWT verifier of `jwt:`, after those already added.
+    pub fn jwt(mut self, verifier: Jwt) -> Policy {
+        match self.fields.iter_mut().find(|(k, _)| k == "jwt") {
+            Some((_, Node::Seq(verifiers))) => verifiers.push(Node::Map(verifier.0)),
+            _ => put(
+                &mut self.fields,
+                "jwt",
+                Node::Seq(vec![Node::Map(verifier.0)]),
+            ),
+        }
         self
     }
 
@@ -431,6 +511,18 @@ impl UpstreamSpec {
         self.set("http2", true)
     }
 
+    /// Trust an https upstream through this CA bundle (PEM) instead of the system roots.
+    pub fn ca_file(self, path: &std::path::Path) -> UpstreamSpec {
+        self.set("ca_file", path.display().to_string())
+    }
+
+    /// Present this client certificate and key (PEM files) to an https upstream (mTLS).
+    pub fn client_cert(self, cert: &std::path::Path, key: &std::path::Path) -> UpstreamSpec {
+        self.set("client_cert", cert.display().to_string())
+            .set("client_key", key.display().to_string())
+    }
+
+    /// Any other field of the upstream.
     pub fn set(mut self, key: &str, value: impl Into<Node>) -> UpstreamSpec {
         put(&mut self.0, key, value.into());
         self
@@ -446,6 +538,57 @@ impl From<&str> for UpstreamSpec {
 impl From<String> for UpstreamSpec {
     fn from(url: String) -> UpstreamSpec {
         UpstreamSpec::new(&url)
+    }
+}
+
+/// One JWT verifier of `jwt:`: its name, the issuer and audiences it accepts and where its
+/// keys come from.
+#[derive(Clone, Debug)]
+pub struct Jwt(Vec<(String, Node)>);
+
+impl Jwt {
+    /// A verifier named `name` accepting tokens from `issuer` for any of `audiences`.
+    pub fn new<const N: usize>(name: &str, issuer: &str, audiences: [&str; N]) -> Jwt {
+        Jwt(vec![
+            ("name".into(), name.into()),
+            ("issuer".into(), issuer.into()),
+            ("audiences".into(), audiences.into()),
+        ])
+    }
+
+    /// Keys from a JWKS file (re-read when it changes).
+    pub fn jwks_file(self, path: &std::path::Path) -> Jwt {
+        self.set("jwks_file", path.display().to_string())
+    }
+
+    /// Keys fetched from a JWKS URL, trusted through `ca_file` when given.
+    pub fn jwks_url(self, url: &str, ca_file: Option<&std::path::Path>) -> Jwt {
+        let with_url = self.set("jwks_url", url);
+        match ca_file {
+            Some(ca) => with_url.set("jwks_ca_file", ca.display().to_string()),
+            None => with_url,
+        }
+    }
+
+    /// How far a token's `exp` and `nbf` may be off (a duration: `5s`).
+    pub fn clock_skew(self, skew: &str) -> Jwt {
+        self.set("clock_skew", skew)
+    }
+
+    /// One key of `keys:` (`{ secret_file, algorithm, kid }`, `{ pem_file, ... }`), after
+    /// those already added.
+    pub fn key(mut self, key: Node) -> Jwt {
+        match self.0.iter_mut().find(|(k, _)| k == "keys") {
+            Some((_, Node::Seq(keys))) => keys.push(key),
+            _ => put(&mut self.0, "keys", Node::Seq(vec![key])),
+        }
+        self
+    }
+
+    /// Any other field of the verifier (`fetch_timeout`, `min_refresh`, ...).
+    pub fn set(mut self, key: &str, value: impl Into<Node>) -> Jwt {
+        put(&mut self.0, key, value.into());
+        self
     }
 }
 
@@ -489,6 +632,22 @@ impl Route {
     /// Answer directly with this status and an empty body.
     pub fn respond_status(self, status: u16) -> Route {
         self.set("respond", Node::map([("status", status)]))
+    }
+
+    /// Verify the bearer token with the verifier named `verifier`; a request whose token is
+    /// invalid is refused (401), or counted as anonymous when `anonymous_when_invalid`.
+    pub fn jwt(self, verifier: &str, anonymous_when_invalid: bool) -> Route {
+        let mut jwt = vec![("verifier".to_owned(), Node::from(verifier))];
+        if anonymous_when_invalid {
+            jwt.push(("on_invalid".into(), "anonymous".into()));
+        }
+        self.set("jwt", Node::Map(jwt))
+    }
+
+    /// Another field of `match:` (`host`, `case_sensitive`, `headers`, ...).
+    pub fn matching(mut self, key: &str, value: impl Into<Node>) -> Route {
+        put(&mut self.matcher, key, value.into());
+        self
     }
 
     pub fn on_store_error(self, action: OnStoreError) -> Route {
@@ -560,6 +719,17 @@ impl Limit {
         ])
     }
 
+    /// A money budget: `amount` of `currency` per sliding `window`, priced by `models:`.
+    pub fn money(name: &str, amount: f64, currency: &str, window: &str) -> Limit {
+        Limit(vec![
+            ("name".into(), name.into()),
+            ("key".into(), ["client_ip"].into()),
+            ("money".into(), amount.into()),
+            ("currency".into(), currency.into()),
+            ("window".into(), window.into()),
+        ])
+    }
+
     /// A concurrency limit: at most `at_once` requests of one key in flight.
     pub fn concurrent(name: &str, at_once: u32) -> Limit {
         Limit(vec![
@@ -601,6 +771,18 @@ impl Limit {
     /// Each request counts `cost` (default 1).
     pub fn cost(self, cost: u32) -> Limit {
         self.set("cost", cost)
+    }
+
+    /// A token or money limit reserves at most `tokens` of output per request (its cap, or
+    /// the route's when the request names none).
+    pub fn reserve_max_output(self, tokens: u32) -> Limit {
+        self.set("reserve", Node::map([("max_output", tokens)]))
+    }
+
+    /// Applies only to requests meeting every one of these conditions (`{ header: x-plan,
+    /// equals: paid }`, `{ jwt: sub, present: false }`, ...).
+    pub fn when(self, conditions: Vec<Node>) -> Limit {
+        self.set("when", Node::Seq(conditions))
     }
 
     /// Counted and reported, never refusing.

@@ -321,18 +321,17 @@ impl From<String> for SluiceConfig {
     }
 }
 
-/// Whether a raw config's `store:` section names Redis (`redis:` standalone, Sentinel or Cluster).
+/// Whether a raw config's store is Redis (standalone, Sentinel or Cluster): the file is
+/// parsed, so `store: { redis: … }` in flow form counts as well as the block form. A `store`
+/// without a `redis` entry (or `redis: null`) is the in-process store. A file that is not
+/// YAML is refused here: sluice would refuse it too, and the guard must not guess.
 fn names_redis_store(yaml: &str) -> bool {
-    let mut in_store = false;
-    for line in yaml.lines() {
-        if !line.starts_with(' ') && !line.trim().is_empty() {
-            in_store = line.starts_with("store:");
-        }
-        if in_store && line.trim_start().starts_with("redis:") {
-            return true;
-        }
-    }
-    false
+    let config: serde_json::Value = serde_saphyr::from_str(yaml)
+        .unwrap_or_else(|e| panic!("store guard: the config is not YAML: {e}\n{yaml}"));
+    !config
+        .get("store")
+        .and_then(|store| store.get("redis"))
+        .is_none_or(serde_json::Value::is_null)
 }
 
 /// A blocking `GET path` on 127.0.0.1:`port` over HTTP/1.1 (for `Drop`, which cannot await):
@@ -478,4 +477,30 @@ pub fn write_config(contents: &str) -> tempfile::NamedTempFile {
     f.write_all(contents.as_bytes()).unwrap();
     f.flush().unwrap();
     f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_redis_store;
+
+    #[test]
+    fn the_redis_guard_reads_the_store_in_block_and_flow_form() {
+        assert!(names_redis_store(
+            "store:\n  redis:\n    url: redis://127.0.0.1:1/0\nroutes: []\n"
+        ));
+        assert!(names_redis_store(
+            "store: { redis: { url: \"redis://127.0.0.1:1/0\" } }\nroutes: []\n"
+        ));
+        assert!(names_redis_store(
+            "store: { key_prefix: p, redis: { cluster: { nodes: [\"h:1\"] } } }\nroutes: []\n"
+        ));
+        assert!(!names_redis_store("routes: []\n"));
+        assert!(!names_redis_store(
+            "store: { key_prefix: p, local: { max_keys: 2048 } }\nroutes: []\n"
+        ));
+        // Not the store's: a route or upstream named redis, a comment.
+        assert!(!names_redis_store(
+            "store:\n  # redis: later\n  key_prefix: p\nupstreams:\n  redis: { url: \"http://127.0.0.1:1\" }\nroutes: []\n"
+        ));
+    }
 }
