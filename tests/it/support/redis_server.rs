@@ -231,6 +231,9 @@ impl Redis {
     /// to name, and unlike `total_commands_processed`, it tells a client's command from the
     /// ones a script ran inside (`[0 lua]`).
     pub async fn monitor(&self) -> Monitor {
+        // The store event channel's subscribers (src/limiter/redis/events.rs) ping every
+        // 500 ms: not decisions, so their commands are left out.
+        let subscribers = self.subscriber_addresses().await;
         let mut stream = self
             .raw_connection()
             .await
@@ -271,7 +274,10 @@ impl Redis {
                 let Some((source, command)) = line.split_once("] ") else {
                     continue;
                 };
-                if !source.ends_with(" lua") {
+                let subscriber = subscribers
+                    .iter()
+                    .any(|addr| source.ends_with(addr.as_str()));
+                if !source.ends_with(" lua") && !subscriber {
                     let name = command.split('"').nth(1).unwrap_or_default();
                     seen.push(name.to_ascii_uppercase());
                 }
@@ -283,6 +289,26 @@ impl Redis {
             marker,
             task,
         }
+    }
+
+    /// The addresses of the clients subscribed to a channel now (`CLIENT LIST`, flag `P`).
+    pub async fn subscriber_addresses(&self) -> Vec<String> {
+        let list = match self.cmd(&["CLIENT", "LIST"]).await {
+            redis::Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            redis::Value::VerbatimString { text, .. } => text,
+            other => panic!("CLIENT LIST answered {other:?}"),
+        };
+        list.lines()
+            .filter(|line| {
+                line.split(' ')
+                    .any(|field| field.starts_with("flags=") && field.contains('P'))
+            })
+            .filter_map(|line| {
+                line.split(' ')
+                    .find_map(|field| field.strip_prefix("addr="))
+            })
+            .map(str::to_owned)
+            .collect()
     }
 
     /// A plain socket to this server, authenticated when it has a password: no client
