@@ -87,6 +87,9 @@ pub fn add_rate_limit_fields(
             headers.insert(RATELIMIT, value);
         }
     }
+    if ietf || legacy {
+        add_openai_fields(headers, limits, decision);
+    }
     if legacy {
         // One limit only in this style: the one closest to exhaustion (the fewest requests
         // left; of those, the longest wait).
@@ -109,6 +112,66 @@ pub fn add_rate_limit_fields(
     }
 }
 
+/// On a route with a token or money budget, OpenAI's fields for the applications that parse
+/// them (the SDKs do not): `x-ratelimit-{limit,remaining,reset}-tokens` for the budget closest
+/// to exhaustion, and `-requests` for the request limit closest to it, when there is one.
+fn add_openai_fields(headers: &mut HeaderMap, limits: &[&Limit], decision: &Decision) {
+    if !limits.iter().any(|limit| limit.tokens.is_some()) {
+        return;
+    }
+    let closest = |budgets: bool| {
+        limits
+            .iter()
+            .zip(&decision.limits)
+            .filter(|(limit, _)| {
+                limit.tokens.is_some() == budgets
+                    && limit.spec.algorithm != crate::limiter::Algorithm::Concurrency
+            })
+            .filter_map(|(limit, state)| state.as_ref().map(|state| (limit, state)))
+            .min_by_key(|(_, state)| (state.remaining, std::cmp::Reverse(state.reset)))
+    };
+    for (budgets, [limit_name, remaining_name, reset_name]) in
+        [(true, OPENAI_TOKENS), (false, OPENAI_REQUESTS)]
+    {
+        if let Some((limit, state)) = closest(budgets) {
+            let number = state.overridden.unwrap_or(limit.spec.requests);
+            headers.insert(limit_name, HeaderValue::from(number));
+            headers.insert(remaining_name, HeaderValue::from(state.remaining));
+            if let Ok(value) = HeaderValue::from_str(&go_duration(state.reset)) {
+                headers.insert(reset_name, value);
+            }
+        }
+    }
+}
+
+const OPENAI_TOKENS: [HeaderName; 3] = [
+    HeaderName::from_static("x-ratelimit-limit-tokens"),
+    HeaderName::from_static("x-ratelimit-remaining-tokens"),
+    HeaderName::from_static("x-ratelimit-reset-tokens"),
+];
+
+const OPENAI_REQUESTS: [HeaderName; 3] = [
+    HeaderName::from_static("x-ratelimit-limit-requests"),
+    HeaderName::from_static("x-ratelimit-remaining-requests"),
+    HeaderName::from_static("x-ratelimit-reset-requests"),
+];
+
+/// A wait as OpenAI writes its reset fields (Go's duration text): `20ms` under a second,
+/// else whole seconds rounded up, `59s`, `6m0s`, `1h2m3s`.
+fn go_duration(wait: std::time::Duration) -> String {
+    if wait < std::time::Duration::from_secs(1) {
+        let ms = wait.as_millis() + u128::from(wait.subsec_nanos() % 1_000_000 > 0);
+        return format!("{ms}ms");
+    }
+    let total = ceil_seconds(wait);
+    let (hours, minutes, seconds) = (total / 3600, total / 60 % 60, total % 60);
+    match (hours, minutes) {
+        (0, 0) => format!("{seconds}s"),
+        (0, _) => format!("{minutes}m{seconds}s"),
+        _ => format!("{hours}h{minutes}m{seconds}s"),
+    }
+}
+
 /// A problem-details answer: the standard members, then `members` (which may add to them).
 pub fn problem_with(
     status: StatusCode,
@@ -121,6 +184,8 @@ pub fn problem_with(
         "title": status.canonical_reason().unwrap_or(""),
         "status": status.as_u16(),
         "detail": detail,
+        // The same words where OpenAI's SDK looks for them (its exception's text).
+        "message": detail,
         "instance": instance,
     });
     if let Some(object) = body.as_object_mut() {
@@ -167,9 +232,13 @@ pub fn quota_exhausted(
     let resets_at = reset_instant(quota, wait);
     let period = quota.period.label();
     let detail = format!(
-        "route `{}`: quota `{}` ({} requests per {period}, {}) is used up; it resets at \
+        "route `{}`: quota `{}` ({} {} per {period}, {}) is used up; it resets at \
          {resets_at}, in {retry_after} s",
-        route.name, limit.name, limit.spec.requests, quota.zone_name
+        route.name,
+        limit.name,
+        limit.spec.requests,
+        limit.unit(),
+        quota.zone_name
     );
     problem_with(
         StatusCode::TOO_MANY_REQUESTS,
@@ -181,6 +250,7 @@ pub fn quota_exhausted(
             ("route", route.name.as_str().into()),
             ("limit", limit.name.as_str().into()),
             ("quota", period.into()),
+            ("unit", limit.unit().into()),
             ("time_zone", quota.zone_name.as_str().into()),
             ("resets_at", resets_at.into()),
             ("retry_after", retry_after.into()),
@@ -199,4 +269,18 @@ pub fn reset_instant(quota: &crate::limiter::calendar::Quota, wait: std::time::D
         .unwrap_or(at)
         .to_zoned_datetime(quota.zone.clone());
     at.strftime("%Y-%m-%dT%H:%M:%S%:z").to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn resets_are_written_as_openai_writes_them() {
+        assert_eq!(go_duration(Duration::from_micros(19_001)), "20ms");
+        assert_eq!(go_duration(Duration::from_millis(1_001)), "2s");
+        assert_eq!(go_duration(Duration::from_secs(360)), "6m0s");
+        assert_eq!(go_duration(Duration::from_secs(3_723)), "1h2m3s");
+    }
 }

@@ -48,7 +48,7 @@ pub fn view(serving: &Serving, policy: &Policy) -> Value {
                         "conditional": !limit.when.is_empty(),
                         "key": limit.key.iter().map(KeyPart::to_string).collect::<Vec<_>>(),
                         "key_prefix": store_key::prefix(policy, route, limit),
-                        "unit": limit.tokens.as_ref().map_or("requests", |b| b.unit.label()),
+                        "unit": limit.unit(),
                         "quota": limit.quota.as_ref().map(|q| q.period.label()),
                         "time_zone": limit.quota.as_ref().map(|q| q.zone_name.as_str()),
                     })

@@ -295,7 +295,7 @@ impl Admin {
             "window": rule.spec.window.as_secs_f64(),
             "burst": rule.spec.burst,
             "cost": rule.spec.cost,
-            "unit": rule.tokens.as_ref().map_or("requests", |b| b.unit.label()),
+            "unit": rule.unit(),
         });
         if let Some(quota) = &rule.quota {
             merge(

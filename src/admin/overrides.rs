@@ -11,7 +11,6 @@ use serde_json::json;
 use super::{find_limit, json_response, limits, merge, problem, Admin};
 use crate::config::ConfigDuration;
 use crate::limiter::overrides::{OverrideError, DEFAULT_TTL, MAX_TTL};
-use crate::policy::Limit;
 use crate::proxy::ProxyBody;
 use crate::request::store_key;
 
@@ -94,7 +93,7 @@ impl Admin {
             "route": route,
             "limit": limit,
             "identity": identity,
-            "unit": unit(rule),
+            "unit": rule.unit(),
             "policy_requests": rule.spec.requests,
             "store": store.name(),
         });
@@ -166,13 +165,5 @@ impl Admin {
             }
         }
         json_response(StatusCode::OK, &body)
-    }
-}
-
-fn unit(rule: &Limit) -> &str {
-    match (&rule.tokens, rule.spec.algorithm) {
-        (Some(budget), _) => budget.unit.label(),
-        (None, crate::limiter::Algorithm::Concurrency) => "concurrent-requests",
-        (None, _) => "requests",
     }
 }

@@ -31,6 +31,7 @@ impl Config {
             trusted_proxies: _,
             forwarded_header: _,
             response_headers: _,
+            should_retry_within: _,
             reload: _,
             upstreams: _,
             jwt: _,

@@ -19,6 +19,8 @@ use crate::limiter::Topology;
 pub const DEFAULT_MAX_DELAYED: u32 = 1024;
 /// Longest `max_delay` accepted: a held request keeps its connection open.
 pub const MAX_MAX_DELAY_MS: u64 = 60_000;
+/// Default `should_retry_within`: OpenAI's Python SDK raises rather than wait longer.
+pub const DEFAULT_SHOULD_RETRY_WITHIN: std::time::Duration = std::time::Duration::from_secs(120);
 /// Default `lease` of a concurrency limit: an instance that dies has its places taken back
 /// within this.
 pub const DEFAULT_LEASE: std::time::Duration = std::time::Duration::from_secs(10);
@@ -111,6 +113,11 @@ pub struct Config {
     /// Which rate-limit fields responses carry, unless a route says otherwise.
     #[serde(default)]
     pub response_headers: ResponseHeaders,
+    /// The longest wait a refused client should sleep through before retrying (120s by
+    /// default, OpenAI's SDK's own bound): a 429 with a longer `Retry-After` says
+    /// `x-should-retry: false`, so SDKs that obey it (OpenAI's, Anthropic's) raise at once
+    /// instead of sleeping for hours; unless a route says otherwise.
+    pub should_retry_within: Option<ConfigDuration>,
     /// How a changed config file is applied (hot reload).
     #[serde(default)]
     pub reload: ReloadConfig,
@@ -435,6 +442,8 @@ pub struct RouteConfig {
     pub on_store_error: Option<OnStoreError>,
     /// Overrides the top-level `response_headers` for this route.
     pub response_headers: Option<ResponseHeaders>,
+    /// Overrides the top-level `should_retry_within` for this route.
+    pub should_retry_within: Option<ConfigDuration>,
     #[serde(default)]
     pub limits: Vec<LimitConfig>,
     /// With a limit of `on_exceed: delay`: most requests of this route held at once.

@@ -133,6 +133,10 @@ impl Compiled {
                     },
                     on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
                     response_headers: route.response_headers.unwrap_or(config.response_headers),
+                    should_retry_within: route
+                        .should_retry_within
+                        .or(config.should_retry_within)
+                        .map_or(crate::config::DEFAULT_SHOULD_RETRY_WITHIN, |d| d.0),
                     max_delayed: route
                         .max_delayed
                         .as_ref()

@@ -113,6 +113,8 @@ pub struct RouteSettings {
     pub on_store_error: OnStoreError,
     /// Which rate-limit fields responses carry.
     pub response_headers: ResponseHeaders,
+    /// A 429 asking for a longer wait says `x-should-retry: false`.
+    pub should_retry_within: std::time::Duration,
     /// Most requests held at once by `on_exceed: delay` limits (past it, 429).
     pub max_delayed: u32,
     /// The `RateLimit-Policy` field describing every limit of the route; `None` without limits
@@ -219,6 +221,17 @@ impl Default for ClientPrefix {
 }
 
 impl<M: Metering> Limit<M> {
+    /// What this limit's number counts, as the answers and the admin API name it: `requests`,
+    /// `concurrent-requests` (the RateLimit draft's quota unit for a concurrency limit), or a
+    /// budget's unit (`tokens`, `microUSD`, ...).
+    pub fn unit(&self) -> &str {
+        match (&self.tokens, self.spec.algorithm) {
+            (Some(budget), _) => budget.unit.label(),
+            (None, crate::limiter::Algorithm::Concurrency) => "concurrent-requests",
+            (None, _) => "requests",
+        }
+    }
+
     /// Whether this limit keeps a request answered with `status` (always, without `count`).
     pub fn counts(&self, status: u16) -> bool {
         self.count
@@ -317,10 +330,7 @@ pub fn rate_limit_policy_in_force<'a, M: Metering>(
             Some(('q', u64::from(overridden.unwrap_or(limit.spec.requests)))),
             (!concurrent).then(|| ('w', ceil_seconds(limit.spec.window))),
         ];
-        let unit = match &limit.tokens {
-            Some(budget) => Some(budget.unit.label()),
-            None => concurrent.then_some("concurrent-requests"),
-        };
+        let unit = (limit.unit() != "requests").then(|| limit.unit());
         (&limit.name, params.into_iter().flatten(), unit)
     }))
 }

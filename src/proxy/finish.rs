@@ -6,7 +6,9 @@
 
 use std::sync::Arc;
 
-use http::header::{HeaderValue, RETRY_AFTER, WWW_AUTHENTICATE};
+use std::time::Duration;
+
+use http::header::{HeaderName, HeaderValue, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Response, StatusCode};
 use prometheus::{IntCounter, IntCounterVec};
 
@@ -26,6 +28,20 @@ use crate::response::{self, retry_after_seconds};
 pub struct Answered {
     pub outcome: Outcome,
     pub response: Response<ProxyBody>,
+}
+
+/// The wait before a retry in milliseconds, rounded up, at least 1 (as `Retry-After` is never
+/// 0): read by OpenAI's and Anthropic's SDKs before `Retry-After`.
+pub const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+
+/// `true` or `false`: whether the client should retry at all (OpenAI's and Anthropic's SDKs
+/// obey it over their own rules).
+pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
+
+fn retry_after_ms(wait: Duration) -> u64 {
+    let ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+    let partial = u64::from(wait.subsec_nanos() % 1_000_000 > 0);
+    ms.saturating_add(partial).max(1)
 }
 
 /// The counters and logs every answer goes to.
@@ -125,19 +141,21 @@ impl Finisher {
         let route = exchange.route;
         let instance = exchange.instance.path();
         let status = stop.status();
-        let (mut response, retry_after) = match (stop, route, exchange.decided.as_ref()) {
+        let (mut response, wait) = match (stop, route, exchange.decided.as_ref()) {
             (Stop::Limited, Some(route), Some(decided)) => {
-                let retry_after = retry_after_seconds(decided.decision.retry_after);
-                self.log_rejection(route, decided, exchange, retry_after);
+                let wait = decided.decision.retry_after;
+                self.log_rejection(route, decided, exchange, retry_after_seconds(wait));
                 (
-                    too_many_requests(route, decided, instance, retry_after),
-                    Some(retry_after),
+                    too_many_requests(route, decided, instance, retry_after_seconds(wait)),
+                    Some(wait),
                 )
             }
             _ => {
-                let retry_after = match stop {
-                    Stop::TooManyHeld { delay } => Some(retry_after_seconds(*delay)),
-                    Stop::StoreUnavailable | Stop::LeaseLost | Stop::Busy { .. } => Some(1),
+                let wait = match stop {
+                    Stop::TooManyHeld { delay } => Some(*delay),
+                    Stop::StoreUnavailable | Stop::LeaseLost | Stop::Busy { .. } => {
+                        Some(Duration::from_secs(1))
+                    }
                     _ => None,
                 };
                 let mut extra: &[(&str, &str)] = &[];
@@ -148,10 +166,7 @@ impl Finisher {
                     extra = &named;
                 }
                 let detail = stop.detail(route);
-                (
-                    response::problem(status, &detail, instance, extra),
-                    retry_after,
-                )
+                (response::problem(status, &detail, instance, extra), wait)
             }
         };
         if let Stop::Unauthenticated(invalid) = stop {
@@ -159,11 +174,22 @@ impl Finisher {
                 .headers_mut()
                 .insert(WWW_AUTHENTICATE, www_authenticate(*invalid));
         }
-        if let Some(seconds) = retry_after {
+        if let Some(wait) = wait {
+            let seconds = retry_after_seconds(wait);
             let headers = response.headers_mut();
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
-            if exchange.grpc && status == StatusCode::TOO_MANY_REQUESTS {
-                grpc::mark_limited(headers, seconds);
+            // What OpenAI's and Anthropic's SDKs read first: the wait to the millisecond.
+            headers.insert(RETRY_AFTER_MS, HeaderValue::from(retry_after_ms(wait)));
+            if status == StatusCode::TOO_MANY_REQUESTS {
+                // Past the route's bound, those SDKs raise at once instead of sleeping.
+                let within = route.is_none_or(|route| wait <= route.should_retry_within);
+                headers.insert(
+                    X_SHOULD_RETRY,
+                    HeaderValue::from_static(if within { "true" } else { "false" }),
+                );
+                if exchange.grpc {
+                    grpc::mark_limited(headers, seconds);
+                }
             }
         }
         response
@@ -252,12 +278,7 @@ fn too_many_requests(
     let at_once = limit
         .filter(|limit| limit.spec.algorithm == crate::limiter::Algorithm::Concurrency)
         .map(|limit| limit.spec.requests);
-    let unit = match at_once {
-        Some(_) => "concurrent-requests",
-        None => limit
-            .and_then(|limit| limit.tokens.as_ref())
-            .map_or("requests", |b| b.unit.label()),
-    };
+    let unit = limit.map_or("requests", |limit| limit.unit());
     let limit = limit.map_or("", |limit| limit.name.as_str());
     let detail = if let Some(at_once) = at_once {
         // Retry-After is a hint here: the average time a place was held recently, over the

@@ -41,6 +41,7 @@ mod jwks_url;
 mod jwt_identities;
 mod key_expiry;
 mod limits;
+mod llm_sdks;
 mod local_store;
 mod logs;
 mod overrides;

@@ -17,7 +17,7 @@ pub fn tools_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/test-tools/venv")
 }
 
-fn tool(name: &str) -> PathBuf {
+pub fn tool(name: &str) -> PathBuf {
     let path = tools_dir().join("bin").join(name);
     assert!(
         path.exists(),
