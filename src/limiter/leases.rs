@@ -486,8 +486,10 @@ impl Lease {
             held.held_for(&self.checks, self.taken.elapsed());
             held.ending(&self.checks, &self.admission.member);
         }
+        // Read as the lease is marked ending, not when the release's task first runs: a
+        // restore whose clean-up deleted the lease in between must count as overlapping.
+        let restores = store.held_leases().map(|held| held.restores());
         Some(async move {
-            let restores = store.held_leases().map(|held| held.restores());
             match store.release(&checks, &admission).await {
                 Ok(released) => {
                     // A restore that overlapped the release may have deleted the lease first.

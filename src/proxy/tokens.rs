@@ -13,7 +13,9 @@
 //!
 //! Without a usage figure: no answer from the upstream because it could not be reached (a
 //! connect error), or no upstream at all (a direct response) → everything is given back, the
-//! upstream spent nothing; the upstream answered (any status) but gave no figure, the client
+//! upstream spent nothing; the upstream answered `429` (its own rate limit: providers do not
+//! bill it) → everything is given back; the upstream answered (any other status) but gave no
+//! figure, the client
 //! left before the end, the body failed, the upstream timed out → the whole reservation is
 //! kept, since the upstream may have spent it. A figure above the reservation is charged:
 //! the request's entry grows to it (`Store::keep`), so the window makes that identity wait
@@ -545,6 +547,13 @@ pub async fn settle(
             return Err(stop);
         }
     };
+    // The provider refused the request for its own rate limit: providers do not bill a 429,
+    // so the reservation is given back whole, at once (a client's retries against a busy
+    // upstream would otherwise hold a reservation each until their windows end).
+    if answered.response.status() == StatusCode::TOO_MANY_REQUESTS {
+        settlement(all()).settle(Some(NOTHING)).await;
+        return Ok(answered);
+    }
     for (reserved, name) in by_header {
         let used = answered
             .response

@@ -242,3 +242,38 @@ async fn the_answers_carry_what_clients_read() {
         "{body}"
     );
 }
+
+/// The upstream's own `429` (the provider's rate limit) gives the reservation back at once:
+/// providers do not bill a refused request. A budget of 5,000 a minute, a request reserving
+/// about 4,000 refused by the upstream, then another such request: admitted. Seeded: a 429
+/// kept like any answer without a figure refuses the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_429_gives_the_reservation_back() {
+    let up = LlmUpstream::start().await;
+    let sluice = gateway(&up, Limit::tokens("minute", 5000, "1m")).await;
+    let client = support::client();
+    let send = |sim: Value| {
+        client
+            .post(format!("{}/v1/chat/completions", sluice.url()))
+            .header("x-api-key", "k")
+            .header("content-type", "application/json")
+            .body(support::llm_upstream::chat_body(4000, sim))
+            .send()
+    };
+    let refused = send(serde_json::json!({ "status": 429, "mode": "none" }))
+        .await
+        .expect("an answer");
+    assert_eq!(refused.status(), 429, "the upstream's own refusal");
+    assert!(
+        refused.headers().get("x-should-retry").is_none(),
+        "the upstream's answer"
+    );
+    let next = send(serde_json::json!({ "usage": 4000 }))
+        .await
+        .expect("an answer");
+    assert_eq!(
+        next.status(),
+        200,
+        "the refused request's reservation was given back"
+    );
+}
