@@ -166,8 +166,11 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         async move { gateway.handle(request, peer).await }
     };
     let (gateway_open, worker_connections) = (
-        metrics.open_connections.with_label_values(&["gateway"]),
-        metrics.worker_connections.clone(),
+        metrics
+            .listeners
+            .open_connections
+            .with_label_values(&["gateway"]),
+        metrics.listeners.worker_connections.clone(),
     );
     let counters = |worker: usize| server::Counters {
         open: gateway_open.clone(),
@@ -221,9 +224,9 @@ fn gateway_settings(
     if let Some(tls) = listener_tls {
         gateway_settings.tls = Some(server::ServerTls {
             acceptor: tls.acceptor(),
-            handshake_errors: metrics.tls_handshake_errors.clone(),
+            handshake_errors: metrics.listeners.tls_handshake_errors.clone(),
         });
-        tokio::spawn(tls.watch(metrics.tls_cert_reloads.clone(), stopping.clone()));
+        tokio::spawn(tls.watch(metrics.listeners.tls_cert_reloads.clone(), stopping.clone()));
     }
     gateway_settings
 }
@@ -269,7 +272,10 @@ fn serve_admin(
     let slots = server::slots(&settings);
     settings.local_addr = true;
     let counters = server::Counters {
-        open: metrics.open_connections.with_label_values(&["admin"]),
+        open: metrics
+            .listeners
+            .open_connections
+            .with_label_values(&["admin"]),
         accepted: None,
     };
     let handler = move |request, _peer| {
@@ -372,8 +378,8 @@ async fn shutdown_signal() {
 /// the metrics stay below the identities in the module graph).
 fn jwks_metrics(metrics: &Metrics) -> crate::jwt::jwks::JwksMetrics {
     crate::jwt::jwks::JwksMetrics {
-        fetches: metrics.jwks_fetches.clone(),
-        age: metrics.jwks_keys_age.clone(),
+        fetches: metrics.jwt.jwks_fetches.clone(),
+        age: metrics.jwt.jwks_keys_age.clone(),
     }
 }
 

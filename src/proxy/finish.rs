@@ -42,12 +42,16 @@ pub struct Finisher {
 
 impl Finisher {
     pub fn new(metrics: &Metrics) -> Finisher {
-        let unrouted =
-            |outcome: Outcome| metrics.requests.with_label_values(&["", outcome.label()]);
+        let unrouted = |outcome: Outcome| {
+            metrics
+                .traffic
+                .requests
+                .with_label_values(&["", outcome.label()])
+        };
         Finisher {
             unrouted: unrouted(Outcome::NoRoute),
             refused_unrouted: unrouted(Outcome::Refused),
-            refusals: metrics.refused.clone(),
+            refusals: metrics.traffic.refused.clone(),
             log: RequestLog::start(),
         }
     }

@@ -100,7 +100,7 @@ impl Gateway {
         server: &crate::config::ServerConfig,
         metrics: &Metrics,
     ) -> Gateway {
-        let upstreams = Upstreams::new(metrics.upstream_errors.clone());
+        let upstreams = Upstreams::new(metrics.traffic.upstream_errors.clone());
         let clients = upstreams.clients_for(&policy);
         Gateway {
             active: ArcSwap::from_pointee(Active { policy, clients }),
@@ -111,9 +111,9 @@ impl Gateway {
                 server.token_body_budget.0,
                 server.token_bodies_per_connection.0,
             ),
-            body_refusals: Arc::new(BodyRefusals::new(&metrics.refused)),
+            body_refusals: Arc::new(BodyRefusals::new(&metrics.traffic.refused)),
             request_ids: RequestIds::new(),
-            jwt_invalid: metrics.jwt_invalid.clone(),
+            jwt_invalid: metrics.jwt.jwt_invalid.clone(),
             waiting: in_flight::Waiting::default(),
             finisher: Finisher::new(metrics),
         }
