@@ -78,7 +78,7 @@ impl Finisher {
             response::add_rate_limit_fields(
                 response.headers_mut(),
                 route,
-                &decided.limits,
+                decided.limits.limits(),
                 &decided.decision,
             );
         }
@@ -201,11 +201,7 @@ impl Finisher {
         if !tracing::enabled!(target: "sluice::rejected", tracing::Level::INFO) {
             return;
         }
-        let rejecting = decided
-            .limits
-            .iter()
-            .zip(&decided.checks)
-            .zip(&decided.decision.rejecting);
+        let rejecting = decided.limits.iter().zip(&decided.decision.rejecting);
         for ((limit, check), &rejecting) in rejecting {
             let subject = || Subject {
                 route: route.name.to_string(),
@@ -237,6 +233,7 @@ fn too_many_requests(
 ) -> Response<ProxyBody> {
     let limit = decided
         .limits
+        .limits()
         .iter()
         .zip(&decided.decision.limits)
         .zip(&decided.decision.rejecting)

@@ -56,6 +56,7 @@ use crate::server::ConnectionReaders;
 pub fn read_limit(route: &Route, plan: &Plan<'_>) -> Option<u64> {
     let limit = plan
         .limits
+        .limits()
         .iter()
         .chain(&plan.deferred)
         .filter_map(|limit| limit.tokens.as_ref())
@@ -182,10 +183,10 @@ pub async fn check_room<'r>(
     declared: u64,
     exchange: &mut Exchange<'r>,
 ) -> Result<(), Stop> {
-    let mut states: Vec<Option<LimitState>> = vec![None; plan.checks.len()];
-    let mut rejecting = vec![false; plan.checks.len()];
+    let mut states: Vec<Option<LimitState>> = vec![None; plan.limits.len()];
+    let mut rejecting = vec![false; plan.limits.len()];
     let mut retry_after = Duration::ZERO;
-    for (index, (limit, check)) in plan.limits.iter().zip(&plan.checks).enumerate() {
+    for (index, (limit, check)) in plan.limits.iter().enumerate() {
         if limit.tokens.is_none() || limit.spec.shadow || !limit.spec.max_delay.is_zero() {
             continue;
         }
@@ -215,12 +216,11 @@ pub async fn check_room<'r>(
     if !rejecting.contains(&true) {
         return Ok(());
     }
-    for (limit, _) in plan.limits.iter().zip(&rejecting).filter(|(_, r)| **r) {
+    for ((limit, _), _) in plan.limits.iter().zip(&rejecting).filter(|(_, r)| **r) {
         limit.metrics.rejected.inc();
     }
     exchange.decided = Some(Decided {
         limits: plan.limits.clone(),
-        checks: plan.checks.clone(),
         decision: Decision {
             admitted: false,
             retry_after,
@@ -263,7 +263,12 @@ pub fn reserve<B>(
     let ClientBody::Read(ReadWhole { bytes, .. }) = body else {
         return Ok(None);
     };
-    let Some(first) = plan.limits.iter().find(|limit| limit.tokens.is_some()) else {
+    let Some(first) = plan
+        .limits
+        .limits()
+        .iter()
+        .find(|limit| limit.tokens.is_some())
+    else {
         return Ok(None);
     };
     let api = Api::of_path(head.uri.path());
@@ -274,7 +279,7 @@ pub fn reserve<B>(
     let mut fields = estimate::parse(bytes).map_err(|err| refuse(first.name.as_str(), err))?;
     // The cap to write when the request names none: the smallest any limit would reserve.
     let mut write: Option<(&'static str, u64)> = None;
-    for limit in &plan.limits {
+    for limit in plan.limits.limits() {
         let Some(budget) = &limit.tokens else {
             continue;
         };
@@ -300,7 +305,7 @@ pub fn reserve<B>(
     let model = estimate::model_of(&fields);
     let caches = estimate::asks_caching(&fields);
     let mut priced = None;
-    for (limit, check) in plan.limits.iter().zip(plan.checks.iter_mut()) {
+    for (limit, check) in plan.limits.iter_mut() {
         let Some(budget) = &limit.tokens else {
             continue;
         };
