@@ -37,8 +37,9 @@ use super::decide::Decided;
 use super::finish::Answered;
 use super::request_body::{BodyRefusals, ClientBody, ReadError, ReadWhole};
 use super::stop::Stop;
+use super::unread_body;
 use super::upstream::forward::ForwardError;
-use super::{Exchange, ForwardBody};
+use super::{Exchange, ForwardBody, Gateway};
 use crate::body::ProxyBody;
 use crate::limiter::{Admission, Check, Decision, LimitState, Store};
 use crate::llm::usage::DecodingScanner;
@@ -65,9 +66,48 @@ pub fn read_limit(route: &Route, plan: &Plan<'_>) -> Option<u64> {
     Some(route.max_body.map_or(limit, |max| max.min(limit)))
 }
 
+/// The steps before the decision of a request whose token limits apply (`plan`; `limit`: the
+/// most of its body to read, `read_limit`): an upgrade is refused, and so is a request whose
+/// token limits have no room at all (`check_room`) or whose body is declared larger than
+/// `limit`, each before a byte of the body is read (a small body is read and dropped, so the
+/// connection may carry the next request: `Exchange::refuse`); then the body is read whole
+/// (`read_body`). A body refused part read leaves the connection to close after the answer.
+pub async fn check_and_read<'r, B: ForwardBody>(
+    gateway: &Gateway,
+    route: &'r Route,
+    plan: &Plan<'r>,
+    limit: u64,
+    head: &mut Parts,
+    body: B,
+    exchange: &mut Exchange<'r>,
+) -> Result<ClientBody<B>, Stop> {
+    let declared = body.size_hint().lower();
+    let room = match refuse_upgrade(route, head) {
+        Ok(()) => check_room(&gateway.store, plan, declared, exchange).await,
+        Err(stop) => Err(stop),
+    };
+    if let Err(stop) = room.and_then(|()| refuse_declared(limit, declared)) {
+        let body = ClientBody::Streaming(body);
+        return exchange.refuse(head.version, body, stop).await;
+    }
+    let read = read_body(
+        route,
+        limit,
+        head,
+        body,
+        &gateway.body_refusals,
+        &gateway.body_budget,
+    )
+    .await;
+    read.inspect_err(|_| {
+        // Dropped part read: the connection closes after the answer.
+        exchange.connection = unread_body::after_reading(head.version, false);
+    })
+}
+
 /// Refuses a WebSocket upgrade on a route whose token limits apply (501): the tunnel's
 /// messages would pass uncounted.
-pub fn refuse_upgrade(route: &Route, head: &Parts) -> Result<(), Stop> {
+fn refuse_upgrade(route: &Route, head: &Parts) -> Result<(), Stop> {
     if !super::upstream::tunnel::asks_websocket(head.version, &head.headers) {
         return Ok(());
     }
@@ -84,7 +124,7 @@ pub fn refuse_upgrade(route: &Route, head: &Parts) -> Result<(), Stop> {
 
 /// Refuses a body whose declared length (`declared`) is over `limit`, the most the route
 /// reads (413), before a byte of it is read.
-pub fn refuse_declared(limit: u64, declared: u64) -> Result<(), Stop> {
+fn refuse_declared(limit: u64, declared: u64) -> Result<(), Stop> {
     if declared <= limit {
         return Ok(());
     }
@@ -106,7 +146,7 @@ fn body_too_large(limit: u64) -> String {
 /// `limit` bytes and the route's pace, and sets its `Content-Length`. The bytes held come out
 /// of `budget` as they arrive; an HTTP/2 stream also takes a place among its connection's
 /// readers (`body_budget`). Either bound reached: 503, the body dropped unread.
-pub async fn read_body<B: ForwardBody>(
+async fn read_body<B: ForwardBody>(
     route: &Route,
     limit: u64,
     head: &mut Parts,
@@ -177,7 +217,7 @@ pub async fn read_body<B: ForwardBody>(
 /// until one token does (which sent a client that obeyed it back to be refused again). The
 /// decision after the body is read stays the one atomic step that admits. A shadow limit,
 /// one that delays instead of refusing, and a store that cannot answer are left to it.
-pub async fn check_room<'r>(
+async fn check_room<'r>(
     store: &Store,
     plan: &Plan<'r>,
     declared: u64,
