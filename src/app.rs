@@ -165,17 +165,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         let gateway = Arc::clone(&gateway);
         async move { gateway.handle(request, peer).await }
     };
-    let (gateway_open, worker_connections) = (
-        metrics
-            .listeners
-            .open_connections
-            .with_label_values(&["gateway"]),
-        metrics.listeners.worker_connections.clone(),
-    );
-    let counters = |worker: usize| server::Counters {
-        open: gateway_open.clone(),
-        accepted: Some(worker_connections.with_label_values(&[&worker.to_string()])),
-    };
+    let counters = gateway_counters(&metrics);
     let server::Workers { first, others } = server::start_workers(
         bound.gateway,
         handler,
@@ -209,6 +199,18 @@ fn workers_error(err: server::WorkersError, listen: SocketAddr) -> StartError {
             what: "a worker thread",
             source,
         },
+    }
+}
+
+/// How each gateway worker counts its connections: the listener's open connections (all
+/// workers) and those the worker accepted, by its index.
+fn gateway_counters(metrics: &Metrics) -> impl Fn(usize) -> server::Counters {
+    let listeners = &metrics.listeners;
+    let open = listeners.open_connections.with_label_values(&["gateway"]);
+    let accepted = listeners.worker_connections.clone();
+    move |worker| server::Counters {
+        open: open.clone(),
+        accepted: Some(accepted.with_label_values(&[&worker.to_string()])),
     }
 }
 
