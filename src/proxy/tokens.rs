@@ -273,8 +273,6 @@ async fn check_room<'r>(
     Err(Stop::Limited)
 }
 
-/// The most of a refused HTTP/1.x body read and dropped before the refusal goes out, and the
-/// longest that takes.
 /// The `model` of a body read whole, for the limits that read it (`plan.deferred`); a body
 /// whose model has no single reading is refused (400).
 pub fn body_model(plan: &Plan<'_>, body: &ClientBody<impl Sized>) -> Result<Option<String>, Stop> {
