@@ -93,7 +93,7 @@ fn keys(c: &mut Criterion) {
                 None,
                 now,
             )
-            .checks
+            .limits
             .len()
         })
     });

@@ -77,22 +77,23 @@ impl Versions for GatewayVersions {
     }
 }
 
-/// One worker's runtime: current-thread, so a connection and everything its requests do run
-/// on the worker's own thread (see `server`).
+/// One worker's runtime (see [`server::worker_runtime`]): the calling thread's, which is
+/// worker 0.
 pub fn worker_runtime() -> Result<tokio::runtime::Runtime, StartError> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|source| StartError::Start {
-            what: "the async runtime",
-            source,
-        })
+    server::worker_runtime().map_err(runtime_error)
+}
+
+fn runtime_error(source: std::io::Error) -> StartError {
+    StartError::Start {
+        what: "the async runtime",
+        source,
+    }
 }
 
 /// Serves `loaded` (the version in `file`) until SIGTERM or Ctrl-C. Runs on the calling
 /// thread, which is worker 0: it also hosts what there is one of (the admin listener, the
 /// reloader, the TLS file watch, the signal handler, the store's background tasks). Workers
-/// 1.. each get a thread with its own runtime and listener.
+/// 1.. each get a thread with its own runtime and listener (`server::start_workers`).
 pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     let Version {
         source,
@@ -109,19 +110,13 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     } else {
         None
     };
-    let admin_api = config.admin.api;
-    let admin_hosts = config.admin.hosts.clone();
     let metrics = Arc::new(Metrics::new()?);
     let policy = policy.metered(&metrics);
     // In the background from now: the verifiers' routes answer 503 until their keys are in.
     verifiers.start(&jwks_metrics(&metrics));
     let store = open_store(config, &metrics).await?;
     let workers = config.server.workers.resolve();
-    let Bound {
-        gateway: listeners,
-        rls: rls_listener,
-        admin: admin_listener,
-    } = bind(config, workers)?;
+    let bound = bind(config, workers)?;
     tracing::info!(
         listen = %config.listen,
         workers,
@@ -130,7 +125,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         admin_listen_default = config.admin_listen.referenced == serde_saphyr::Location::UNKNOWN,
         routes = policy.routes.len(),
         store = store.name(),
-        admin_api = match (admin_api, &token) {
+        admin_api = match (config.admin.api, &token) {
             (false, _) => "off",
             (true, Some(_)) => "bearer token",
             (true, None) => "open (loopback, no token)",
@@ -139,157 +134,157 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     );
 
     let settings = server::Settings::new(&config.server);
-    let open = |listener: &str| metrics.open_connections.with_label_values(&[listener]);
-    let (gateway_open, admin_open) = (open("gateway"), open("admin"));
-    let worker_connections = metrics.worker_connections.clone();
     let gateway = Arc::new(Gateway::new(policy, store, &config.server, &metrics));
-    let request_log = gateway.request_log();
-    let store = gateway.shared_store();
+    let (request_log, store) = (gateway.request_log(), gateway.shared_store());
     let draining = Arc::new(AtomicBool::new(false));
     let (stop, stopping) = watch::channel(false);
-    let mut gateway_settings = settings.clone();
-    if let Some(tls) = listener_tls {
-        gateway_settings.tls = Some(server::ServerTls {
-            acceptor: tls.acceptor(),
-            handshake_errors: metrics.tls_handshake_errors.clone(),
-        });
-        tokio::spawn(tls.watch(metrics.tls_cert_reloads.clone(), stopping.clone()));
-    }
+    let gateway_settings = gateway_settings(&settings, listener_tls, &metrics, &stopping);
+    let rls = start_rls(rls, bound.rls, rls_tls, &gateway, &metrics, &stopping)?;
+    let (admin_api, admin_hosts) = (config.admin.api, config.admin.hosts.clone());
     let listen = config.listen;
-    let listener_error = |source| StartError::Listen {
-        addr: listen,
-        what: "",
-        source,
-    };
     let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
-    let admin_metrics = Arc::clone(&metrics);
-    let rls_tls = rls_tls.map(|tls| tls.acceptor());
-    let rls_service = match (rls, rls_listener) {
-        (Some(rls), Some(listener)) => {
-            let rls_metrics = crate::rls::RlsMetrics::new(&metrics)?;
-            let service = Arc::new(crate::rls::Service::new(
-                rls,
-                gateway.shared_store(),
-                rls_metrics,
-            ));
-            tokio::spawn(crate::rls::serve(
-                Arc::clone(&service),
-                listener,
-                rls_tls,
-                stopping.clone(),
-            ));
-            Some(service)
-        }
-        _ => None,
-    };
     let versions = GatewayVersions {
         gateway: Arc::clone(&gateway),
         metrics: Arc::clone(&metrics),
-        rls: rls_service,
+        rls,
     };
-    let reloader = Reloader::new(file, source, versions, metrics);
-    let admin = Arc::new(Admin {
+    let reloader = Reloader::new(file, source, versions, Arc::clone(&metrics));
+    let admin = Admin {
         gateway: Arc::clone(&gateway),
-        metrics: admin_metrics,
+        metrics: Arc::clone(&metrics),
         draining: Arc::clone(&draining),
         api: admin_api.then(|| Api {
             token,
             reload: reloader.handle(),
         }),
         guard: Guard::new(admin_hosts),
-    });
+    };
     tokio::spawn(reloader.run(stopping.clone()));
     tokio::spawn(shut_down_on_signal(draining, shutdown_delay, stop));
     let handler = move |request, peer| {
         let gateway = Arc::clone(&gateway);
         async move { gateway.handle(request, peer).await }
     };
-    let gateway_slots = server::slots(&gateway_settings);
-    let counters = |worker: usize| server::Counters {
-        open: gateway_open.clone(),
-        accepted: Some(worker_connections.with_label_values(&[&worker.to_string()])),
-    };
-    crate::runtime::worker::set_count(listeners.len());
-    let mut listeners = listeners.into_iter();
-    let first = listeners.next().ok_or_else(|| {
-        listener_error(std::io::Error::other("no listener was bound for worker 0"))
-    })?;
-    // Workers 1..: their runtimes built and listeners registered here, so a failure stops the
-    // start; each reports on `finished` when its connections are drained.
-    let (finished, mut workers_done) = tokio::sync::mpsc::channel::<()>(workers.max(1));
-    let mut threads = Vec::new();
-    for (index, listener) in listeners.enumerate() {
-        let worker = index + 1;
-        let runtime = worker_runtime()?;
-        let listener = {
-            let _registered_with = runtime.enter();
-            listener.set_nonblocking(true).map_err(listener_error)?;
-            tokio::net::TcpListener::from_std(listener).map_err(listener_error)?
-        };
-        let (handler, settings, slots, counters, stopping, finished) = (
-            handler.clone(),
-            gateway_settings.clone(),
-            Arc::clone(&gateway_slots),
-            counters(worker),
-            stopping.clone(),
-            finished.clone(),
-        );
-        let thread = std::thread::Builder::new()
-            .name(format!("sluice-worker-{worker}"))
-            .spawn(move || {
-                crate::runtime::worker::enter(worker);
-                let serve = server::serve(listener, handler, settings, slots, counters, stopping);
-                runtime.block_on(serve);
-                drop(finished);
-            })
-            .map_err(|source| StartError::Start {
-                what: "a worker thread",
-                source,
-            })?;
-        threads.push(thread);
-    }
-    drop(finished);
-    first.set_nonblocking(true).map_err(listener_error)?;
-    let serve_gateway = server::serve(
-        tokio::net::TcpListener::from_std(first).map_err(listener_error)?,
+    let counters = gateway_counters(&metrics);
+    let server::Workers { first, others } = server::start_workers(
+        bound.gateway,
         handler,
         gateway_settings,
-        gateway_slots,
-        counters(0),
+        counters,
         stopping.clone(),
-    );
-    let admin_slots = server::slots(&settings);
-    let mut settings = settings;
-    settings.local_addr = true;
-    let serve_admin = server::serve(
-        admin_listener,
-        move |request, _peer| {
-            let admin = Arc::clone(&admin);
-            async move { admin.handle(request).await }
-        },
-        settings,
-        admin_slots,
-        server::Counters {
-            open: admin_open,
-            accepted: None,
-        },
-        stopping,
-    );
-    tokio::join!(serve_gateway, serve_admin);
-    // This runtime keeps driving the shared tasks (the store's connections) until the other
-    // workers are done: then every sender is dropped and `recv` ends.
-    while workers_done.recv().await.is_some() {}
-    for thread in threads {
-        if thread.join().is_err() {
-            tracing::error!("a worker thread panicked");
-        }
-    }
+    )
+    .map_err(|err| workers_error(err, listen))?;
+    let admin = serve_admin(admin, bound.admin, settings, &metrics, stopping);
+    tokio::join!(first, admin);
+    others.drained().await;
     // The leases of requests the drain cut (their releases' tasks died with the workers'
     // runtimes), so no place stays taken until its lease period ends.
     store.end_leases(Duration::from_secs(2)).await;
     // The counts since the last report, so a rejection summary is never lost at exit.
     request_log.report();
     Ok(())
+}
+
+/// Why the workers did not start, as a start error: a gateway listener that cannot be
+/// registered with its worker is one sluice cannot listen on (`listen`).
+fn workers_error(err: server::WorkersError, listen: SocketAddr) -> StartError {
+    match err {
+        server::WorkersError::Listener(source) => StartError::Listen {
+            addr: listen,
+            what: "",
+            source,
+        },
+        server::WorkersError::Runtime(source) => runtime_error(source),
+        server::WorkersError::Thread(source) => StartError::Start {
+            what: "a worker thread",
+            source,
+        },
+    }
+}
+
+/// How each gateway worker counts its connections: the listener's open connections (all
+/// workers) and those the worker accepted, by its index.
+fn gateway_counters(metrics: &Metrics) -> impl Fn(usize) -> server::Counters {
+    let listeners = &metrics.listeners;
+    let open = listeners.open_connections.with_label_values(&["gateway"]);
+    let accepted = listeners.worker_connections.clone();
+    move |worker| server::Counters {
+        open: open.clone(),
+        accepted: Some(accepted.with_label_values(&[&worker.to_string()])),
+    }
+}
+
+/// The gateway listener's settings: the server's, with TLS when the version has a
+/// certificate, whose files are watched from now until `stopping`.
+fn gateway_settings(
+    settings: &server::Settings,
+    listener_tls: Option<crate::tls::ListenerTls>,
+    metrics: &Metrics,
+    stopping: &watch::Receiver<bool>,
+) -> server::Settings {
+    let mut gateway_settings = settings.clone();
+    if let Some(tls) = listener_tls {
+        gateway_settings.tls = Some(server::ServerTls {
+            acceptor: tls.acceptor(),
+            handshake_errors: metrics.listeners.tls_handshake_errors.clone(),
+        });
+        tokio::spawn(tls.watch(metrics.listeners.tls_cert_reloads.clone(), stopping.clone()));
+    }
+    gateway_settings
+}
+
+/// The rate limit service, serving on its listener from now until `stopping`, when the
+/// version has rules for it (`rls:`, whose listener `bind` bound).
+fn start_rls(
+    rls: Option<crate::rls::Compiled>,
+    listener: Option<tokio::net::TcpListener>,
+    tls: Option<crate::tls::ListenerTls>,
+    gateway: &Gateway,
+    metrics: &Metrics,
+    stopping: &watch::Receiver<bool>,
+) -> Result<Option<Arc<crate::rls::Service>>, StartError> {
+    let (Some(rls), Some(listener)) = (rls, listener) else {
+        return Ok(None);
+    };
+    let rls_metrics = crate::rls::RlsMetrics::new(metrics)?;
+    let service = Arc::new(crate::rls::Service::new(
+        rls,
+        gateway.shared_store(),
+        rls_metrics,
+    ));
+    tokio::spawn(crate::rls::serve(
+        Arc::clone(&service),
+        listener,
+        tls.map(|tls| tls.acceptor()),
+        stopping.clone(),
+    ));
+    Ok(Some(service))
+}
+
+/// The admin listener served until `stopping`: its own connection slots, and each request
+/// given the address it came to (the guard compares the `Host` with it).
+fn serve_admin(
+    admin: Admin,
+    listener: tokio::net::TcpListener,
+    mut settings: server::Settings,
+    metrics: &Metrics,
+    stopping: watch::Receiver<bool>,
+) -> impl std::future::Future<Output = ()> {
+    let admin = Arc::new(admin);
+    let slots = server::slots(&settings);
+    settings.local_addr = true;
+    let counters = server::Counters {
+        open: metrics
+            .listeners
+            .open_connections
+            .with_label_values(&["admin"]),
+        accepted: None,
+    };
+    let handler = move |request, _peer| {
+        let admin = Arc::clone(&admin);
+        async move { admin.handle(request).await }
+    };
+    server::serve(listener, handler, settings, slots, counters, stopping)
 }
 
 /// The store the policy names: Redis (connected, its script loaded when it answers) or the
@@ -385,8 +380,8 @@ async fn shutdown_signal() {
 /// the metrics stay below the identities in the module graph).
 fn jwks_metrics(metrics: &Metrics) -> crate::jwt::jwks::JwksMetrics {
     crate::jwt::jwks::JwksMetrics {
-        fetches: metrics.jwks_fetches.clone(),
-        age: metrics.jwks_keys_age.clone(),
+        fetches: metrics.jwt.jwks_fetches.clone(),
+        age: metrics.jwt.jwks_keys_age.clone(),
     }
 }
 

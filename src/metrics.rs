@@ -206,45 +206,17 @@ impl ReloadResult {
     }
 }
 
+/// Every metric sluice exports, grouped by what it observes; each family is defined once,
+/// in its group's constructor, with its help text.
 pub struct Metrics {
     registry: Registry,
-    pub requests: IntCounterVec,
-    pub limit_decisions: IntCounterVec,
-    pub request_duration: HistogramVec,
-    pub store_call_duration: HistogramVec,
-    pub store_errors: IntCounterVec,
-    pub upstream_errors: IntCounterVec,
-    pub refused: IntCounterVec,
-    /// `sluice_jwt_invalid_total{route, reason}`: requests whose token gave no identity.
-    pub jwt_invalid: IntCounterVec,
-    /// `sluice_jwks_fetches_total{verifier, outcome}`: fetches of a `jwks_url`.
-    pub jwks_fetches: IntCounterVec,
-    /// `sluice_jwks_keys_age_seconds{verifier}`: time since the keys in force were fetched.
-    pub jwks_keys_age: GaugeVec,
-    pub open_connections: IntGaugeVec,
-    pub worker_connections: IntCounterVec,
-    pub local_keys: IntGauge,
-    pub local_evictions: IntCounter,
-    pub deny_cache_answers: IntCounter,
-    pub store_fallback_active: IntGauge,
-    pub store_breaker_transitions: IntCounterVec,
-    pub store_fallback_decisions: IntCounterVec,
-    pub config_reloads: IntCounterVec,
-    pub config_hash: IntGauge,
-    /// `sluice_config_versions_skipped_total`: versions of the config (or a key file) that
-    /// changed again before they settled, never applied.
-    pub config_versions_skipped: IntCounter,
-    pub tls_cert_reloads: IntCounterVec,
-    pub tls_handshake_errors: IntCounter,
-    pub delay: HistogramVec,
-    pub held: IntGaugeVec,
-    pub tokens_reserved: IntCounterVec,
-    pub tokens_settled: IntCounterVec,
-    pub tokens_returned: IntCounterVec,
-    pub token_overruns: IntCounterVec,
-    pub token_overrun_tokens: IntCounterVec,
-    pub concurrency_in_flight: IntGaugeVec,
-    pub concurrency_leases: IntCounterVec,
+    pub traffic: TrafficFamilies,
+    pub store: StoreFamilies,
+    pub leases: LeaseFamilies,
+    pub tokens: TokenFamilies,
+    pub jwt: JwtFamilies,
+    pub listeners: ListenerFamilies,
+    pub config: ConfigFamilies,
 }
 
 /// Buckets for whole requests: from a fast local answer to a slow upstream.
@@ -260,15 +232,20 @@ const STORE_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 ];
 
-impl Metrics {
-    /// Registers a collector defined next to what it measures (the rate limit service's
-    /// metrics, `rls::metrics`), so `/metrics` exports it with the rest.
-    pub fn register(&self, collector: Box<dyn Collector>) -> Result<(), prometheus::Error> {
-        self.registry.register(collector)
-    }
+/// Requests as a whole: their outcomes, durations, the decisions of their limits, the
+/// refusals before routing, the upstream's failures, and the holds of `on_exceed: delay`.
+pub struct TrafficFamilies {
+    pub requests: IntCounterVec,
+    pub limit_decisions: IntCounterVec,
+    pub request_duration: HistogramVec,
+    pub upstream_errors: IntCounterVec,
+    pub refused: IntCounterVec,
+    pub delay: HistogramVec,
+    pub held: IntGaugeVec,
+}
 
-    pub fn new() -> Result<Metrics, prometheus::Error> {
-        let registry = Registry::new();
+impl TrafficFamilies {
+    fn new(registry: &Registry) -> Result<TrafficFamilies, prometheus::Error> {
         let requests = IntCounterVec::new(
             Opts::new(
                 "sluice_requests_total",
@@ -291,21 +268,6 @@ impl Metrics {
             .buckets(REQUEST_BUCKETS.to_vec()),
             &["route"],
         )?;
-        let store_call_duration = HistogramVec::new(
-            HistogramOpts::new(
-                "sluice_store_call_duration_seconds",
-                "Duration of one limiter store call (all limits of a request), by store.",
-            )
-            .buckets(STORE_BUCKETS.to_vec()),
-            &["store"],
-        )?;
-        let store_errors = IntCounterVec::new(
-            Opts::new(
-                "sluice_store_errors_total",
-                "Store calls that failed, by store and kind (timeout, connection, script), and decisions refused because too many were waiting for the store (queue_full).",
-            ),
-            &["store", "kind"],
-        )?;
         let upstream_errors = IntCounterVec::new(
             Opts::new(
                 "sluice_upstream_errors_total",
@@ -320,40 +282,72 @@ impl Metrics {
             ),
             &["reason"],
         )?;
-        let jwt_invalid = IntCounterVec::new(
-            Opts::new(
-                "sluice_jwt_invalid_total",
-                "Requests on a route with `jwt:` whose token gave no identity, by route and reason (missing, malformed, signature, expired, not_yet_valid, issuer, audience, algorithm, unknown_key); the route's on_invalid says whether they got 401 or the anonymous limits.",
-            ),
-            &["route", "reason"],
+        let delay = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_delay_seconds",
+                "Delays applied to requests held by on_exceed: delay limits (from the decision to forwarding), by route.",
+            )
+            .buckets(DELAY_BUCKETS.to_vec()),
+            &["route"],
         )?;
-        let jwks_fetches = IntCounterVec::new(
+        let held = IntGaugeVec::new(
             Opts::new(
-                "sluice_jwks_fetches_total",
-                "Fetches of a verifier's jwks_url, by verifier and outcome (ok; status, too_large, timeout, bad_set, network: refused, the last good keys keep serving; bad_set: not a JWK set, no usable key, or a repeated kid).",
+                "sluice_held_requests",
+                "Requests held now by on_exceed: delay limits, by route (bounded by the route's max_delayed).",
             ),
-            &["verifier", "outcome"],
+            &["route"],
         )?;
-        let jwks_keys_age = GaugeVec::new(
-            Opts::new(
-                "sluice_jwks_keys_age_seconds",
-                "Seconds since a jwks_url verifier's keys were last fetched successfully (updated every second); absent until a first fetch succeeds.",
-            ),
-            &["verifier"],
+        for refusal in Refusal::ALL {
+            refused.with_label_values(&[refusal.label()]);
+        }
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(limit_decisions.clone()))?;
+        registry.register(Box::new(request_duration.clone()))?;
+        registry.register(Box::new(upstream_errors.clone()))?;
+        registry.register(Box::new(refused.clone()))?;
+        registry.register(Box::new(delay.clone()))?;
+        registry.register(Box::new(held.clone()))?;
+        Ok(TrafficFamilies {
+            requests,
+            limit_decisions,
+            request_duration,
+            upstream_errors,
+            refused,
+            delay,
+            held,
+        })
+    }
+}
+
+/// The limiter's store: its calls and their failures, the in-process store, the deny cache,
+/// the breaker and what routes decide without the store.
+pub struct StoreFamilies {
+    pub store_call_duration: HistogramVec,
+    pub store_errors: IntCounterVec,
+    pub local_keys: IntGauge,
+    pub local_evictions: IntCounter,
+    pub deny_cache_answers: IntCounter,
+    pub store_fallback_active: IntGauge,
+    pub store_breaker_transitions: IntCounterVec,
+    pub store_fallback_decisions: IntCounterVec,
+}
+
+impl StoreFamilies {
+    fn new(registry: &Registry) -> Result<StoreFamilies, prometheus::Error> {
+        let store_call_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_store_call_duration_seconds",
+                "Duration of one limiter store call (all limits of a request), by store.",
+            )
+            .buckets(STORE_BUCKETS.to_vec()),
+            &["store"],
         )?;
-        let open_connections = IntGaugeVec::new(
+        let store_errors = IntCounterVec::new(
             Opts::new(
-                "sluice_open_connections",
-                "Client connections open now, by listener (gateway, admin).",
+                "sluice_store_errors_total",
+                "Store calls that failed, by store and kind (timeout, connection, script), and decisions refused because too many were waiting for the store (queue_full).",
             ),
-            &["listener"],
-        )?;
-        let worker_connections = IntCounterVec::new(
-            Opts::new(
-                "sluice_worker_connections_total",
-                "Gateway connections accepted, by worker (`server.workers`: each has its own listener).",
-            ),
-            &["worker"],
+            &["store", "kind"],
         )?;
         let local_keys = IntGauge::new(
             "sluice_local_store_keys",
@@ -385,47 +379,35 @@ impl Metrics {
             ),
             &["route", "action"],
         )?;
-        let config_reloads = IntCounterVec::new(
-            Opts::new(
-                "sluice_config_reloads_total",
-                "Attempts to reload the config file (on change or SIGHUP), by result: ok (applied), error (refused; the old policy keeps serving).",
-            ),
-            &["result"],
-        )?;
-        let config_versions_skipped = IntCounter::new(
-            "sluice_config_versions_skipped_total",
-            "Versions of the config file, or of a JWT key file it names, that changed again within reload.settle of being read: never applied (a file written in several steps; write a temp file and rename it over the path).",
-        )?;
-        let config_hash = IntGauge::new(
-            "sluice_config_hash",
-            "The config file serving now: the first 52 bits of its SHA-256 as an integer (exact in a float64), e.g. compare with `sha256sum FILE | cut -c1-13` read as hex.",
-        )?;
-        let tls_cert_reloads = IntCounterVec::new(
-            Opts::new(
-                "sluice_tls_cert_reloads_total",
-                "Changes of the listener's TLS certificate or key files, by result: ok (new handshakes use the new pair), error (refused; the old pair keeps serving).",
-            ),
-            &["result"],
-        )?;
-        let tls_handshake_errors = IntCounter::new(
-            "sluice_tls_handshake_errors_total",
-            "Client TLS handshakes that failed or were not done within server.header_read_timeout.",
-        )?;
-        let delay = HistogramVec::new(
-            HistogramOpts::new(
-                "sluice_delay_seconds",
-                "Delays applied to requests held by on_exceed: delay limits (from the decision to forwarding), by route.",
-            )
-            .buckets(DELAY_BUCKETS.to_vec()),
-            &["route"],
-        )?;
-        let held = IntGaugeVec::new(
-            Opts::new(
-                "sluice_held_requests",
-                "Requests held now by on_exceed: delay limits, by route (bounded by the route's max_delayed).",
-            ),
-            &["route"],
-        )?;
+        registry.register(Box::new(store_call_duration.clone()))?;
+        registry.register(Box::new(store_errors.clone()))?;
+        registry.register(Box::new(local_keys.clone()))?;
+        registry.register(Box::new(local_evictions.clone()))?;
+        registry.register(Box::new(deny_cache_answers.clone()))?;
+        registry.register(Box::new(store_fallback_active.clone()))?;
+        registry.register(Box::new(store_breaker_transitions.clone()))?;
+        registry.register(Box::new(store_fallback_decisions.clone()))?;
+        Ok(StoreFamilies {
+            store_call_duration,
+            store_errors,
+            local_keys,
+            local_evictions,
+            deny_cache_answers,
+            store_fallback_active,
+            store_breaker_transitions,
+            store_fallback_decisions,
+        })
+    }
+}
+
+/// Concurrency limits: the leases held now and what became of them.
+pub struct LeaseFamilies {
+    pub concurrency_in_flight: IntGaugeVec,
+    pub concurrency_leases: IntCounterVec,
+}
+
+impl LeaseFamilies {
+    fn new(registry: &Registry) -> Result<LeaseFamilies, prometheus::Error> {
         let concurrency_in_flight = IntGaugeVec::new(
             Opts::new(
                 "sluice_concurrency_in_flight",
@@ -440,6 +422,27 @@ impl Metrics {
             ),
             &["event"],
         )?;
+        registry.register(Box::new(concurrency_in_flight.clone()))?;
+        registry.register(Box::new(concurrency_leases.clone()))?;
+        Ok(LeaseFamilies {
+            concurrency_in_flight,
+            concurrency_leases,
+        })
+    }
+}
+
+/// Token budgets (`llm`): what was reserved, settled, given back and overrun, by route,
+/// limit and unit.
+pub struct TokenFamilies {
+    pub tokens_reserved: IntCounterVec,
+    pub tokens_settled: IntCounterVec,
+    pub tokens_returned: IntCounterVec,
+    pub token_overruns: IntCounterVec,
+    pub token_overrun_tokens: IntCounterVec,
+}
+
+impl TokenFamilies {
+    fn new(registry: &Registry) -> Result<TokenFamilies, prometheus::Error> {
         let token_counter = |name: &str, help: &str| {
             IntCounterVec::new(Opts::new(name, help), &["route", "limit", "unit"])
         };
@@ -463,6 +466,177 @@ impl Metrics {
             "sluice_token_overrun_tokens_total",
             "Token budgets: tokens (or micro-currency) responses reported beyond what was reserved for them, charged to the limit, by route, limit and unit.",
         )?;
+        registry.register(Box::new(tokens_reserved.clone()))?;
+        registry.register(Box::new(tokens_settled.clone()))?;
+        registry.register(Box::new(tokens_returned.clone()))?;
+        registry.register(Box::new(token_overruns.clone()))?;
+        registry.register(Box::new(token_overrun_tokens.clone()))?;
+        Ok(TokenFamilies {
+            tokens_reserved,
+            tokens_settled,
+            tokens_returned,
+            token_overruns,
+            token_overrun_tokens,
+        })
+    }
+}
+
+/// JWT identities: tokens that gave none, and the fetches of `jwks_url` key sets.
+pub struct JwtFamilies {
+    /// `sluice_jwt_invalid_total{route, reason}`: requests whose token gave no identity.
+    pub jwt_invalid: IntCounterVec,
+    /// `sluice_jwks_fetches_total{verifier, outcome}`: fetches of a `jwks_url`.
+    pub jwks_fetches: IntCounterVec,
+    /// `sluice_jwks_keys_age_seconds{verifier}`: time since the keys in force were fetched.
+    pub jwks_keys_age: GaugeVec,
+}
+
+impl JwtFamilies {
+    fn new(registry: &Registry) -> Result<JwtFamilies, prometheus::Error> {
+        let jwt_invalid = IntCounterVec::new(
+            Opts::new(
+                "sluice_jwt_invalid_total",
+                "Requests on a route with `jwt:` whose token gave no identity, by route and reason (missing, malformed, signature, expired, not_yet_valid, issuer, audience, algorithm, unknown_key); the route's on_invalid says whether they got 401 or the anonymous limits.",
+            ),
+            &["route", "reason"],
+        )?;
+        let jwks_fetches = IntCounterVec::new(
+            Opts::new(
+                "sluice_jwks_fetches_total",
+                "Fetches of a verifier's jwks_url, by verifier and outcome (ok; status, too_large, timeout, bad_set, network: refused, the last good keys keep serving; bad_set: not a JWK set, no usable key, or a repeated kid).",
+            ),
+            &["verifier", "outcome"],
+        )?;
+        let jwks_keys_age = GaugeVec::new(
+            Opts::new(
+                "sluice_jwks_keys_age_seconds",
+                "Seconds since a jwks_url verifier's keys were last fetched successfully (updated every second); absent until a first fetch succeeds.",
+            ),
+            &["verifier"],
+        )?;
+        registry.register(Box::new(jwt_invalid.clone()))?;
+        registry.register(Box::new(jwks_fetches.clone()))?;
+        registry.register(Box::new(jwks_keys_age.clone()))?;
+        Ok(JwtFamilies {
+            jwt_invalid,
+            jwks_fetches,
+            jwks_keys_age,
+        })
+    }
+}
+
+/// The listeners: connections open and accepted, and the listener's TLS.
+pub struct ListenerFamilies {
+    pub open_connections: IntGaugeVec,
+    pub worker_connections: IntCounterVec,
+    pub tls_cert_reloads: IntCounterVec,
+    pub tls_handshake_errors: IntCounter,
+}
+
+impl ListenerFamilies {
+    fn new(registry: &Registry) -> Result<ListenerFamilies, prometheus::Error> {
+        let open_connections = IntGaugeVec::new(
+            Opts::new(
+                "sluice_open_connections",
+                "Client connections open now, by listener (gateway, admin).",
+            ),
+            &["listener"],
+        )?;
+        let worker_connections = IntCounterVec::new(
+            Opts::new(
+                "sluice_worker_connections_total",
+                "Gateway connections accepted, by worker (`server.workers`: each has its own listener).",
+            ),
+            &["worker"],
+        )?;
+        let tls_cert_reloads = IntCounterVec::new(
+            Opts::new(
+                "sluice_tls_cert_reloads_total",
+                "Changes of the listener's TLS certificate or key files, by result: ok (new handshakes use the new pair), error (refused; the old pair keeps serving).",
+            ),
+            &["result"],
+        )?;
+        let tls_handshake_errors = IntCounter::new(
+            "sluice_tls_handshake_errors_total",
+            "Client TLS handshakes that failed or were not done within server.header_read_timeout.",
+        )?;
+        for result in ReloadResult::ALL {
+            tls_cert_reloads.with_label_values(&[result.label()]);
+        }
+        registry.register(Box::new(open_connections.clone()))?;
+        registry.register(Box::new(worker_connections.clone()))?;
+        registry.register(Box::new(tls_cert_reloads.clone()))?;
+        registry.register(Box::new(tls_handshake_errors.clone()))?;
+        Ok(ListenerFamilies {
+            open_connections,
+            worker_connections,
+            tls_cert_reloads,
+            tls_handshake_errors,
+        })
+    }
+}
+
+/// The config file: reloads, the version serving, versions skipped.
+pub struct ConfigFamilies {
+    pub config_reloads: IntCounterVec,
+    pub config_hash: IntGauge,
+    /// `sluice_config_versions_skipped_total`: versions of the config (or a key file) that
+    /// changed again before they settled, never applied.
+    pub config_versions_skipped: IntCounter,
+}
+
+impl ConfigFamilies {
+    fn new(registry: &Registry) -> Result<ConfigFamilies, prometheus::Error> {
+        let config_reloads = IntCounterVec::new(
+            Opts::new(
+                "sluice_config_reloads_total",
+                "Attempts to reload the config file (on change or SIGHUP), by result: ok (applied), error (refused; the old policy keeps serving).",
+            ),
+            &["result"],
+        )?;
+        let config_hash = IntGauge::new(
+            "sluice_config_hash",
+            "The config file serving now: the first 52 bits of its SHA-256 as an integer (exact in a float64), e.g. compare with `sha256sum FILE | cut -c1-13` read as hex.",
+        )?;
+        let config_versions_skipped = IntCounter::new(
+            "sluice_config_versions_skipped_total",
+            "Versions of the config file, or of a JWT key file it names, that changed again within reload.settle of being read: never applied (a file written in several steps; write a temp file and rename it over the path).",
+        )?;
+        for result in ReloadResult::ALL {
+            config_reloads.with_label_values(&[result.label()]);
+        }
+        registry.register(Box::new(config_reloads.clone()))?;
+        registry.register(Box::new(config_hash.clone()))?;
+        registry.register(Box::new(config_versions_skipped.clone()))?;
+        Ok(ConfigFamilies {
+            config_reloads,
+            config_hash,
+            config_versions_skipped,
+        })
+    }
+}
+
+impl Metrics {
+    /// Registers a collector defined next to what it measures (the rate limit service's
+    /// metrics, `rls::metrics`), so `/metrics` exports it with the rest.
+    pub fn register(&self, collector: Box<dyn Collector>) -> Result<(), prometheus::Error> {
+        self.registry.register(collector)
+    }
+
+    /// Every family, registered: those whose labels are known in advance with their series
+    /// at zero (reload results, refusal reasons), so a dashboard sees them at zero before the first is counted.
+    pub fn new() -> Result<Metrics, prometheus::Error> {
+        let registry = Registry::new();
+        let metrics = Metrics {
+            traffic: TrafficFamilies::new(&registry)?,
+            store: StoreFamilies::new(&registry)?,
+            leases: LeaseFamilies::new(&registry)?,
+            tokens: TokenFamilies::new(&registry)?,
+            jwt: JwtFamilies::new(&registry)?,
+            listeners: ListenerFamilies::new(&registry)?,
+            config: ConfigFamilies::new(&registry)?,
+            registry,
+        };
         let log_lines_dropped = LogLinesDropped {
             counter: IntCounter::new(
                 "sluice_log_lines_dropped_total",
@@ -470,90 +644,22 @@ impl Metrics {
             )?,
             one_scrape_at_a_time: Mutex::new(()),
         };
-        for result in ReloadResult::ALL {
-            config_reloads.with_label_values(&[result.label()]);
-            tls_cert_reloads.with_label_values(&[result.label()]);
-        }
-        for refusal in Refusal::ALL {
-            refused.with_label_values(&[refusal.label()]);
-        }
-        registry.register(Box::new(requests.clone()))?;
-        registry.register(Box::new(refused.clone()))?;
-        registry.register(Box::new(jwt_invalid.clone()))?;
-        registry.register(Box::new(jwks_fetches.clone()))?;
-        registry.register(Box::new(jwks_keys_age.clone()))?;
-        registry.register(Box::new(open_connections.clone()))?;
-        registry.register(Box::new(worker_connections.clone()))?;
-        registry.register(Box::new(local_keys.clone()))?;
-        registry.register(Box::new(local_evictions.clone()))?;
-        registry.register(Box::new(deny_cache_answers.clone()))?;
-        registry.register(Box::new(store_fallback_active.clone()))?;
-        registry.register(Box::new(store_breaker_transitions.clone()))?;
-        registry.register(Box::new(store_fallback_decisions.clone()))?;
-        registry.register(Box::new(limit_decisions.clone()))?;
-        registry.register(Box::new(request_duration.clone()))?;
-        registry.register(Box::new(store_call_duration.clone()))?;
-        registry.register(Box::new(store_errors.clone()))?;
-        registry.register(Box::new(upstream_errors.clone()))?;
-        registry.register(Box::new(config_reloads.clone()))?;
-        registry.register(Box::new(config_hash.clone()))?;
-        registry.register(Box::new(config_versions_skipped.clone()))?;
-        registry.register(Box::new(tls_cert_reloads.clone()))?;
-        registry.register(Box::new(tls_handshake_errors.clone()))?;
-        registry.register(Box::new(delay.clone()))?;
-        registry.register(Box::new(held.clone()))?;
-        registry.register(Box::new(tokens_reserved.clone()))?;
-        registry.register(Box::new(tokens_settled.clone()))?;
-        registry.register(Box::new(tokens_returned.clone()))?;
-        registry.register(Box::new(token_overruns.clone()))?;
-        registry.register(Box::new(token_overrun_tokens.clone()))?;
-        registry.register(Box::new(concurrency_in_flight.clone()))?;
-        registry.register(Box::new(concurrency_leases.clone()))?;
-        registry.register(Box::new(log_lines_dropped))?;
-        Ok(Metrics {
-            registry,
-            requests,
-            limit_decisions,
-            request_duration,
-            store_call_duration,
-            store_errors,
-            upstream_errors,
-            refused,
-            jwt_invalid,
-            jwks_fetches,
-            jwks_keys_age,
-            open_connections,
-            worker_connections,
-            local_keys,
-            local_evictions,
-            deny_cache_answers,
-            store_fallback_active,
-            store_breaker_transitions,
-            store_fallback_decisions,
-            config_reloads,
-            config_hash,
-            config_versions_skipped,
-            tls_cert_reloads,
-            tls_handshake_errors,
-            delay,
-            held,
-            tokens_reserved,
-            tokens_settled,
-            tokens_returned,
-            token_overruns,
-            token_overrun_tokens,
-            concurrency_in_flight,
-            concurrency_leases,
-        })
+        metrics.registry.register(Box::new(log_lines_dropped))?;
+        Ok(metrics)
     }
 
     /// The counters and histogram of one route, resolved once so the request path does no
     /// label lookups.
     pub fn for_route(&self, route: &str) -> RouteMetrics {
-        let outcomes =
-            Outcome::ROUTED.map(|o| (o, self.requests.with_label_values(&[route, o.label()])));
+        let outcomes = Outcome::ROUTED.map(|o| {
+            (
+                o,
+                self.traffic.requests.with_label_values(&[route, o.label()]),
+            )
+        });
         let fallback = FALLBACK_ACTIONS.map(|action| {
             let counter = self
+                .store
                 .store_fallback_decisions
                 .with_label_values(&[route, action]);
             (action, counter)
@@ -561,15 +667,16 @@ impl Metrics {
         RouteMetrics {
             outcomes,
             fallback,
-            duration: self.request_duration.with_label_values(&[route]),
-            delay: self.delay.with_label_values(&[route]),
-            held: self.held.with_label_values(&[route]),
+            duration: self.traffic.request_duration.with_label_values(&[route]),
+            delay: self.traffic.delay.with_label_values(&[route]),
+            held: self.traffic.held.with_label_values(&[route]),
         }
     }
 
     pub fn for_limit(&self, route: &str, limit: &str) -> LimitMetrics {
         let counter = |decision: LimitDecision| {
-            self.limit_decisions
+            self.traffic
+                .limit_decisions
                 .with_label_values(&[route, limit, decision.label()])
         };
         LimitMetrics {
@@ -587,14 +694,23 @@ impl Metrics {
     pub fn for_token_limit(&self, route: &str, limit: &str, unit: &str) -> TokenMetrics {
         TokenMetrics {
             reserved: self
+                .tokens
                 .tokens_reserved
                 .with_label_values(&[route, limit, unit]),
-            settled: self.tokens_settled.with_label_values(&[route, limit, unit]),
+            settled: self
+                .tokens
+                .tokens_settled
+                .with_label_values(&[route, limit, unit]),
             returned: self
+                .tokens
                 .tokens_returned
                 .with_label_values(&[route, limit, unit]),
-            overruns: self.token_overruns.with_label_values(&[route, limit, unit]),
+            overruns: self
+                .tokens
+                .token_overruns
+                .with_label_values(&[route, limit, unit]),
             overrun_tokens: self
+                .tokens
                 .token_overrun_tokens
                 .with_label_values(&[route, limit, unit]),
         }

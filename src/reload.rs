@@ -129,7 +129,7 @@ impl<V: Versions> Reloader<V> {
     /// `started` is the config the process runs with. Installs the SIGHUP handler now, so
     /// that a SIGHUP from this point on reloads instead of ending the process.
     pub fn new(file: &Path, started: Source, versions: V, metrics: Arc<Metrics>) -> Reloader<V> {
-        metrics.config_hash.set(hash_value(&started.digest));
+        metrics.config.config_hash.set(hash_value(&started.digest));
         let watched = FileWatch::new(vec![file.to_owned()], &[started.text.as_bytes()]);
         let key_files = key_watch(file, &started.config);
         let serving = Arc::new(ArcSwap::from_pointee(Serving {
@@ -241,7 +241,7 @@ impl<V: Versions> Reloader<V> {
     /// A version of `what` that changed again before it settled: counted and logged, never
     /// applied.
     fn skipped(&self, what: &str) {
-        self.metrics.config_versions_skipped.inc();
+        self.metrics.config.config_versions_skipped.inc();
         tracing::warn!(
             file = %self.file.display(),
             settle = ?self.settle,
@@ -277,6 +277,7 @@ impl<V: Versions> Reloader<V> {
         match self.put_in_force(bytes) {
             Ok(reloaded) => {
                 self.metrics
+                    .config
                     .config_reloads
                     .with_label_values(&[ReloadResult::Ok.label()])
                     .inc();
@@ -292,6 +293,7 @@ impl<V: Versions> Reloader<V> {
 
     fn refused(&self, err: &ReloadError) {
         self.metrics
+            .config
             .config_reloads
             .with_label_values(&[ReloadResult::Error.label()])
             .inc();
@@ -313,7 +315,7 @@ impl<V: Versions> Reloader<V> {
         self.key_files = key_watch(&self.file, &source.config);
         self.settle = source.config.reload.settle.0;
         let config_hash = hash_value(&source.digest);
-        self.metrics.config_hash.set(config_hash);
+        self.metrics.config.config_hash.set(config_hash);
         let serving = Serving {
             file: self.file.clone(),
             text: source.text,

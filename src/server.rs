@@ -4,11 +4,11 @@
 //! graceful shutdown that lets requests in flight finish. HTTP/1.1 connections may be upgraded
 //! (WebSocket): the upgraded connection keeps its slot until it closes ([`ConnectionHold`]).
 //!
-//! The gateway is served by `server.workers` workers, each a thread with a current-thread
-//! runtime and its own listener on the same address (`SO_REUSEPORT`, see [`bind_workers`]):
-//! the kernel spreads new connections over them, and a connection lives on one thread from
-//! accept to close, so serving it never wakes another thread. The workers share one bound on
-//! connections (the semaphore handed to each [`serve`]).
+//! The gateway is served by `server.workers` workers ([`start_workers`]), each a thread with a
+//! current-thread runtime and its own listener on the same address (`SO_REUSEPORT`, see
+//! [`bind_workers`]): the kernel spreads new connections over them, and a connection lives on
+//! one thread from accept to close, so serving it never wakes another thread. The workers
+//! share one bound on connections (the semaphore handed to each [`serve`]).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -190,6 +190,128 @@ pub struct Counters {
     pub open: IntGauge,
     /// Connections this worker accepted.
     pub accepted: Option<IntCounter>,
+}
+
+/// One worker's runtime: current-thread, so a connection and everything its requests do run
+/// on the worker's own thread.
+pub fn worker_runtime() -> io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+}
+
+/// Why the gateway's workers could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkersError {
+    /// A listener could not be registered with its worker's runtime (or none was bound).
+    #[error("cannot register a gateway listener with its worker")]
+    Listener(#[source] io::Error),
+    #[error("cannot start the async runtime")]
+    Runtime(#[source] io::Error),
+    #[error("cannot start a worker thread")]
+    Thread(#[source] io::Error),
+}
+
+/// The gateway's workers, started: worker 0 to be served by the caller, workers 1.. already
+/// serving on threads of their own.
+pub struct Workers<S> {
+    /// Worker 0's listener served: it runs on the runtime of the thread that awaits it.
+    pub first: S,
+    /// Workers 1.., to be waited for once `first` is done.
+    pub others: WorkerThreads,
+}
+
+/// The threads of workers 1.., each with its own runtime and listener.
+pub struct WorkerThreads {
+    threads: Vec<std::thread::JoinHandle<()>>,
+    /// Ends (`recv` gives `None`) when every worker has dropped its sender, which it does once
+    /// its connections are drained.
+    finished: tokio::sync::mpsc::Receiver<()>,
+}
+
+impl WorkerThreads {
+    /// Waits until every worker's connections are drained and its thread has ended. The
+    /// awaiting runtime keeps driving the shared tasks (the store's connections) meanwhile:
+    /// the other workers' requests may still need them.
+    pub async fn drained(mut self) {
+        while self.finished.recv().await.is_some() {}
+        for thread in self.threads {
+            if thread.join().is_err() {
+                tracing::error!("a worker thread panicked");
+            }
+        }
+    }
+}
+
+/// Starts the gateway's workers, one per listener of [`bind_workers`]: worker 0's listener
+/// is registered with the calling thread's runtime (so this must be called on it), and each
+/// of workers 1.. gets a thread with its own runtime ([`worker_runtime`]). Every runtime is
+/// built and every listener registered before this returns, so a failure stops the start.
+/// The workers share one bound on connections (`settings.max_connections`); `counters`
+/// gives each worker's, by its index.
+pub fn start_workers<H, F, B>(
+    listeners: Vec<std::net::TcpListener>,
+    handler: H,
+    settings: Settings,
+    counters: impl Fn(usize) -> Counters,
+    stopping: watch::Receiver<bool>,
+) -> Result<Workers<impl Future<Output = ()>>, WorkersError>
+where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let slots = slots(&settings);
+    crate::runtime::worker::set_count(listeners.len());
+    let mut listeners = listeners.into_iter();
+    let first = listeners.next().ok_or_else(|| {
+        WorkersError::Listener(io::Error::other("no listener was bound for worker 0"))
+    })?;
+    let (finished, finished_all) = tokio::sync::mpsc::channel::<()>(listeners.len().max(1));
+    let mut threads = Vec::new();
+    for (index, listener) in listeners.enumerate() {
+        let worker = index + 1;
+        let runtime = worker_runtime().map_err(WorkersError::Runtime)?;
+        let listener = {
+            let _registered_with = runtime.enter();
+            listener
+                .set_nonblocking(true)
+                .map_err(WorkersError::Listener)?;
+            TcpListener::from_std(listener).map_err(WorkersError::Listener)?
+        };
+        let (handler, settings, slots, counters, stopping, finished) = (
+            handler.clone(),
+            settings.clone(),
+            Arc::clone(&slots),
+            counters(worker),
+            stopping.clone(),
+            finished.clone(),
+        );
+        let thread = std::thread::Builder::new()
+            .name(format!("sluice-worker-{worker}"))
+            .spawn(move || {
+                crate::runtime::worker::enter(worker);
+                runtime.block_on(serve(
+                    listener, handler, settings, slots, counters, stopping,
+                ));
+                drop(finished);
+            })
+            .map_err(WorkersError::Thread)?;
+        threads.push(thread);
+    }
+    drop(finished);
+    first
+        .set_nonblocking(true)
+        .map_err(WorkersError::Listener)?;
+    let first = TcpListener::from_std(first).map_err(WorkersError::Listener)?;
+    Ok(Workers {
+        first: serve(first, handler, settings, slots, counters(0), stopping),
+        others: WorkerThreads {
+            threads,
+            finished: finished_all,
+        },
+    })
 }
 
 /// Serves `handler` on `listener` until `shutdown` turns true, then drains connections.

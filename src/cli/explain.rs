@@ -121,7 +121,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         .redis
         .as_ref()
         .is_some_and(|redis| redis.value.cluster.is_some());
-    if cluster && crate::limiter::spans_slots(&plan.checks) {
+    if cluster && crate::limiter::spans_slots(plan.limits.checks()) {
         let _ = writeln!(
             out,
             "limits:     in different Redis Cluster slots: each slot decided by its own call, \
@@ -148,7 +148,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         cluster,
     };
     for limit in &route.limits {
-        let Some(at) = plan.limits.iter().position(|l| std::ptr::eq(*l, limit)) else {
+        let Some(check) = plan.limits.check_of(limit) else {
             let why = if plan.deferred.iter().any(|l| std::ptr::eq(*l, limit)) {
                 "reads the body's `model`: planned once the body is read (explain reads no body)"
             } else {
@@ -157,7 +157,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             let _ = writeln!(out, "  {}: {why}", limit.name);
             continue;
         };
-        write_limit(&mut out, limit, &plan.checks[at], &context);
+        write_limit(&mut out, limit, check, &context);
     }
 
     let _ = writeln!(

@@ -280,6 +280,7 @@ impl ErrorCounters {
     fn new(metrics: &Metrics, store: &str) -> ErrorCounters {
         let counter = |kind: StoreErrorKind| {
             metrics
+                .store
                 .store_errors
                 .with_label_values(&[store, kind.label()])
         };
@@ -339,7 +340,12 @@ impl Store {
 
     /// Redis, with an in-process store of at most `max_keys` keys for local fallback.
     pub fn redis(store: RedisStore, max_keys: usize, metrics: &Metrics) -> Store {
-        let transitions = |to| metrics.store_breaker_transitions.with_label_values(&[to]);
+        let transitions = |to| {
+            metrics
+                .store
+                .store_breaker_transitions
+                .with_label_values(&[to])
+        };
         let store = Arc::new(store);
         let leases = Arc::new(Held::default());
         tokio::spawn(leases::renew(
@@ -356,10 +362,10 @@ impl Store {
         let backend = Backend::Redis {
             store,
             denials,
-            cache_answers: metrics.deny_cache_answers.clone(),
+            cache_answers: metrics.store.deny_cache_answers.clone(),
             breaker: Arc::new(Breaker::new(
                 BreakerMetrics {
-                    open: metrics.store_fallback_active.clone(),
+                    open: metrics.store.store_fallback_active.clone(),
                     opened: transitions("open"),
                     closed: transitions("closed"),
                 },
@@ -374,7 +380,7 @@ impl Store {
     fn with_backend(backend: Backend, name: &'static str, metrics: &Metrics) -> Store {
         Store {
             backend,
-            call_duration: metrics.store_call_duration.with_label_values(&[name]),
+            call_duration: metrics.store.store_call_duration.with_label_values(&[name]),
             name,
             errors: ErrorCounters::new(metrics, name),
             lease_counters: lease_counters(metrics),
@@ -776,7 +782,12 @@ async fn wait_for_asker(
 }
 
 fn lease_counters(metrics: &Metrics) -> LeaseCounters {
-    let counter = |event: &str| metrics.concurrency_leases.with_label_values(&[event]);
+    let counter = |event: &str| {
+        metrics
+            .leases
+            .concurrency_leases
+            .with_label_values(&[event])
+    };
     LeaseCounters {
         reclaimed: counter("reclaimed"),
         gone: counter("gone"),
@@ -790,8 +801,8 @@ fn local_store(max_keys: usize, metrics: &Metrics) -> LocalStore {
     LocalStore::new(
         max_keys,
         LocalMetrics {
-            keys: metrics.local_keys.clone(),
-            evictions: metrics.local_evictions.clone(),
+            keys: metrics.store.local_keys.clone(),
+            evictions: metrics.store.local_evictions.clone(),
         },
     )
 }

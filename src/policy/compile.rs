@@ -215,6 +215,7 @@ fn limit_metrics(metrics: &Metrics, route: &str, limit: &LimitSettings) -> Limit
     if limit.spec.algorithm == crate::limiter::Algorithm::Concurrency {
         counters.in_flight = Some(
             metrics
+                .leases
                 .concurrency_in_flight
                 .with_label_values(&[route, name]),
         );

@@ -8,19 +8,18 @@ use crate::config::OnStoreError;
 use crate::limiter::{Algorithm, Check, Decision, Lease, LeaseHold, Store};
 use crate::log::RequestLog;
 use crate::policy::{Limit, Route};
-use crate::request::Plan;
+use crate::request::{LimitChecks, Plan};
 
 use super::held::CountedAsHeld;
 use super::in_flight::{poll_gap, waits, Waiting};
 use super::stop::Stop;
 use super::Exchange;
 
-/// A decided request: the limits that applied, their checks and the store's decision, all in
-/// the same order. Kept by the exchange for the phases after it (hold, give-back, the token
-/// settlement) and for the RateLimit fields `finish` writes.
+/// A decided request: the limits that applied with their checks, and the store's decision,
+/// in the same order. Kept by the exchange for the phases after it (hold, give-back, the
+/// token settlement) and for the RateLimit fields `finish` writes.
 pub struct Decided<'r> {
-    pub limits: Vec<&'r Limit>,
-    pub checks: Vec<Check>,
+    pub limits: LimitChecks<'r>,
     pub decision: Decision,
     /// The leases of the concurrency limits that admitted it, held until its answer ends.
     pub lease: Option<LeaseHold>,
@@ -35,10 +34,9 @@ impl Decided<'_> {
     ) -> impl Iterator<Item = (&'a Limit, &'a Check)> + 'a {
         self.limits
             .iter()
-            .zip(&self.checks)
             .zip(&self.decision.rejecting)
             .filter(|&((limit, _), &rejecting)| !(rejecting && limit.spec.shadow))
-            .map(|((limit, check), _)| (*limit, check))
+            .map(|(limit_check, _)| limit_check)
             .filter(move |(limit, _)| keep(limit))
     }
 }
@@ -58,7 +56,7 @@ pub async fn decide<'r>(
         return Ok(());
     }
     let mut sent = Instant::now();
-    let Some(mut decision) = ask(store, log, route, &plan.checks).await? else {
+    let Some(mut decision) = ask(store, log, route, plan.limits.checks()).await? else {
         return Ok(());
     };
     let refused_first = !decision.admitted;
@@ -71,11 +69,10 @@ pub async fn decide<'r>(
     }
     // Admitted after waiting for a place: counted as delayed by the limits that waited.
     let waited = refused_first && decision.admitted;
-    count(&plan.limits, &decision, waited, exchange);
+    count(plan.limits.limits(), &decision, waited, exchange);
     let admitted = decision.admitted;
     let mut decided = Decided {
         limits: plan.limits,
-        checks: plan.checks,
         decision,
         lease: None,
     };
@@ -116,17 +113,15 @@ async fn ask(
 
 /// The concurrency limit a refused request may wait on: when every limit that refused it is
 /// one with `on_exceed: delay`, the first of them (its key's queue, its `max_delay`).
-fn place_to_wait_for<'a>(
-    limits: &[&'a Limit],
-    checks: &'a [Check],
+fn place_to_wait_for<'a, 'r>(
+    limits: &'a LimitChecks<'r>,
     decision: &Decision,
-) -> Option<(&'a Limit, &'a Check)> {
+) -> Option<(&'r Limit, &'a Check)> {
     let mut refusing = limits
         .iter()
-        .zip(checks)
         .zip(&decision.rejecting)
         .filter(|((limit, _), &rejecting)| rejecting && !limit.spec.shadow)
-        .map(|((limit, check), _)| (*limit, check));
+        .map(|(limit_check, _)| limit_check);
     let first = refusing.next()?;
     let all_wait = waits(first.0) && refusing.all(|(limit, _)| waits(limit));
     all_wait.then_some(first)
@@ -145,7 +140,7 @@ async fn wait_for_place(
     refused: Decision,
 ) -> Result<(Option<Decision>, Instant), Stop> {
     let started = Instant::now();
-    let Some((limit, check)) = place_to_wait_for(&plan.limits, &plan.checks, &refused) else {
+    let Some((limit, check)) = place_to_wait_for(&plan.limits, &refused) else {
         return Ok((Some(refused), started));
     };
     let bound = usize::try_from(limit.spec.requests).unwrap_or(usize::MAX);
@@ -168,11 +163,11 @@ async fn wait_for_place(
         }
         tokio::time::sleep(poll_gap(last.retry_after).min(deadline - now)).await;
         let sent = Instant::now();
-        let Some(decision) = ask(store, log, route, &plan.checks).await? else {
+        let Some(decision) = ask(store, log, route, plan.limits.checks()).await? else {
             return Ok((None, sent));
         };
-        let still_waiting = !decision.admitted
-            && place_to_wait_for(&plan.limits, &plan.checks, &decision).is_some();
+        let still_waiting =
+            !decision.admitted && place_to_wait_for(&plan.limits, &decision).is_some();
         if !still_waiting {
             if decision.admitted {
                 route.metrics.delay.observe(started.elapsed().as_secs_f64());

@@ -58,12 +58,16 @@ pub struct Finisher {
 
 impl Finisher {
     pub fn new(metrics: &Metrics) -> Finisher {
-        let unrouted =
-            |outcome: Outcome| metrics.requests.with_label_values(&["", outcome.label()]);
+        let unrouted = |outcome: Outcome| {
+            metrics
+                .traffic
+                .requests
+                .with_label_values(&["", outcome.label()])
+        };
         Finisher {
             unrouted: unrouted(Outcome::NoRoute),
             refused_unrouted: unrouted(Outcome::Refused),
-            refusals: metrics.refused.clone(),
+            refusals: metrics.traffic.refused.clone(),
             log: RequestLog::start(),
         }
     }
@@ -90,7 +94,7 @@ impl Finisher {
             response::add_rate_limit_fields(
                 response.headers_mut(),
                 route,
-                &decided.limits,
+                decided.limits.limits(),
                 &decided.decision,
             );
         }
@@ -223,11 +227,7 @@ impl Finisher {
         if !tracing::enabled!(target: "sluice::rejected", tracing::Level::INFO) {
             return;
         }
-        let rejecting = decided
-            .limits
-            .iter()
-            .zip(&decided.checks)
-            .zip(&decided.decision.rejecting);
+        let rejecting = decided.limits.iter().zip(&decided.decision.rejecting);
         for ((limit, check), &rejecting) in rejecting {
             let subject = || Subject {
                 route: route.name.to_string(),
@@ -259,6 +259,7 @@ fn too_many_requests(
 ) -> Response<ProxyBody> {
     let limit = decided
         .limits
+        .limits()
         .iter()
         .zip(&decided.decision.limits)
         .zip(&decided.decision.rejecting)

@@ -100,7 +100,7 @@ impl Gateway {
         server: &crate::config::ServerConfig,
         metrics: &Metrics,
     ) -> Gateway {
-        let upstreams = Upstreams::new(metrics.upstream_errors.clone());
+        let upstreams = Upstreams::new(metrics.traffic.upstream_errors.clone());
         let clients = upstreams.clients_for(&policy);
         Gateway {
             active: ArcSwap::from_pointee(Active { policy, clients }),
@@ -111,9 +111,9 @@ impl Gateway {
                 server.token_body_budget.0,
                 server.token_bodies_per_connection.0,
             ),
-            body_refusals: Arc::new(BodyRefusals::new(&metrics.refused)),
+            body_refusals: Arc::new(BodyRefusals::new(&metrics.traffic.refused)),
             request_ids: RequestIds::new(),
-            jwt_invalid: metrics.jwt_invalid.clone(),
+            jwt_invalid: metrics.jwt.jwt_invalid.clone(),
             waiting: in_flight::Waiting::default(),
             finisher: Finisher::new(metrics),
         }
@@ -212,41 +212,15 @@ impl Gateway {
         // The upstream gets the id too.
         head.headers
             .insert(X_REQUEST_ID, exchange.request_id.clone());
-        // Boxed, like the token settlement below: only routes with a token budget take
-        // these steps, and inline their futures would make every request's as large.
         let mut body = match tokens::read_limit(route, &plan) {
             None => ClientBody::Streaming(body),
             Some(limit) => {
-                let room = match tokens::refuse_upgrade(route, &head) {
-                    Ok(()) => {
-                        let declared = body.size_hint().lower();
-                        Box::pin(tokens::check_room(&self.store, &plan, declared, exchange)).await
-                    }
-                    Err(stop) => Err(stop),
-                };
-                let room =
-                    room.and_then(|()| tokens::refuse_declared(limit, body.size_hint().lower()));
-                if let Err(stop) = room {
-                    let body = ClientBody::Streaming(body);
-                    return exchange.refuse(head.version, body, stop).await;
-                }
-                let read = Box::pin(tokens::read_body(
-                    route,
-                    limit,
-                    &mut head,
-                    body,
-                    &self.body_refusals,
-                    &self.body_budget,
-                ))
-                .await;
-                let body = match read {
-                    Ok(body) => body,
-                    // Dropped part read: the connection closes after the answer.
-                    Err(stop) => {
-                        exchange.connection = unread_body::after_reading(head.version, false);
-                        return Err(stop);
-                    }
-                };
+                // Boxed, like the token settlement below: only routes with a token budget
+                // take these steps, and inline their future would make every request's as
+                // large.
+                let read =
+                    tokens::check_and_read(self, route, &plan, limit, &mut head, body, exchange);
+                let body = Box::pin(read).await?;
                 // Planned again now that the body is read: the limits on its `model`, and
                 // each calendar quota's period at the decision's time, not the head's.
                 let model = tokens::body_model(&plan, &body)?;

@@ -39,8 +39,9 @@ use super::decide::Decided;
 use super::finish::Answered;
 use super::request_body::{BodyRefusals, ClientBody, ReadError, ReadWhole};
 use super::stop::Stop;
+use super::unread_body;
 use super::upstream::forward::ForwardError;
-use super::{Exchange, ForwardBody};
+use super::{Exchange, ForwardBody, Gateway};
 use crate::body::ProxyBody;
 use crate::limiter::{Admission, Check, Decision, LimitState, Store};
 use crate::llm::usage::DecodingScanner;
@@ -58,6 +59,7 @@ use crate::server::ConnectionReaders;
 pub fn read_limit(route: &Route, plan: &Plan<'_>) -> Option<u64> {
     let limit = plan
         .limits
+        .limits()
         .iter()
         .chain(&plan.deferred)
         .filter_map(|limit| limit.tokens.as_ref())
@@ -66,9 +68,48 @@ pub fn read_limit(route: &Route, plan: &Plan<'_>) -> Option<u64> {
     Some(route.max_body.map_or(limit, |max| max.min(limit)))
 }
 
+/// The steps before the decision of a request whose token limits apply (`plan`; `limit`: the
+/// most of its body to read, `read_limit`): an upgrade is refused, and so is a request whose
+/// token limits have no room at all (`check_room`) or whose body is declared larger than
+/// `limit`, each before a byte of the body is read (a small body is read and dropped, so the
+/// connection may carry the next request: `Exchange::refuse`); then the body is read whole
+/// (`read_body`). A body refused part read leaves the connection to close after the answer.
+pub async fn check_and_read<'r, B: ForwardBody>(
+    gateway: &Gateway,
+    route: &'r Route,
+    plan: &Plan<'r>,
+    limit: u64,
+    head: &mut Parts,
+    body: B,
+    exchange: &mut Exchange<'r>,
+) -> Result<ClientBody<B>, Stop> {
+    let declared = body.size_hint().lower();
+    let room = match refuse_upgrade(route, head) {
+        Ok(()) => check_room(&gateway.store, plan, declared, exchange).await,
+        Err(stop) => Err(stop),
+    };
+    if let Err(stop) = room.and_then(|()| refuse_declared(limit, declared)) {
+        let body = ClientBody::Streaming(body);
+        return exchange.refuse(head.version, body, stop).await;
+    }
+    let read = read_body(
+        route,
+        limit,
+        head,
+        body,
+        &gateway.body_refusals,
+        &gateway.body_budget,
+    )
+    .await;
+    read.inspect_err(|_| {
+        // Dropped part read: the connection closes after the answer.
+        exchange.connection = unread_body::after_reading(head.version, false);
+    })
+}
+
 /// Refuses a WebSocket upgrade on a route whose token limits apply (501): the tunnel's
 /// messages would pass uncounted.
-pub fn refuse_upgrade(route: &Route, head: &Parts) -> Result<(), Stop> {
+fn refuse_upgrade(route: &Route, head: &Parts) -> Result<(), Stop> {
     if !super::upstream::tunnel::asks_websocket(head.version, &head.headers) {
         return Ok(());
     }
@@ -85,7 +126,7 @@ pub fn refuse_upgrade(route: &Route, head: &Parts) -> Result<(), Stop> {
 
 /// Refuses a body whose declared length (`declared`) is over `limit`, the most the route
 /// reads (413), before a byte of it is read.
-pub fn refuse_declared(limit: u64, declared: u64) -> Result<(), Stop> {
+fn refuse_declared(limit: u64, declared: u64) -> Result<(), Stop> {
     if declared <= limit {
         return Ok(());
     }
@@ -107,7 +148,7 @@ fn body_too_large(limit: u64) -> String {
 /// `limit` bytes and the route's pace, and sets its `Content-Length`. The bytes held come out
 /// of `budget` as they arrive; an HTTP/2 stream also takes a place among its connection's
 /// readers (`body_budget`). Either bound reached: 503, the body dropped unread.
-pub async fn read_body<B: ForwardBody>(
+async fn read_body<B: ForwardBody>(
     route: &Route,
     limit: u64,
     head: &mut Parts,
@@ -178,16 +219,16 @@ pub async fn read_body<B: ForwardBody>(
 /// until one token does (which sent a client that obeyed it back to be refused again). The
 /// decision after the body is read stays the one atomic step that admits. A shadow limit,
 /// one that delays instead of refusing, and a store that cannot answer are left to it.
-pub async fn check_room<'r>(
+async fn check_room<'r>(
     store: &Store,
     plan: &Plan<'r>,
     declared: u64,
     exchange: &mut Exchange<'r>,
 ) -> Result<(), Stop> {
-    let mut states: Vec<Option<LimitState>> = vec![None; plan.checks.len()];
-    let mut rejecting = vec![false; plan.checks.len()];
+    let mut states: Vec<Option<LimitState>> = vec![None; plan.limits.len()];
+    let mut rejecting = vec![false; plan.limits.len()];
     let mut retry_after = Duration::ZERO;
-    for (index, (limit, check)) in plan.limits.iter().zip(&plan.checks).enumerate() {
+    for (index, (limit, check)) in plan.limits.iter().enumerate() {
         if limit.tokens.is_none() || limit.spec.shadow || !limit.spec.max_delay.is_zero() {
             continue;
         }
@@ -218,12 +259,11 @@ pub async fn check_room<'r>(
     if !rejecting.contains(&true) {
         return Ok(());
     }
-    for (limit, _) in plan.limits.iter().zip(&rejecting).filter(|(_, r)| **r) {
+    for ((limit, _), _) in plan.limits.iter().zip(&rejecting).filter(|(_, r)| **r) {
         limit.metrics.rejected.inc();
     }
     exchange.decided = Some(Decided {
         limits: plan.limits.clone(),
-        checks: plan.checks.clone(),
         decision: Decision {
             admitted: false,
             retry_after,
@@ -236,8 +276,6 @@ pub async fn check_room<'r>(
     Err(Stop::Limited)
 }
 
-/// The most of a refused HTTP/1.x body read and dropped before the refusal goes out, and the
-/// longest that takes.
 /// The `model` of a body read whole, for the limits that read it (`plan.deferred`); a body
 /// whose model has no single reading is refused (400).
 pub fn body_model(plan: &Plan<'_>, body: &ClientBody<impl Sized>) -> Result<Option<String>, Stop> {
@@ -266,7 +304,12 @@ pub fn reserve<B>(
     let ClientBody::Read(ReadWhole { bytes, .. }) = body else {
         return Ok(None);
     };
-    let Some(first) = plan.limits.iter().find(|limit| limit.tokens.is_some()) else {
+    let Some(first) = plan
+        .limits
+        .limits()
+        .iter()
+        .find(|limit| limit.tokens.is_some())
+    else {
         return Ok(None);
     };
     let api = Api::of_path(head.uri.path());
@@ -277,7 +320,7 @@ pub fn reserve<B>(
     let mut fields = estimate::parse(bytes).map_err(|err| refuse(first.name.as_str(), err))?;
     // The cap to write when the request names none: the smallest any limit would reserve.
     let mut write: Option<(&'static str, u64)> = None;
-    for limit in &plan.limits {
+    for limit in plan.limits.limits() {
         let Some(budget) = &limit.tokens else {
             continue;
         };
@@ -303,7 +346,7 @@ pub fn reserve<B>(
     let model = estimate::model_of(&fields);
     let caches = estimate::asks_caching(&fields);
     let mut priced = None;
-    for (limit, check) in plan.limits.iter().zip(plan.checks.iter_mut()) {
+    for (limit, check) in plan.limits.iter_mut() {
         let Some(budget) = &limit.tokens else {
             continue;
         };

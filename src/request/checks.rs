@@ -25,8 +25,7 @@ use crate::policy::{Limit, Policy, Route};
 /// order, one check for each, and the client address the keys count.
 pub struct Plan<'r> {
     pub client_ip: IpAddr,
-    pub limits: Vec<&'r Limit>,
-    pub checks: Vec<Check>,
+    pub limits: LimitChecks<'r>,
     /// The limits that read the body's `model` and whose head conditions hold: planned by
     /// `with_body` once the body is read (empty in that plan).
     pub deferred: Vec<&'r Limit>,
@@ -35,7 +34,57 @@ pub struct Plan<'r> {
 impl Plan<'_> {
     /// Whether no limit applies: the request is acted on without asking the store.
     pub fn is_empty(&self) -> bool {
+        self.limits.is_empty()
+    }
+}
+
+/// Limits, each with its check under its store key, in the route's order. Held as two lists
+/// of one length, which only `build` fills, from the limits: the store takes the checks as
+/// one slice ([`checks`](Self::checks), as `Store::decide` wants them, with no copy per
+/// call), and whatever needs a limit's check reads it beside its limit ([`iter`](Self::iter),
+/// [`check_of`](Self::check_of)), never by an index into the other list.
+#[derive(Clone)]
+pub struct LimitChecks<'r> {
+    limits: Vec<&'r Limit>,
+    checks: Vec<Check>,
+}
+
+impl<'r> LimitChecks<'r> {
+    pub fn len(&self) -> usize {
+        self.checks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
         self.checks.is_empty()
+    }
+
+    /// The limits, in order.
+    pub fn limits(&self) -> &[&'r Limit] {
+        &self.limits
+    }
+
+    /// The checks, in the limits' order: what the store decides.
+    pub fn checks(&self) -> &[Check] {
+        &self.checks
+    }
+
+    /// Each limit with its check.
+    pub fn iter(&self) -> impl Iterator<Item = (&'r Limit, &Check)> + '_ {
+        self.limits.iter().copied().zip(&self.checks)
+    }
+
+    /// Each limit with its check, to be changed (a token limit's cost, set to the
+    /// reservation once the body is read).
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&'r Limit, &mut Check)> + '_ {
+        self.limits.iter().copied().zip(&mut self.checks)
+    }
+
+    /// The check of `limit`, that very limit of the route (found by address: two limits of
+    /// a route may be alike in every field); `None` when it does not apply.
+    pub fn check_of(&self, limit: &Limit) -> Option<&Check> {
+        self.iter()
+            .find(|(planned, _)| std::ptr::eq(*planned, limit))
+            .map(|(_, check)| check)
     }
 }
 
@@ -114,8 +163,7 @@ fn build<'r>(
         .collect();
     Plan {
         client_ip,
-        limits,
-        checks,
+        limits: LimitChecks { limits, checks },
         deferred,
     }
 }

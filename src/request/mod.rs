@@ -45,7 +45,7 @@ use std::time::SystemTime;
 use http::request::Parts;
 use http::StatusCode;
 
-pub use self::checks::Plan;
+pub use self::checks::{LimitChecks, Plan};
 pub use self::head::HeadLimits;
 pub use self::route::too_large;
 use crate::jwt::{Claims, Invalid};
@@ -211,7 +211,13 @@ mod tests {
             .unwrap_or_else(|refused| panic!("refused: {:?}", refused.why));
         assert_eq!(sent.uri.path(), "/API/krders", "the head is left canonical");
         assert_eq!(planned.route.name.as_str(), "api");
-        let keys: Vec<&str> = planned.plan.checks.iter().map(|c| c.key.as_str()).collect();
+        let keys: Vec<&str> = planned
+            .plan
+            .limits
+            .checks()
+            .iter()
+            .map(|c| c.key.as_str())
+            .collect();
         assert_eq!(
             keys,
             [
@@ -220,12 +226,8 @@ mod tests {
                 "sluice:api:daily:calendar:{ip=192.0.2.7}:2026-11-25",
             ]
         );
-        let identity = store_key::identity_of(
-            &policy,
-            planned.route,
-            planned.plan.limits[1],
-            &planned.plan.checks[1].key,
-        );
+        let (daily, check) = planned.plan.limits.iter().nth(1).expect("two limits");
+        let identity = store_key::identity_of(&policy, planned.route, daily, &check.key);
         assert_eq!(
             identity, "ip=192.0.2.7",
             "a key is read back where it is built"

@@ -51,7 +51,7 @@ impl RlsMetrics {
             )
         };
         let this = RlsMetrics {
-            fallback: metrics.store_fallback_decisions.clone(),
+            fallback: metrics.store.store_fallback_decisions.clone(),
             calls,
             duration,
             total_hits: per_rule("total_hits", "Hits counted against a rule (envoyproxy/ratelimit's total_hits).")?,

@@ -147,10 +147,10 @@ async fn a_release_forgets_the_denial_this_instance_cached() {
     )];
     let admitted = store.decide(&one).await.unwrap();
     assert!(!store.decide(&one).await.unwrap().admitted);
-    let cached = metrics.deny_cache_answers.get();
+    let cached = metrics.store.deny_cache_answers.get();
     assert!(!store.decide(&one).await.unwrap().admitted);
     assert_eq!(
-        metrics.deny_cache_answers.get(),
+        metrics.store.deny_cache_answers.get(),
         cached + 1,
         "the denial is cached"
     );
@@ -176,7 +176,7 @@ async fn a_returnable_limit_is_never_answered_from_the_cache() {
     for _ in 0..3 {
         assert!(!store.decide(&one).await.unwrap().admitted);
     }
-    assert_eq!(metrics.deny_cache_answers.get(), 0);
+    assert_eq!(metrics.store.deny_cache_answers.get(), 0);
     // Given back by another instance (another store on the same Redis): admitted at once.
     let other = redis_store(&redis, &Metrics::new().unwrap()).await;
     other

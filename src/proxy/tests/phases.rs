@@ -163,7 +163,7 @@ async fn counted_for(
         crate::request::Now::read().calendar,
     );
     let mut counts = Vec::new();
-    for check in &plan.checks {
+    for check in plan.limits.checks() {
         let (peek, _) = gateway
             .store()
             .peek(check)
