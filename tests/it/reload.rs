@@ -678,6 +678,7 @@ const FIELD_CHANGES: &[FieldChange] = &[
     FieldChange { field: "trusted_proxies", yaml: "trusted_proxies: [10.0.0.0/8]\n", refused: None },
     FieldChange { field: "forwarded_header", yaml: "forwarded_header: forwarded\n", refused: None },
     FieldChange { field: "response_headers", yaml: "response_headers: legacy\n", refused: None },
+    FieldChange { field: "should_retry_within", yaml: "should_retry_within: 30s\n", refused: None },
     FieldChange { field: "reload.settle", yaml: "reload:\n  settle: 300ms\n", refused: None },
     FieldChange { field: "upstreams", yaml: "upstreams:\n  other: { url: \"http://127.0.0.1:9\" }\n", refused: None },
     FieldChange { field: "jwt", yaml: "jwt:\n  - name: hs\n    issuer: me\n    audiences: [api]\n    keys:\n      - { secret_file: hs.key, algorithm: HS256 }\n", refused: None },
