@@ -330,6 +330,10 @@ pub struct StoreFamilies {
     pub store_fallback_active: IntGauge,
     pub store_breaker_transitions: IntCounterVec,
     pub store_fallback_decisions: IntCounterVec,
+    /// `sluice_store_events_total`: the store's event channel (`limiter::redis::events`).
+    pub store_events: IntCounterVec,
+    /// `sluice_override_changes_total`: overrides set and deleted through the admin API.
+    pub override_changes: IntCounterVec,
 }
 
 impl StoreFamilies {
@@ -379,6 +383,22 @@ impl StoreFamilies {
             ),
             &["route", "action"],
         )?;
+        let store_events = IntCounterVec::new(
+            Opts::new(
+                "sluice_store_events_total",
+                "The store's event channel, by event: subscribed (events heard from then on), lost (not heard: no denial is remembered until subscribed again), forget (a reset or an override elsewhere ended denials).",
+            ),
+            &["event"],
+        )?;
+        let override_changes = IntCounterVec::new(
+            Opts::new(
+                "sluice_override_changes_total",
+                "Per-identity overrides changed through this instance's admin API, by action (set, deleted).",
+            ),
+            &["action"],
+        )?;
+        registry.register(Box::new(store_events.clone()))?;
+        registry.register(Box::new(override_changes.clone()))?;
         registry.register(Box::new(store_call_duration.clone()))?;
         registry.register(Box::new(store_errors.clone()))?;
         registry.register(Box::new(local_keys.clone()))?;
@@ -396,6 +416,8 @@ impl StoreFamilies {
             store_fallback_active,
             store_breaker_transitions,
             store_fallback_decisions,
+            store_events,
+            override_changes,
         })
     }
 }

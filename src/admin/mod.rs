@@ -190,6 +190,11 @@ impl Admin {
                     .await
             }
             ["limits", _, _, "override"] => not_allowed(path, "GET, PUT, DELETE"),
+            ["limits", route, limit, "overrides"] if method == Method::GET => {
+                let query = request.uri().query().unwrap_or_default();
+                self.overrides_of((route, limit), query, path).await
+            }
+            ["limits", _, _, "overrides"] => not_allowed(path, "GET"),
             _ => problem(
                 StatusCode::NOT_FOUND,
                 "no such admin endpoint: try /admin/v1/limits/{route}/{limit}?key=..., \

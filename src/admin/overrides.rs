@@ -52,7 +52,78 @@ fn change_of(query: &str) -> Result<(Change, String), String> {
     Ok((change, rest.join("&")))
 }
 
+/// Most overrides one list answers, and the default.
+const MOST_LISTED: usize = 1000;
+const DEFAULT_LISTED: usize = 100;
+
 impl Admin {
+    /// `GET /admin/v1/limits/{route}/{limit}/overrides?max=N`: the limit's overrides, soonest
+    /// to expire first, at most `max` (100 by default, at most 1,000). On Redis, one read of
+    /// the limit's index and one per override listed.
+    pub(super) async fn overrides_of(
+        &self,
+        (route, limit): (&str, &str),
+        query: &str,
+        path: &str,
+    ) -> Response<ProxyBody> {
+        let policy = self.gateway.policy();
+        let (found, rule) = match find_limit(&policy, route, limit, path) {
+            Ok(found) => found,
+            Err(response) => return *response,
+        };
+        let most = match query.split('&').find_map(|pair| pair.strip_prefix("max=")) {
+            None => DEFAULT_LISTED,
+            Some(text) => match text.parse::<usize>() {
+                Ok(n) if (1..=MOST_LISTED).contains(&n) => n,
+                _ => {
+                    return problem(
+                        StatusCode::BAD_REQUEST,
+                        &format!("max=`{text}`: expected a whole number from 1 to {MOST_LISTED}"),
+                        path,
+                        &[],
+                    )
+                }
+            },
+        };
+        let check = crate::limiter::Check {
+            key: store_key::prefix(&policy, found, rule),
+            spec: rule.spec,
+        };
+        let store = self.gateway.store();
+        match store.list_overrides(&check, most).await {
+            Ok(listed) => {
+                let overrides: Vec<_> = listed
+                    .iter()
+                    .map(|entry| {
+                        json!({
+                            "identity": crate::limiter::overrides::identity_of(&entry.key),
+                            "requests": entry.requests,
+                            "expires_in": entry.expires_in.as_secs_f64(),
+                        })
+                    })
+                    .collect();
+                json_response(
+                    StatusCode::OK,
+                    &json!({
+                        "route": route,
+                        "limit": limit,
+                        "unit": rule.unit(),
+                        "policy_requests": rule.spec.requests,
+                        "store": store.name(),
+                        "truncated": overrides.len() == most,
+                        "overrides": overrides,
+                    }),
+                )
+            }
+            Err(err) => problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("{} store: {err}", store.name()),
+                path,
+                &[],
+            ),
+        }
+    }
+
     pub(super) async fn override_of(
         &self,
         method: &Method,
@@ -98,6 +169,11 @@ impl Admin {
             "store": store.name(),
         });
         let audit = |action: &str, old: Option<u32>, new: Option<u32>| {
+            self.metrics
+                .store
+                .override_changes
+                .with_label_values(&[action])
+                .inc();
             tracing::info!(
                 target: "sluice::audit",
                 by,

@@ -581,6 +581,26 @@ impl LocalStore {
         })
     }
 
+    /// The overrides under the override keys starting as `key`'s limit's, at most `most`,
+    /// soonest to expire first.
+    pub fn list_overrides(&self, key: &str, most: usize) -> Vec<super::overrides::Listed> {
+        let now = micros_since(self.epoch);
+        let limit = key.find('{').map_or(key, |brace| &key[..brace]);
+        let overrides = lock(&self.overrides);
+        let mut listed: Vec<_> = overrides
+            .iter()
+            .filter(|(found, &(_, expires))| found.starts_with(limit) && expires > now)
+            .map(|(found, &(requests, expires))| super::overrides::Listed {
+                key: found.clone(),
+                requests,
+                expires_in: Duration::from_micros(expires - now),
+            })
+            .collect();
+        listed.sort_by_key(|entry| entry.expires_in);
+        listed.truncate(most);
+        listed
+    }
+
     /// Deletes the override at `key`; the one it was.
     pub fn delete_override(&self, key: &str) -> Option<u32> {
         let now = micros_since(self.epoch);

@@ -356,7 +356,8 @@ impl Store {
         let denials = Arc::new(DenyCache::new());
         tokio::spawn(redis::listen(Arc::downgrade(&store), {
             let denials = Arc::clone(&denials);
-            move |event| heard(&denials, event)
+            let events = metrics.store.store_events.clone();
+            move |event| heard(&denials, &events, event)
         }));
         let timeout = store.timeout();
         let backend = Backend::Redis {
@@ -705,6 +706,19 @@ impl Store {
         }
     }
 
+    /// The overrides of `check`'s limit (any identity), at most `most`, soonest to expire
+    /// first.
+    pub async fn list_overrides(
+        &self,
+        check: &Check,
+        most: usize,
+    ) -> Result<Vec<overrides::Listed>, StoreError> {
+        match &self.backend {
+            Backend::Local(store) => Ok(store.list_overrides(&check.key, most)),
+            Backend::Redis { store, .. } => store.list_overrides(&check.key, most).await,
+        }
+    }
+
     /// Deletes the override of `check`'s identity: the one it was, and how many instances
     /// were told (as `set_override`).
     pub async fn delete_override(
@@ -736,7 +750,13 @@ async fn changed(store: &RedisStore, denials: &DenyCache, key: &str) -> Option<u
 }
 
 /// What the store's event channel says, applied to this instance's deny cache.
-fn heard(denials: &DenyCache, event: redis::Event) {
+fn heard(denials: &DenyCache, events: &prometheus::IntCounterVec, event: redis::Event) {
+    let label = match &event {
+        redis::Event::Subscribed => "subscribed",
+        redis::Event::Lost => "lost",
+        redis::Event::Forget(_) => "forget",
+    };
+    events.with_label_values(&[label]).inc();
     match event {
         redis::Event::Subscribed => {
             denials.listening(true);

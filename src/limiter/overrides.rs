@@ -45,6 +45,29 @@ pub fn key_of(key: &str) -> Option<String> {
     Some(overrides)
 }
 
+/// The index of a limit's overrides, for listing them: a sorted set beside the limit's keys,
+/// `{limit's prefix}overrides`, member the override key, score when it expires (ms since the
+/// epoch). Kept for [`MAX_TTL`] after its last write, longer than any entry it holds.
+pub fn index_of(key: &str) -> String {
+    let limit = key.find('{').map_or(key, |brace| &key[..brace]);
+    format!("{limit}overrides")
+}
+
+/// The identity an override key is of: the text between its braces.
+pub fn identity_of(overrides: &str) -> &str {
+    let open = overrides.find('{').map_or(0, |brace| brace + 1);
+    let close = overrides.find('}').unwrap_or(overrides.len());
+    overrides.get(open..close).unwrap_or_default()
+}
+
+/// One override of a limit's list: the override key, its number, the time left.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    pub key: String,
+    pub requests: u32,
+    pub expires_in: Duration,
+}
+
 /// What the keys of one identity of a limit start with (every period of a calendar quota,
 /// its override): what a change tells the deny caches to forget.
 pub fn identity_prefix(key: &str) -> &str {
@@ -76,5 +99,7 @@ mod tests {
             "sluice:api:daily:calendar:{h:x-api-key=k}"
         );
         assert_eq!(key_of("untagged"), None);
+        assert_eq!(index_of(key), "sluice:api:daily:calendar:overrides");
+        assert_eq!(identity_of(&overrides), "h:x-api-key=k");
     }
 }

@@ -42,6 +42,31 @@ async fn admin(sluice: &Sluice, method: reqwest::Method, query: &str) -> (u16, s
     (status, body)
 }
 
+/// The overrides listed by `sluice`'s admin API for the hourly limit: (identity, requests).
+async fn listed(sluice: &Sluice) -> Vec<(String, u64)> {
+    let response = support::client()
+        .get(format!(
+            "{}/admin/v1/limits/api/hourly/overrides",
+            sluice.admin_url()
+        ))
+        .send()
+        .await
+        .expect("the admin API answers");
+    assert_eq!(response.status(), 200);
+    let body: serde_json::Value = response.json().await.expect("JSON");
+    body["overrides"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|entry| {
+            (
+                entry["identity"].as_str().unwrap_or_default().to_owned(),
+                entry["requests"].as_u64().unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
 async fn hit(client: &reqwest::Client, sluice: &Sluice, key: &str) -> reqwest::Response {
     client
         .get(format!("{}/x", sluice.url()))
@@ -86,6 +111,19 @@ async fn an_override_is_exact_on_every_instance_from_the_moment_it_is_set() {
     assert_eq!(body["old"], serde_json::Value::Null, "{body}");
     assert_eq!(body["requests"], 10, "{body}");
     assert_eq!(body["instances_told"], 3, "{body}");
+    assert_eq!(
+        listed(&instances[2]).await,
+        [("h:x-api-key=big".to_owned(), 10)]
+    );
+    let metrics = support::parse_metrics(&instances[1].metrics().await);
+    assert_eq!(
+        support::metric_sum(
+            &metrics,
+            "sluice_override_changes_total",
+            &[("action", "set")]
+        ),
+        1.0
+    );
     let start = Instant::now();
     let tasks: Vec<_> = (0..12usize)
         .map(|i| {
@@ -160,6 +198,7 @@ async fn an_override_is_exact_on_every_instance_from_the_moment_it_is_set() {
     assert_eq!((status, body["old"].as_u64()), (200, Some(4)), "{body}");
     let (_, body) = admin(&instances[0], reqwest::Method::GET, "key=h:x-api-key=big").await;
     assert_eq!(body["requests"], serde_json::Value::Null, "{body}");
+    assert!(listed(&instances[0]).await.is_empty());
     assert_eq!(up.hits(), 13);
 }
 
@@ -251,6 +290,7 @@ async fn in_process_overrides_and_the_refusals() {
         );
     }
     assert_eq!(hit(&client, &sluice, "a").await.status(), 429);
+    assert_eq!(listed(&sluice).await, [("h:x-api-key=a".to_owned(), 4)]);
     let (status, body) = admin(
         &sluice,
         reqwest::Method::PUT,

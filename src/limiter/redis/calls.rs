@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::super::overrides::Override;
+use super::super::overrides::{self, Override};
 use super::super::{Admission, Algorithm, Check, Decision, Peek, StoreError};
 use super::batch::{self, Pending};
 use super::cluster;
@@ -340,7 +340,52 @@ impl RedisStore {
         let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
         let mut cmd = redis::cmd("SET");
         cmd.arg(key).arg(requests).arg("PX").arg(ttl_ms).arg("GET");
-        self.run(&cmd, None).await
+        let old = self.run(&cmd, None).await?;
+        // The list's index, in its own slot on a Cluster: a second call, after the override is
+        // in force (a failure here leaves it unlisted, never unapplied).
+        let index = overrides::index_of(key);
+        let now_ms = unix_ms();
+        let mut zadd = redis::cmd("ZADD");
+        zadd.arg(&index).arg(now_ms.saturating_add(ttl_ms)).arg(key);
+        let _: i64 = self.run(&zadd, None).await?;
+        let mut prune = redis::cmd("ZREMRANGEBYSCORE");
+        prune.arg(&index).arg("-inf").arg(now_ms);
+        let _: i64 = self.run(&prune, None).await?;
+        let max_ms = u64::try_from(overrides::MAX_TTL.as_millis()).unwrap_or(u64::MAX);
+        let _: i64 = self
+            .run(redis::cmd("PEXPIRE").arg(&index).arg(max_ms), None)
+            .await?;
+        Ok(old)
+    }
+
+    /// The overrides of the limit whose keys start as `key`'s, at most `most`, soonest to
+    /// expire first: from the index, each read again (one that expired or was deleted since
+    /// is left out).
+    pub async fn list_overrides(
+        &self,
+        key: &str,
+        most: usize,
+    ) -> Result<Vec<overrides::Listed>, StoreError> {
+        let mut range = redis::cmd("ZRANGEBYSCORE");
+        range
+            .arg(overrides::index_of(key))
+            .arg(format!("({}", unix_ms()))
+            .arg("+inf")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(most);
+        let keys: Vec<String> = self.run(&range, None).await?;
+        let mut listed = Vec::with_capacity(keys.len());
+        for key in keys {
+            if let Some(found) = self.get_override(&key).await? {
+                listed.push(overrides::Listed {
+                    key,
+                    requests: found.requests,
+                    expires_in: found.expires_in,
+                });
+            }
+        }
+        Ok(listed)
     }
 
     /// The override stored at `key` and the time left until it expires.
@@ -362,7 +407,11 @@ impl RedisStore {
 
     /// Deletes the override stored at `key`; the one it was, if any.
     pub async fn delete_override(&self, key: &str) -> Result<Option<u32>, StoreError> {
-        self.run(redis::cmd("GETDEL").arg(key), None).await
+        let old = self.run(redis::cmd("GETDEL").arg(key), None).await?;
+        let mut zrem = redis::cmd("ZREM");
+        zrem.arg(overrides::index_of(key)).arg(key);
+        let _: i64 = self.run(&zrem, None).await?;
+        Ok(old)
     }
 
     /// Deletes `key` (and a concurrency key's instances beside it); whether it existed.
@@ -373,4 +422,14 @@ impl RedisStore {
             .await?;
         Ok(deleted > 0)
     }
+}
+
+/// Milliseconds since the Unix epoch, by this host's clock: the scores of the overrides'
+/// index, which only orders and prunes the list (each entry is read again from its own key).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
 }
