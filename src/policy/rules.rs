@@ -423,7 +423,12 @@ const LIMIT_RULES: &[LimitRule] = &[
                 .filter(|_| s.limit.quota.is_some())
                 .map(at)
         },
-        says: Says::Text("`burst` applies to `algorithm: gcra` only, not to a calendar `quota`"),
+        says: Says::Made(|_, _| {
+            format!(
+                "`burst` applies to `algorithm: {}` only, not to a calendar `quota`",
+                Algorithm::labels_with(|t| t.burst)
+            )
+        }),
     },
     Rule {
         field: "on_exceed",
