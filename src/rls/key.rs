@@ -113,6 +113,14 @@ fn epoch_window_at(key: &mut String, unit: UnitName, now: Timestamp) -> Duration
     Duration::from_micros(length - at % length)
 }
 
+/// What envoyproxy/ratelimit answers as `duration_until_reset` for any limit: the whole
+/// seconds left in the epoch-aligned window of `unit` that holds `now` (1 ..= the unit).
+pub fn epoch_seconds_left(unit: UnitName, now: Timestamp) -> Duration {
+    let length = unit.seconds();
+    let at = u64::try_from(now.as_second()).unwrap_or(0);
+    Duration::from_secs(length - at % length)
+}
+
 #[cfg(test)]
 mod tests {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -303,5 +311,15 @@ mod tests {
         let left = epoch_window(&mut key, UnitName::Minute, now);
         assert_eq!(left, Duration::from_secs(2));
         assert_eq!(key, format!(":e{}", now.as_second() / 60));
+        assert_eq!(
+            epoch_seconds_left(UnitName::Minute, now),
+            Duration::from_secs(2)
+        );
+        let boundary: Timestamp = "2026-03-01T00:00:00Z".parse().expect("instant");
+        assert_eq!(
+            epoch_seconds_left(UnitName::Hour, boundary),
+            Duration::from_secs(3_600),
+            "a whole window at its first second"
+        );
     }
 }

@@ -282,13 +282,8 @@ impl Walk<'_> {
                 ))
             }
             (false, Some(unit), Some(requests)) => {
-                if requests.value == 0 {
-                    return Err(self.refuse(
-                        requests.into(),
-                        &format!("{field}.requests_per_unit"),
-                        "must be at least 1 (to refuse every request, answer 429 from Envoy's route instead)",
-                    ));
-                }
+                // 0 is envoyproxy/ratelimit's block list (its README's example 3): every
+                // matching descriptor is OVER_LIMIT, decided without the store (`decide`).
                 RuleLimit::Counted(Counted {
                     requests: requests.value,
                     unit: unit.value,
@@ -439,5 +434,26 @@ descriptors:
             err.contains("descriptors[0].value") && err.contains("wildcard"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_zero_limit_loads_and_negative_or_fractional_ones_do_not() {
+        let zero = "domain: d\ndescriptors:\n  - key: ip\n    value: 50.0.0.5\n    rate_limit:\n      unit: second\n      requests_per_unit: 0\n";
+        let loaded = rules(zero).expect("the README's block list loads");
+        let rule = loaded.find("d", [("ip", "50.0.0.5")]).expect("a rule");
+        assert!(
+            matches!(rule.limit, RuleLimit::Counted(Counted { requests: 0, .. })),
+            "{rule:?}"
+        );
+        for bad in ["-1", "1.5", "ten"] {
+            let err =
+                rules(&zero.replace("requests_per_unit: 0", &format!("requests_per_unit: {bad}")))
+                    .expect_err(bad)
+                    .to_string();
+            assert!(
+                err.contains("rules.yaml:7:26") && err.contains("requests_per_unit"),
+                "{bad}: {err}"
+            );
+        }
     }
 }
