@@ -150,14 +150,13 @@ pub fn plan(
         } = applied
         {
             *check = checks.len();
-            let shadow = settings.shadow_mode || rule.as_ref().is_some_and(|r| r.shadow);
             checks.push(build_check(
                 settings,
                 &request.domain,
                 descriptor,
+                rule.as_deref(),
                 *limit,
                 *hits,
-                shadow,
                 now,
             ));
         }
@@ -248,12 +247,14 @@ fn build_check(
     settings: &Settings,
     domain: &str,
     descriptor: &RateLimitDescriptor,
+    rule: Option<&Rule>,
     limit: Counted,
     hits: u32,
-    shadow: bool,
     now: jiff::Timestamp,
 ) -> Check {
-    let mut key = key::store_key(&settings.key_prefix, domain, descriptor, limit);
+    let shadow = settings.shadow_mode || rule.is_some_and(|r| r.shadow);
+    let shared = rule.map_or(&[][..], |r| r.shared.as_slice());
+    let mut key = key::store_key(&settings.key_prefix, domain, descriptor, shared, limit);
     let unit = Duration::from_secs(limit.unit.seconds());
     let rolling = |algorithm: Algorithm| (algorithm, unit);
     let (algorithm, window) = match limit.algorithm {
@@ -508,6 +509,7 @@ mod tests {
             replaces: Vec::new(),
             file: "f.yaml".into(),
             line: 1,
+            shared: Vec::new(),
         })
     }
 
@@ -784,6 +786,78 @@ descriptors:
         assert_eq!(
             plan(&rules, &settings(false), &request).map(|_| ()),
             Err(Invalid::BadOverride(0))
+        );
+    }
+
+    #[test]
+    fn values_of_a_shared_wildcard_count_in_one_key() {
+        let rules = rules_of(
+            "
+domain: edge
+descriptors:
+  - key: files
+    value: files/*
+    share_threshold: true
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: own
+    value: files/*
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: route
+    value: api/*
+    share_threshold: true
+    descriptors:
+      - key: method
+        rate_limit: {unit: minute, requests_per_unit: 60}
+",
+        );
+        let keys = |descriptors: &[&[(&str, &str)]]| {
+            use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+            let request = RateLimitRequest {
+                domain: "edge".into(),
+                descriptors: descriptors
+                    .iter()
+                    .map(|entries| RateLimitDescriptor {
+                        entries: entries
+                            .iter()
+                            .map(|(k, v)| Entry {
+                                key: (*k).into(),
+                                value: (*v).into(),
+                            })
+                            .collect(),
+                        ..RateLimitDescriptor::default()
+                    })
+                    .collect(),
+                hits_addend: 0,
+            };
+            let planned = plan(&rules, &settings(false), &request).expect("valid");
+            planned
+                .checks
+                .iter()
+                .map(|c| c.key.clone())
+                .collect::<Vec<_>>()
+        };
+        let shared = keys(&[&[("files", "files/a.pdf")], &[("files", "files/b.csv")]]);
+        assert_eq!(shared.len(), 2);
+        assert_eq!(shared[0], shared[1], "one count for every matching value");
+        assert!(
+            shared[0].starts_with("p:rls:edge:{files==files/*}:hour10"),
+            "{shared:?}"
+        );
+        let own = keys(&[&[("own", "files/a.pdf")], &[("own", "files/b.csv")]]);
+        assert_ne!(
+            own[0], own[1],
+            "without share_threshold each value counts alone"
+        );
+        // Shared at the wildcard's level, with the rule one level deeper.
+        let nested = keys(&[
+            &[("route", "api/v1"), ("method", "GET")],
+            &[("route", "api/v2"), ("method", "GET")],
+            &[("route", "api/v2"), ("method", "POST")],
+        ]);
+        assert_eq!(nested[0], nested[1]);
+        assert_ne!(
+            nested[1], nested[2],
+            "the level below still counts per value"
         );
     }
 }

@@ -65,6 +65,10 @@ pub struct Rule {
     pub shadow: bool,
     /// Names of the rules this one replaces.
     pub replaces: Vec<String>,
+    /// Per entry of a descriptor it applies to, the wildcard `value` written in the key
+    /// instead of the entry's value (`share_threshold: true` on the level that entry matched);
+    /// empty when no level shares.
+    pub shared: Vec<Option<String>>,
     /// Where the rule is written, for `explain`.
     pub file: PathBuf,
     pub line: u64,
@@ -241,7 +245,7 @@ fn compile_domain(
         algorithm,
         path,
     };
-    at.children(&mut root, &parsed.descriptors, "descriptors", "")?;
+    at.children(&mut root, &parsed.descriptors, "descriptors", "", &[])?;
     Ok(root)
 }
 
@@ -259,6 +263,7 @@ impl Walk<'_> {
         rules: &[DescriptorRule],
         field: &str,
         stat: &str,
+        shared: &[Option<String>],
     ) -> Result<(), ConfigError> {
         for (index, rule) in rules.iter().enumerate() {
             let field = format!("{field}[{index}]");
@@ -280,12 +285,29 @@ impl Walk<'_> {
             } else {
                 format!("{stat}.{own}")
             };
-            child.rule = self.rule(rule, &field, &stat)?;
+            // A node is reached through one wildcard or none at each level above it, so which
+            // entries share is known here, once, for every rule at or below it.
+            let pattern = rule.value.as_ref().filter(|v| v.value.contains('*'));
+            if rule.share_threshold && pattern.is_none() {
+                return Err(self.refuse(
+                    (&rule.key).into(),
+                    &format!("{field}.share_threshold"),
+                    "share_threshold needs a wildcard `value` (one with `*`): only the values a pattern matches can share its count",
+                ));
+            }
+            let mut shared = shared.to_vec();
+            shared.push(
+                pattern
+                    .filter(|_| rule.share_threshold)
+                    .map(|v| v.value.clone()),
+            );
+            child.rule = self.rule(rule, &field, &stat, &shared)?;
             self.children(
                 &mut child,
                 &rule.descriptors,
                 &format!("{field}.descriptors"),
                 &stat,
+                &shared,
             )?;
             let branch = node.children.entry(key.clone()).or_default();
             let duplicate = match &rule.value {
@@ -315,6 +337,7 @@ impl Walk<'_> {
         rule: &DescriptorRule,
         field: &str,
         stat: &str,
+        shared: &[Option<String>],
     ) -> Result<Option<Arc<Rule>>, ConfigError> {
         let Some(spanned) = &rule.rate_limit else {
             return Ok(None);
@@ -361,6 +384,11 @@ impl Walk<'_> {
             replaces: limit.replaces.iter().map(|r| r.name.clone()).collect(),
             file: self.path.to_owned(),
             line: position.line,
+            shared: if shared.iter().any(Option::is_some) {
+                shared.to_vec()
+            } else {
+                Vec::new()
+            },
         })))
     }
 
@@ -618,5 +646,22 @@ descriptors:
         // A backtracking matcher takes minutes on these; one pass takes microseconds.
         let took = started.elapsed();
         assert!(took < std::time::Duration::from_secs(2), "{took:?}");
+    }
+
+    #[test]
+    fn share_threshold_needs_a_wildcard() {
+        let err = rules("domain: d\ndescriptors:\n  - key: a\n    value: exact\n    share_threshold: true\n    rate_limit: {unit: hour, requests_per_unit: 1}\n")
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            err.contains("rules.yaml:3:10")
+                && err.contains("descriptors[0].share_threshold")
+                && err.contains("wildcard"),
+            "{err}"
+        );
+        let loaded = rules("domain: d\ndescriptors:\n  - key: a\n    value: x*\n    share_threshold: true\n    descriptors:\n      - key: b\n        rate_limit: {unit: hour, requests_per_unit: 1}\n")
+            .expect("a wildcard may share");
+        let rule = loaded.find("d", [("a", "xy"), ("b", "z")]).expect("a rule");
+        assert_eq!(rule.shared, [Some("x*".to_owned()), None]);
     }
 }

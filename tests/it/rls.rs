@@ -357,6 +357,34 @@ async fn a_zero_limit_is_over_limit_through_envoy_without_the_store() {
     assert_eq!(out.trim(), "OVER_LIMIT OVER_LIMIT 0 1 blocked", "{out}");
 }
 
+#[tokio::test]
+async fn a_shared_wildcard_counts_every_value_it_matches_once_through_envoy() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = Redis::start().await;
+    let store = support::redis_store_yaml(&redis.url());
+    let rules = "
+domain: edge
+descriptors:
+  - key: user
+    value: shared-*
+    share_threshold: true
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: user
+    value: own-*
+    rate_limit: {unit: minute, requests_per_unit: 2}
+";
+    let (_sluice, rls) = sluice_rls(dir.path(), rules, &store, "").await;
+    let upstream = Upstream::start().await;
+    let envoy = Envoy::start("edge", rls, upstream.addr().port(), ACTIONS).await;
+    let mut statuses = Vec::new();
+    for user in [
+        "shared-a", "shared-b", "shared-c", "own-a", "own-b", "own-c",
+    ] {
+        statuses.push(get(&envoy, &[("x-user", user)]).await.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429, 200, 200, 200]);
+}
+
 /// One call for `user=<user>` in domain `api` through the Python client: `overall remaining`.
 fn call_user(rls: u16, user: &str) -> String {
     let call = format!(r#"{{"domain":"api","descriptors":[{{"entries":[["user","{user}"]]}}]}}"#);
