@@ -9,6 +9,15 @@
 //! request (`duration_until_reset`); OVER_LIMIT where the limit had no room, unless the rule
 //! is in shadow mode. The overall code is OVER_LIMIT when some descriptor is, unless the
 //! service is in global shadow mode.
+//!
+//! A limit of 0 (`requests_per_unit: 0`, envoyproxy/ratelimit's block list, in a rule or a
+//! descriptor's override) is OVER_LIMIT for every hit and never asks the store: there is
+//! nothing to count against. Its status is what envoyproxy/ratelimit answers (it increments
+//! its counter anyway, and every count is over 0): `current_limit` with 0, `limit_remaining`
+//! 0 and `duration_until_reset` the rest of the unit's epoch-aligned window; its hits count as
+//! `total_hits` and `over_limit` (`shadow_mode` too for a shadow rule). A call such a limit
+//! refuses records nothing, as any refused call: the store is not asked at all and its other
+//! counted descriptors answer OK without `current_limit`, uncounted.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,7 +54,7 @@ pub enum Invalid {
     NoEntries(usize),
     #[error("descriptor {0}: hits_addend {1} is above {max}", max = u32::MAX)]
     TooManyHits(usize, u64),
-    #[error("descriptor {0}: its limit override has requests_per_unit 0 or an unknown unit")]
+    #[error("descriptor {0}: its limit override has an unknown unit")]
     BadOverride(usize),
 }
 
@@ -58,6 +67,15 @@ pub enum Applies {
     Replaced(Arc<Rule>),
     /// `unlimited: true`: OK, not counted.
     Unlimited(Arc<Rule>),
+    /// A limit of 0: OVER_LIMIT (unless in shadow mode), never asks the store.
+    Blocked {
+        /// The rule, `None` for the descriptor's own `limit` override.
+        rule: Option<Arc<Rule>>,
+        limit: Counted,
+        hits: u32,
+    },
+    /// A counted descriptor of a call a limit of 0 refuses: OK, not counted.
+    Unasked,
     /// Counted in `checks[check]`.
     Counted {
         /// The rule, `None` for the descriptor's own `limit` override.
@@ -108,6 +126,19 @@ pub fn plan(
         )?);
     }
     drop_replaced(&mut applies);
+    // A call a limit of 0 refuses records nothing (all or nothing): its other counted
+    // descriptors are not asked of the store.
+    let refused = !settings.shadow_mode
+        && applies.iter().any(|applied| {
+            matches!(applied, Applies::Blocked { rule, .. } if !rule.as_ref().is_some_and(|r| r.shadow))
+        });
+    if refused {
+        for applied in applies.iter_mut() {
+            if matches!(applied, Applies::Counted { .. }) {
+                *applied = Applies::Unasked;
+            }
+        }
+    }
     let now = crate::runtime::clock::now();
     let mut checks = Vec::new();
     for (applied, descriptor) in applies.iter_mut().zip(&request.descriptors) {
@@ -119,14 +150,13 @@ pub fn plan(
         } = applied
         {
             *check = checks.len();
-            let shadow = settings.shadow_mode || rule.as_ref().is_some_and(|r| r.shadow);
             checks.push(build_check(
                 settings,
                 &request.domain,
                 descriptor,
+                rule.as_deref(),
                 *limit,
                 *hits,
-                shadow,
                 now,
             ));
         }
@@ -148,20 +178,12 @@ fn applies_to(
             return Ok(Applies::Nothing);
         }
         let unit = unit_of_proto(limit.unit).ok_or(Invalid::BadOverride(index))?;
-        if limit.requests_per_unit == 0 {
-            return Err(Invalid::BadOverride(index));
-        }
         let limit = Counted {
             requests: limit.requests_per_unit,
             unit,
             algorithm: settings.algorithm,
         };
-        return Ok(Applies::Counted {
-            rule: None,
-            limit,
-            hits,
-            check: 0,
-        });
+        return Ok(counted(None, limit, hits));
     }
     let entries = descriptor
         .entries
@@ -172,19 +194,31 @@ fn applies_to(
     };
     Ok(match rule.limit {
         RuleLimit::Unlimited => Applies::Unlimited(Arc::clone(rule)),
-        RuleLimit::Counted(limit) => Applies::Counted {
-            rule: Some(Arc::clone(rule)),
+        RuleLimit::Counted(limit) => counted(Some(Arc::clone(rule)), limit, hits),
+    })
+}
+
+/// A counted limit, or a blocked one when it admits nothing.
+fn counted(rule: Option<Arc<Rule>>, limit: Counted, hits: u32) -> Applies {
+    if limit.requests == 0 {
+        Applies::Blocked { rule, limit, hits }
+    } else {
+        Applies::Counted {
+            rule,
             limit,
             hits,
             check: 0,
-        },
-    })
+        }
+    }
 }
 
 /// `replaces`: a rule named by another rule that applies in the same call does not apply.
 fn drop_replaced(applies: &mut [Applies]) {
     let rule_of = |applied: &Applies| match applied {
         Applies::Unlimited(rule)
+        | Applies::Blocked {
+            rule: Some(rule), ..
+        }
         | Applies::Counted {
             rule: Some(rule), ..
         } => Some(Arc::clone(rule)),
@@ -213,12 +247,14 @@ fn build_check(
     settings: &Settings,
     domain: &str,
     descriptor: &RateLimitDescriptor,
+    rule: Option<&Rule>,
     limit: Counted,
     hits: u32,
-    shadow: bool,
     now: jiff::Timestamp,
 ) -> Check {
-    let mut key = key::store_key(&settings.key_prefix, domain, descriptor, limit);
+    let shadow = settings.shadow_mode || rule.is_some_and(|r| r.shadow);
+    let shared = rule.map_or(&[][..], |r| r.shared.as_slice());
+    let mut key = key::store_key(&settings.key_prefix, domain, descriptor, shared, limit);
     let unit = Duration::from_secs(limit.unit.seconds());
     let rolling = |algorithm: Algorithm| (algorithm, unit);
     let (algorithm, window) = match limit.algorithm {
@@ -303,9 +339,25 @@ pub fn answer(
     let mut overall = Code::Ok;
     let mut statuses = Vec::with_capacity(planned.applies.len());
     let mut outcomes = Vec::with_capacity(planned.applies.len());
+    let now = crate::runtime::clock::now();
     for applied in &planned.applies {
         let (status, outcome) = match applied {
-            Applies::Nothing | Applies::Replaced(_) => (ok_without_limit(0), Outcome::NotCounted),
+            Applies::Nothing | Applies::Replaced(_) | Applies::Unasked => {
+                (ok_without_limit(0), Outcome::NotCounted)
+            }
+            Applies::Blocked { rule, limit, .. } => {
+                let reset = key::epoch_seconds_left(limit.unit, now);
+                (
+                    DescriptorStatus {
+                        code: Code::OverLimit as i32,
+                        current_limit: Some(current_limit(rule.as_deref(), *limit)),
+                        limit_remaining: 0,
+                        duration_until_reset: Some(proto_duration(reset)),
+                        ..DescriptorStatus::default()
+                    },
+                    Outcome::Over,
+                )
+            }
             Applies::Unlimited(_) => (ok_without_limit(u32::MAX), Outcome::NotCounted),
             Applies::Counted {
                 rule,
@@ -328,7 +380,11 @@ pub fn answer(
                 }
             }
         };
-        let shadow = matches!(applied, Applies::Counted { rule: Some(rule), .. } if rule.shadow);
+        let shadow = matches!(
+            applied,
+            Applies::Counted { rule: Some(rule), .. } | Applies::Blocked { rule: Some(rule), .. }
+                if rule.shadow
+        );
         let mut status = status;
         if outcome == Outcome::Over && shadow {
             status.code = Code::Ok as i32;
@@ -453,6 +509,7 @@ mod tests {
             replaces: Vec::new(),
             file: "f.yaml".into(),
             line: 1,
+            shared: Vec::new(),
         })
     }
 
@@ -580,5 +637,227 @@ mod tests {
         };
         let (response, _) = answer(&settings(false), &planned, None, Some(&deny));
         assert_eq!(codes(&response), (OVER, vec![OVER, OVER, OK]));
+    }
+
+    /// Rules from a file's text, as the service loads them.
+    fn rules_of(yaml: &str) -> Rules {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("rules.yaml"), yaml).expect("write");
+        let sluice = dir.path().join("sluice.yaml");
+        let entry: Vec<crate::config::Spanned<std::path::PathBuf>> =
+            crate::config::parse_as("[rules.yaml]", &sluice).expect("list");
+        Rules::load(&entry, RlsAlgorithm::Exact, &sluice).expect("valid")
+    }
+
+    const BLOCK_LIST: &str = "
+domain: edge
+descriptors:
+  - key: remote_address
+    rate_limit: {unit: second, requests_per_unit: 10}
+  - key: remote_address
+    value: 50.0.0.5
+    rate_limit: {unit: hour, requests_per_unit: 0, name: blocked}
+  - key: quiet
+    value: q
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 0}
+";
+
+    fn call(descriptors: &[(&str, &str)]) -> RateLimitRequest {
+        use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+        RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: descriptors
+                .iter()
+                .map(|(k, v)| RateLimitDescriptor {
+                    entries: vec![Entry {
+                        key: (*k).into(),
+                        value: (*v).into(),
+                    }],
+                    ..RateLimitDescriptor::default()
+                })
+                .collect(),
+            hits_addend: 0,
+        }
+    }
+
+    #[test]
+    fn a_zero_limit_is_over_limit_without_the_store() {
+        let rules = rules_of(BLOCK_LIST);
+        let request = call(&[
+            ("remote_address", "50.0.0.5"),
+            ("remote_address", "50.0.0.1"),
+        ]);
+        let planned = plan(&rules, &settings(false), &request).expect("valid");
+        assert!(
+            planned.checks.is_empty(),
+            "the store is not asked: {:?}",
+            planned.checks
+        );
+        assert!(matches!(
+            planned.applies[0],
+            Applies::Blocked { hits: 1, .. }
+        ));
+        assert!(matches!(planned.applies[1], Applies::Unasked));
+        let (response, outcomes) = answer(&settings(false), &planned, None, None);
+        assert_eq!(codes(&response), (OVER, vec![OVER, OK]));
+        let blocked = &response.statuses[0];
+        assert_eq!(
+            blocked.current_limit,
+            Some(RateLimit {
+                name: "blocked".into(),
+                requests_per_unit: 0,
+                unit: Unit::Hour as i32,
+            })
+        );
+        assert_eq!(blocked.limit_remaining, 0);
+        let reset = blocked.duration_until_reset.map(|d| (d.seconds, d.nanos));
+        assert!(
+            matches!(reset, Some((1..=3_600, 0))),
+            "the rest of the hour, in whole seconds: {reset:?}"
+        );
+        assert_eq!(response.statuses[1].current_limit, None);
+        assert_eq!(outcomes, [Outcome::Over, Outcome::NotCounted]);
+
+        // Any other address is counted as before.
+        let planned = plan(
+            &rules,
+            &settings(false),
+            &call(&[("remote_address", "50.0.0.1")]),
+        )
+        .expect("valid");
+        assert_eq!(planned.checks.len(), 1);
+        assert_eq!(planned.checks[0].spec.requests, 10);
+    }
+
+    #[test]
+    fn a_zero_limit_in_shadow_mode_refuses_nothing() {
+        let rules = rules_of(BLOCK_LIST);
+        let request = call(&[("quiet", "q"), ("remote_address", "50.0.0.1")]);
+        let planned = plan(&rules, &settings(false), &request).expect("valid");
+        assert_eq!(planned.checks.len(), 1, "the other descriptor is counted");
+        assert!(matches!(
+            planned.applies[1],
+            Applies::Counted { check: 0, .. }
+        ));
+        let decision = Decision {
+            admitted: true,
+            limits: vec![Some(LimitState {
+                remaining: 9,
+                reset: Duration::from_secs(1),
+                overridden: None,
+            })],
+            rejecting: vec![false],
+            retry_after: Duration::ZERO,
+            admission: None,
+        };
+        let (response, outcomes) = answer(&settings(false), &planned, Some(&decision), None);
+        assert_eq!(codes(&response), (OK, vec![OK, OK]));
+        assert_eq!(outcomes[0], Outcome::Over, "reported as over its limit");
+
+        // Global shadow mode: the descriptor says OVER_LIMIT, the call is not refused.
+        let request = call(&[
+            ("remote_address", "50.0.0.5"),
+            ("remote_address", "50.0.0.1"),
+        ]);
+        let planned = plan(&rules, &settings(true), &request).expect("valid");
+        assert_eq!(planned.checks.len(), 1);
+        let (response, _) = answer(&settings(true), &planned, Some(&decision), None);
+        assert_eq!(codes(&response), (OK, vec![OVER, OK]));
+    }
+
+    #[test]
+    fn a_zero_override_is_over_limit() {
+        use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+        let rules = rules_of(BLOCK_LIST);
+        let mut request = call(&[("anything", "x")]);
+        request.descriptors[0].limit = Some(RateLimitOverride {
+            requests_per_unit: 0,
+            unit: 2,
+        });
+        let planned = plan(&rules, &settings(false), &request).expect("accepted");
+        assert!(planned.checks.is_empty());
+        let (response, _) = answer(&settings(false), &planned, None, None);
+        assert_eq!(codes(&response), (OVER, vec![OVER]));
+        request.descriptors[0].limit = Some(RateLimitOverride {
+            requests_per_unit: 0,
+            unit: 99,
+        });
+        assert_eq!(
+            plan(&rules, &settings(false), &request).map(|_| ()),
+            Err(Invalid::BadOverride(0))
+        );
+    }
+
+    #[test]
+    fn values_of_a_shared_wildcard_count_in_one_key() {
+        let rules = rules_of(
+            "
+domain: edge
+descriptors:
+  - key: files
+    value: files/*
+    share_threshold: true
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: own
+    value: files/*
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: route
+    value: api/*
+    share_threshold: true
+    descriptors:
+      - key: method
+        rate_limit: {unit: minute, requests_per_unit: 60}
+",
+        );
+        let keys = |descriptors: &[&[(&str, &str)]]| {
+            use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+            let request = RateLimitRequest {
+                domain: "edge".into(),
+                descriptors: descriptors
+                    .iter()
+                    .map(|entries| RateLimitDescriptor {
+                        entries: entries
+                            .iter()
+                            .map(|(k, v)| Entry {
+                                key: (*k).into(),
+                                value: (*v).into(),
+                            })
+                            .collect(),
+                        ..RateLimitDescriptor::default()
+                    })
+                    .collect(),
+                hits_addend: 0,
+            };
+            let planned = plan(&rules, &settings(false), &request).expect("valid");
+            planned
+                .checks
+                .iter()
+                .map(|c| c.key.clone())
+                .collect::<Vec<_>>()
+        };
+        let shared = keys(&[&[("files", "files/a.pdf")], &[("files", "files/b.csv")]]);
+        assert_eq!(shared.len(), 2);
+        assert_eq!(shared[0], shared[1], "one count for every matching value");
+        assert!(
+            shared[0].starts_with("p:rls:edge:{files==files/*}:hour10"),
+            "{shared:?}"
+        );
+        let own = keys(&[&[("own", "files/a.pdf")], &[("own", "files/b.csv")]]);
+        assert_ne!(
+            own[0], own[1],
+            "without share_threshold each value counts alone"
+        );
+        // Shared at the wildcard's level, with the rule one level deeper.
+        let nested = keys(&[
+            &[("route", "api/v1"), ("method", "GET")],
+            &[("route", "api/v2"), ("method", "GET")],
+            &[("route", "api/v2"), ("method", "POST")],
+        ]);
+        assert_eq!(nested[0], nested[1]);
+        assert_ne!(
+            nested[1], nested[2],
+            "the level below still counts per value"
+        );
     }
 }

@@ -87,6 +87,34 @@ pub fn explain(
             Applies::Unlimited(rule) => {
                 let _ = writeln!(out, "  rule {}: unlimited: OK, not counted", written(rule));
             }
+            Applies::Blocked { rule, limit, .. } => {
+                match rule {
+                    Some(rule) => {
+                        let _ = writeln!(out, "  rule {}", written(rule));
+                    }
+                    None => {
+                        let _ = writeln!(out, "  the descriptor's own limit override");
+                    }
+                }
+                let shadow =
+                    compiled.settings.shadow_mode || rule.as_ref().is_some_and(|r| r.shadow);
+                let _ = writeln!(
+                    out,
+                    "  limit: 0 per {}: OVER_LIMIT{}, the store is not asked",
+                    limit.unit.label(),
+                    if shadow {
+                        " (shadow mode: the call is not refused)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            Applies::Unasked => {
+                let _ = writeln!(
+                    out,
+                    "  a limit of 0 refuses this call: not asked of the store, OK, not counted"
+                );
+            }
             Applies::Counted {
                 rule,
                 limit,

@@ -30,6 +30,10 @@ pub struct DescriptorRule {
     /// Over-limit answers of this rule are reported but the descriptor's code stays OK.
     #[serde(default)]
     pub shadow_mode: bool,
+    /// Every value this wildcard `value` matches counts in one count (the pattern's), not one
+    /// each.
+    #[serde(default)]
+    pub share_threshold: bool,
     /// envoyproxy/ratelimit labels its stats with the request's values instead of the rule's:
     /// accepted so existing files load; sluice labels by rule either way (bounded series).
     #[serde(default, rename = "detailed_metric")]

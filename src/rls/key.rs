@@ -6,7 +6,10 @@
 //! by `limiter::key_text`, as the HTTP limits' values are: escaped where they would end the tag
 //! or a segment (`{`, `}`, `:`, `=`, and `%`, `,`, `#`) when short and printable, otherwise
 //! hashed, so two different descriptors never share a key and no value a client sends makes a
-//! key segment longer than that bound. The unit and limit are part of the key: a reload that
+//! key segment longer than that bound. An entry matched by a wildcard with `share_threshold`
+//! is written `key==pattern` instead of `key=value` (the pattern escaped as a value), so every
+//! value it matches counts in one count, as envoyproxy/ratelimit writes the pattern in its key;
+//! the second `=` cannot come from a client, whose values' `=` are escaped. The unit and limit are part of the key: a reload that
 //! changes them starts a new count, as envoyproxy/ratelimit's keys do. Calendar and epoch
 //! windows end with their period; every key expires with its window (the stores set it).
 
@@ -23,11 +26,13 @@ use crate::limiter::key_text;
 use super::file::UnitName;
 use super::rules::Counted;
 
-/// The key of one descriptor's limit, without its period.
+/// The key of one descriptor's limit, without its period; `shared[i]`, when set, is written
+/// for entry `i` instead of its value (see the module's doc).
 pub fn store_key(
     prefix: &str,
     domain: &str,
     descriptor: &RateLimitDescriptor,
+    shared: &[Option<String>],
     limit: Counted,
 ) -> String {
     let mut key = String::with_capacity(64);
@@ -41,7 +46,13 @@ pub fn store_key(
         }
         escape_into(&mut key, &entry.key);
         key.push('=');
-        escape_into(&mut key, &entry.value);
+        match shared.get(index).and_then(Option::as_deref) {
+            Some(pattern) => {
+                key.push('=');
+                escape_into(&mut key, pattern);
+            }
+            None => escape_into(&mut key, &entry.value),
+        }
     }
     let _ = write!(key, "}}:{}{}", limit.unit.label(), limit.requests);
     key
@@ -113,6 +124,14 @@ fn epoch_window_at(key: &mut String, unit: UnitName, now: Timestamp) -> Duration
     Duration::from_micros(length - at % length)
 }
 
+/// What envoyproxy/ratelimit answers as `duration_until_reset` for any limit: the whole
+/// seconds left in the epoch-aligned window of `unit` that holds `now` (1 ..= the unit).
+pub fn epoch_seconds_left(unit: UnitName, now: Timestamp) -> Duration {
+    let length = unit.seconds();
+    let at = u64::try_from(now.as_second()).unwrap_or(0);
+    Duration::from_secs(length - at % length)
+}
+
 #[cfg(test)]
 mod tests {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -141,12 +160,57 @@ mod tests {
 
     #[test]
     fn distinct_descriptors_have_distinct_keys() {
-        let a = store_key("sluice", "d", &descriptor(&[("a", "b,c=d")]), LIMIT);
-        let b = store_key("sluice", "d", &descriptor(&[("a", "b"), ("c", "d")]), LIMIT);
+        let a = store_key("sluice", "d", &descriptor(&[("a", "b,c=d")]), &[], LIMIT);
+        let b = store_key(
+            "sluice",
+            "d",
+            &descriptor(&[("a", "b"), ("c", "d")]),
+            &[],
+            LIMIT,
+        );
         assert_ne!(a, b);
         assert_eq!(b, "sluice:rls:d:{a=b,c=d}:minute5");
-        let tagged = store_key("sluice", "d", &descriptor(&[("k", "}{:")]), LIMIT);
+        let tagged = store_key("sluice", "d", &descriptor(&[("k", "}{:")]), &[], LIMIT);
         assert_eq!(tagged, "sluice:rls:d:{k=%7D%7B%3A}:minute5");
+    }
+
+    #[test]
+    fn a_shared_wildcard_is_one_key_a_client_cannot_write() {
+        let shared = [None, Some("files/*".to_owned())];
+        let key = |value: &str| {
+            store_key(
+                "sluice",
+                "d",
+                &descriptor(&[("user", "u"), ("path", value)]),
+                &shared,
+                LIMIT,
+            )
+        };
+        assert_eq!(
+            key("files/a.pdf"),
+            "sluice:rls:d:{user=u,path==files/*}:minute5"
+        );
+        assert_eq!(key("files/a.pdf"), key("files/b.csv"));
+        // A client's value `=files/*` is escaped: its own key, not the shared one.
+        let forged = store_key(
+            "sluice",
+            "d",
+            &descriptor(&[("user", "u"), ("path", "=files/*")]),
+            &[],
+            LIMIT,
+        );
+        assert_ne!(forged, key("files/a.pdf"));
+        assert_eq!(
+            store_key(
+                "sluice",
+                "d",
+                &descriptor(&[("user", "u"), ("path", "files/a")]),
+                &[],
+                LIMIT
+            ),
+            "sluice:rls:d:{user=u,path=files/a}:minute5",
+            "without share_threshold each value counts alone"
+        );
     }
 
     /// Text made mostly of the characters the key gives a meaning to, and of what their
@@ -187,7 +251,7 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
-        store_key("sluice", domain, &descriptor(&pairs), limit)
+        store_key("sluice", domain, &descriptor(&pairs), &[], limit)
     }
 
     /// One segment read back; `None` when it holds a character escaping keeps out of it.
@@ -303,5 +367,15 @@ mod tests {
         let left = epoch_window(&mut key, UnitName::Minute, now);
         assert_eq!(left, Duration::from_secs(2));
         assert_eq!(key, format!(":e{}", now.as_second() / 60));
+        assert_eq!(
+            epoch_seconds_left(UnitName::Minute, now),
+            Duration::from_secs(2)
+        );
+        let boundary: Timestamp = "2026-03-01T00:00:00Z".parse().expect("instant");
+        assert_eq!(
+            epoch_seconds_left(UnitName::Hour, boundary),
+            Duration::from_secs(3_600),
+            "a whole window at its first second"
+        );
     }
 }

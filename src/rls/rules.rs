@@ -2,10 +2,23 @@
 //! and the lookup that finds the rule a request's descriptor falls under.
 //!
 //! The lookup follows envoyproxy/ratelimit's: walk the descriptor's entries in order; at each
-//! level take the child whose `key` and exact `value` match, else the longest wildcard
-//! (`value: prefix*`) that matches, else the child with the `key` and no `value`; the rule is
-//! the `rate_limit` of the node where the entries end. Any entry without a child, or an end
-//! node without `rate_limit`, means no rule: the descriptor is allowed and not counted.
+//! level take the child whose `key` and exact `value` match, else the first wildcard value of
+//! that `key`, in the order the file writes them, that matches, else the child with the `key`
+//! and no `value`; the rule is the `rate_limit` of the node where the entries end. Any entry
+//! without a child, or an end node without `rate_limit`, means no rule: the descriptor is
+//! allowed and not counted.
+//!
+//! A wildcard value holds one or more `*`, anywhere (`prefix*`, `/api/*/action`, `a*b*c`),
+//! each matching any run of characters, the empty one too; there is no escape, so a value
+//! with a `*` is always a pattern. The order among wildcards is envoyproxy/ratelimit's
+//! (config_impl.go: the first declared that matches wins, not the longest), so an earlier
+//! `value1*` takes `value1abc` before a later `value1a*` would. It compares a pattern with
+//! `key_value` written as one text, so a pattern could there match an entry of another key
+//! whose name has a `_`; here a wildcard matches only values of its own `key`. Matching
+//! splits the pattern at its `*`s once, when the file is read, and takes the first part as a
+//! prefix, the last as a suffix and each middle one at its first place after the previous:
+//! the first place is always as good as any later one, so nothing is tried twice and a match
+//! costs one pass over the value (`str::find` is linear), whatever the pattern.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -34,8 +47,8 @@ struct Node {
 #[derive(Debug, Default)]
 struct Branch {
     exact: HashMap<String, Node>,
-    /// `value: prefix*`, longest prefix first.
-    prefixes: Vec<(String, Node)>,
+    /// Values with a `*`, in the order the file writes them (the first match wins).
+    wildcards: Vec<(Glob, Node)>,
     /// The child with no `value`: every value counts on its own.
     any: Option<Box<Node>>,
 }
@@ -52,6 +65,10 @@ pub struct Rule {
     pub shadow: bool,
     /// Names of the rules this one replaces.
     pub replaces: Vec<String>,
+    /// Per entry of a descriptor it applies to, the wildcard `value` written in the key
+    /// instead of the entry's value (`share_threshold: true` on the level that entry matched);
+    /// empty when no level shares.
+    pub shared: Vec<Option<String>>,
     /// Where the rule is written, for `explain`.
     pub file: PathBuf,
     pub line: u64,
@@ -141,11 +158,59 @@ impl Branch {
             return Some(node);
         }
         let wildcard = self
-            .prefixes
+            .wildcards
             .iter()
-            .find(|(prefix, _)| value.starts_with(prefix.as_str()))
+            .find(|(glob, _)| glob.matches(value))
             .map(|(_, node)| node);
         wildcard.or(self.any.as_deref())
+    }
+}
+
+/// A descriptor value with one or more `*`, split at them when the file is read.
+#[derive(Debug)]
+struct Glob {
+    /// The value as written.
+    text: String,
+    /// The literal runs around the `*`s: at least two, any of them empty.
+    parts: Vec<String>,
+}
+
+impl Glob {
+    /// The pattern `text` writes; `None` without a `*` (an exact value).
+    fn new(text: &str) -> Option<Glob> {
+        if !text.contains('*') {
+            return None;
+        }
+        Some(Glob {
+            text: text.to_owned(),
+            parts: text.split('*').map(str::to_owned).collect(),
+        })
+    }
+
+    /// Whether `value` is the first part, anything, each middle part in order with anything
+    /// between, and the last part.
+    fn matches(&self, value: &str) -> bool {
+        let Some((first, rest)) = self.parts.split_first() else {
+            return false;
+        };
+        let Some((last, middle)) = rest.split_last() else {
+            return false;
+        };
+        // The suffix is taken from what the prefix leaves, so the two never overlap.
+        let Some(mut between) = value
+            .strip_prefix(first.as_str())
+            .and_then(|rest| rest.strip_suffix(last.as_str()))
+        else {
+            return false;
+        };
+        for part in middle {
+            // The first place a part fits leaves the most room for the parts after it.
+            match between.find(part.as_str()) {
+                Some(at) => between = &between[at + part.len()..],
+                None => return false,
+            }
+        }
+        true
     }
 }
 
@@ -158,7 +223,7 @@ impl Node {
             .map(|branch| {
                 branch.exact.values().map(Node::rules).sum::<usize>()
                     + branch
-                        .prefixes
+                        .wildcards
                         .iter()
                         .map(|(_, n)| n.rules())
                         .sum::<usize>()
@@ -180,7 +245,7 @@ fn compile_domain(
         algorithm,
         path,
     };
-    at.children(&mut root, &parsed.descriptors, "descriptors", "")?;
+    at.children(&mut root, &parsed.descriptors, "descriptors", "", &[])?;
     Ok(root)
 }
 
@@ -198,6 +263,7 @@ impl Walk<'_> {
         rules: &[DescriptorRule],
         field: &str,
         stat: &str,
+        shared: &[Option<String>],
     ) -> Result<(), ConfigError> {
         for (index, rule) in rules.iter().enumerate() {
             let field = format!("{field}[{index}]");
@@ -219,34 +285,40 @@ impl Walk<'_> {
             } else {
                 format!("{stat}.{own}")
             };
-            child.rule = self.rule(rule, &field, &stat)?;
+            // A node is reached through one wildcard or none at each level above it, so which
+            // entries share is known here, once, for every rule at or below it.
+            let pattern = rule.value.as_ref().filter(|v| v.value.contains('*'));
+            if rule.share_threshold && pattern.is_none() {
+                return Err(self.refuse(
+                    (&rule.key).into(),
+                    &format!("{field}.share_threshold"),
+                    "share_threshold needs a wildcard `value` (one with `*`): only the values a pattern matches can share its count",
+                ));
+            }
+            let mut shared = shared.to_vec();
+            shared.push(
+                pattern
+                    .filter(|_| rule.share_threshold)
+                    .map(|v| v.value.clone()),
+            );
+            child.rule = self.rule(rule, &field, &stat, &shared)?;
             self.children(
                 &mut child,
                 &rule.descriptors,
                 &format!("{field}.descriptors"),
                 &stat,
+                &shared,
             )?;
             let branch = node.children.entry(key.clone()).or_default();
             let duplicate = match &rule.value {
                 None => branch.any.replace(Box::new(child)).is_some(),
-                Some(value) => match value.value.strip_suffix('*') {
-                    Some(prefix) if !prefix.contains('*') => {
-                        let taken = branch.prefixes.iter().any(|(p, _)| p == prefix);
-                        branch.prefixes.push((prefix.to_owned(), child));
-                        // Longest first: the most specific wildcard wins.
-                        branch
-                            .prefixes
-                            .sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
+                Some(value) => match Glob::new(&value.value) {
+                    Some(glob) => {
+                        let taken = branch.wildcards.iter().any(|(g, _)| g.text == glob.text);
+                        branch.wildcards.push((glob, child));
                         taken
                     }
-                    _ if value.value.contains('*') => {
-                        return Err(self.refuse(
-                            value.into(),
-                            &format!("{field}.value"),
-                            "a wildcard `*` may only end a value (`prefix*`)",
-                        ))
-                    }
-                    _ => branch.exact.insert(value.value.clone(), child).is_some(),
+                    None => branch.exact.insert(value.value.clone(), child).is_some(),
                 },
             };
             if duplicate {
@@ -265,6 +337,7 @@ impl Walk<'_> {
         rule: &DescriptorRule,
         field: &str,
         stat: &str,
+        shared: &[Option<String>],
     ) -> Result<Option<Arc<Rule>>, ConfigError> {
         let Some(spanned) = &rule.rate_limit else {
             return Ok(None);
@@ -282,13 +355,8 @@ impl Walk<'_> {
                 ))
             }
             (false, Some(unit), Some(requests)) => {
-                if requests.value == 0 {
-                    return Err(self.refuse(
-                        requests.into(),
-                        &format!("{field}.requests_per_unit"),
-                        "must be at least 1 (to refuse every request, answer 429 from Envoy's route instead)",
-                    ));
-                }
+                // 0 is envoyproxy/ratelimit's block list (its README's example 3): every
+                // matching descriptor is OVER_LIMIT, decided without the store (`decide`).
                 RuleLimit::Counted(Counted {
                     requests: requests.value,
                     unit: unit.value,
@@ -316,6 +384,11 @@ impl Walk<'_> {
             replaces: limit.replaces.iter().map(|r| r.name.clone()).collect(),
             file: self.path.to_owned(),
             line: position.line,
+            shared: if shared.iter().any(Option::is_some) {
+                shared.to_vec()
+            } else {
+                Vec::new()
+            },
         })))
     }
 
@@ -391,7 +464,11 @@ descriptors:
             Some(40),
             "exact before wildcard"
         );
-        assert_eq!(at(&[("key1", "value1abc")]), Some(30), "longest wildcard");
+        assert_eq!(
+            at(&[("key1", "value1abc")]),
+            Some(20),
+            "the first wildcard written, though value1a* is longer"
+        );
         assert_eq!(at(&[("key1", "value1x")]), Some(20));
         assert_eq!(at(&[("key1", "other")]), Some(10), "key without value");
         assert_eq!(at(&[("internal", "x")]), Some(u32::MAX));
@@ -432,12 +509,159 @@ descriptors:
             err.contains("descriptors[1].key") && err.contains("twice"),
             "{err}"
         );
-        let err = rules("domain: d\ndescriptors:\n  - key: a\n    value: x*y\n")
+        let err = rules(
+            "domain: d\ndescriptors:\n  - key: a\n    value: x*y\n  - key: a\n    value: x*y\n",
+        )
+        .expect_err("refused")
+        .to_string();
+        assert!(
+            err.contains("descriptors[1].key") && err.contains("a_x*y") && err.contains("twice"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_zero_limit_loads_and_negative_or_fractional_ones_do_not() {
+        let zero = "domain: d\ndescriptors:\n  - key: ip\n    value: 50.0.0.5\n    rate_limit:\n      unit: second\n      requests_per_unit: 0\n";
+        let loaded = rules(zero).expect("the README's block list loads");
+        let rule = loaded.find("d", [("ip", "50.0.0.5")]).expect("a rule");
+        assert!(
+            matches!(rule.limit, RuleLimit::Counted(Counted { requests: 0, .. })),
+            "{rule:?}"
+        );
+        for bad in ["-1", "1.5", "ten"] {
+            let err =
+                rules(&zero.replace("requests_per_unit: 0", &format!("requests_per_unit: {bad}")))
+                    .expect_err(bad)
+                    .to_string();
+            assert!(
+                err.contains("rules.yaml:7:26") && err.contains("requests_per_unit"),
+                "{bad}: {err}"
+            );
+        }
+    }
+
+    const GLOBS: &str = "
+domain: g
+descriptors:
+  - key: path
+    value: /api/*/action
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: path
+    value: /api/*/resource/*/action
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: path
+    value: /api/v1/action
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: path
+    value: '*.pdf'
+    rate_limit: {unit: minute, requests_per_unit: 4}
+  - key: path
+    value: /api/*
+    rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: path
+    rate_limit: {unit: minute, requests_per_unit: 6}
+  - key: other_path
+    value: '*'
+    rate_limit: {unit: minute, requests_per_unit: 7}
+";
+
+    #[test]
+    fn a_wildcard_anywhere_first_written_first_then_the_key_alone() {
+        let loaded = rules(GLOBS).expect("valid");
+        let at = |value: &str| match loaded.find("g", [("path", value)]).map(|r| r.limit) {
+            Some(RuleLimit::Counted(c)) => Some(c.requests),
+            _ => None,
+        };
+        assert_eq!(
+            at("/api/v1/action"),
+            Some(3),
+            "an exact value before any wildcard"
+        );
+        assert_eq!(at("/api/v2/action"), Some(1), "a middle wildcard");
+        assert_eq!(at("/api//action"), Some(1), "`*` matches the empty run");
+        assert_eq!(
+            at("/api/v2/resource/9/action"),
+            Some(1),
+            "/api/*/action is written first and matches too (`*` spans slashes)"
+        );
+        assert_eq!(
+            at("/api/v2/other"),
+            Some(5),
+            "not /api/*/action: its suffix differs"
+        );
+        assert_eq!(at("/files/a.pdf"), Some(4), "a leading wildcard");
+        assert_eq!(at("/api/a.pdf"), Some(4), "*.pdf is written before /api/*");
+        assert_eq!(
+            at("/api/action"),
+            Some(5),
+            "the prefix and suffix never overlap"
+        );
+        assert_eq!(at("/home"), Some(6), "no wildcard matches: the key alone");
+        // Only the values of its own key: path_* would match other_path_x as one text.
+        assert_eq!(
+            loaded
+                .find("g", [("other_path", "x")])
+                .map(|r| r.path.as_str()),
+            Some("other_path_*")
+        );
+    }
+
+    /// What `*` means, the slow way: every split tried.
+    fn reference(pattern: &[u8], value: &[u8]) -> bool {
+        match pattern.split_first() {
+            None => value.is_empty(),
+            Some((b'*', rest)) => (0..=value.len()).any(|skip| reference(rest, &value[skip..])),
+            Some((c, rest)) => value.first() == Some(c) && reference(rest, &value[1..]),
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4096))]
+
+        /// Patterns and values over a two-letter alphabet (so parts repeat and overlap) match
+        /// as the reference says.
+        #[test]
+        fn a_glob_matches_as_every_split_would(pattern in "[ab*]{1,8}", value in "[ab]{0,10}") {
+            let expected = reference(pattern.as_bytes(), value.as_bytes());
+            let matched = match Glob::new(&pattern) {
+                Some(glob) => glob.matches(&value),
+                None => pattern == value,
+            };
+            proptest::prop_assert_eq!(matched, expected, "{} against {}", pattern, value);
+        }
+    }
+
+    #[test]
+    fn pathological_patterns_match_in_one_pass() {
+        let long = "a".repeat(200_000);
+        let started = std::time::Instant::now();
+        for pattern in ["*a*a*a*a*b", "*a*a*a*a*a*a*a*a*a*a*", "a*a*a*a*ab*"] {
+            let glob = Glob::new(pattern).expect("a pattern");
+            let expected = !pattern.contains('b');
+            assert_eq!(glob.matches(&long), expected, "{pattern}");
+        }
+        let glob = Glob::new(&format!("*{}b*", "a".repeat(1_000))).expect("a pattern");
+        assert!(!glob.matches(&long));
+        // A backtracking matcher takes minutes on these; one pass takes microseconds.
+        let took = started.elapsed();
+        assert!(took < std::time::Duration::from_secs(2), "{took:?}");
+    }
+
+    #[test]
+    fn share_threshold_needs_a_wildcard() {
+        let err = rules("domain: d\ndescriptors:\n  - key: a\n    value: exact\n    share_threshold: true\n    rate_limit: {unit: hour, requests_per_unit: 1}\n")
             .expect_err("refused")
             .to_string();
         assert!(
-            err.contains("descriptors[0].value") && err.contains("wildcard"),
+            err.contains("rules.yaml:3:10")
+                && err.contains("descriptors[0].share_threshold")
+                && err.contains("wildcard"),
             "{err}"
         );
+        let loaded = rules("domain: d\ndescriptors:\n  - key: a\n    value: x*\n    share_threshold: true\n    descriptors:\n      - key: b\n        rate_limit: {unit: hour, requests_per_unit: 1}\n")
+            .expect("a wildcard may share");
+        let rule = loaded.find("d", [("a", "xy"), ("b", "z")]).expect("a rule");
+        assert_eq!(rule.shared, [Some("x*".to_owned()), None]);
     }
 }

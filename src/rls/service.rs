@@ -93,6 +93,11 @@ impl Service {
                 rule: Some(rule),
                 hits,
                 ..
+            }
+            | Applies::Blocked {
+                rule: Some(rule),
+                hits,
+                ..
             } = applied
             {
                 self.metrics

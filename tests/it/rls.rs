@@ -306,6 +306,85 @@ async fn a_python_grpc_client_checks_without_counting_and_decides_all_or_nothing
     assert!(lines[9].starts_with("OVER_LIMIT OVER_LIMIT 0 "), "{out}");
 }
 
+/// A block list as envoyproxy/ratelimit's README writes one: a limit of 0 for one value under
+/// a per-value limit for every other.
+const BLOCK_LIST: &str = "
+domain: edge
+descriptors:
+  - key: user
+    rate_limit: {unit: second, requests_per_unit: 10}
+  - key: user
+    value: 50.0.0.5
+    rate_limit: {unit: second, requests_per_unit: 0, name: blocked}
+";
+
+#[tokio::test]
+async fn a_zero_limit_is_over_limit_through_envoy_without_the_store() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = Redis::start().await;
+    let store = support::redis_store_yaml(&redis.url());
+    let (sluice, rls) = sluice_rls(dir.path(), BLOCK_LIST, &store, "").await;
+    let upstream = Upstream::start().await;
+    let envoy = Envoy::start("edge", rls, upstream.addr().port(), ACTIONS).await;
+    for _ in 0..3 {
+        let resp = get(&envoy, &[("x-user", "50.0.0.5")]).await;
+        assert_eq!(
+            resp.status(),
+            429,
+            "the blocked value, from its first request"
+        );
+        assert_eq!(header(&resp, "x-envoy-ratelimited"), "true");
+        assert_eq!(header(&resp, "x-ratelimit-remaining"), "0");
+    }
+    assert_eq!(upstream.hits(), 0, "nothing reached the upstream");
+    assert_eq!(get(&envoy, &[("x-user", "50.0.0.1")]).await.status(), 200);
+    let keys = redis.keys().await;
+    assert!(
+        keys.iter().all(|k| !k.contains("50.0.0.5")) && keys.iter().any(|k| k.contains("50.0.0.1")),
+        "only the counted value has a key: {keys:?}"
+    );
+    let metrics = sluice.metrics().await;
+    for stat in ["total_hits", "over_limit"] {
+        let line = format!(
+            "ratelimit_service_rate_limit_{stat}{{descriptor=\"user_50.0.0.5\",domain=\"edge\"}} 3"
+        );
+        assert!(metrics.contains(&line), "{line} in {metrics}");
+    }
+    // The status fields, as envoyproxy/ratelimit answers them: the limit of 0 by name, none
+    // remaining, the rest of the second.
+    let call = r#"{"domain":"edge","descriptors":[{"entries":[["user","50.0.0.5"]]}]}"#;
+    let out = python(CLIENT, &[&format!("127.0.0.1:{rls}"), call]);
+    assert_eq!(out.trim(), "OVER_LIMIT OVER_LIMIT 0 1 blocked", "{out}");
+}
+
+#[tokio::test]
+async fn a_shared_wildcard_counts_every_value_it_matches_once_through_envoy() {
+    let dir = tempfile::tempdir().expect("dir");
+    let redis = Redis::start().await;
+    let store = support::redis_store_yaml(&redis.url());
+    let rules = "
+domain: edge
+descriptors:
+  - key: user
+    value: shared-*
+    share_threshold: true
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: user
+    value: own-*
+    rate_limit: {unit: minute, requests_per_unit: 2}
+";
+    let (_sluice, rls) = sluice_rls(dir.path(), rules, &store, "").await;
+    let upstream = Upstream::start().await;
+    let envoy = Envoy::start("edge", rls, upstream.addr().port(), ACTIONS).await;
+    let mut statuses = Vec::new();
+    for user in [
+        "shared-a", "shared-b", "shared-c", "own-a", "own-b", "own-c",
+    ] {
+        statuses.push(get(&envoy, &[("x-user", user)]).await.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429, 200, 200, 200]);
+}
+
 /// One call for `user=<user>` in domain `api` through the Python client: `overall remaining`.
 fn call_user(rls: u16, user: &str) -> String {
     let call = format!(r#"{{"domain":"api","descriptors":[{{"entries":[["user","{user}"]]}}]}}"#);
