@@ -11,6 +11,7 @@ use serde_json::json;
 use super::{find_limit, json_response, limits, merge, problem, Admin};
 use crate::config::ConfigDuration;
 use crate::limiter::overrides::{OverrideError, DEFAULT_TTL, MAX_TTL};
+use crate::limiter::{Check, Store};
 use crate::proxy::ProxyBody;
 use crate::request::store_key;
 
@@ -187,59 +188,94 @@ impl Admin {
                 "admin API: override {action}"
             );
         };
-        if *method == Method::PUT {
-            let Some(requests) = change.requests else {
-                return problem(
-                    StatusCode::BAD_REQUEST,
-                    "PUT needs requests=N: the identity's number, in the limit's unit",
-                    path,
-                    &[],
-                );
-            };
-            let ttl = change.ttl.unwrap_or(DEFAULT_TTL);
-            match store.set_override(&check, requests, ttl).await {
-                Ok((old, told)) => {
-                    audit("set", old, Some(requests));
-                    merge(&mut body, json!({
-                        "old": old,
-                        "requests": requests,
-                        "expires_in": ttl.as_secs_f64(),
-                        "instances_told": told,
-                    }));
+        let answer = match *method {
+            Method::PUT => set(store, &check, &change, path).await,
+            Method::DELETE => delete(store, &check).await,
+            _ => get(store, &check).await,
+        };
+        match answer {
+            Ok(Answer { outcome, audited }) => {
+                if let Some((action, old, new)) = audited {
+                    audit(action, old, new);
                 }
-                Err(OverrideError::Full(bound)) => {
-                    return problem(
-                        StatusCode::INSUFFICIENT_STORAGE,
-                        &format!("the in-process store holds {bound} overrides, its bound (store.local.max_keys)"),
-                        path,
-                        &[],
-                    )
-                }
-                Err(OverrideError::Store(err)) => return failed(format!("{} store: {err}", store.name())),
+                merge(&mut body, outcome);
             }
-        } else if *method == Method::DELETE {
-            match store.delete_override(&check).await {
-                Ok((old, told)) => {
-                    audit("deleted", old, None);
-                    merge(
-                        &mut body,
-                        json!({ "old": old, "requests": null, "instances_told": told }),
-                    );
-                }
-                Err(err) => return failed(format!("{} store: {err}", store.name())),
-            }
-        } else {
-            match store.get_override(&check).await {
-                Ok(found) => merge(
-                    &mut body,
-                    json!({
-                        "requests": found.map(|o| o.requests),
-                        "expires_in": found.map(|o| o.expires_in.as_secs_f64()),
-                    }),
-                ),
-                Err(err) => return failed(format!("{} store: {err}", store.name())),
-            }
+            Err(Failed::Refused(response)) => return response,
+            Err(Failed::Store(detail)) => return failed(detail),
         }
         json_response(StatusCode::OK, &body)
+    }
+}
+
+/// What a change of an override answers, and what it changed for the audit line: the
+/// action, the old and the new number.
+struct Answer {
+    outcome: serde_json::Value,
+    audited: Option<(&'static str, Option<u32>, Option<u32>)>,
+}
+
+/// Why a request on an override failed: refused as asked (its answer), or the store's fault.
+enum Failed {
+    Refused(Response<ProxyBody>),
+    Store(String),
+}
+
+/// `PUT`: sets the identity's override to `change`'s number, for its `ttl`.
+async fn set(store: &Store, check: &Check, change: &Change, path: &str) -> Result<Answer, Failed> {
+    let Some(requests) = change.requests else {
+        return Err(Failed::Refused(problem(
+            StatusCode::BAD_REQUEST,
+            "PUT needs requests=N: the identity's number, in the limit's unit",
+            path,
+            &[],
+        )));
+    };
+    let ttl = change.ttl.unwrap_or(DEFAULT_TTL);
+    match store.set_override(check, requests, ttl).await {
+        Ok((old, told)) => Ok(Answer {
+            outcome: json!({
+                "old": old,
+                "requests": requests,
+                "expires_in": ttl.as_secs_f64(),
+                "instances_told": told,
+            }),
+            audited: Some(("set", old, Some(requests))),
+        }),
+        Err(OverrideError::Full(bound)) => Err(Failed::Refused(problem(
+            StatusCode::INSUFFICIENT_STORAGE,
+            &format!(
+                "the in-process store holds {bound} overrides, its bound (store.local.max_keys)"
+            ),
+            path,
+            &[],
+        ))),
+        Err(OverrideError::Store(err)) => {
+            Err(Failed::Store(format!("{} store: {err}", store.name())))
+        }
+    }
+}
+
+/// `DELETE`: removes the identity's override.
+async fn delete(store: &Store, check: &Check) -> Result<Answer, Failed> {
+    match store.delete_override(check).await {
+        Ok((old, told)) => Ok(Answer {
+            outcome: json!({ "old": old, "requests": null, "instances_told": told }),
+            audited: Some(("deleted", old, None)),
+        }),
+        Err(err) => Err(Failed::Store(format!("{} store: {err}", store.name()))),
+    }
+}
+
+/// `GET`: the identity's override, if it has one.
+async fn get(store: &Store, check: &Check) -> Result<Answer, Failed> {
+    match store.get_override(check).await {
+        Ok(found) => Ok(Answer {
+            outcome: json!({
+                "requests": found.map(|o| o.requests),
+                "expires_in": found.map(|o| o.expires_in.as_secs_f64()),
+            }),
+            audited: None,
+        }),
+        Err(err) => Err(Failed::Store(format!("{} store: {err}", store.name()))),
     }
 }
