@@ -1,7 +1,7 @@
 //! `sluice explain-rls`: what the rate limit service would answer to one `ShouldRateLimit`
 //! call, from the files alone: each descriptor's rule (file and line, stat key, name), its
 //! limit and algorithm, whether another rule replaces it, and the exact store key it would
-//! touch. It runs the service's own planning (`decide::plan`), so it cannot tell a
+//! touch. It runs the service's own planning (`decide::plan_call`), so it cannot tell a
 //! different story, and sends nothing to the store.
 
 use std::fmt::Write as _;
@@ -10,8 +10,8 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 
-use super::decide::{plan, Applies};
-use super::rules::Rule;
+use super::decide::{plan_call, Applies};
+use super::rules::RlsRule;
 use super::Compiled;
 use crate::limiter::Check;
 
@@ -55,7 +55,7 @@ pub fn explain(
         descriptors,
         hits_addend: hits,
     };
-    let planned = plan(&compiled.rules, &compiled.settings, &request)
+    let planned = plan_call(&compiled.rules, &compiled.settings, &request)
         .map_err(|err| DescriptorError::Invalid(err.to_string()))?;
     let mut out = String::new();
     if !compiled.rules.has_domain(domain) {
@@ -148,7 +148,7 @@ fn write_applied(out: &mut String, compiled: &Compiled, applied: &Applies, check
 
 /// The rule that limits a descriptor (with its name, if `named` and it has one), or the
 /// descriptor's own limit override (`None`).
-fn write_rule(out: &mut String, rule: Option<&Rule>, named: bool) {
+fn write_rule(out: &mut String, rule: Option<&RlsRule>, named: bool) {
     match rule {
         Some(rule) => {
             let name = if named && !rule.name.is_empty() {
@@ -165,6 +165,6 @@ fn write_rule(out: &mut String, rule: Option<&Rule>, named: bool) {
 }
 
 /// A rule as explain names it: its path and where it is written, `key_value.key2 (file:line)`.
-fn written(rule: &Rule) -> String {
+fn written(rule: &RlsRule) -> String {
     format!("{} ({}:{})", rule.path, rule.file.display(), rule.line)
 }
