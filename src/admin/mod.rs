@@ -215,53 +215,51 @@ impl Admin {
         query: &str,
         path: &str,
     ) -> Response<ProxyBody> {
-        let policy = self.gateway.policy();
-        let (found, rule) = match find_limit(&policy, route, limit, path) {
-            Ok(found) => found,
-            Err(response) => return *response,
-        };
-        let key = match limits::store_key(&policy, found, rule, query) {
-            Ok(key) => key,
-            Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
-        };
-        let check = store_key::check(rule, key, crate::runtime::clock::now());
-        let store = self.gateway.store();
-        let identity = store_key::identity_of(&policy, found, rule, &check.key);
-        let concurrent = rule.spec.algorithm == crate::limiter::Algorithm::Concurrency;
-        let failed = |err: crate::limiter::StoreError| {
-            problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("{} store: {err}", store.name()),
-                path,
-                &[],
-            )
-        };
-        let outcome = match lease {
-            Some(_) if !concurrent => {
-                return problem(
-                    StatusCode::NOT_FOUND,
-                    &format!("limit `{limit}` is not a concurrency limit: it holds no leases"),
+        self.on_limit((route, limit), path, async |policy, found, rule| {
+            let key = match limits::store_key(policy, found, rule, query) {
+                Ok(key) => key,
+                Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
+            };
+            let check = store_key::check(rule, key, crate::runtime::clock::now());
+            let store = self.gateway.store();
+            let identity = store_key::identity_of(policy, found, rule, &check.key);
+            let concurrent = rule.spec.algorithm == crate::limiter::Algorithm::Concurrency;
+            let failed = |err: crate::limiter::StoreError| {
+                problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("{} store: {err}", store.name()),
                     path,
                     &[],
                 )
+            };
+            let outcome = match lease {
+                Some(_) if !concurrent => {
+                    return problem(
+                        StatusCode::NOT_FOUND,
+                        &format!("limit `{limit}` is not a concurrency limit: it holds no leases"),
+                        path,
+                        &[],
+                    )
+                }
+                Some(lease) => end_lease(store, &check, (route, limit, lease)).await,
+                None if method == Method::DELETE => reset(store, &check, (route, limit)).await,
+                None => peek(store, &check).await,
+            };
+            let outcome = match outcome {
+                Ok(outcome) => outcome,
+                Err(detail) => return problem(StatusCode::SERVICE_UNAVAILABLE, &detail, path, &[]),
+            };
+            let mut body = limit_view((route, limit), rule, &check, identity);
+            if concurrent && lease.is_none() && method == Method::GET {
+                match store.holders(&check).await {
+                    Ok((holders, _)) => merge(&mut body, holders_view(rule, &holders)),
+                    Err(err) => return failed(err),
+                }
             }
-            Some(lease) => end_lease(store, &check, (route, limit, lease)).await,
-            None if method == Method::DELETE => reset(store, &check, (route, limit)).await,
-            None => peek(store, &check).await,
-        };
-        let outcome = match outcome {
-            Ok(outcome) => outcome,
-            Err(detail) => return problem(StatusCode::SERVICE_UNAVAILABLE, &detail, path, &[]),
-        };
-        let mut body = limit_view((route, limit), rule, &check, identity);
-        if concurrent && lease.is_none() && method == Method::GET {
-            match store.holders(&check).await {
-                Ok((holders, _)) => merge(&mut body, holders_view(rule, &holders)),
-                Err(err) => return failed(err),
-            }
-        }
-        merge(&mut body, outcome);
-        json_response(StatusCode::OK, &body)
+            merge(&mut body, outcome);
+            json_response(StatusCode::OK, &body)
+        })
+        .await
     }
 
     async fn reload(&self, api: &Api, path: &str) -> Response<ProxyBody> {
@@ -441,6 +439,28 @@ async fn peek(
             "store": answered,
         })),
         Err(err) => Err(format!("{} store: {err}", store.name())),
+    }
+}
+
+impl Admin {
+    /// Answers a request on `route`'s `limit` in the policy in force with `answer` (given the
+    /// policy, the route and the limit), or with the 404 that says which of the two the
+    /// policy lacks: the one place the limit endpoints find what they are about.
+    async fn on_limit(
+        &self,
+        (route, limit): (&str, &str),
+        path: &str,
+        answer: impl AsyncFnOnce(
+            &crate::policy::Policy,
+            &crate::policy::Route,
+            &crate::policy::Limit,
+        ) -> Response<ProxyBody>,
+    ) -> Response<ProxyBody> {
+        let policy = self.gateway.policy();
+        match find_limit(&policy, route, limit, path) {
+            Ok((found, rule)) => answer(&policy, found, rule).await,
+            Err(response) => *response,
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use http::{Method, Response, StatusCode};
 use serde_json::json;
 
-use super::{find_limit, json_response, limits, merge, problem, Admin};
+use super::{json_response, limits, merge, problem, Admin};
 use crate::config::ConfigDuration;
 use crate::limiter::overrides::{OverrideError, DEFAULT_TTL, MAX_TTL};
 use crate::limiter::{Check, Store};
@@ -67,62 +67,62 @@ impl Admin {
         query: &str,
         path: &str,
     ) -> Response<ProxyBody> {
-        let policy = self.gateway.policy();
-        let (found, rule) = match find_limit(&policy, route, limit, path) {
-            Ok(found) => found,
-            Err(response) => return *response,
-        };
-        let most = match query.split('&').find_map(|pair| pair.strip_prefix("max=")) {
-            None => DEFAULT_LISTED,
-            Some(text) => match text.parse::<usize>() {
-                Ok(n) if (1..=MOST_LISTED).contains(&n) => n,
-                _ => {
-                    return problem(
-                        StatusCode::BAD_REQUEST,
-                        &format!("max=`{text}`: expected a whole number from 1 to {MOST_LISTED}"),
-                        path,
-                        &[],
+        self.on_limit((route, limit), path, async |policy, found, rule| {
+            let most = match query.split('&').find_map(|pair| pair.strip_prefix("max=")) {
+                None => DEFAULT_LISTED,
+                Some(text) => match text.parse::<usize>() {
+                    Ok(n) if (1..=MOST_LISTED).contains(&n) => n,
+                    _ => {
+                        return problem(
+                            StatusCode::BAD_REQUEST,
+                            &format!(
+                                "max=`{text}`: expected a whole number from 1 to {MOST_LISTED}"
+                            ),
+                            path,
+                            &[],
+                        )
+                    }
+                },
+            };
+            let check = crate::limiter::Check {
+                key: store_key::prefix(policy, found, rule),
+                spec: rule.spec,
+            };
+            let store = self.gateway.store();
+            match store.list_overrides(&check, most).await {
+                Ok(listed) => {
+                    let overrides: Vec<_> = listed
+                        .iter()
+                        .map(|entry| {
+                            json!({
+                                "identity": crate::limiter::overrides::identity_of(&entry.key),
+                                "requests": entry.requests,
+                                "expires_in": entry.expires_in.as_secs_f64(),
+                            })
+                        })
+                        .collect();
+                    json_response(
+                        StatusCode::OK,
+                        &json!({
+                            "route": route,
+                            "limit": limit,
+                            "unit": rule.unit(),
+                            "policy_requests": rule.spec.requests,
+                            "store": store.name(),
+                            "truncated": overrides.len() == most,
+                            "overrides": overrides,
+                        }),
                     )
                 }
-            },
-        };
-        let check = crate::limiter::Check {
-            key: store_key::prefix(&policy, found, rule),
-            spec: rule.spec,
-        };
-        let store = self.gateway.store();
-        match store.list_overrides(&check, most).await {
-            Ok(listed) => {
-                let overrides: Vec<_> = listed
-                    .iter()
-                    .map(|entry| {
-                        json!({
-                            "identity": crate::limiter::overrides::identity_of(&entry.key),
-                            "requests": entry.requests,
-                            "expires_in": entry.expires_in.as_secs_f64(),
-                        })
-                    })
-                    .collect();
-                json_response(
-                    StatusCode::OK,
-                    &json!({
-                        "route": route,
-                        "limit": limit,
-                        "unit": rule.unit(),
-                        "policy_requests": rule.spec.requests,
-                        "store": store.name(),
-                        "truncated": overrides.len() == most,
-                        "overrides": overrides,
-                    }),
-                )
+                Err(err) => problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("{} store: {err}", store.name()),
+                    path,
+                    &[],
+                ),
             }
-            Err(err) => problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("{} store: {err}", store.name()),
-                path,
-                &[],
-            ),
-        }
+        })
+        .await
     }
 
     pub(super) async fn override_of(
@@ -133,77 +133,75 @@ impl Admin {
         path: &str,
         by: &str,
     ) -> Response<ProxyBody> {
-        let policy = self.gateway.policy();
-        let (found, rule) = match find_limit(&policy, route, limit, path) {
-            Ok(found) => found,
-            Err(response) => return *response,
-        };
-        if !rule.spec.overridable {
-            return problem(
-                StatusCode::CONFLICT,
-                &format!(
-                    "limit `{limit}` of route `{route}` takes no overrides: set `overrides: true` \
-                     on it in the policy"
-                ),
-                path,
-                &[("route", route), ("limit", limit)],
-            );
-        }
-        let (change, identity_query) = match change_of(query) {
-            Ok(split) => split,
-            Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
-        };
-        let key = match limits::store_key(&policy, found, rule, &identity_query) {
-            Ok(key) => key,
-            Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
-        };
-        let check = store_key::check(rule, key, crate::runtime::clock::now());
-        let identity = store_key::identity_of(&policy, found, rule, &check.key).to_owned();
-        let store = self.gateway.store();
-        let failed = |detail: String| problem(StatusCode::SERVICE_UNAVAILABLE, &detail, path, &[]);
-        let mut body = json!({
-            "route": route,
-            "limit": limit,
-            "identity": identity,
-            "unit": rule.unit(),
-            "policy_requests": rule.spec.requests,
-            "store": store.name(),
-        });
-        let audit = |action: &str, old: Option<u32>, new: Option<u32>| {
-            self.metrics
-                .store
-                .override_changes
-                .with_label_values(&[action])
-                .inc();
-            tracing::info!(
-                target: "sluice::audit",
-                by,
-                action,
-                route,
-                limit,
-                identity = %crate::log::key_hash(&check.key),
-                old = ?old,
-                new = ?new,
-                ttl_s = change.ttl.unwrap_or(DEFAULT_TTL).as_secs(),
-                "admin API: override {action}"
-            );
-        };
-        let answer = match *method {
-            Method::PUT => set(store, &check, &change, path).await,
-            Method::DELETE => delete(store, &check).await,
-            _ => get(store, &check).await,
-        };
-        match answer {
-            Ok(Answer { outcome, audited }) => {
-                if let Some((action, old, new)) = audited {
-                    audit(action, old, new);
-                }
-                merge(&mut body, outcome);
+        self.on_limit((route, limit), path, async |policy, found, rule| {
+            if !rule.spec.overridable {
+                return problem(
+                    StatusCode::CONFLICT,
+                    &format!(
+                        "limit `{limit}` of route `{route}` takes no overrides: set `overrides: true` \
+                         on it in the policy"
+                    ),
+                    path,
+                    &[("route", route), ("limit", limit)],
+                );
             }
-            Err(Failed::Refused(response)) => return response,
-            Err(Failed::Store(detail)) => return failed(detail),
-        }
-        json_response(StatusCode::OK, &body)
+            let (change, identity_query) = match change_of(query) {
+                Ok(split) => split,
+                Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
+            };
+            let key = match limits::store_key(policy, found, rule, &identity_query) {
+                Ok(key) => key,
+                Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
+            };
+            let check = store_key::check(rule, key, crate::runtime::clock::now());
+            let identity = store_key::identity_of(policy, found, rule, &check.key).to_owned();
+            let store = self.gateway.store();
+            let failed = |detail: String| problem(StatusCode::SERVICE_UNAVAILABLE, &detail, path, &[]);
+            let mut body = json!({
+                "route": route,
+                "limit": limit,
+                "identity": identity,
+                "unit": rule.unit(),
+                "policy_requests": rule.spec.requests,
+                "store": store.name(),
+            });
+            let audit = |action: &str, old: Option<u32>, new: Option<u32>| {
+                self.metrics
+                    .store
+                    .override_changes
+                    .with_label_values(&[action])
+                    .inc();
+                tracing::info!(
+                    target: "sluice::audit",
+                    by,
+                    action,
+                    route,
+                    limit,
+                    identity = %crate::log::key_hash(&check.key),
+                    old = ?old,
+                    new = ?new,
+                    ttl_s = change.ttl.unwrap_or(DEFAULT_TTL).as_secs(),
+                    "admin API: override {action}"
+                );
+            };
+            let answer = match *method {
+                Method::PUT => set(store, &check, &change, path).await,
+                Method::DELETE => delete(store, &check).await,
+                _ => get(store, &check).await,
+            };
+            match answer {
+                Ok(Answer { outcome, audited }) => {
+                    if let Some((action, old, new)) = audited {
+                        audit(action, old, new);
+                    }
+                    merge(&mut body, outcome);
+                }
+                Err(Failed::Refused(response)) => return response,
+                Err(Failed::Store(detail)) => return failed(detail),
+            }
+            json_response(StatusCode::OK, &body)
+        })
+        .await
     }
 }
 
