@@ -259,16 +259,14 @@ fn build_check(
     let rolling = |algorithm: Algorithm| (algorithm, unit);
     let (algorithm, window) = match limit.algorithm {
         RlsAlgorithm::Exact => match limit.unit {
-            UnitName::Second | UnitName::Minute | UnitName::Hour => rolling(Algorithm::SlidingLog),
+            UnitName::Second | UnitName::Minute | UnitName::Hour => rolling(Algorithm::default()),
             _ => (
                 Algorithm::Calendar,
                 key::calendar_period(&mut key, limit.unit, now),
             ),
         },
-        RlsAlgorithm::SlidingLog => rolling(Algorithm::SlidingLog),
-        RlsAlgorithm::SlidingWindow => rolling(Algorithm::SlidingWindow),
-        RlsAlgorithm::Gcra => rolling(Algorithm::Gcra),
-        RlsAlgorithm::FixedWindowEpoch => (
+        RlsAlgorithm::Rolling(algorithm) => rolling(algorithm.into()),
+        RlsAlgorithm::EpochAligned => (
             Algorithm::Calendar,
             key::epoch_window(&mut key, limit.unit, now),
         ),
