@@ -1,8 +1,8 @@
 //! The algorithm table: every way a limit can count, with what each can do, stated once as
 //! data. The policy rules (the token budgets' among them), the deny cache, the stores' delay,
-//! `sluice explain` and the Redis scripts' dispatchers read this table; nothing else names an
-//! algorithm's abilities (the book's table in `guides/algorithms.md` mirrors it by hand). Adding an algorithm
-//! is: its pure Rust module (for the in-process store) and its Lua file (for Redis), one row
+//! the store key, `sluice explain`, the rate limit service's names and the Redis scripts'
+//! dispatchers read this table; nothing else names an algorithm's abilities (the book's table
+//! in `guides/algorithms.md` mirrors it by hand). Adding an algorithm is: its pure Rust module (for the in-process store) and its Lua file (for Redis), one row
 //! here, its config spelling, and its state kind in `local.rs` (see the book's "Adding an
 //! algorithm or a limit kind").
 
@@ -253,6 +253,19 @@ mod tests {
                 traits.label
             );
         }
+    }
+
+    #[test]
+    fn a_budget_counts_exactly_with_one_entry_per_request() {
+        let traits = Algorithm::FOR_BUDGETS.traits();
+        assert!(traits.settles_exactly && traits.max_units.is_none());
+        // Only the first row's keys go without a label: they predate the others.
+        let unlabelled: Vec<&str> = ALGORITHMS
+            .iter()
+            .filter(|t| !t.label_in_key)
+            .map(|t| t.label)
+            .collect();
+        assert_eq!(unlabelled, [Algorithm::default().label()]);
     }
 
     #[test]
