@@ -51,7 +51,7 @@ STEPS = (
     ("features", features, features_text),
     ("log_cost", log_cost, log_cost_text),
     ("tokens", token_streams, token_streams_text),
-    ("scaling", lambda ctx, a: scaling(ctx, tuple(a.scaling_parts.split(","))), scaling_text),
+    ("scaling", scaling, scaling_text),
     ("leases", leases, leases_text),
     ("rtt", rtt, rtt_text),
 )
@@ -146,6 +146,7 @@ def parse_args(argv: list[str]) -> tuple[Options, argparse.Namespace]:
         warmup=0 if a.smoke else a.warmup, wrk_threads=a.threads, connections=a.connections,
         loadgen_connections=32, only=only,
         scenarios=scenarios, rate=a.rate,
+        scaling_parts=tuple(part for part in a.scaling_parts.split(",") if part),
     )
     return opts, a
 
@@ -230,7 +231,7 @@ def run(ctx: Context, a: argparse.Namespace, layouts: list[Layout], out: Outcome
     for name, step, _ in STEPS:
         if getattr(a, f"{name}_only") or (not getattr(a, f"no_{name}") and not alone
                                           and opts.only is None):
-            out.steps[name] = step(ctx, a) if name == "scaling" else step(ctx)
+            out.steps[name] = step(ctx)
     if opts.smoke and not alone and opts.only is None:
         # The A/B mode's own code, checked with this binary against itself.
         out.self_ab = ab(ctx, SLUICE_BIN, SLUICE_BIN, layouts[:1], re.compile("plain|local|gcra"))

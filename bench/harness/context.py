@@ -21,6 +21,7 @@ class HarnessError(Exception):
 
 @dataclass
 class Options:
+    """The run's options, from the command line (a smoke run: one round of 1 s, no warm-up)."""
     smoke: bool
     duration: int
     rounds: int
@@ -31,6 +32,7 @@ class Options:
     only: re.Pattern | None
     scenarios: list[str]
     rate: float | None
+    scaling_parts: tuple[str, ...] = ("routes", "limits", "memory")  # the scaling step's parts
 
 
 def progress(message: str) -> None:

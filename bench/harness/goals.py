@@ -12,6 +12,7 @@ stands for every target whose name starts with what precedes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from .config import CLOSED_LOOP
 
@@ -92,26 +93,26 @@ GOALS: tuple[Goal, ...] = (
 )
 
 # Each measure's direction: how a measured value must compare with its goal's bound.
-OPS = {
+OPS = MappingProxyType({
     "user": "≤", "total": "≤", "redis": "≤", "rps": "≥", "per_core": "≥",
     "redis_cmds_per_rejected": "<", "redis_cpu_us": "≤", "added_p50_ms": "≤",
-}
+})
 
 # The ratio measures of a summary row (summary.Row): (label, value).
-MEASURES = {
+MEASURES = MappingProxyType({
     "user": ("user CPU µs/req", lambda r: r.cpu_user_us),
     "total": ("CPU µs/req", lambda r: r.cpu_user_us + r.cpu_sys_us),
     "rps": ("req/s", lambda r: r.rps),
     "redis": ("Redis CPU µs/req",
               lambda r: None if r.redis_cpu_per_100k is None else r.redis_cpu_per_100k * 10),
-}
+})
 # The same, of one round (load.Run).
-ROUND_MEASURES = {
+ROUND_MEASURES = MappingProxyType({
     "user": lambda run: run.cpu_user_s / run.requests,
     "total": lambda run: run.cpu_s / run.requests,
     "rps": lambda run: run.rps,
     "redis": lambda run: run.redis_cpu_s / run.requests,
-}
+})
 
 
 def goals(step: str | None = None, measure: str | None = None,

@@ -7,6 +7,7 @@ import socket
 import statistics
 import subprocess
 import time
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ..config import REDIS_ALGORITHMS, SLUICE_BIN, workers
@@ -30,10 +31,10 @@ SCALING_IDENTITIES = (10_000, 100_000, 1_000_000)
 # requests in the window, where the limit is far above.
 SCALING_LOG_ENTRIES = 10
 # Route kinds: (routes' prefix for route i, the path requested: the last route's).
-ROUTE_KINDS = {
+ROUTE_KINDS = MappingProxyType({
     "prefix": ("/r{i}", "/r{last}/item"),
     "exact": ("/api/v1/items/r{i}", "/api/v1/items/r{last}"),
-}
+})
 
 
 def scaling_yaml(port: int, admin: int, up_port: int, store: str, prefixes: list[str],
@@ -74,9 +75,10 @@ def scaling_rounds(opts: Options, redis: Redis, targets: list[tuple[Target, str,
     return runs
 
 
-def scaling(ctx: Context, parts: tuple[str, ...] = ("routes", "limits", "memory")) -> dict:
+def scaling(ctx: Context) -> dict:
     """sluice's CPU per request as routes and limits per route grow, and Redis's memory per
-    identity per algorithm as identities grow (the `parts` asked for)."""
+    identity per algorithm as identities grow (the parts `--scaling-parts` asks for)."""
+    parts = ctx.opts.scaling_parts
     opts, servers, redis, up_port = ctx.opts, ctx.servers, ctx.redis, ctx.up_port
     smoke = opts.smoke
     rounds, duration = (1, 1) if smoke else (opts.rounds, opts.duration)
