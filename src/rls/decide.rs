@@ -890,7 +890,7 @@ descriptors:
                 .collect(),
             hits_addend: 0,
         };
-        let planned = plan(&rules, &settings(false), &request).expect("valid");
+        let planned = plan_call(&rules, &settings(false), &request).expect("valid");
         let counted: Vec<(Algorithm, Duration)> = planned
             .checks
             .iter()
