@@ -133,6 +133,9 @@ pub fn budget(limit: &LimitConfig, models: &Arc<Models>) -> Option<TokenBudget> 
         usage_from,
         unit,
         models: Arc::clone(models),
+        switch_to: limit
+            .switch_model()
+            .map(|(_, model)| super::switch::Fallback::new(model)),
     })
 }
 

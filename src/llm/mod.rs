@@ -6,11 +6,13 @@
 //! (`Store::keep`). Reserving the upper bound atomically and settling down is what keeps
 //! settled plus reserved tokens inside the limit at every instant; an answer that reports
 //! more than its reservation (the bound was wrong) is charged the excess, so the identity
-//! waits for what the upstream spent.
+//! waits for what the upstream spent. A limit may switch a request it refuses to a cheaper
+//! model instead (`switch`).
 
 pub mod config;
 pub mod estimate;
 pub mod models;
+pub mod switch;
 pub mod usage;
 
 pub use self::estimate::{estimate, Api, EstimateError, Reservation, Reserve, StoredState};
@@ -33,6 +35,9 @@ pub struct TokenBudget {
     pub usage_from: UsageFrom,
     pub unit: Unit,
     pub models: Arc<Models>,
+    /// `on_exceed: { switch_model: M }`: a request this limit refuses is sent to `M` instead
+    /// (`switch`); `None`: refused.
+    pub switch_to: Option<switch::Fallback>,
 }
 
 /// What a budget counts.

@@ -22,6 +22,7 @@ mod in_flight;
 mod request_body;
 mod request_id;
 mod stop;
+mod switch;
 mod tokens;
 mod unread_body;
 mod upstream;
@@ -212,6 +213,7 @@ impl Gateway {
         // The upstream gets the id too.
         head.headers
             .insert(X_REQUEST_ID, exchange.request_id.clone());
+        let mut model = None;
         let mut body = match tokens::read_limit(route, &plan) {
             None => ClientBody::Streaming(body),
             Some(limit) => {
@@ -223,7 +225,7 @@ impl Gateway {
                 let body = Box::pin(read).await?;
                 // Planned again now that the body is read: the limits on its `model`, and
                 // each calendar quota's period at the decision's time, not the head's.
-                let model = tokens::body_model(&plan, &body)?;
+                model = tokens::body_model(&plan, &body)?;
                 plan = request::checks::with_body(
                     &active.policy,
                     route,
@@ -237,9 +239,18 @@ impl Gateway {
             }
         };
         let decided = async {
-            let prices = tokens::reserve(&mut plan, &mut head, &mut body)?;
-            let log = &self.finisher.log;
-            decide::decide(&self.store, &self.waiting, log, route, plan, exchange).await?;
+            // On a token route, a soft limit may switch the request to another model and
+            // decide it again (`switch`).
+            let again = switch::Replan {
+                policy: &active.policy,
+                route,
+                peer: peer.ip(),
+                claims: claims.as_ref(),
+                model: model.as_deref(),
+            };
+            let decide =
+                switch::reserve_and_decide(self, &again, plan, &mut head, &mut body, exchange);
+            let prices = decide.await?;
             if let Some(decided) = &exchange.decided {
                 hold::hold(&self.store, route, decided).await?;
             }
@@ -439,6 +450,9 @@ pub struct Exchange<'r> {
     connection: unread_body::Connection,
     /// The client waits for `100 Continue` before its body: a refusal answers at once.
     expects_continue: bool,
+    /// `sluice-model-switched` for the answer: a soft limit sent the request to another
+    /// model (`switch`).
+    switched: Option<HeaderValue>,
 }
 
 impl Exchange<'_> {
@@ -454,6 +468,7 @@ impl Exchange<'_> {
             shadow_rejected: String::new(),
             connection: unread_body::Connection::Kept,
             expects_continue: unread_body::expects_continue(request.version(), request.headers()),
+            switched: None,
         }
     }
 
