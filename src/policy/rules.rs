@@ -344,8 +344,8 @@ const LIMIT_RULES: &[LimitRule] = &[
             let (limit, currency) = unpriced_by(s).unwrap_or_default();
             format!(
                 "no entry of `models:` has prices in {currency} for `{}`, the model this limit \
-                 switches to: limit `{limit}` of this route counts money and could not price \
-                 the switched request",
+                 switches to: limit `{limit}` of this route counts money in {currency}, and a \
+                 switched request must be priced",
                 fallback(s).unwrap_or_default().trim()
             )
         }),
@@ -850,8 +850,8 @@ fn same_budget(s: &Seen) -> bool {
     !s.limit.key.value.contains(&KeyPart::Model) && applies_to_model(s.limit, &model)
 }
 
-/// The first money limit of the route (name, currency) that could apply to the fallback and
-/// finds no price for it in its currency.
+/// The first money limit of the route (name, currency) that finds no price for the fallback
+/// in its currency: this limit, or one that could apply to the switched request.
 fn unpriced_by<'a>(s: &Seen<'a>) -> Option<(&'a str, &'a str)> {
     let model = fallback(s)?;
     let normalised = crate::model::normalise(model);
@@ -862,19 +862,20 @@ fn unpriced_by<'a>(s: &Seen<'a>) -> Option<(&'a str, &'a str)> {
             .prices
             .as_ref()
             .is_some_and(|p| p.currency == currency.value);
-        (!priced && applies_to_model(limit, &normalised))
-            .then(|| (limit.name.value.as_str(), currency.value.as_str()))
+        let involved = std::ptr::eq(limit, s.limit) || applies_to_model(limit, &normalised);
+        (!priced && involved).then(|| (limit.name.value.as_str(), currency.value.as_str()))
     })
 }
 
 /// Another limit of the route (name, its fallback) that applies to this limit's fallback and
-/// would switch it on.
+/// would switch it on to another model.
 fn chained_by<'a>(s: &Seen<'a>) -> Option<(&'a str, &'a str)> {
     let model = crate::model::normalise(fallback(s)?);
     s.route.limits.iter().find_map(|limit| {
         let (_, to) = limit.switch_model()?;
-        let other = !std::ptr::eq(limit, s.limit);
-        (other && applies_to_model(limit, &model)).then(|| (limit.name.value.as_str(), to))
+        // One that switches to the same fallback never switches a request already for it.
+        let onwards = !std::ptr::eq(limit, s.limit) && crate::model::normalise(to) != model;
+        (onwards && applies_to_model(limit, &model)).then(|| (limit.name.value.as_str(), to))
     })
 }
 
