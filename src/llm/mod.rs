@@ -96,13 +96,20 @@ pub fn describe(budget: &TokenBudget) -> String {
     let tools = r
         .server_tool
         .map_or("refused".to_owned(), |n| format!("charged {n} each"));
+    let over = budget.switch_to.as_ref().map_or(String::new(), |to| {
+        format!(
+            "; over the limit: sent to model `{}` instead, planned and decided again there \
+             (once)",
+            to.model
+        )
+    });
     format!(
         "reserves body bytes + images and other non-text parts at the model's figures + \
          per_request ({} here + the model's) + the model's tool prompt when tools are given + \
          output cap × completions (cap written when none: {default}, at most {}){priced}; \
          stored state {stored}; server tools {tools}; body read whole up to {} bytes; settles \
          to {settle}; without a figure, keeps the reservation (gives it all back when the \
-         upstream cannot be reached)",
+         upstream cannot be reached){over}",
         r.per_request, r.max_output, r.max_body
     )
 }

@@ -1,7 +1,8 @@
 //! The gateway: the acting side of a request's path. `crate::request::plan` reads the request
 //! and plans it (head, route, identify, plan); here the phases that act on that plan run, one
 //! file each, in the order `crate::request` states: `tokens` (a token budget's body and
-//! reservation) → `decide` (one store call) → `hold` (`on_exceed: delay`) → act (the
+//! reservation) → `decide` (one store call; on a token route through `switch`, which sends a
+//! request only soft budgets refused to their cheaper model and decides it again) → `hold` (`on_exceed: delay`) → act (the
 //! upstream side, `upstream`, or the route's direct response) → `give_back` (count by
 //! outcome) → the token settlement (`tokens::settle`) → `finish`. A concurrency limit's
 //! lease, taken by `decide`, rides with the answer until its last byte (`in_flight`). A phase that cannot go on
