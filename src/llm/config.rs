@@ -239,6 +239,22 @@ mod tests {
     }
 
     #[test]
+    fn a_soft_budget_names_its_fallback_as_written() {
+        let compiled = compile_models(
+            PRICED,
+            "        money: 1\n        currency: USD\n        when: [{ model: [m-big] }]\n        on_exceed: { switch_model: \" M-Small \" }\n",
+        )
+        .unwrap();
+        let budget = compiled.routes[0].limits[0].tokens.as_ref().unwrap();
+        let fallback = budget.switch_to.as_ref().expect("a fallback");
+        assert_eq!(
+            (fallback.model.as_str(), fallback.normalised.as_str()),
+            ("M-Small", "m-small")
+        );
+        assert!(crate::llm::describe(budget).contains("sent to model `M-Small` instead"));
+    }
+
+    #[test]
     fn what_a_money_limit_or_a_model_cannot_be_is_refused_with_its_position() {
         let err = |models: &str, limit: &str| {
             compile_models(models, limit)

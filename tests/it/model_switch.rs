@@ -251,6 +251,44 @@ async fn switches_when_the_budget_is_spent_memory() {
     switches_when_the_budget_is_spent(StoreKind::Memory).await;
 }
 
+/// A refusal by a hard limit is a 429 even when a soft limit refused too: `calls` (3 requests
+/// a minute, any model) and `big` both have no room for the fourth gpt-4o request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hard_limit_refusing_too_is_not_switched() {
+    let store = Store::start(StoreKind::Redis).await;
+    let upstream = LlmUpstream::start().await;
+    let soft = Limit::money("big", 0.004, "USD", "1m")
+        .key(["header:authorization"])
+        .when(on_model(vec!["gpt-4o"]))
+        .set(
+            "on_exceed",
+            Node::map([("switch_model", Node::from("gpt-4o-mini"))]),
+        );
+    let yaml = Policy::new()
+        .store(&store)
+        .set("models", models())
+        .upstream("llm", UpstreamSpec::new(&upstream.url()).timeout("10s"))
+        .route(
+            Route::new("chat", "/v1/")
+                .upstream("llm")
+                .limit(soft)
+                .limit(Limit::requests("calls", 3, "1m").key(["header:authorization"])),
+        );
+    let sluice = Sluice::start(&yaml).await;
+    for _ in 0..3 {
+        assert_eq!(send(&sluice, "team", chat("gpt-4o")).await.status(), 200);
+    }
+    let refused = send(&sluice, "team", chat("gpt-4o")).await;
+    assert_eq!(refused.status(), 429);
+    assert_eq!(header(&refused, SWITCHED), None, "not switched");
+    assert_eq!(upstream.models(), vec!["gpt-4o"; 3]);
+    let metrics = parse_metrics(&sluice.metrics().await);
+    assert_eq!(
+        metric_sum(&metrics, "sluice_model_switches_total", &[("limit", "big")]),
+        0.0
+    );
+}
+
 /// `sluice check` refuses a switch where it makes no sense, naming the field and why.
 #[test]
 fn check_refuses_switches_that_make_no_sense() {
