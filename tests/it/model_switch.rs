@@ -81,20 +81,34 @@ fn chat(model: &str) -> String {
     .to_string()
 }
 
-async fn send(sluice: &Sluice, key: &str, body: String) -> reqwest::Response {
-    client()
+/// An answer read to its end: a token answer is settled before its end reaches the client, so
+/// a client that reads it whole and sends its next request finds the unused reservation back
+/// (one dropped unread may keep it whole).
+struct Answer {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: bytes::Bytes,
+}
+
+async fn send(sluice: &Sluice, key: &str, body: String) -> Answer {
+    let answer = client()
         .post(format!("{}/v1/chat/completions", sluice.url()))
         .header("authorization", format!("Bearer {key}"))
         .header("content-type", "application/json")
         .body(body)
         .send()
         .await
-        .expect("an answer")
+        .expect("an answer");
+    Answer {
+        status: answer.status().as_u16(),
+        headers: answer.headers().clone(),
+        body: answer.bytes().await.expect("the whole answer"),
+    }
 }
 
-fn header(answer: &reqwest::Response, name: &str) -> Option<String> {
+fn header(answer: &Answer, name: &str) -> Option<String> {
     answer
-        .headers()
+        .headers
         .get(name)
         .map(|v| v.to_str().expect("text").to_owned())
 }
@@ -113,14 +127,14 @@ async fn switches_when_the_budget_is_spent(kind: StoreKind) {
 
     for n in 0..3 {
         let answer = send(&sluice, "team", chat("gpt-4o")).await;
-        assert_eq!(answer.status(), 200, "gpt-4o request {n}");
+        assert_eq!(answer.status, 200, "gpt-4o request {n}");
         assert_eq!(header(&answer, SWITCHED), None, "not switched yet");
     }
     // Spent: the next request goes to gpt-4o-mini. Its body is the client's bytes, only the
     // value of its `model` changed, whatever the spelling of the key and the spaces.
     let spelled = "{ \"messages\" : [{\"role\":\"user\",\"content\":\"Say something.\"}],\n  \"mod\\u0065l\" :  \"GPT-4o\" , \"max_tokens\": 100 }";
     let answer = send(&sluice, "team", spelled.to_owned()).await;
-    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.status, 200);
     assert_eq!(
         header(&answer, SWITCHED).as_deref(),
         Some("gpt-4o -> gpt-4o-mini")
@@ -139,7 +153,7 @@ async fn switches_when_the_budget_is_spent(kind: StoreKind) {
     let mut switched = 1;
     let refused = loop {
         let answer = send(&sluice, "team", chat("gpt-4o")).await;
-        if answer.status() != 200 {
+        if answer.status != 200 {
             break answer;
         }
         assert_eq!(
@@ -149,13 +163,13 @@ async fn switches_when_the_budget_is_spent(kind: StoreKind) {
         switched += 1;
         assert!(switched < 50, "the fallback's budget never refused");
     };
-    assert_eq!(refused.status(), 429, "the fallback's own budget is hard");
+    assert_eq!(refused.status, 429, "the fallback's own budget is hard");
     assert_eq!(
         header(&refused, SWITCHED).as_deref(),
         Some("gpt-4o -> gpt-4o-mini"),
         "a refused switched request says it was switched"
     );
-    let problem: Value = refused.json().await.expect("a problem body");
+    let problem: Value = serde_json::from_slice(&refused.body).expect("a problem body");
     assert_eq!(problem["limit"], "small", "{problem}");
     assert_eq!(
         switched, 7,
@@ -163,14 +177,14 @@ async fn switches_when_the_budget_is_spent(kind: StoreKind) {
     );
     // Asked for the fallback directly: the same spent budget, not switched.
     let direct = send(&sluice, "team", chat("gpt-4o-mini")).await;
-    assert_eq!(direct.status(), 429);
+    assert_eq!(direct.status, 429);
     assert_eq!(header(&direct, SWITCHED), None);
     // Naming `model` twice, in any spelling, is refused before anything is decided.
     let twice = r#"{"model":"gpt-4o-mini","mod\u0065l":"gpt-4o","max_tokens":100,"messages":[]}"#;
-    assert_eq!(send(&sluice, "team", twice.to_owned()).await.status(), 400);
+    assert_eq!(send(&sluice, "team", twice.to_owned()).await.status, 400);
     // Another key: its own budgets.
     let other = send(&sluice, "other", chat("gpt-4o")).await;
-    assert_eq!(other.status(), 200);
+    assert_eq!(other.status, 200);
     assert_eq!(header(&other, SWITCHED), None);
 
     // The upstream's record: the model it was asked for, and what it spent at its rates.
@@ -200,13 +214,13 @@ async fn switches_when_the_budget_is_spent(kind: StoreKind) {
 
     // A streamed request switched too, settled from its events.
     for _ in 0..3 {
-        assert_eq!(send(&sluice, "streams", chat("gpt-4o")).await.status(), 200);
+        assert_eq!(send(&sluice, "streams", chat("gpt-4o")).await.status, 200);
     }
     let mut streamed: Value = serde_json::from_str(&chat("gpt-4o")).expect("JSON");
     streamed["stream"] = json!(true);
     streamed["stream_options"] = json!({"include_usage": true});
     let answer = send(&sluice, "streams", streamed.to_string()).await;
-    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.status, 200);
     assert_eq!(
         header(&answer, SWITCHED).as_deref(),
         Some("gpt-4o -> gpt-4o-mini")
@@ -214,7 +228,7 @@ async fn switches_when_the_budget_is_spent(kind: StoreKind) {
     assert!(header(&answer, "content-type")
         .unwrap_or_default()
         .starts_with("text/event-stream"));
-    let events = answer.text().await.expect("the events");
+    let events = String::from_utf8_lossy(&answer.body).into_owned();
     assert!(
         events.contains("\"usage\"") && events.ends_with("data: [DONE]\n\n"),
         "{events}"
@@ -276,10 +290,10 @@ async fn a_hard_limit_refusing_too_is_not_switched() {
         );
     let sluice = Sluice::start(&yaml).await;
     for _ in 0..3 {
-        assert_eq!(send(&sluice, "team", chat("gpt-4o")).await.status(), 200);
+        assert_eq!(send(&sluice, "team", chat("gpt-4o")).await.status, 200);
     }
     let refused = send(&sluice, "team", chat("gpt-4o")).await;
-    assert_eq!(refused.status(), 429);
+    assert_eq!(refused.status, 429);
     assert_eq!(header(&refused, SWITCHED), None, "not switched");
     assert_eq!(upstream.models(), vec!["gpt-4o"; 3]);
     let metrics = parse_metrics(&sluice.metrics().await);
