@@ -12,7 +12,8 @@
 //! `config/sluice.schema.json` with `SLUICE_UPDATE_SCHEMA=1 cargo test --test it schema::`.
 //!
 //! By job: `tree` holds the sections of the file and their defaults, `types`, `duration` and
-//! `admin` the values parsed from text, `topology` turns `store.redis` into a `Topology`,
+//! `admin` the values parsed from text, `topology` turns `store.redis` into a `Topology`, `webhook` is where threshold
+//! notifications go,
 //! `error` is `ConfigError` and its positions, `restart` says which fields only a restart
 //! applies, `load` reads a file (the parser's options and
 //! field paths as written), and `schema` describes it all as JSON Schema. Everything is
@@ -30,6 +31,7 @@ mod suggest;
 mod topology;
 mod tree;
 mod types;
+mod webhook;
 
 pub use serde_saphyr::Spanned;
 
@@ -61,6 +63,10 @@ pub use tree::{
     DEFAULT_UPSTREAM_TIMEOUT_MS, MAX_LEASE_MS, MAX_MAX_DELAY_MS, MIN_LEASE_MS,
 };
 pub use types::TokenFrom;
+pub use webhook::{
+    NotifyConfig, WebhookConfig, WebhookUrl, DEFAULT_WEBHOOK_BACKOFF_MS, DEFAULT_WEBHOOK_QUEUE,
+    DEFAULT_WEBHOOK_RETRIES, DEFAULT_WEBHOOK_TIMEOUT_MS,
+};
 pub use types::{
     AlgorithmConfig, ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat,
     MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status,

@@ -235,6 +235,7 @@ impl DenyCache {
             limits,
             rejecting,
             admission: None,
+            crossed: Vec::new(),
         })
     }
 
@@ -361,6 +362,7 @@ mod tests {
                 .collect(),
             limits: states,
             admission: None,
+            crossed: Vec::new(),
         }
     }
 
@@ -417,6 +419,7 @@ mod tests {
             limits: vec![full(60)],
             rejecting: vec![false],
             admission: None,
+            crossed: Vec::new(),
         };
         cache.remember(&checks, &admitted, Instant::now());
         assert!(cache.answer(&checks, Instant::now()).is_none());
