@@ -150,7 +150,10 @@ impl Notifier {
                     }
                     _ => (None, limit.unit().to_owned()),
                 };
-                let period = check.key.find("}:").map(|at| check.key[at + 2..].to_owned());
+                let period = check
+                    .key
+                    .find("}:")
+                    .map(|at| check.key[at + 2..].to_owned());
                 self.send(Notification {
                     identity: crate::limiter::overrides::identity_of(&check.key).to_owned(),
                     route: route.to_owned(),
@@ -183,12 +186,7 @@ impl Notifier {
 }
 
 fn outcomes(metrics: &Metrics) -> Outcomes {
-    let counter = |outcome: &str| {
-        metrics
-            .store
-            .notifications
-            .with_label_values(&[outcome])
-    };
+    let counter = |outcome: &str| metrics.store.notifications.with_label_values(&[outcome]);
     Outcomes {
         sent: counter("sent"),
         retried: counter("retried"),
@@ -364,7 +362,11 @@ mod tests {
         let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, b"s3cret");
         let header = signature(&key, 1_700_000_000, b"{}");
         let expected = ring::hmac::sign(&key, b"1700000000.{}");
-        let hex: String = expected.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        let hex: String = expected
+            .as_ref()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         assert_eq!(header, format!("t=1700000000,v1={hex}"));
         assert_ne!(header, signature(&key, 1_700_000_001, b"{}"));
     }

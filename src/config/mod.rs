@@ -63,13 +63,13 @@ pub use tree::{
     DEFAULT_UPSTREAM_TIMEOUT_MS, MAX_LEASE_MS, MAX_MAX_DELAY_MS, MIN_LEASE_MS,
 };
 pub use types::TokenFrom;
-pub use webhook::{
-    NotifyConfig, WebhookConfig, WebhookUrl, DEFAULT_WEBHOOK_BACKOFF_MS, DEFAULT_WEBHOOK_QUEUE,
-    DEFAULT_WEBHOOK_RETRIES, DEFAULT_WEBHOOK_TIMEOUT_MS,
-};
 pub use types::{
     AlgorithmConfig, ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat,
     MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status,
     UpstreamUrl,
 };
 pub use types::{OnExceed, StatusMatch, HOP_BY_HOP};
+pub use webhook::{
+    NotifyConfig, WebhookConfig, WebhookUrl, DEFAULT_WEBHOOK_BACKOFF_MS, DEFAULT_WEBHOOK_QUEUE,
+    DEFAULT_WEBHOOK_RETRIES, DEFAULT_WEBHOOK_TIMEOUT_MS,
+};

@@ -83,7 +83,11 @@ impl FromStr for WebhookUrl {
                      receiver (or a local relay) on a private network"
                 ))
             }
-            _ => return Err(format!("expected a URL like http://hooks.internal:8080/sluice, got `{text}`")),
+            _ => {
+                return Err(format!(
+                    "expected a URL like http://hooks.internal:8080/sluice, got `{text}`"
+                ))
+            }
         }
         let authority = uri
             .authority()
@@ -95,7 +99,11 @@ impl FromStr for WebhookUrl {
             .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned());
         Ok(WebhookUrl {
             authority,
-            path: if path.is_empty() { "/".to_owned() } else { path },
+            path: if path.is_empty() {
+                "/".to_owned()
+            } else {
+                path
+            },
         })
     }
 }
@@ -129,7 +137,9 @@ mod tests {
 
     #[test]
     fn webhook_urls() {
-        let url: WebhookUrl = "http://hooks.internal:8080/sluice?x=1".parse().expect("valid");
+        let url: WebhookUrl = "http://hooks.internal:8080/sluice?x=1"
+            .parse()
+            .expect("valid");
         assert_eq!(url.authority.as_str(), "hooks.internal:8080");
         assert_eq!(url.path, "/sluice?x=1");
         let bare: WebhookUrl = "http://127.0.0.1:9".parse().expect("valid");

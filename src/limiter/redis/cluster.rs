@@ -327,9 +327,10 @@ pub(super) fn merge(checks: usize, groups: &[Vec<usize>], decisions: &[Decision]
         for (position, &index) in members.iter().enumerate() {
             merged.limits[index] = decision.limits.get(position).copied().flatten();
             merged.rejecting[index] = decision.rejecting.get(position).copied().unwrap_or(false);
-            if let (Some(slot), Some(&bits)) =
-                (merged.crossed.get_mut(index), decision.crossed.get(position))
-            {
+            if let (Some(slot), Some(&bits)) = (
+                merged.crossed.get_mut(index),
+                decision.crossed.get(position),
+            ) {
                 *slot = bits;
             }
         }
