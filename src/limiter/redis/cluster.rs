@@ -313,7 +313,7 @@ pub(super) fn merge(checks: usize, groups: &[Vec<usize>], decisions: &[Decision]
             None
         },
         // A threshold crossed in a slot whose part is given back (another slot refused) stays
-        // marked but unsent: at most once, never twice (the book's "Threshold notifications").
+        // marked but unsent: at most once, never twice (the book's "Budget alerts, exactly once").
         crossed: if admitted && decisions.iter().any(|d| !d.crossed.is_empty()) {
             vec![0; checks]
         } else {
