@@ -118,27 +118,47 @@ def check_file_links(paths):
     return faults, f"files: {checked} links of {', '.join(paths) or 'no file'} lead to files that exist"
 
 
+def markdown_lines(text):
+    """Walks a Markdown text's lines once, fenced code blocks recognised: yields (number, line,
+    block) for every line. `block` is None for a line outside any fenced block, and (opening
+    line number, indent, info string) for a line of one, its fences included (given with
+    `line` None: a fence is neither prose nor code). A block closes at a line of its fence's
+    character, at least as long, and nothing else; one left open runs to the end."""
+    block, fence = None, None
+    for number, line in enumerate(text.split("\n"), 1):
+        m = FENCE.match(line)
+        if block is None:
+            if m:
+                block, fence = (number, m.group(1), m.group(3).strip()), m.group(2)
+                yield number, None, block
+            else:
+                yield number, line, None
+        elif (m and m.group(2)[0] == fence[0] and len(m.group(2)) >= len(fence)
+              and not m.group(3).strip()):
+            yield number, None, block
+            block, fence = None, None
+        else:
+            yield number, line, block
+
+
+def prose_lines(text):
+    """(number, line) of each line of a Markdown text outside its fenced code blocks."""
+    return [(number, line) for number, line, block in markdown_lines(text) if block is None]
+
+
 def fenced_blocks(path):
     """(first line, info string, text) of each fenced code block of a Markdown file."""
     with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    blocks, i = [], 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if not m:
-            i += 1
+        text = f.read()
+    blocks = {}
+    for _, line, block in markdown_lines(text):
+        if block is None:
             continue
-        indent, fence, info = m.group(1), m.group(2), m.group(3).strip()
-        body, j = [], i + 1
-        while j < len(lines) and not re.match(
-            r"^[ \t]*" + re.escape(fence[0]) + "{" + str(len(fence)) + r",}[ \t]*$", lines[j]
-        ):
-            line = lines[j]
+        body = blocks.setdefault(block, [])
+        if line is not None:
+            indent = block[1]
             body.append(line[len(indent):] if line.startswith(indent) else line.lstrip())
-            j += 1
-        blocks.append((i + 1, info, "\n".join(body) + "\n"))
-        i = j + 1
-    return blocks
+    return [(first, info, "\n".join(body) + "\n") for (first, _, info), body in blocks.items()]
 
 
 def check_examples(sources, sluice, fixtures):
@@ -289,17 +309,8 @@ PLACEHOLDER = re.compile(r"[*?{}<>\[\]$…|]|\.\.\.|(^|[/._-])[A-Z][A-Z0-9_]+([/
 
 def code_spans(text):
     """(line, text) of each inline code span of a Markdown text, fenced blocks left out."""
-    spans, fence = [], None
-    for number, line in enumerate(text.split("\n"), 1):
-        m = FENCE.match(line)
-        if m:
-            if fence is None:
-                fence = m.group(2)[0] * len(m.group(2))
-            elif m.group(2).startswith(fence) and not m.group(3).strip():
-                fence = None
-            continue
-        if fence is not None:
-            continue
+    spans = []
+    for number, line in prose_lines(text):
         # A span is delimited by runs of backticks of the same length.
         for m in re.finditer(r"(`+)(.+?)\1(?!`)", line):
             spans.append((number, m.group(2).strip()))
@@ -336,20 +347,11 @@ def headings(paths):
     found = set()
     for path in paths:
         with open(path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-        fence = None
-        for line in lines:
-            m = FENCE.match(line)
-            if m:
-                if fence is None:
-                    fence = m.group(2)[0] * len(m.group(2))
-                elif m.group(2).startswith(fence) and not m.group(3).strip():
-                    fence = None
-                continue
-            if fence is None:
-                h = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
-                if h:
-                    found.add(normalise_heading(h.group(1)))
+            text = f.read()
+        for _, line in prose_lines(text):
+            h = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+            if h:
+                found.add(normalise_heading(h.group(1)))
     return found
 
 

@@ -57,7 +57,7 @@ pub(super) struct Lane {
 
 /// One decision waiting for its call, or the end of a request's concurrency leases (`end`),
 /// which rides in the same call: an `HDEL` inside a batch costs Redis a fraction of a call of
-/// its own (bench/RESULTS.md).
+/// its own (bench/HISTORY.md, "Concurrency limits, the ends batched").
 pub(super) struct Pending {
     keys: Vec<String>,
     member: String,
