@@ -327,6 +327,58 @@ async fn three_instances_send_one_post_per_threshold_per_identity() {
     let posts = receiver.wait_for(7, Duration::from_millis(1500)).await;
     assert_eq!(posts.len(), 6, "once per period: {posts:#?}");
     assert_eq!(receiver.tries.load(Ordering::SeqCst), 6);
+    // Three markers per customer beside the counted keys, each expiring with the hour.
+    let markers = redis
+        .key_ttls()
+        .await
+        .into_iter()
+        .filter(|(key, _)| key.contains(":n"))
+        .count();
+    assert_eq!(markers, 6);
+    assert!(
+        redis
+            .assert_every_key_expires(Duration::from_secs(3600))
+            .await
+            > 6
+    );
+}
+
+/// A calendar quota's notification names its period, and its marker lives until the period
+/// ends (the time left today, UTC), not a nominal day from the crossing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calendar_quota_notifies_once_per_period() {
+    let redis = Redis::start().await;
+    let up = Upstream::start().await;
+    let receiver = Receiver::start(0).await;
+    let yaml = policy(&up, &receiver, Limit::quota("daily", 4, "day"), &[1.0]).store_redis(&redis);
+    let sluice = start(&yaml).await;
+    let client = support::client();
+    for _ in 0..6 {
+        hit(&client, &sluice, "a").await;
+    }
+    let posts = receiver.wait_for(1, Duration::from_millis(500)).await;
+    assert_eq!(
+        crossings(&posts),
+        [("h:x-api-key=a".to_owned(), "1.0".to_owned(), 4, 0)]
+    );
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let period = posts[0]["period"].as_str().expect("a period").to_owned();
+    assert_eq!(period.len(), "2026-11-28".len(), "{}", posts[0]);
+    assert!(posts[0].get("window_seconds").is_none(), "{}", posts[0]);
+    let left_today_ms = i64::try_from((86_400 - now % 86_400) * 1000).expect("fits");
+    let marker = redis
+        .key_ttls()
+        .await
+        .into_iter()
+        .find(|(key, _)| key.ends_with(&format!("{period}:n1000")))
+        .expect("the period's marker");
+    assert!(
+        (1..=left_today_ms + 1000).contains(&marker.1),
+        "{marker:?}: at most {left_today_ms} ms"
+    );
 }
 
 /// A request refused by another limit of its route crosses nothing: customer `a` is at 3 of
