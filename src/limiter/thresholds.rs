@@ -10,7 +10,7 @@
 //! window`, P the permille, beside the limit's key in its Cluster slot; in process: a marker
 //! under the store's lock), and only that decision reports it: one notification per identity,
 //! threshold and marker life, whichever instance admitted. A marker lives as long as the
-//! window (sliding and fixed windows: once per window length after the crossing) or until the
+//! window (the rolling windows: once per window length after the crossing) or until the
 //! period ends (a calendar quota's key names its period, so its markers do too).
 
 /// Most thresholds one limit may have: 5 × 10 bits + 3 flag bits stay below 2^53, the largest

@@ -602,13 +602,17 @@ const LIMIT_RULES: &[LimitRule] = &[
         field: "notify",
         broken: |s| {
             let notify = s.limit.notify.as_ref()?;
-            let rate = s.limit.concurrent.is_none() && s.limit.algorithm() != Algorithm::Gcra;
-            (!rate).then(|| at(notify))
+            // An algorithm that takes a burst keeps a rate, not a count of use.
+            let counts = s.limit.concurrent.is_none() && !s.limit.algorithm().traits().burst;
+            (!counts).then(|| at(notify))
         },
-        says: Says::Text(
-            "`notify` counts use in a window or a period: a concurrency limit (places held \
-             now) and GCRA (a rate, no count) have none to cross",
-        ),
+        says: Says::Made(|_, _| {
+            format!(
+                "`notify` counts use in a window or a period: a concurrency limit (places held \
+                 now) and `algorithm: {}` (a rate, no count) have none to cross",
+                Algorithm::labels_with(|t| t.burst)
+            )
+        }),
     },
     Rule {
         field: "notify.at",
