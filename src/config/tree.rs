@@ -540,6 +540,11 @@ pub struct LimitConfig {
     /// in the store. Off by default: an override costs one more read per decision.
     #[serde(default)]
     pub overrides: bool,
+    /// Keep an index of who used this limit, for the admin API's usage reports (`GET
+    /// /admin/v1/limits/{route}/{limit}/usage?top=N`, `sluice usage`). Off by default: with
+    /// Redis each instance adds its identities' use to a sorted set once a second.
+    #[serde(default)]
+    pub report: bool,
     /// Conditions on the request, all of which must hold for this limit to apply.
     #[serde(default)]
     #[schemars(with = "Vec<ConditionConfig>")]
