@@ -184,7 +184,7 @@ impl Admin {
                     Ok((peek, _)) => {
                         let mut one = entry(rule, identity, &peek);
                         one["route"] = route.name.as_str().into();
-                        one["limit"] = rule.name.as_str().into();
+                        one["name"] = rule.name.as_str().into();
                         one["unit"] = rule.unit().into();
                         one["algorithm"] = rule.spec.algorithm.label().into();
                         if let Some(currency) = currency(rule) {

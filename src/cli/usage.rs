@@ -143,7 +143,7 @@ fn identity_table(answer: &serde_json::Value) -> String {
         let name = format!(
             "{}/{}",
             one["route"].as_str().unwrap_or(""),
-            one["limit"].as_str().unwrap_or("")
+            one["name"].as_str().unwrap_or("")
         );
         rows.push(row(one, one["currency"].as_str(), Some(name), true));
     }

@@ -332,12 +332,20 @@ pub struct LocalConfig {
     #[serde(deserialize_with = "count_within::<1_024, 100_000_000, _>")]
     #[schemars(schema_with = "schema::count_within::<1_024, 100_000_000>")]
     pub max_keys: Positive,
+    /// With Redis, most identities of `report: true` limits each instance notes between two
+    /// flushes of the usage index (once a second); one more is not noted, and counted in
+    /// `sluice_usage_index_dropped_total`.
+    #[serde(default = "default_max_reported")]
+    #[serde(deserialize_with = "count_within::<1, 10_000_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1, 10_000_000>")]
+    pub max_reported: Positive,
 }
 
 impl Default for LocalConfig {
     fn default() -> Self {
         LocalConfig {
             max_keys: default_local_max_keys(),
+            max_reported: default_max_reported(),
         }
     }
 }
@@ -927,6 +935,10 @@ fn default_shutdown_grace() -> ConfigDuration {
 }
 fn default_local_max_keys() -> Positive {
     Positive(DEFAULT_LOCAL_MAX_KEYS)
+}
+
+fn default_max_reported() -> Positive {
+    Positive(100_000)
 }
 
 /// A size checked against bounds as it is read, so the error points at the value.

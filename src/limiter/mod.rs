@@ -364,7 +364,7 @@ impl Store {
             move |event| heard(&denials, &events, event)
         }));
         let usage = Arc::new(usage::UsageIndex::new(
-            max_keys,
+            usage::DEFAULT_MAX_PENDING,
             metrics.store.usage_index_dropped.clone(),
         ));
         tokio::spawn(flush_usage(
@@ -850,6 +850,14 @@ impl Store {
         if let Backend::Redis { usage, .. } = &self.backend {
             let now = u64::try_from(crate::runtime::clock::now().as_second()).unwrap_or(0);
             usage.note(key, window, units, now);
+        }
+    }
+
+    /// Bounds this instance's map of identities between two flushes of the usage index
+    /// (`store.local.max_reported`); in process there is no such map.
+    pub fn bound_usage(&self, max: usize) {
+        if let Backend::Redis { usage, .. } = &self.backend {
+            usage.bound(max);
         }
     }
 

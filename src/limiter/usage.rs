@@ -18,6 +18,7 @@
 //! read although its exact use (after a settlement) ranks above them.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -26,9 +27,9 @@ use prometheus::IntCounter;
 /// How often each instance adds what it noted to the store's index.
 pub const FLUSH_EVERY: Duration = Duration::from_secs(1);
 
-/// Most (limit, bucket, identity) entries one instance holds between two flushes; a new
-/// identity past it is dropped and counted (`sluice_usage_index_dropped_total`).
-pub const MAX_PENDING: usize = 50_000;
+/// The bound on the map between two flushes unless the config sets one
+/// (`store.local.max_reported`'s default).
+pub const DEFAULT_MAX_PENDING: usize = 100_000;
 
 /// The width of one index bucket for a limit with window `window`: the window itself (at
 /// least a second, the index's clock).
@@ -86,10 +87,11 @@ pub struct IndexPending {
 }
 
 /// This instance's notes of who used the reported limits, between two flushes. Bounded:
-/// [`MAX_PENDING`] entries (its `max`), new ones past it dropped and counted.
+/// `max` (limit, bucket, identity) entries (`store.local.max_reported`), new ones past it
+/// dropped and counted (`sluice_usage_index_dropped_total`).
 pub struct UsageIndex {
     pending: Mutex<Pending>,
-    max: usize,
+    max: AtomicUsize,
     dropped: IntCounter,
 }
 
@@ -97,7 +99,7 @@ impl UsageIndex {
     pub fn new(max: usize, dropped: IntCounter) -> UsageIndex {
         UsageIndex {
             pending: Mutex::new(Pending::default()),
-            max,
+            max: AtomicUsize::new(max),
             dropped,
         }
     }
@@ -115,7 +117,7 @@ impl UsageIndex {
             Err(poisoned) => poisoned.into_inner(),
         };
         let Pending { by_index, entries } = &mut *pending;
-        let full = *entries >= self.max;
+        let full = *entries >= self.max.load(Ordering::Relaxed);
         if full && !by_index.contains_key(&index) {
             self.dropped.inc();
             return;
@@ -132,6 +134,11 @@ impl UsageIndex {
             one.identities.insert(identity.to_owned(), units);
             *entries += 1;
         }
+    }
+
+    /// Sets the bound on entries (`store.local.max_reported`).
+    pub fn bound(&self, max: usize) {
+        self.max.store(max, Ordering::Relaxed);
     }
 
     /// Takes everything noted so far, leaving the map empty for the next second.
