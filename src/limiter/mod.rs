@@ -915,8 +915,8 @@ async fn flush_usage(
         };
         let pending = index.take();
         drop(index);
-        for (key, one) in &pending.by_index {
-            let outcome = match store.add_usage(key, one.identities.iter(), one.ttl).await {
+        for (key, one) in pending.indexes() {
+            let outcome = match store.add_usage(&key, one.identities.iter(), one.ttl).await {
                 Ok(()) => "ok",
                 Err(err) => {
                     tracing::debug!(%err, index = key, "usage index: flush failed");

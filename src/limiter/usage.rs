@@ -73,11 +73,24 @@ pub fn identity_of(key: &str) -> Option<&str> {
     Some(&key[open + 1..close])
 }
 
-/// What one instance admitted since its last flush: per index key, per identity, the units.
+/// What one instance admitted since its last flush: per limit (its keys' prefix) and time
+/// bucket, per identity, the units. Keyed by the prefix and the bucket apart so that noting
+/// a known identity allocates nothing (a `&str` finds a `String` key).
 #[derive(Default)]
 pub struct Pending {
-    pub by_index: HashMap<String, IndexPending>,
+    by_limit: HashMap<String, HashMap<u64, IndexPending>>,
     entries: usize,
+}
+
+impl Pending {
+    /// Each index key (`index_key`) with what is to be added to it.
+    pub fn indexes(&self) -> impl Iterator<Item = (String, &IndexPending)> {
+        self.by_limit.iter().flat_map(|(prefix, buckets)| {
+            buckets
+                .iter()
+                .map(move |(bucket, one)| (index_key(prefix, *bucket), one))
+        })
+    }
 }
 
 /// One index key's pending additions and how long the key is to live.
@@ -108,21 +121,27 @@ impl UsageIndex {
     /// `unix_secs`. No store call; allocates only for an identity not noted since the last
     /// flush.
     pub fn note(&self, key: &str, window: Duration, units: u64, unix_secs: u64) {
-        let Some(identity) = identity_of(key) else {
+        let (Some(identity), Some(brace)) = (identity_of(key), key.find('{')) else {
             return;
         };
-        let index = index_key(key, bucket_of(window, unix_secs));
+        let (prefix, bucket) = (&key[..brace], bucket_of(window, unix_secs));
         let mut pending = match self.pending.lock() {
             Ok(guard) => guard,
             Err(poisoned) => poisoned.into_inner(),
         };
-        let Pending { by_index, entries } = &mut *pending;
+        let Pending { by_limit, entries } = &mut *pending;
         let full = *entries >= self.max.load(Ordering::Relaxed);
-        if full && !by_index.contains_key(&index) {
-            self.dropped.inc();
-            return;
+        if !by_limit.contains_key(prefix) {
+            if full {
+                self.dropped.inc();
+                return;
+            }
+            by_limit.insert(prefix.to_owned(), HashMap::new());
         }
-        let one = by_index.entry(index).or_insert_with(|| IndexPending {
+        let Some(buckets) = by_limit.get_mut(prefix) else {
+            return;
+        };
+        let one = buckets.entry(bucket).or_insert_with(|| IndexPending {
             ttl: index_ttl(window),
             identities: HashMap::new(),
         });
@@ -185,9 +204,12 @@ mod tests {
         index.note("p:{a}", window, 5, 0);
         assert_eq!(dropped.get(), 1);
         let pending = index.take();
-        let one = &pending.by_index["p:usage:0"];
+        let indexes: Vec<_> = pending.indexes().collect();
+        assert_eq!(indexes.len(), 1);
+        let (key, one) = &indexes[0];
+        assert_eq!(key, "p:usage:0");
         assert_eq!(one.identities["a"], 6);
         assert!(!one.identities.contains_key("c"));
-        assert!(index.take().by_index.is_empty());
+        assert_eq!(index.take().indexes().count(), 0);
     }
 }
