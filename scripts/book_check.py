@@ -21,6 +21,12 @@
 - sections: every comment of src/ that names a section of the README or of the book in quotes
             (`README, "Models"`, `the book's "Adding an algorithm or a limit kind"`) names a
             heading that README.md (for the README) or the book (for the book) has.
+- spread:   each algorithm of the table (`label: "..."` in src/limiter/algorithm.rs; not the
+            limit kinds `calendar` and `concurrency`, whose request-path code names them) is
+            named in at most MAX_ALGORITHM_FILES files of src/ outside tests, as the book's
+            "Adding an algorithm or a limit kind" promises: its label in any spelling
+            (`sliding_log`, `SlidingLog`, `sliding log`, any case), in each file up to its
+            first `#[cfg(test)]`.
 
 Exit status 1 with one line per fault; 0 with a summary line per check.
 """
@@ -118,27 +124,47 @@ def check_file_links(paths):
     return faults, f"files: {checked} links of {', '.join(paths) or 'no file'} lead to files that exist"
 
 
+def markdown_lines(text):
+    """Walks a Markdown text's lines once, fenced code blocks recognised: yields (number, line,
+    block) for every line. `block` is None for a line outside any fenced block, and (opening
+    line number, indent, info string) for a line of one, its fences included (given with
+    `line` None: a fence is neither prose nor code). A block closes at a line of its fence's
+    character, at least as long, and nothing else; one left open runs to the end."""
+    block, fence = None, None
+    for number, line in enumerate(text.split("\n"), 1):
+        m = FENCE.match(line)
+        if block is None:
+            if m:
+                block, fence = (number, m.group(1), m.group(3).strip()), m.group(2)
+                yield number, None, block
+            else:
+                yield number, line, None
+        elif (m and m.group(2)[0] == fence[0] and len(m.group(2)) >= len(fence)
+              and not m.group(3).strip()):
+            yield number, None, block
+            block, fence = None, None
+        else:
+            yield number, line, block
+
+
+def prose_lines(text):
+    """(number, line) of each line of a Markdown text outside its fenced code blocks."""
+    return [(number, line) for number, line, block in markdown_lines(text) if block is None]
+
+
 def fenced_blocks(path):
     """(first line, info string, text) of each fenced code block of a Markdown file."""
     with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    blocks, i = [], 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if not m:
-            i += 1
+        text = f.read()
+    blocks = {}
+    for _, line, block in markdown_lines(text):
+        if block is None:
             continue
-        indent, fence, info = m.group(1), m.group(2), m.group(3).strip()
-        body, j = [], i + 1
-        while j < len(lines) and not re.match(
-            r"^[ \t]*" + re.escape(fence[0]) + "{" + str(len(fence)) + r",}[ \t]*$", lines[j]
-        ):
-            line = lines[j]
+        body = blocks.setdefault(block, [])
+        if line is not None:
+            indent = block[1]
             body.append(line[len(indent):] if line.startswith(indent) else line.lstrip())
-            j += 1
-        blocks.append((i + 1, info, "\n".join(body) + "\n"))
-        i = j + 1
-    return blocks
+    return [(first, info, "\n".join(body) + "\n") for (first, _, info), body in blocks.items()]
 
 
 def check_examples(sources, sluice, fixtures):
@@ -289,17 +315,8 @@ PLACEHOLDER = re.compile(r"[*?{}<>\[\]$…|]|\.\.\.|(^|[/._-])[A-Z][A-Z0-9_]+([/
 
 def code_spans(text):
     """(line, text) of each inline code span of a Markdown text, fenced blocks left out."""
-    spans, fence = [], None
-    for number, line in enumerate(text.split("\n"), 1):
-        m = FENCE.match(line)
-        if m:
-            if fence is None:
-                fence = m.group(2)[0] * len(m.group(2))
-            elif m.group(2).startswith(fence) and not m.group(3).strip():
-                fence = None
-            continue
-        if fence is not None:
-            continue
+    spans = []
+    for number, line in prose_lines(text):
         # A span is delimited by runs of backticks of the same length.
         for m in re.finditer(r"(`+)(.+?)\1(?!`)", line):
             spans.append((number, m.group(2).strip()))
@@ -336,20 +353,11 @@ def headings(paths):
     found = set()
     for path in paths:
         with open(path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-        fence = None
-        for line in lines:
-            m = FENCE.match(line)
-            if m:
-                if fence is None:
-                    fence = m.group(2)[0] * len(m.group(2))
-                elif m.group(2).startswith(fence) and not m.group(3).strip():
-                    fence = None
-                continue
-            if fence is None:
-                h = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
-                if h:
-                    found.add(normalise_heading(h.group(1)))
+            text = f.read()
+        for _, line in prose_lines(text):
+            h = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+            if h:
+                found.add(normalise_heading(h.group(1)))
     return found
 
 
@@ -399,6 +407,40 @@ def check_sections(code_root, readme, book_sources):
     return faults, f"sections: {checked} sections of the README or the book cited in {code_root}'s comments exist"
 
 
+# The files an algorithm is named in: its Rust module, `mod` line (src/limiter/mod.rs), Lua
+# file, table row (algorithm.rs), config spelling (config/types.rs) and `Cell` state (local.rs).
+MAX_ALGORITHM_FILES = 6
+LIMIT_KINDS = {"calendar", "concurrency"}
+
+
+def check_algorithm_spread(code_root):
+    """Each algorithm's label appears in at most MAX_ALGORITHM_FILES files of the code outside
+    tests."""
+    table = os.path.join(code_root, "limiter", "algorithm.rs")
+    with open(table, encoding="utf-8") as f:
+        labels = [l for l in re.findall(r'^\s*label: "(\w+)",', f.read(), re.M) if l not in LIMIT_KINDS]
+    texts = {}
+    for folder, _, names in os.walk(code_root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            texts[path] = text.split("#[cfg(test)]", 1)[0]
+    faults, most = [], 0
+    for label in labels:
+        spelled = re.compile(label.replace("_", "[_ ]?"), re.I)
+        files = sorted(path for path, text in texts.items() if spelled.search(text))
+        most = max(most, len(files))
+        if len(files) > MAX_ALGORITHM_FILES:
+            faults.append(
+                f"{label} is named in {len(files)} files of {code_root} outside tests (at most "
+                f"{MAX_ALGORITHM_FILES}: say what the table says instead): {', '.join(files)}"
+            )
+    if not labels:
+        faults.append(f"{table}: no algorithm labels found")
+    return faults, f"spread: {len(labels)} algorithms, each named in at most {most} files of {code_root}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--html", required=True, help="the built book (docs/book)")
@@ -427,7 +469,11 @@ def main():
         check_schema(args.schema, args.reference),
         check_file_links(args.also),
         check_paths(sources, args.root),
-    ) + ((check_sections(args.code, args.readme, book_sources),) if args.code else ()):
+    ) + (
+        (check_sections(args.code, args.readme, book_sources), check_algorithm_spread(args.code))
+        if args.code
+        else ()
+    ):
         faults += fault_list
         if not fault_list:
             print(summary)

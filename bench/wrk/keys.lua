@@ -1,4 +1,4 @@
--- wrk script of the admit and mixed scenarios (and the memory step); bench/harness.py runs it as
+-- wrk script of the admit and mixed scenarios (and the memory step); bench/harness/ runs it as
 --   wrk -t1 -c50 -d5s -s bench/wrk/keys.lua URL -- MODE ARGS...
 --
 -- MODE and its arguments:

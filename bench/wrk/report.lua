@@ -1,5 +1,5 @@
 -- Shared by the wrk scripts of sluice's benchmark: done() prints one line of JSON for
--- bench/harness.py: request count, errors (wrk counts every response with a status of 400 or
+-- bench/harness/load.py: request count, errors (wrk counts every response with a status of 400 or
 -- more as a "status error": here, the rejections) and latency percentiles in microseconds.
 function done(summary, latency, requests)
   local e = summary.errors

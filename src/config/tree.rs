@@ -529,12 +529,13 @@ pub struct LimitConfig {
     /// default.
     #[schemars(with = "Option<String>")]
     pub time_zone: Option<Spanned<String>>,
-    /// How the limit counts; `sliding_log` (exact) by default, `weighted_log` (exact, one
-    /// entry per request) for a token or money budget.
+    /// How the limit counts, and so what it can do (`burst`, `on_exceed: delay`, a token
+    /// budget): see each choice, and which is the default, under `Algorithm`.
     #[schemars(with = "Option<AlgorithmConfig>")]
     pub algorithm: Option<Spanned<AlgorithmConfig>>,
-    /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
-    /// key admits as many at once as under the other algorithms.
+    /// Only for an `algorithm` that takes a burst (its description says so): how many
+    /// requests may arrive at once; `requests` by default, so a fresh key admits as many at
+    /// once as under the other algorithms.
     #[schemars(with = "Option<Positive>")]
     pub burst: Option<Spanned<Positive>>,
     /// How many requests one request counts as; 1 by default.
@@ -730,7 +731,7 @@ impl LimitConfig {
         match (&self.quota, &self.algorithm, budget) {
             (Some(_), _, _) => crate::limiter::Algorithm::Calendar,
             (None, Some(algorithm), _) => algorithm.value.into(),
-            (None, None, true) => crate::limiter::Algorithm::WeightedLog,
+            (None, None, true) => crate::limiter::Algorithm::FOR_BUDGETS,
             (None, None, false) => crate::limiter::Algorithm::default(),
         }
     }

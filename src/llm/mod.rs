@@ -21,10 +21,6 @@ use std::sync::Arc;
 
 use http::HeaderName;
 
-/// Most tokens a `sliding_log` token budget may hold: its log keeps one entry per token
-/// (`weighted_log`, the default of a token budget, keeps one per request).
-pub const MAX_SLIDING_LOG_TOKENS: u32 = 1_000_000;
-
 /// A limit counted in tokens or money: how each request reserves, how it is settled, in
 /// which unit, with which model facts.
 #[derive(Debug, Clone, PartialEq, Eq)]

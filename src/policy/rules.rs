@@ -19,7 +19,7 @@ use crate::config::{
 use crate::limiter::calendar::Period;
 use crate::limiter::Algorithm;
 use crate::llm::config::{micro_amount, quota, reserve};
-use crate::llm::{Models, MAX_SLIDING_LOG_TOKENS};
+use crate::llm::Models;
 
 /// One limit as written, with what its rules read around it.
 pub(super) struct Seen<'a> {
@@ -274,12 +274,12 @@ const LIMIT_RULES: &[LimitRule] = &[
     Rule {
         field: "tokens",
         broken: |s| tokens_at(s).filter(|_| too_many_for_a_log(s)),
-        says: Says::Made(|_, _| too_many_entries("tokens")),
+        says: Says::Made(|s, _| too_many_entries(s, "tokens")),
     },
     Rule {
         field: "money",
         broken: |s| money_at(s).filter(|_| too_many_for_a_log(s)),
-        says: Says::Made(|_, _| too_many_entries("money")),
+        says: Says::Made(|s, _| too_many_entries(s, "money")),
     },
     Rule {
         field: "cost",
@@ -754,23 +754,31 @@ fn money_at(s: &Seen) -> Option<At> {
 fn cannot_give_back(s: &Seen, _: &At) -> String {
     format!(
         "a token budget gives back what a request did not use, which `{}` cannot do exactly: \
-         use `weighted_log` (the default of a token budget), `sliding_log` or a calendar `quota` \
-         (the algorithms that settle exactly: {})",
+         leave `algorithm:` out for `{}` (the default of a token budget), or use one of the \
+         algorithms that settle exactly: {}",
         s.limit.algorithm().label(),
+        Algorithm::FOR_BUDGETS.label(),
         Algorithm::labels_with(|t| t.settles_exactly)
     )
 }
 
-/// A sliding log keeps one entry per unit counted.
+/// An algorithm that keeps one entry per unit counted holds at most its row's `max_units`.
 fn too_many_for_a_log(s: &Seen) -> bool {
-    s.limit.algorithm() == Algorithm::SlidingLog && quota(s.limit) > MAX_SLIDING_LOG_TOKENS
+    s.limit
+        .algorithm()
+        .traits()
+        .max_units
+        .is_some_and(|most| quota(s.limit) > most)
 }
 
-fn too_many_entries(unit: &str) -> String {
+fn too_many_entries(s: &Seen, unit: &str) -> String {
+    let traits = s.limit.algorithm().traits();
     format!(
-        "at most {MAX_SLIDING_LOG_TOKENS} ({unit}) on a sliding_log: its log keeps one entry per \
-         token (or micro-unit of money); leave `algorithm:` out for `weighted_log` (one entry \
-         per request), or use a calendar quota"
+        "at most {} ({unit}) on a {}: it keeps one entry per token (or micro-unit of money); \
+         leave `algorithm:` out for `{}` (one entry per request), or use a calendar quota",
+        traits.max_units.unwrap_or_default(),
+        traits.label,
+        Algorithm::FOR_BUDGETS.label(),
     )
 }
 
@@ -789,7 +797,8 @@ fn reserve_at(s: &Seen) -> Option<At> {
     }
 }
 
-/// The most one request can ever be admitted for: `burst` under GCRA, else the quota.
+/// The most one request can ever be admitted for: `burst` where the algorithm takes one, else
+/// the quota.
 fn most_at_once(limit: &LimitConfig) -> (u32, &'static str) {
     match (&limit.burst, limit.algorithm()) {
         (Some(burst), algorithm) if algorithm.traits().burst => (burst.value.0, "burst"),

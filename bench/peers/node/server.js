@@ -3,7 +3,7 @@
 // the limit, keyed by the x-api-key header (the client IP when it is absent), and http-proxy to
 // forward admitted requests over kept-alive connections.
 //
-// Configuration comes from the environment, set by bench/harness.py:
+// Configuration comes from the environment, set by bench/harness/peers.py:
 //   PORT            where to listen (127.0.0.1 only)
 //   UPSTREAM        the upstream's URL, e.g. http://127.0.0.1:8081
 //   REDIS_PORT      the Redis on 127.0.0.1

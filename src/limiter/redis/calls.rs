@@ -251,7 +251,7 @@ impl RedisStore {
     /// Ends the concurrency lease `member` under each of `checks` (its own id only: `HDEL`,
     /// idempotent); how many were still there. On a node, in the decide script's next batched
     /// call on the connection (a call of its own per end cost Redis as much again as the
-    /// decision, bench/RESULTS.md); on a cluster, a plain `HDEL` to each key's master.
+    /// decision, bench/HISTORY.md, "Concurrency limits, the ends batched"); on a cluster, a plain `HDEL` to each key's master.
     async fn end_lease(&self, checks: &[Check], member: &str) -> Result<usize, StoreError> {
         if !matches!(self.link, Link::Cluster(_)) {
             // In the next call of the connection's batch (`batch`): no call of its own.

@@ -1,5 +1,6 @@
 //! A TCP relay that adds a fixed delay each way, for measuring sluice's Redis path across a
-//! slower link than loopback (bench/harness.py's `rtt` step, issue 39).
+//! slower link than loopback (the bench harness's `rtt` step, bench/harness/steps/rtt.py,
+//! issue 39).
 //!
 //! It listens on a loopback port and forwards every accepted connection to a target port on
 //! loopback (Redis), holding every chunk it reads for a fixed one-way delay before writing it
@@ -22,7 +23,7 @@
 //! on both sockets so the kernel adds no wait of its own. The threads' own wake-ups (the
 //! reader's on data, the writer's on the channel) still add some tens of µs a round trip on
 //! top of `2 × DELAY_US`, more on a busy machine: measure the round trip through the relay
-//! (bench/harness.py measures PINGs and corrects the delay it gives).
+//! (bench/harness/steps/rtt.py measures PINGs and corrects the delay it gives).
 //!
 //! ```text
 //! delay_relay LISTEN_PORT TARGET_PORT DELAY_US
