@@ -558,7 +558,8 @@ pub struct LimitConfig {
     #[serde(default)]
     #[schemars(with = "Vec<ConditionConfig>")]
     pub when: Vec<Spanned<ConditionConfig>>,
-    /// `reject` (429, the default) or `delay` (hold the request up to `max_delay`).
+    /// `reject` (429, the default), `delay` (hold the request up to `max_delay`), or
+    /// `{ switch_model: MODEL }` (a token or money limit: send the request to a cheaper model).
     #[schemars(with = "Option<OnExceed>")]
     pub on_exceed: Option<Spanned<OnExceed>>,
     /// With `on_exceed: delay`: the longest a request is held.
@@ -715,6 +716,16 @@ fn default_reserve_max_body() -> ByteSize {
 }
 
 impl LimitConfig {
+    /// The model `on_exceed: { switch_model: ... }` names, where it is written, if the limit
+    /// says so.
+    pub fn switch_model(&self) -> Option<(&Spanned<OnExceed>, &str)> {
+        let on_exceed = self.on_exceed.as_ref()?;
+        match &on_exceed.value {
+            OnExceed::SwitchModel(model) => Some((on_exceed, model.as_str())),
+            _ => None,
+        }
+    }
+
     /// `on_exceed: delay`, where it is written, if the limit says so.
     pub fn delay(&self) -> Option<&Spanned<OnExceed>> {
         self.on_exceed

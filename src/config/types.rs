@@ -896,7 +896,7 @@ mod tests {
 }
 
 /// What a limit does with a request it has no room for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OnExceed {
     /// Answer 429.
@@ -904,6 +904,11 @@ pub enum OnExceed {
     Reject,
     /// Hold the request until the limit admits it, if that is within `max_delay`; else 429.
     Delay,
+    /// `{ switch_model: gpt-4o-mini }`, on a token or money limit that reads the body's
+    /// `model`: send the request to this model instead (its body's `model` rewritten, its
+    /// checks planned and decided again for it, once); the fallback's own limits still
+    /// refuse with 429.
+    SwitchModel(String),
 }
 
 /// One entry of a limit's `count: { status: [...] }`: a status (`401`) or a class (`5xx`).
