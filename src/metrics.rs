@@ -338,6 +338,9 @@ pub struct StoreFamilies {
     pub usage_index_dropped: IntCounter,
     /// `sluice_usage_index_flushes_total`: pipelines sent to the usage index, by outcome.
     pub usage_index_flushes: IntCounterVec,
+    /// `sluice_notifications_total`: threshold notifications and what became of them
+    /// (`crate::notify`).
+    pub notifications: IntCounterVec,
 }
 
 impl StoreFamilies {
@@ -417,8 +420,19 @@ impl StoreFamilies {
         }
         registry.register(Box::new(usage_index_dropped.clone()))?;
         registry.register(Box::new(usage_index_flushes.clone()))?;
+        let notifications = IntCounterVec::new(
+            Opts::new(
+                "sluice_notifications_total",
+                "Threshold notifications (a limit's notify) this instance decided to send, by outcome: sent (the webhook answered 2xx), retried (one more try after a connection error, a timeout or a 5xx), failed (given up after the last retry, or refused with 4xx), dropped (the send queue was full).",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in ["sent", "retried", "failed", "dropped"] {
+            notifications.with_label_values(&[outcome]);
+        }
         registry.register(Box::new(store_events.clone()))?;
         registry.register(Box::new(override_changes.clone()))?;
+        registry.register(Box::new(notifications.clone()))?;
         registry.register(Box::new(store_call_duration.clone()))?;
         registry.register(Box::new(store_errors.clone()))?;
         registry.register(Box::new(local_keys.clone()))?;
@@ -440,6 +454,7 @@ impl StoreFamilies {
             override_changes,
             usage_index_dropped,
             usage_index_flushes,
+            notifications,
         })
     }
 }
