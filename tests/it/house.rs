@@ -14,9 +14,11 @@ const MAX_LINES: usize = 100;
 
 /// Functions allowed past [`MAX_LINES`], as (file under `src/`, function name): only a
 /// function whose body is a table (one list of data, read top to bottom), never one with
-/// steps. None is needed today; an entry that is no longer too long fails the test, so the
-/// list cannot go stale.
-const TABLES: &[(&str, &str)] = &[];
+/// steps. An entry that is no longer too long fails the test, so the list cannot go stale.
+const TABLES: &[(&str, &str)] = &[
+    // `StoreFamilies::new`: the store's metric families, one definition after another.
+    ("metrics.rs", "new"),
+];
 
 #[test]
 fn no_function_in_src_is_over_a_hundred_lines() {
