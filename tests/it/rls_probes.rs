@@ -83,7 +83,10 @@ async fn mutual_tls_admits_only_certificates_of_the_client_ca_and_follows_its_ro
     );
     let server_ca_file = write(d, "server-ca.pem", &server_ca.pem());
     let leaf = server_ca.server("sluice rls");
-    let (cert, key) = (write(d, "rls.crt", &leaf.cert), write(d, "rls.key", &leaf.key));
+    let (cert, key) = (
+        write(d, "rls.crt", &leaf.cert),
+        write(d, "rls.key", &leaf.key),
+    );
     let client_ca = write(d, "client-ca.pem", &clients_ca.pem());
     let (good_cert, good_key) = client_files(d, "good", &clients_ca.client("envoy"));
     let (other_cert, other_key) = client_files(d, "other", &other_ca.client("envoy"));
@@ -102,7 +105,11 @@ async fn mutual_tls_admits_only_certificates_of_the_client_ca_and_follows_its_ro
         call(
             &target,
             "rls",
-            &[("RLS_CA", &server_ca_file), ("RLS_CERT", cert), ("RLS_KEY", key)],
+            &[
+                ("RLS_CA", &server_ca_file),
+                ("RLS_CERT", cert),
+                ("RLS_KEY", key),
+            ],
         )
     };
     assert_eq!(with(&good_cert, &good_key).as_deref(), Ok("OK"));
