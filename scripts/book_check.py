@@ -21,6 +21,12 @@
 - sections: every comment of src/ that names a section of the README or of the book in quotes
             (`README, "Models"`, `the book's "Adding an algorithm or a limit kind"`) names a
             heading that README.md (for the README) or the book (for the book) has.
+- spread:   each algorithm of the table (`label: "..."` in src/limiter/algorithm.rs; not the
+            limit kinds `calendar` and `concurrency`, whose request-path code names them) is
+            named in at most MAX_ALGORITHM_FILES files of src/ outside tests, as the book's
+            "Adding an algorithm or a limit kind" promises: its label in any spelling
+            (`sliding_log`, `SlidingLog`, `sliding log`, any case), in each file up to its
+            first `#[cfg(test)]`.
 
 Exit status 1 with one line per fault; 0 with a summary line per check.
 """
@@ -401,6 +407,40 @@ def check_sections(code_root, readme, book_sources):
     return faults, f"sections: {checked} sections of the README or the book cited in {code_root}'s comments exist"
 
 
+# The files an algorithm is named in: its Rust module, `mod` line (src/limiter/mod.rs), Lua
+# file, table row (algorithm.rs), config spelling (config/types.rs) and `Cell` state (local.rs).
+MAX_ALGORITHM_FILES = 6
+LIMIT_KINDS = {"calendar", "concurrency"}
+
+
+def check_algorithm_spread(code_root):
+    """Each algorithm's label appears in at most MAX_ALGORITHM_FILES files of the code outside
+    tests."""
+    table = os.path.join(code_root, "limiter", "algorithm.rs")
+    with open(table, encoding="utf-8") as f:
+        labels = [l for l in re.findall(r'^\s*label: "(\w+)",', f.read(), re.M) if l not in LIMIT_KINDS]
+    texts = {}
+    for folder, _, names in os.walk(code_root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            texts[path] = text.split("#[cfg(test)]", 1)[0]
+    faults, most = [], 0
+    for label in labels:
+        spelled = re.compile(label.replace("_", "[_ ]?"), re.I)
+        files = sorted(path for path, text in texts.items() if spelled.search(text))
+        most = max(most, len(files))
+        if len(files) > MAX_ALGORITHM_FILES:
+            faults.append(
+                f"{label} is named in {len(files)} files of {code_root} outside tests (at most "
+                f"{MAX_ALGORITHM_FILES}: say what the table says instead): {', '.join(files)}"
+            )
+    if not labels:
+        faults.append(f"{table}: no algorithm labels found")
+    return faults, f"spread: {len(labels)} algorithms, each named in at most {most} files of {code_root}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--html", required=True, help="the built book (docs/book)")
@@ -429,7 +469,11 @@ def main():
         check_schema(args.schema, args.reference),
         check_file_links(args.also),
         check_paths(sources, args.root),
-    ) + ((check_sections(args.code, args.readme, book_sources),) if args.code else ()):
+    ) + (
+        (check_sections(args.code, args.readme, book_sources), check_algorithm_spread(args.code))
+        if args.code
+        else ()
+    ):
         faults += fault_list
         if not fault_list:
             print(summary)

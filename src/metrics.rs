@@ -461,6 +461,9 @@ pub struct TokenFamilies {
     pub tokens_returned: IntCounterVec,
     pub token_overruns: IntCounterVec,
     pub token_overrun_tokens: IntCounterVec,
+    /// `sluice_model_switches_total{route, limit, to}`: requests a soft limit sent to its
+    /// fallback model (`on_exceed: { switch_model }`).
+    pub model_switches: IntCounterVec,
 }
 
 impl TokenFamilies {
@@ -488,6 +491,14 @@ impl TokenFamilies {
             "sluice_token_overrun_tokens_total",
             "Token budgets: tokens (or micro-currency) responses reported beyond what was reserved for them, charged to the limit, by route, limit and unit.",
         )?;
+        let model_switches = IntCounterVec::new(
+            Opts::new(
+                "sluice_model_switches_total",
+                "Soft budgets: requests a limit with on_exceed: { switch_model } had no room for and sent on to its fallback model (decided again there: admitted, or refused by the fallback's own limits), by route, limit and the model switched to.",
+            ),
+            &["route", "limit", "to"],
+        )?;
+        registry.register(Box::new(model_switches.clone()))?;
         registry.register(Box::new(tokens_reserved.clone()))?;
         registry.register(Box::new(tokens_settled.clone()))?;
         registry.register(Box::new(tokens_returned.clone()))?;
@@ -499,6 +510,7 @@ impl TokenFamilies {
             tokens_returned,
             token_overruns,
             token_overrun_tokens,
+            model_switches,
         })
     }
 }
@@ -735,6 +747,7 @@ impl Metrics {
                 .tokens
                 .token_overrun_tokens
                 .with_label_values(&[route, limit, unit]),
+            switches: None,
         }
     }
 
@@ -832,4 +845,6 @@ pub struct TokenMetrics {
     /// `sluice_token_overrun_tokens_total`: the tokens those answers reported beyond their
     /// reservations, charged to the limit.
     pub overrun_tokens: IntCounter,
+    /// `sluice_model_switches_total` of a limit that switches models (`None` for the others).
+    pub switches: Option<IntCounter>,
 }

@@ -37,7 +37,7 @@ pub use admin::{split_host_port, AdminConfig, AdminHost, EnvName};
 pub use duration::ConfigDuration;
 pub use error::{ConfigError, Position};
 pub use load::{from_bytes, load, parse, parse_as, read_bytes, read_error, to_json, Source};
-pub use rls::{RlsAlgorithm, RlsConfig};
+pub use rls::RlsConfig;
 pub use schema::json_schema;
 pub use suggest::{closest, did_you_mean};
 pub use tree::{
@@ -63,7 +63,7 @@ pub use tree::{
 pub use types::TokenFrom;
 pub use types::{
     AlgorithmConfig, ByteSize, FieldName, ForwardedHeader, HostPort, IpNet, KeyPart, LogFormat,
-    MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, Status,
-    UpstreamUrl,
+    MethodName, Name, OnStoreError, PathPrefix, Positive, RedisUrl, ResponseHeaders, RlsAlgorithm,
+    Status, UpstreamUrl,
 };
 pub use types::{OnExceed, StatusMatch, HOP_BY_HOP};

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use super::{OnStoreError, Spanned};
+use super::{OnStoreError, RlsAlgorithm, Spanned};
 
 /// Envoy's rate limit service (`envoy.service.ratelimit.v3.RateLimitService`), served over
 /// gRPC on a listener of its own, from envoyproxy/ratelimit's YAML files as they are.
@@ -37,24 +37,4 @@ pub struct RlsConfig {
     /// What an answer is when the store cannot decide; `store.on_store_error` when absent.
     /// `allow` answers OK, `deny` OVER_LIMIT, `local` decides in this instance's memory.
     pub on_store_error: Option<OnStoreError>,
-}
-
-/// How a rule of the rate limit service counts its unit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum RlsAlgorithm {
-    /// sluice's exact choices: a sliding-window log for `second`, `minute` and `hour` (never
-    /// more than `requests_per_unit` in any window of one unit), and calendar periods in UTC
-    /// for `day`, `week` (ISO, from Monday), `month` and `year` (real months and years).
-    #[default]
-    Exact,
-    /// The exact sliding-window log for every unit (a month is 30 days, a year 365).
-    SlidingLog,
-    /// The sliding-window counter: O(1) per key, approximate.
-    SlidingWindow,
-    /// GCRA (a token bucket) with a burst of `requests_per_unit`: O(1), exact.
-    Gcra,
-    /// envoyproxy/ratelimit's own windows: fixed, aligned to the Unix epoch, a month of 30
-    /// days and a year of 365, so counts match it during a migration.
-    FixedWindowEpoch,
 }

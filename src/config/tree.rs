@@ -527,12 +527,13 @@ pub struct LimitConfig {
     /// default.
     #[schemars(with = "Option<String>")]
     pub time_zone: Option<Spanned<String>>,
-    /// How the limit counts; `sliding_log` (exact) by default, `weighted_log` (exact, one
-    /// entry per request) for a token or money budget.
+    /// How the limit counts, and so what it can do (`burst`, `on_exceed: delay`, a token
+    /// budget): see each choice, and which is the default, under `Algorithm`.
     #[schemars(with = "Option<AlgorithmConfig>")]
     pub algorithm: Option<Spanned<AlgorithmConfig>>,
-    /// GCRA only: how many requests may arrive at once; `requests` by default, so a fresh
-    /// key admits as many at once as under the other algorithms.
+    /// Only for an `algorithm` that takes a burst (its description says so): how many
+    /// requests may arrive at once; `requests` by default, so a fresh key admits as many at
+    /// once as under the other algorithms.
     #[schemars(with = "Option<Positive>")]
     pub burst: Option<Spanned<Positive>>,
     /// How many requests one request counts as; 1 by default.
@@ -550,7 +551,8 @@ pub struct LimitConfig {
     #[serde(default)]
     #[schemars(with = "Vec<ConditionConfig>")]
     pub when: Vec<Spanned<ConditionConfig>>,
-    /// `reject` (429, the default) or `delay` (hold the request up to `max_delay`).
+    /// `reject` (429, the default), `delay` (hold the request up to `max_delay`), or
+    /// `{ switch_model: MODEL }` (a token or money limit: send the request to a cheaper model).
     #[schemars(with = "Option<OnExceed>")]
     pub on_exceed: Option<Spanned<OnExceed>>,
     /// With `on_exceed: delay`: the longest a request is held.
@@ -707,6 +709,16 @@ fn default_reserve_max_body() -> ByteSize {
 }
 
 impl LimitConfig {
+    /// The model `on_exceed: { switch_model: ... }` names, where it is written, if the limit
+    /// says so.
+    pub fn switch_model(&self) -> Option<(&Spanned<OnExceed>, &str)> {
+        let on_exceed = self.on_exceed.as_ref()?;
+        match &on_exceed.value {
+            OnExceed::SwitchModel(model) => Some((on_exceed, model.as_str())),
+            _ => None,
+        }
+    }
+
     /// `on_exceed: delay`, where it is written, if the limit says so.
     pub fn delay(&self) -> Option<&Spanned<OnExceed>> {
         self.on_exceed
@@ -723,7 +735,7 @@ impl LimitConfig {
         match (&self.quota, &self.algorithm, budget) {
             (Some(_), _, _) => crate::limiter::Algorithm::Calendar,
             (None, Some(algorithm), _) => algorithm.value.into(),
-            (None, None, true) => crate::limiter::Algorithm::WeightedLog,
+            (None, None, true) => crate::limiter::Algorithm::FOR_BUDGETS,
             (None, None, false) => crate::limiter::Algorithm::default(),
         }
     }

@@ -4,13 +4,15 @@
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
+use std::sync::OnceLock;
 
 use http::header::HeaderName;
 use http::uri::{Authority, Scheme};
 use http::{Method, StatusCode, Uri};
-use serde::de::{Deserialize, Deserializer, Error as _};
+use serde::de::value::StrDeserializer;
+use serde::de::{Deserialize, Deserializer, Error as _, IntoDeserializer};
 
-use crate::limiter::Algorithm;
+use crate::limiter::{Algorithm, ALGORITHMS};
 
 /// Implements `Deserialize` for a type through its `FromStr`, so the parse error becomes the
 /// message reported at the value's position.
@@ -345,7 +347,8 @@ impl From<LogFormat> for crate::log::Format {
 // The file's spelling of the limiter's `Algorithm`, which knows nothing of YAML; named
 // `Algorithm` in the schema, which users see.
 /// How a limit counts. Every algorithm runs in both stores with the same results: one Lua file
-/// each under `scripts/`, one pure Rust module each for the in-process store.
+/// each under `scripts/`, one pure Rust module each for the in-process store. `sliding_log` by
+/// default, `weighted_log` for a token or money budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 #[schemars(rename = "Algorithm")]
@@ -375,6 +378,65 @@ impl From<AlgorithmConfig> for Algorithm {
             AlgorithmConfig::WeightedLog => Algorithm::WeightedLog,
         }
     }
+}
+
+/// How a rule of the rate limit service counts its unit: `exact`, `fixed_window_epoch`, or
+/// any `algorithm` a policy's limit may name, rolling over one unit (a month is 30 days, a
+/// year 365; `burst`, where the algorithm takes one, is `requests_per_unit`).
+// Deserialized by hand (below): serde's untagged variant would answer a misspelling with "did
+// not match any variant" instead of the names. The schema still reads these attributes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RlsAlgorithm {
+    /// sluice's exact choices: a limit's default algorithm for `second`, `minute` and `hour`
+    /// (an exact log: never more than `requests_per_unit` in any window of one unit), and
+    /// calendar periods in UTC for `day`, `week` (ISO, from Monday), `month` and `year` (real
+    /// months and years).
+    #[default]
+    Exact,
+    /// envoyproxy/ratelimit's own windows: fixed, aligned to the Unix epoch, a month of 30
+    /// days and a year of 365, so counts match it during a migration (counted as calendar
+    /// periods whose key names the window).
+    #[serde(rename = "fixed_window_epoch")]
+    EpochAligned,
+    /// A policy limit's `algorithm`, rolling over one unit.
+    #[serde(untagged)]
+    Rolling(AlgorithmConfig),
+}
+
+impl<'de> Deserialize<'de> for RlsAlgorithm {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        match name.as_str() {
+            "exact" => Ok(RlsAlgorithm::Exact),
+            "fixed_window_epoch" => Ok(RlsAlgorithm::EpochAligned),
+            other => policy_algorithm(other)
+                .map(RlsAlgorithm::Rolling)
+                .ok_or_else(|| D::Error::unknown_variant(other, names())),
+        }
+    }
+}
+
+/// `name` as a policy limit's `algorithm` spells it.
+fn policy_algorithm(name: &str) -> Option<AlgorithmConfig> {
+    let name: StrDeserializer<'_, serde::de::value::Error> = name.into_deserializer();
+    AlgorithmConfig::deserialize(name).ok()
+}
+
+/// Every name `RlsAlgorithm` takes, for the message about one it does not: its own, then the
+/// table's labels a limit's `algorithm` takes.
+fn names() -> &'static [&'static str] {
+    static NAMES: OnceLock<Vec<&'static str>> = OnceLock::new();
+    NAMES.get_or_init(|| {
+        let policy = ALGORITHMS
+            .iter()
+            .map(|traits| traits.label)
+            .filter(|label| policy_algorithm(label).is_some());
+        ["exact", "fixed_window_epoch"]
+            .into_iter()
+            .chain(policy)
+            .collect()
+    })
 }
 
 /// Which rate-limit fields responses carry.
@@ -679,6 +741,43 @@ impl FromStr for HostPort {
 mod tests {
     use super::*;
 
+    fn parse(name: &str) -> Result<RlsAlgorithm, String> {
+        serde_saphyr::from_str(name).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn spells_its_own_choices_and_every_policy_algorithm() {
+        assert_eq!(parse("exact"), Ok(RlsAlgorithm::Exact));
+        assert_eq!(parse("fixed_window_epoch"), Ok(RlsAlgorithm::EpochAligned));
+        assert_eq!(
+            parse("gcra"),
+            Ok(RlsAlgorithm::Rolling(AlgorithmConfig::Gcra))
+        );
+        assert_eq!(
+            parse("weighted_log"),
+            Ok(RlsAlgorithm::Rolling(AlgorithmConfig::WeightedLog))
+        );
+        // Its own names, then the table's labels a limit's `algorithm` takes (not the limit
+        // kinds with fields of their own).
+        assert_eq!(
+            names(),
+            [
+                "exact",
+                "fixed_window_epoch",
+                "sliding_log",
+                "weighted_log",
+                "sliding_window",
+                "fixed_window",
+                "gcra"
+            ]
+        );
+        let wrong = parse("gcraa").unwrap_err();
+        assert!(
+            wrong.contains("unknown variant `gcraa`, expected one of exact, fixed_window_epoch"),
+            "{wrong}"
+        );
+    }
+
     #[test]
     fn host_ports() {
         let hp: HostPort = "127.0.0.1:26379".parse().unwrap();
@@ -797,7 +896,7 @@ mod tests {
 }
 
 /// What a limit does with a request it has no room for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OnExceed {
     /// Answer 429.
@@ -805,6 +904,11 @@ pub enum OnExceed {
     Reject,
     /// Hold the request until the limit admits it, if that is within `max_delay`; else 429.
     Delay,
+    /// `{ switch_model: gpt-4o-mini }`, on a token or money limit that reads the body's
+    /// `model`: send the request to this model instead (its body's `model` rewritten, its
+    /// checks planned and decided again for it, once); the fallback's own limits still
+    /// refuse with 429.
+    SwitchModel(String),
 }
 
 /// One entry of a limit's `count: { status: [...] }`: a status (`401`) or a class (`5xx`).

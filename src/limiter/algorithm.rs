@@ -1,8 +1,8 @@
 //! The algorithm table: every way a limit can count, with what each can do, stated once as
 //! data. The policy rules (the token budgets' among them), the deny cache, the stores' delay,
-//! `sluice explain` and the Redis scripts' dispatchers read this table; nothing else names an
-//! algorithm's abilities (the book's table in `guides/algorithms.md` mirrors it by hand). Adding an algorithm
-//! is: its pure Rust module (for the in-process store) and its Lua file (for Redis), one row
+//! the store key, `sluice explain`, the rate limit service's names and the Redis scripts'
+//! dispatchers read this table; nothing else names an algorithm's abilities (the book's table
+//! in `guides/algorithms.md` mirrors it by hand). Adding an algorithm is: its pure Rust module (for the in-process store) and its Lua file (for Redis), one row
 //! here, its config spelling, and its state kind in `local.rs` (see the book's "Adding an
 //! algorithm or a limit kind").
 
@@ -72,6 +72,13 @@ pub struct Traits {
     pub window_per_request: bool,
     /// How `peek.lua` reads the count.
     pub peek_count: PeekCount,
+    /// Its label is part of its store keys (`prefix:route:limit:LABEL:{identity}`). Only the
+    /// first algorithm's keys go without, as they did before there were others, so a limit
+    /// keeps its counts across an upgrade.
+    pub label_in_key: bool,
+    /// The most units one key may count, for an algorithm that keeps one entry per unit: the
+    /// policy refuses a token or money budget above it, whose every token would be an entry.
+    pub max_units: Option<u32>,
     /// Its Lua file: `check`, `record`, `release` (and `charge` when it settles exactly).
     pub lua: &'static str,
 }
@@ -89,6 +96,8 @@ pub const ALGORITHMS: [Traits; 7] = [
         room_grows_with_time_only: true,
         window_per_request: false,
         peek_count: PeekCount::FirstState,
+        label_in_key: false,
+        max_units: Some(1_000_000),
         lua: include_str!("scripts/sliding_log.lua"),
     },
     Traits {
@@ -103,6 +112,8 @@ pub const ALGORITHMS: [Traits; 7] = [
         room_grows_with_time_only: true,
         window_per_request: false,
         peek_count: PeekCount::FirstState,
+        label_in_key: true,
+        max_units: None,
         lua: include_str!("scripts/weighted_log.lua"),
     },
     Traits {
@@ -115,6 +126,8 @@ pub const ALGORITHMS: [Traits; 7] = [
         room_grows_with_time_only: true,
         window_per_request: false,
         peek_count: PeekCount::RequestsLessRemaining,
+        label_in_key: true,
+        max_units: None,
         lua: include_str!("scripts/sliding_window.lua"),
     },
     Traits {
@@ -127,6 +140,8 @@ pub const ALGORITHMS: [Traits; 7] = [
         room_grows_with_time_only: true,
         window_per_request: false,
         peek_count: PeekCount::FirstState,
+        label_in_key: true,
+        max_units: None,
         lua: include_str!("scripts/fixed_window.lua"),
     },
     Traits {
@@ -139,6 +154,8 @@ pub const ALGORITHMS: [Traits; 7] = [
         room_grows_with_time_only: true,
         window_per_request: false,
         peek_count: PeekCount::BurstLessRemaining,
+        label_in_key: true,
+        max_units: None,
         lua: include_str!("scripts/gcra.lua"),
     },
     Traits {
@@ -152,6 +169,8 @@ pub const ALGORITHMS: [Traits; 7] = [
         room_grows_with_time_only: true,
         window_per_request: true,
         peek_count: PeekCount::FirstState,
+        label_in_key: true,
+        max_units: None,
         lua: include_str!("scripts/calendar.lua"),
     },
     Traits {
@@ -166,11 +185,17 @@ pub const ALGORITHMS: [Traits; 7] = [
         room_grows_with_time_only: false,
         window_per_request: false,
         peek_count: PeekCount::FirstState,
+        label_in_key: true,
+        max_units: None,
         lua: include_str!("scripts/concurrency.lua"),
     },
 ];
 
 impl Algorithm {
+    /// What a token or money budget counts with when its limit names no `algorithm`: exact,
+    /// settling exactly, and one entry per request however many tokens it costs.
+    pub const FOR_BUDGETS: Algorithm = Algorithm::WeightedLog;
+
     /// This algorithm's row of the table.
     pub fn traits(self) -> &'static Traits {
         // The table lists every variant once, in declaration order (checked by a test).
@@ -228,6 +253,19 @@ mod tests {
                 traits.label
             );
         }
+    }
+
+    #[test]
+    fn a_budget_counts_exactly_with_one_entry_per_request() {
+        let traits = Algorithm::FOR_BUDGETS.traits();
+        assert!(traits.settles_exactly && traits.max_units.is_none());
+        // Only the first row's keys go without a label: they predate the others.
+        let unlabelled: Vec<&str> = ALGORITHMS
+            .iter()
+            .filter(|t| !t.label_in_key)
+            .map(|t| t.label)
+            .collect();
+        assert_eq!(unlabelled, [Algorithm::default().label()]);
     }
 
     #[test]

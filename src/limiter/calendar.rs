@@ -8,6 +8,11 @@
 //! expiry. The stores then keep a plain counter (`scripts/calendar.lua`, and `Counter` below
 //! for the in-process store), which only grows within a period and only shrinks by a
 //! give-back: exact.
+//!
+//! The deny cache: the count only grows within a period, and the key names the period, so
+//! room comes back only when the period ends; a rejection's wait is the time left in it (found
+//! from sluice's wall clock when the check was built), and the next period's requests ask
+//! Redis under their own key.
 
 use std::fmt::{self, Write as _};
 use std::time::Duration;

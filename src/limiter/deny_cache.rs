@@ -1,30 +1,17 @@
 //! The exact deny cache: a rejection remembered locally, so a flood on one key costs Redis one
 //! call per wait instead of one per request.
 //!
-//! Why it is exact for the sliding log: when Redis rejects a key because its limit is full,
-//! it also says when the blocking entry leaves the window. Until then no instance can admit
-//! that key — admissions only add entries, and entries leave only with time — so answering
-//! "rejected" from memory until then is what Redis would answer. The wait is counted from when
-//! the call was *sent* (Redis read its clock later), so the cache never outlasts the truth.
-//!
-//! The same holds for each algorithm, because in each a key's room only shrinks through
-//! admissions and only grows with time, and the wait Redis returns is the exact time it grows
-//! back enough for the request's cost:
-//! - sliding_log: entries leave only with time (above).
-//! - fixed_window: the count only grows until the key expires, and the wait is the key's
-//!   remaining TTL.
-//! - gcra: the TAT only grows (by admissions) and room returns only as time passes it; the wait
-//!   is `new TAT − (τ + T) − now`, exact.
-//! - sliding_window: without admissions the weighted count only falls (the previous window's
-//!   weight shrinks, and at a boundary the current count carries over unchanged), and the wait
-//!   is the first time it falls to `requests − cost`, rounded up to the microsecond. While
-//!   denied, no request of that limit is admitted (all have the same cost), so nothing adds
-//!   to the count: the cache answers as Redis would, within that microsecond.
-//! - calendar: the count only grows within a period, and the key names the period, so room
-//!   comes back only when the period ends; the wait is the time left in it (found from
-//!   sluice's wall clock when the check was built): a denial lasts exactly until the period
-//!   ends, and the next period's requests ask Redis under their own key. The window, which
-//!   is that time left and differs per request, is not compared (`same_limit`).
+//! Why it is exact: when Redis rejects a key because its limit is full, it also says when
+//! room comes back. For an algorithm whose row in the table says `room_grows_with_time_only`,
+//! a key's room only shrinks through admissions and only grows with time, and that wait is the
+//! exact time it grows back enough for the request's cost. Until then no instance can admit
+//! that key, so answering "rejected" from memory until then is what Redis would answer. The
+//! wait is counted from when the call was *sent* (Redis read its clock later), so the cache
+//! never outlasts the truth. Each algorithm's module says why its room grows only with time
+//! and its wait is exact (its "The deny cache" paragraph). An algorithm whose room can come
+//! back at any moment (a released lease) is never remembered. For a row with
+//! `window_per_request` (a calendar period's time left), the window, which differs per
+//! request, is not compared (`same_limit`).
 //!
 //! When a denial expires under a flood, the requests waiting on that key would all miss at
 //! once and all ask Redis, though only the first can be admitted (room comes back one

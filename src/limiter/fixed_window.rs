@@ -6,6 +6,9 @@
 //! `scripts/fixed_window.lua` is the same arithmetic inside Redis.
 //!
 //! Times are microseconds on the store's own clock.
+//!
+//! The deny cache: the count only grows until the key expires, and a rejection's wait is the
+//! key's remaining time to live, so the rejection holds exactly that long.
 
 use std::time::Duration;
 

@@ -8,6 +8,9 @@
 //! same arithmetic inside Redis.
 //!
 //! Times are microseconds on the store's own clock.
+//!
+//! The deny cache: the TAT only grows (by admissions) and room returns only as time passes
+//! it; a rejection's wait is `new TAT − (τ + T) − now`, exact.
 
 use std::time::Duration;
 

@@ -7,6 +7,9 @@
 //! are checked by the same integration tests.
 //!
 //! Times are microseconds on the store's own clock.
+//!
+//! The deny cache: admissions only add entries and entries leave only with time, so a
+//! rejection holds until the blocking entry leaves the window, which is the wait returned.
 
 use std::collections::VecDeque;
 use std::time::Duration;

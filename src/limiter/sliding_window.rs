@@ -10,6 +10,12 @@
 //! `scripts/sliding_window.lua` is the same arithmetic inside Redis.
 //!
 //! Times are microseconds on the store's own clock.
+//!
+//! The deny cache: without admissions the weighted count only falls (the previous window's
+//! weight shrinks, and at a boundary the current count carries over unchanged), and a
+//! rejection's wait is the first time it falls to `requests − cost`, rounded up to the
+//! microsecond. While denied, no request of that limit is admitted (all have the same cost),
+//! so nothing adds to the count: the cache answers as Redis would, within that microsecond.
 
 use std::time::Duration;
 
@@ -111,7 +117,7 @@ pub fn record(counts: &mut Counts, spec: &Spec, now: u64) -> LimitState {
     state(*counts, spec, now)
 }
 
-/// Gives back a request counted at `decided` (store time): the count of the fixed window
+/// Gives back a request counted at `decided` (store time): the count of the window
 /// holding `decided` drops by `cost`, never below zero, if that window is still the current
 /// or the previous one; otherwise it has no weight left and nothing is given back. Exact for
 /// the counts; a release into the previous window gives back the request's weight there.

@@ -1,10 +1,10 @@
-//! The weighted sliding-window log, as pure arithmetic over one limit's entries: the sliding
-//! log with one entry per request, weighted by its cost, for limits whose unit is not the
+//! The weighted log, as pure arithmetic over one limit's entries: a log of admission times
+//! with one entry per request, weighted by its cost, for limits whose unit is not the
 //! request (token budgets, where one request reserves thousands of units).
 //!
 //! A limit of `requests` units per `window` admits a request of cost c at `now` only if the
 //! entries in `(now - window, now]` weigh at most `requests - c`: exact in the same sense as
-//! the sliding log (no window of that length, wherever it starts, ever holds more than
+//! a log of one entry per unit (no window of that length, wherever it starts, ever holds more than
 //! `requests` units), with memory and time by requests instead of by units. An entry can be
 //! settled to a smaller weight (a reservation to what the request used); it keeps its time.
 //! `scripts/weighted_log.lua` is the same arithmetic inside Redis.
@@ -95,8 +95,10 @@ impl Log {
     }
 
     /// Records an admitted request at `at` (`now`, or later for a delayed request), keeping
-    /// the entries sorted; the sliding log's argument for recording in the future holds
-    /// unit for unit (see `sliding_log::record`). Returns the state at `now`.
+    /// the entries sorted; the argument that recording in the future keeps a log of one
+    /// entry per unit exact (at the table's first algorithm's `record`) holds here unit for
+    /// unit, an entry of weight c standing for c entries at one time. Returns the state at
+    /// `now`.
     pub fn record(&mut self, spec: &Spec, now: u64, at: u64) -> LimitState {
         let index = self.entries.partition_point(|entry| entry.at <= at);
         self.entries.insert(

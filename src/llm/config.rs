@@ -133,6 +133,9 @@ pub fn budget(limit: &LimitConfig, models: &Arc<Models>) -> Option<TokenBudget> 
         usage_from,
         unit,
         models: Arc::clone(models),
+        switch_to: limit
+            .switch_model()
+            .map(|(_, model)| super::switch::Fallback::new(model)),
     })
 }
 
@@ -233,6 +236,22 @@ mod tests {
             (150_000, 150_000, 300_000, 600_000)
         );
         assert_eq!(budget.models.lookup(Some("other")).prices, None);
+    }
+
+    #[test]
+    fn a_soft_budget_names_its_fallback_as_written() {
+        let compiled = compile_models(
+            PRICED,
+            "        money: 1\n        currency: USD\n        when: [{ model: [m-big] }]\n        on_exceed: { switch_model: \" M-Small \" }\n",
+        )
+        .unwrap();
+        let budget = compiled.routes[0].limits[0].tokens.as_ref().unwrap();
+        let fallback = budget.switch_to.as_ref().expect("a fallback");
+        assert_eq!(
+            (fallback.model.as_str(), fallback.normalised.as_str()),
+            ("M-Small", "m-small")
+        );
+        assert!(crate::llm::describe(budget).contains("sent to model `M-Small` instead"));
     }
 
     #[test]

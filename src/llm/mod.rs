@@ -6,11 +6,13 @@
 //! (`Store::keep`). Reserving the upper bound atomically and settling down is what keeps
 //! settled plus reserved tokens inside the limit at every instant; an answer that reports
 //! more than its reservation (the bound was wrong) is charged the excess, so the identity
-//! waits for what the upstream spent.
+//! waits for what the upstream spent. A limit may switch a request it refuses to a cheaper
+//! model instead (`switch`).
 
 pub mod config;
 pub mod estimate;
 pub mod models;
+pub mod switch;
 pub mod usage;
 
 pub use self::estimate::{estimate, Api, EstimateError, Reservation, Reserve, StoredState};
@@ -21,10 +23,6 @@ use std::sync::Arc;
 
 use http::HeaderName;
 
-/// Most tokens a `sliding_log` token budget may hold: its log keeps one entry per token
-/// (`weighted_log`, the default of a token budget, keeps one per request).
-pub const MAX_SLIDING_LOG_TOKENS: u32 = 1_000_000;
-
 /// A limit counted in tokens or money: how each request reserves, how it is settled, in
 /// which unit, with which model facts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,6 +31,9 @@ pub struct TokenBudget {
     pub usage_from: UsageFrom,
     pub unit: Unit,
     pub models: Arc<Models>,
+    /// `on_exceed: { switch_model: M }`: a request this limit refuses is sent to `M` instead
+    /// (`switch`); `None`: refused.
+    pub switch_to: Option<switch::Fallback>,
 }
 
 /// What a budget counts.
@@ -91,13 +92,20 @@ pub fn describe(budget: &TokenBudget) -> String {
     let tools = r
         .server_tool
         .map_or("refused".to_owned(), |n| format!("charged {n} each"));
+    let over = budget.switch_to.as_ref().map_or(String::new(), |to| {
+        format!(
+            "; over the limit: sent to model `{}` instead, planned and decided again there \
+             (once)",
+            to.model
+        )
+    });
     format!(
         "reserves body bytes + images and other non-text parts at the model's figures + \
          per_request ({} here + the model's) + the model's tool prompt when tools are given + \
          output cap × completions (cap written when none: {default}, at most {}){priced}; \
          stored state {stored}; server tools {tools}; body read whole up to {} bytes; settles \
          to {settle}; without a figure, keeps the reservation (gives it all back when the \
-         upstream cannot be reached)",
+         upstream cannot be reached){over}",
         r.per_request, r.max_output, r.max_body
     )
 }

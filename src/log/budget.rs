@@ -3,7 +3,8 @@
 //! the volume of such lines is bounded by time, never by traffic. A summary of what was
 //! suppressed is logged by the reporter (`super::RequestLog::report`).
 //!
-//! The bucket is GCRA kept in one atomic (the theoretical arrival time of the next line), so
+//! The bucket is kept as one number in one atomic (the theoretical arrival time of the next
+//! line, as the limiter's token bucket keeps it), so
 //! taking a line is a load and a compare-and-swap: no lock on the request path.
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -210,7 +210,15 @@ fn limit_metrics(metrics: &Metrics, route: &str, limit: &LimitSettings) -> Limit
     let name = limit.name.as_str();
     let mut counters = metrics.for_limit(route, name);
     if let Some(budget) = &limit.tokens {
-        counters.tokens = Some(metrics.for_token_limit(route, name, budget.unit.label()));
+        let mut tokens = metrics.for_token_limit(route, name, budget.unit.label());
+        if let Some(fallback) = &budget.switch_to {
+            tokens.switches = Some(metrics.tokens.model_switches.with_label_values(&[
+                route,
+                name,
+                fallback.model.as_str(),
+            ]));
+        }
+        counters.tokens = Some(tokens);
     }
     if limit.spec.algorithm == crate::limiter::Algorithm::Concurrency {
         counters.in_flight = Some(

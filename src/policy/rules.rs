@@ -19,7 +19,7 @@ use crate::config::{
 use crate::limiter::calendar::Period;
 use crate::limiter::Algorithm;
 use crate::llm::config::{micro_amount, quota, reserve};
-use crate::llm::{Models, MAX_SLIDING_LOG_TOKENS};
+use crate::llm::Models;
 
 /// One limit as written, with what its rules read around it.
 pub(super) struct Seen<'a> {
@@ -274,12 +274,12 @@ const LIMIT_RULES: &[LimitRule] = &[
     Rule {
         field: "tokens",
         broken: |s| tokens_at(s).filter(|_| too_many_for_a_log(s)),
-        says: Says::Made(|_, _| too_many_entries("tokens")),
+        says: Says::Made(|s, _| too_many_entries(s, "tokens")),
     },
     Rule {
         field: "money",
         broken: |s| money_at(s).filter(|_| too_many_for_a_log(s)),
-        says: Says::Made(|_, _| too_many_entries("money")),
+        says: Says::Made(|s, _| too_many_entries(s, "money")),
     },
     Rule {
         field: "cost",
@@ -294,6 +294,74 @@ const LIMIT_RULES: &[LimitRule] = &[
         says: Says::Text(
             "a token budget cannot delay: a request is refused when its reservation does not fit",
         ),
+    },
+    // Soft budgets: `on_exceed: { switch_model: M }` sends a refused request to `M`, once.
+    Rule {
+        field: "on_exceed",
+        broken: |s| switch_at(s).filter(|_| !budget(s.limit)),
+        says: Says::Text(
+            "`switch_model` needs a token or money limit (`tokens:` or `money:`): only a route \
+             whose body is read before the decision can send a request to another model",
+        ),
+    },
+    Rule {
+        field: "on_exceed",
+        broken: |s| switch_at(s).filter(|_| fallback(s).is_some_and(|m| m.trim().is_empty())),
+        says: Says::Text("`switch_model` names the model to send the request to"),
+    },
+    Rule {
+        field: "on_exceed",
+        broken: |s| switch_at(s).filter(|_| s.limit.shadow),
+        says: Says::Text("a shadow limit never refuses, so it never switches a model"),
+    },
+    Rule {
+        field: "on_exceed",
+        broken: |s| switch_at(s).filter(|_| only_the_fallback(s)),
+        says: Says::Made(|s, _| {
+            format!(
+                "this limit applies only to `{}`, the model it switches to: switching would \
+                 change nothing",
+                fallback(s).unwrap_or_default().trim()
+            )
+        }),
+    },
+    Rule {
+        field: "on_exceed",
+        broken: |s| switch_at(s).filter(|_| same_budget(s)),
+        says: Says::Made(|s, _| {
+            format!(
+                "the fallback `{}` would be counted in this limit's own budget, which is spent \
+                 when it switches: key the limit by `model` (`key: [..., model]`) or give it a \
+                 `when: [{{ model: [...] }}]` the fallback does not match",
+                fallback(s).unwrap_or_default().trim()
+            )
+        }),
+    },
+    Rule {
+        field: "on_exceed",
+        broken: |s| switch_at(s).filter(|_| unpriced_by(s).is_some()),
+        says: Says::Made(|s, _| {
+            let (limit, currency) = unpriced_by(s).unwrap_or_default();
+            format!(
+                "no entry of `models:` has prices in {currency} for `{}`, the model this limit \
+                 switches to: limit `{limit}` of this route counts money in {currency}, and a \
+                 switched request must be priced",
+                fallback(s).unwrap_or_default().trim()
+            )
+        }),
+    },
+    Rule {
+        field: "on_exceed",
+        broken: |s| switch_at(s).filter(|_| chained_by(s).is_some()),
+        says: Says::Made(|s, _| {
+            let (limit, to) = chained_by(s).unwrap_or_default();
+            format!(
+                "limit `{limit}` of this route applies to `{}`, the model this limit switches \
+                 to, and switches it on to `{to}`: a request is switched once, so chains and \
+                 loops are refused; make `{limit}` a hard limit or keep it off the fallback",
+                fallback(s).unwrap_or_default().trim()
+            )
+        }),
     },
     Rule {
         field: "count",
@@ -728,6 +796,89 @@ fn first_key_part(limit: &LimitConfig, is: impl Fn(&KeyPart) -> bool) -> Option<
     Some(at_item(&limit.key, index))
 }
 
+/// Where the limit says `on_exceed: { switch_model: ... }`.
+fn switch_at(s: &Seen) -> Option<At> {
+    s.limit.switch_model().map(|(on_exceed, _)| at(on_exceed))
+}
+
+/// The model the limit switches to, as written.
+fn fallback<'a>(s: &Seen<'a>) -> Option<&'a str> {
+    s.limit.switch_model().map(|(_, model)| model)
+}
+
+/// The `model` conditions of a limit, each a list of patterns (one must match); patterns
+/// that do not parse are refused where conditions compile.
+fn model_conditions(limit: &LimitConfig) -> Vec<Vec<crate::model::Pattern>> {
+    limit
+        .when
+        .iter()
+        .filter_map(|w| w.value.model.as_ref())
+        .map(|models| {
+            models
+                .iter()
+                .filter_map(|m| crate::model::Pattern::parse(m).ok())
+                .collect()
+        })
+        .collect()
+}
+
+/// Whether `limit` applies to a request for `model` (normalised), as far as its `model`
+/// conditions say (a limit without one applies to every model).
+fn applies_to_model(limit: &LimitConfig, model: &str) -> bool {
+    model_conditions(limit)
+        .iter()
+        .all(|patterns| patterns.iter().any(|p| p.matches(model)))
+}
+
+/// Whether one of the limit's `model` conditions names the fallback alone.
+fn only_the_fallback(s: &Seen) -> bool {
+    let Some(model) = fallback(s).map(crate::model::normalise) else {
+        return false;
+    };
+    let only = crate::model::Pattern::Exact(model);
+    model_conditions(s.limit)
+        .iter()
+        .any(|patterns| !patterns.is_empty() && patterns.iter().all(|p| *p == only))
+}
+
+/// Whether the fallback's request would be counted under the same store key as the request
+/// the limit refused: the key does not read the model and the conditions let it in.
+fn same_budget(s: &Seen) -> bool {
+    let Some(model) = fallback(s).map(crate::model::normalise) else {
+        return false;
+    };
+    !s.limit.key.value.contains(&KeyPart::Model) && applies_to_model(s.limit, &model)
+}
+
+/// The first money limit of the route (name, currency) that finds no price for the fallback
+/// in its currency: this limit, or one that could apply to the switched request.
+fn unpriced_by<'a>(s: &Seen<'a>) -> Option<(&'a str, &'a str)> {
+    let model = fallback(s)?;
+    let normalised = crate::model::normalise(model);
+    let facts = s.models.lookup(Some(model));
+    s.route.limits.iter().find_map(|limit| {
+        let currency = limit.currency.as_ref().filter(|_| limit.money.is_some())?;
+        let priced = facts
+            .prices
+            .as_ref()
+            .is_some_and(|p| p.currency == currency.value);
+        let involved = std::ptr::eq(limit, s.limit) || applies_to_model(limit, &normalised);
+        (!priced && involved).then(|| (limit.name.value.as_str(), currency.value.as_str()))
+    })
+}
+
+/// Another limit of the route (name, its fallback) that applies to this limit's fallback and
+/// would switch it on to another model.
+fn chained_by<'a>(s: &Seen<'a>) -> Option<(&'a str, &'a str)> {
+    let model = crate::model::normalise(fallback(s)?);
+    s.route.limits.iter().find_map(|limit| {
+        let (_, to) = limit.switch_model()?;
+        // One that switches to the same fallback never switches a request already for it.
+        let onwards = !std::ptr::eq(limit, s.limit) && crate::model::normalise(to) != model;
+        (onwards && applies_to_model(limit, &model)).then(|| (limit.name.value.as_str(), to))
+    })
+}
+
 /// Whether the limit is a token or money budget.
 fn budget(limit: &LimitConfig) -> bool {
     limit.tokens.is_some() || limit.money.is_some()
@@ -754,23 +905,31 @@ fn money_at(s: &Seen) -> Option<At> {
 fn cannot_give_back(s: &Seen, _: &At) -> String {
     format!(
         "a token budget gives back what a request did not use, which `{}` cannot do exactly: \
-         use `weighted_log` (the default of a token budget), `sliding_log` or a calendar `quota` \
-         (the algorithms that settle exactly: {})",
+         leave `algorithm:` out for `{}` (the default of a token budget), or use one of the \
+         algorithms that settle exactly: {}",
         s.limit.algorithm().label(),
+        Algorithm::FOR_BUDGETS.label(),
         Algorithm::labels_with(|t| t.settles_exactly)
     )
 }
 
-/// A sliding log keeps one entry per unit counted.
+/// An algorithm that keeps one entry per unit counted holds at most its row's `max_units`.
 fn too_many_for_a_log(s: &Seen) -> bool {
-    s.limit.algorithm() == Algorithm::SlidingLog && quota(s.limit) > MAX_SLIDING_LOG_TOKENS
+    s.limit
+        .algorithm()
+        .traits()
+        .max_units
+        .is_some_and(|most| quota(s.limit) > most)
 }
 
-fn too_many_entries(unit: &str) -> String {
+fn too_many_entries(s: &Seen, unit: &str) -> String {
+    let traits = s.limit.algorithm().traits();
     format!(
-        "at most {MAX_SLIDING_LOG_TOKENS} ({unit}) on a sliding_log: its log keeps one entry per \
-         token (or micro-unit of money); leave `algorithm:` out for `weighted_log` (one entry \
-         per request), or use a calendar quota"
+        "at most {} ({unit}) on a {}: it keeps one entry per token (or micro-unit of money); \
+         leave `algorithm:` out for `{}` (one entry per request), or use a calendar quota",
+        traits.max_units.unwrap_or_default(),
+        traits.label,
+        Algorithm::FOR_BUDGETS.label(),
     )
 }
 
@@ -789,7 +948,8 @@ fn reserve_at(s: &Seen) -> Option<At> {
     }
 }
 
-/// The most one request can ever be admitted for: `burst` under GCRA, else the quota.
+/// The most one request can ever be admitted for: `burst` where the algorithm takes one, else
+/// the quota.
 fn most_at_once(limit: &LimitConfig) -> (u32, &'static str) {
     match (&limit.burst, limit.algorithm()) {
         (Some(burst), algorithm) if algorithm.traits().burst => (burst.value.0, "burst"),
@@ -866,6 +1026,15 @@ mod tests {
         "money: 2, currency: USD, window: 1m, algorithm: sliding_log",
         "tokens: 100000, window: 1m, cost: 2",
         "tokens: 100000, window: 1m, algorithm: sliding_log, on_exceed: delay, max_delay: 1s",
+        "requests: 5, window: 1m, on_exceed: { switch_model: m2 }",
+        "tokens: 100000, window: 1m, key: [model], on_exceed: { switch_model: \" \" }",
+        "tokens: 100000, window: 1m, key: [model], shadow: true, on_exceed: { switch_model: m2 }",
+        "tokens: 100000, window: 1m, key: [model], when: [{ model: [M2] }], on_exceed: { switch_model: m2 }",
+        "tokens: 100000, window: 1m, when: [{ model: [m1, m2*] }], on_exceed: { switch_model: m2 }",
+        // A second limit of the route, after the first: money in a currency `m2` has no price in.
+        "tokens: 100000, window: 1m, key: [model], on_exceed: { switch_model: m2 } }\n      - { name: l2, key: [], money: 1, currency: EUR, window: 1m",
+        // A second limit that switches the fallback on.
+        "tokens: 100000, window: 1m, key: [model], on_exceed: { switch_model: m2 } }\n      - { name: l2, key: [], tokens: 100000, window: 1m, when: [{ model: [m2] }], on_exceed: { switch_model: m3 }",
         "tokens: 100000, window: 1m, count: { status: [5xx] }",
         "tokens: 100, window: 1m",
         "tokens: 100000, window: 1m, reserve: { default_output: 50, max_output: 10 }",

@@ -101,6 +101,11 @@ impl Finisher {
         response
             .headers_mut()
             .insert(X_REQUEST_ID, exchange.request_id.clone());
+        if let Some(switched) = &exchange.switched {
+            response
+                .headers_mut()
+                .insert(super::switch::MODEL_SWITCHED, switched.clone());
+        }
         // hyper closes an HTTP/1.x connection whose request body was left unread after
         // this answer: the answer says so, and no client sends its next request into it.
         exchange.connection.mark(response.headers_mut());

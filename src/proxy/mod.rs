@@ -1,7 +1,8 @@
 //! The gateway: the acting side of a request's path. `crate::request::plan` reads the request
 //! and plans it (head, route, identify, plan); here the phases that act on that plan run, one
 //! file each, in the order `crate::request` states: `tokens` (a token budget's body and
-//! reservation) → `decide` (one store call) → `hold` (`on_exceed: delay`) → act (the
+//! reservation) → `decide` (one store call; on a token route through `switch`, which sends a
+//! request only soft budgets refused to their cheaper model and decides it again) → `hold` (`on_exceed: delay`) → act (the
 //! upstream side, `upstream`, or the route's direct response) → `give_back` (count by
 //! outcome) → the token settlement (`tokens::settle`) → `finish`. A concurrency limit's
 //! lease, taken by `decide`, rides with the answer until its last byte (`in_flight`). A phase that cannot go on
@@ -22,6 +23,7 @@ mod in_flight;
 mod request_body;
 mod request_id;
 mod stop;
+mod switch;
 mod tokens;
 mod unread_body;
 mod upstream;
@@ -212,6 +214,7 @@ impl Gateway {
         // The upstream gets the id too.
         head.headers
             .insert(X_REQUEST_ID, exchange.request_id.clone());
+        let mut model = None;
         let mut body = match tokens::read_limit(route, &plan) {
             None => ClientBody::Streaming(body),
             Some(limit) => {
@@ -223,7 +226,7 @@ impl Gateway {
                 let body = Box::pin(read).await?;
                 // Planned again now that the body is read: the limits on its `model`, and
                 // each calendar quota's period at the decision's time, not the head's.
-                let model = tokens::body_model(&plan, &body)?;
+                model = tokens::body_model(&plan, &body)?;
                 plan = request::checks::with_body(
                     &active.policy,
                     route,
@@ -237,9 +240,18 @@ impl Gateway {
             }
         };
         let decided = async {
-            let prices = tokens::reserve(&mut plan, &mut head, &mut body)?;
-            let log = &self.finisher.log;
-            decide::decide(&self.store, &self.waiting, log, route, plan, exchange).await?;
+            // On a token route, a soft limit may switch the request to another model and
+            // decide it again (`switch`).
+            let again = switch::Replan {
+                policy: &active.policy,
+                route,
+                peer: peer.ip(),
+                claims: claims.as_ref(),
+                model: model.as_deref(),
+            };
+            let decide =
+                switch::reserve_and_decide(self, &again, plan, &mut head, &mut body, exchange);
+            let prices = decide.await?;
             if let Some(decided) = &exchange.decided {
                 hold::hold(&self.store, route, decided).await?;
             }
@@ -439,6 +451,9 @@ pub struct Exchange<'r> {
     connection: unread_body::Connection,
     /// The client waits for `100 Continue` before its body: a refusal answers at once.
     expects_continue: bool,
+    /// `sluice-model-switched` for the answer: a soft limit sent the request to another
+    /// model (`switch`).
+    switched: Option<HeaderValue>,
 }
 
 impl Exchange<'_> {
@@ -454,6 +469,7 @@ impl Exchange<'_> {
             shadow_rejected: String::new(),
             connection: unread_body::Connection::Kept,
             expects_continue: unread_body::expects_continue(request.version(), request.headers()),
+            switched: None,
         }
     }
 

@@ -21,7 +21,8 @@
 //!
 //! Then, in `crate::proxy`, the acting side: on a route with a token budget, `tokens` (read
 //! the body and plan again with its `model`, `checks::with_body`; reserve its upper
-//! bound) → `decide` (one store call) → `hold` (`on_exceed: delay`) → act (forward to the
+//! bound) → `decide` (one store call; a request only soft budgets refused is switched to
+//! their fallback model, planned again with it and decided once more: `proxy::switch`) → `hold` (`on_exceed: delay`) → act (forward to the
 //! upstream, or the route's direct response) → `give_back` (count by outcome: give back what
 //! `count:` does not keep) → the token settlement (`tokens::settle`: a token budget keeps
 //! what the answer reports it used) → `finish`, the one place every answer is completed.

@@ -5,9 +5,9 @@
 //! ```
 //!
 //! - `prefix` is `store.key_prefix` (`sluice` by default), then the route's and the limit's
-//!   names. The algorithm's label follows for every algorithm but the sliding log, so a reload
-//!   that changes a limit's algorithm starts afresh instead of reading another algorithm's
-//!   state ([`prefix`]).
+//!   names. The algorithm's label follows when its row says `label_in_key` (all but the
+//!   first algorithm, whose keys predate the others), so a reload that changes a limit's
+//!   algorithm starts afresh instead of reading another algorithm's state ([`prefix`]).
 //! - `{identity}` says which client the limit counts: the values of the limit's key parts,
 //!   each after its label (`ip=`, `h:x-api-key=`, ...; [`part_label`]) and joined by `|`, or
 //!   `*` for an empty key (`key: []`, one bucket for the whole route). The braces are a Redis
@@ -40,7 +40,7 @@ use super::fields::{cookie_values, query_values};
 use crate::config::KeyPart;
 use crate::jwt::Claims;
 use crate::limiter::key_text;
-use crate::limiter::{Algorithm, Check};
+use crate::limiter::Check;
 use crate::policy::{ClientPrefix, Limit, Matcher, Policy, Route};
 
 /// What the parts of a key are read from: the request (its path already canonical) and the
@@ -58,8 +58,8 @@ pub struct RequestParts<'a> {
     pub model: Option<&'a str>,
 }
 
-/// `prefix:route:limit:`, with the algorithm's label before the last `:` for every
-/// algorithm but the sliding log: what every key of `limit` starts with.
+/// `prefix:route:limit:`, with the algorithm's label before the last `:` when its row says
+/// `label_in_key`: what every key of `limit` starts with.
 pub fn prefix(policy: &Policy, route: &Route, limit: &Limit) -> String {
     let mut key = String::new();
     push_prefix(&mut key, &policy.key_prefix, route.name.as_str(), limit);
@@ -71,12 +71,10 @@ fn push_prefix(key: &mut String, store: &str, route: &str, limit: &Limit) {
         key.push_str(name);
         key.push(':');
     }
-    match limit.spec.algorithm {
-        Algorithm::SlidingLog => {}
-        other => {
-            key.push_str(other.label());
-            key.push(':');
-        }
+    let traits = limit.spec.algorithm.traits();
+    if traits.label_in_key {
+        key.push_str(traits.label);
+        key.push(':');
     }
 }
 

@@ -259,16 +259,14 @@ fn build_check(
     let rolling = |algorithm: Algorithm| (algorithm, unit);
     let (algorithm, window) = match limit.algorithm {
         RlsAlgorithm::Exact => match limit.unit {
-            UnitName::Second | UnitName::Minute | UnitName::Hour => rolling(Algorithm::SlidingLog),
+            UnitName::Second | UnitName::Minute | UnitName::Hour => rolling(Algorithm::default()),
             _ => (
                 Algorithm::Calendar,
                 key::calendar_period(&mut key, limit.unit, now),
             ),
         },
-        RlsAlgorithm::SlidingLog => rolling(Algorithm::SlidingLog),
-        RlsAlgorithm::SlidingWindow => rolling(Algorithm::SlidingWindow),
-        RlsAlgorithm::Gcra => rolling(Algorithm::Gcra),
-        RlsAlgorithm::FixedWindowEpoch => (
+        RlsAlgorithm::Rolling(algorithm) => rolling(algorithm.into()),
+        RlsAlgorithm::EpochAligned => (
             Algorithm::Calendar,
             key::epoch_window(&mut key, limit.unit, now),
         ),
@@ -859,5 +857,48 @@ descriptors:
             nested[1], nested[2],
             "the level below still counts per value"
         );
+    }
+
+    /// A rule's `rate_limit.algorithm` takes any algorithm a policy's limit may name, besides
+    /// the service's own `exact` and `fixed_window_epoch`.
+    #[test]
+    fn a_rule_counts_with_any_policy_algorithm() {
+        let rules = rules_of(
+            "
+domain: edge
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 5, algorithm: weighted_log}
+  - key: org
+    rate_limit: {unit: minute, requests_per_unit: 5, algorithm: fixed_window_epoch}
+  - key: team
+    rate_limit: {unit: minute, requests_per_unit: 5}
+",
+        );
+        use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+        let request = RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: ["user", "org", "team"]
+                .iter()
+                .map(|key| RateLimitDescriptor {
+                    entries: vec![Entry {
+                        key: (*key).into(),
+                        value: "a".into(),
+                    }],
+                    ..RateLimitDescriptor::default()
+                })
+                .collect(),
+            hits_addend: 0,
+        };
+        let planned = plan(&rules, &settings(false), &request).expect("valid");
+        let counted: Vec<(Algorithm, Duration)> = planned
+            .checks
+            .iter()
+            .map(|c| (c.spec.algorithm, c.spec.window))
+            .collect();
+        let minute = Duration::from_secs(60);
+        assert_eq!(counted[0], (Algorithm::WeightedLog, minute));
+        assert_eq!(counted[1].0, Algorithm::Calendar, "an epoch-aligned window");
+        assert_eq!(counted[2], (Algorithm::default(), minute), "exact");
     }
 }

@@ -260,7 +260,7 @@ fn a_misspelt_exceed_action() {
         "window: 1m",
         "window: 1m\n        on_exceed: dealy",
         "15:20: routes[0].limits[0].on_exceed",
-        "unknown variant `dealy`, expected one of reject, delay; did you mean `delay`?",
+        "unknown variant `dealy`, expected one of reject, delay, switch_model; did you mean `delay`?",
         "^^^^^",
     );
 }

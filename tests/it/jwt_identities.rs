@@ -16,7 +16,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::PrivatePkcs8KeyDer;
 use serde_json::{json, Value};
 
-use support::{metric_sum, parse_metrics, redis_store_yaml, replace_file, Redis, Sluice};
+use support::policy::{Jwt, Limit, Node, Policy, Route};
+use support::{metric_sum, parse_metrics, replace_file, Redis, Sluice};
 
 pub(crate) const ISSUER: &str = "https://auth.test/";
 pub(crate) const AUDIENCE: &str = "api.test";
@@ -217,55 +218,100 @@ impl Keys {
     /// The `jwt:` section and routes: `/api` rejects invalid tokens, 2 per `sub` a minute;
     /// `/open` counts the address for them, 1 a minute; `/tiers` lets a verified `plan`
     /// claim choose the limit.
-    fn yaml(&self, store: &str) -> String {
-        format!(
-            r#"{store}jwt:
-  - name: auth
-    issuer: "{ISSUER}"
-    audiences: [other.test, {AUDIENCE}]
-    jwks_file: {jwks}
-    clock_skew: 5s
-    keys:
-      - {{ secret_file: {secret}, algorithm: HS256, kid: hs }}
-      - {{ pem_file: {pem}, algorithm: RS256, kid: rsa-pem }}
-routes:
-  - name: api
-    match: {{ path_prefix: /api }}
-    respond: {{ status: 200, body: ok }}
-    jwt: {{ verifier: auth }}
-    limits:
-      - {{ name: per-user, key: ["jwt:sub"], requests: 2, window: 1m }}
-  - name: open
-    match: {{ path_prefix: /open }}
-    respond: {{ status: 200, body: ok }}
-    jwt: {{ verifier: auth, on_invalid: anonymous }}
-    limits:
-      - {{ name: per-user, key: ["jwt:sub"], requests: 1, window: 1m }}
-  - name: tiers
-    match: {{ path_prefix: /tiers }}
-    respond: {{ status: 200, body: ok }}
-    jwt: {{ verifier: auth, on_invalid: anonymous }}
-    limits:
-      - name: paid
-        key: ["jwt:sub"]
-        requests: 4
-        window: 1m
-        when: [{{ jwt: plan, equals: paid }}]
-      - name: free
-        key: ["jwt:sub"]
-        requests: 1
-        window: 1m
-        when: [{{ jwt: plan, one_of: [free] }}]
-      - name: anonymous
-        key: [client_ip]
-        requests: 1
-        window: 1m
-        when: [{{ jwt: sub, present: false }}]
-"#,
-            jwks = self.path("jwks.json").display(),
-            secret = self.path("hs.secret").display(),
-            pem = self.path("rsa-pem.pub").display(),
-        )
+    fn policy(&self) -> Policy {
+        self.policy_with(&Setup::good(self))
+    }
+
+    /// [`Keys::policy`] with the choices of `setup`, which `sluice check` may refuse.
+    fn policy_with(&self, setup: &Setup) -> Policy {
+        let key = |file: &Path, file_field: &str, algorithm: &str, kid: &str| {
+            Node::map([
+                (file_field, Node::from(file.display().to_string())),
+                ("algorithm", algorithm.into()),
+                ("kid", kid.into()),
+            ])
+        };
+        let condition = |claim: &str, test: &str, value: Node| {
+            Node::map([("jwt", Node::from(claim)), (test, value)])
+        };
+        let mut api = Route::new("api", "/api").respond(200, "ok");
+        if setup.api_jwt {
+            api = api.jwt(setup.api_verifier, false);
+        }
+        let mut tiers = Route::new("tiers", "/tiers").respond(200, "ok");
+        if setup.tiers_jwt {
+            tiers = tiers.jwt("auth", true);
+        }
+        Policy::new()
+            .jwt(
+                Jwt::new("auth", ISSUER, ["other.test", AUDIENCE])
+                    .jwks_file(&setup.jwks)
+                    .clock_skew("5s")
+                    .key(key(&setup.secret, "secret_file", setup.hs_algorithm, "hs"))
+                    .key(key(
+                        &self.path("rsa-pem.pub"),
+                        "pem_file",
+                        setup.rs_algorithm,
+                        setup.pem_kid,
+                    )),
+            )
+            .route(api.limit(Limit::requests("per-user", 2, "1m").key(["jwt:sub"])))
+            .route(
+                Route::new("open", "/open")
+                    .respond(200, "ok")
+                    .jwt("auth", true)
+                    .limit(Limit::requests("per-user", 1, "1m").key(["jwt:sub"])),
+            )
+            .route(
+                tiers
+                    .limit(
+                        Limit::requests("paid", 4, "1m")
+                            .key([setup.paid_key])
+                            .when(vec![condition("plan", "equals", "paid".into())]),
+                    )
+                    .limit(
+                        Limit::requests("free", 1, "1m")
+                            .key(["jwt:sub"])
+                            .when(vec![condition("plan", "one_of", ["free"].into())]),
+                    )
+                    .limit(Limit::requests("anonymous", 1, "1m").when(vec![condition(
+                        "sub",
+                        "present",
+                        false.into(),
+                    )])),
+            )
+    }
+}
+
+/// What [`Keys::policy_with`] varies: each field as the good policy has it, or one mistake.
+#[derive(Clone)]
+struct Setup {
+    api_verifier: &'static str,
+    /// Whether `/api` verifies tokens (its limit is keyed on `jwt:sub` either way).
+    api_jwt: bool,
+    /// Whether `/tiers` verifies tokens (its `paid` limit's `when` reads a claim either way).
+    tiers_jwt: bool,
+    paid_key: &'static str,
+    jwks: PathBuf,
+    secret: PathBuf,
+    hs_algorithm: &'static str,
+    rs_algorithm: &'static str,
+    pem_kid: &'static str,
+}
+
+impl Setup {
+    fn good(keys: &Keys) -> Setup {
+        Setup {
+            api_verifier: "auth",
+            api_jwt: true,
+            tiers_jwt: true,
+            paid_key: "jwt:sub",
+            jwks: keys.path("jwks.json"),
+            secret: keys.path("hs.secret"),
+            hs_algorithm: "HS256",
+            rs_algorithm: "RS256",
+            pem_kid: "rsa-pem",
+        }
     }
 }
 
@@ -299,8 +345,8 @@ async fn status(sluice: &Sluice, path: &str, token: Option<&str>) -> u16 {
 async fn a_valid_token_of_each_key_type_counts_per_sub_on_both_stores() {
     let redis = Redis::start().await;
     let keys = Keys::new();
-    for store in [String::new(), redis_store_yaml(&redis.url())] {
-        let sluice = Sluice::start(&keys.yaml(&store)).await;
+    for policy in [keys.policy(), keys.policy().store_redis(&redis)] {
+        let sluice = Sluice::start(&policy).await;
         for signer in keys.all() {
             let alice = signer.token(&claims(json!(format!("alice-{}", signer.kid))));
             let bob = signer.token(&claims(json!(format!("bob-{}", signer.kid))));
@@ -334,7 +380,7 @@ async fn a_valid_token_of_each_key_type_counts_per_sub_on_both_stores() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_tokens_get_401_and_are_counted_by_reason() {
     let keys = Keys::new();
-    let sluice = Sluice::start(&keys.yaml("")).await;
+    let sluice = Sluice::start(&keys.policy()).await;
     let good = claims(json!("mallory"));
     let valid = keys.ec.token(&good);
     let (signed, _) = valid.rsplit_once('.').expect("three parts");
@@ -422,7 +468,7 @@ async fn bad_tokens_get_401_and_are_counted_by_reason() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_that_is_not_a_string() {
     let keys = Keys::new();
-    let sluice = Sluice::start(&keys.yaml("")).await;
+    let sluice = Sluice::start(&keys.policy()).await;
     let number = keys.ed.token(&claims(json!(42)));
     let text = keys.ed.token(&claims(json!("42")));
     assert_eq!(status(&sluice, "/api/n", Some(&number)).await, 200);
@@ -449,7 +495,7 @@ async fn a_claim_that_is_not_a_string() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_16_kb_token_works_and_one_past_the_cap_is_malformed() {
     let keys = Keys::new();
-    let sluice = Sluice::start(&keys.yaml("")).await;
+    let sluice = Sluice::start(&keys.policy()).await;
     let big = keys.rsa.token(&with(
         claims(json!("big")),
         "groups",
@@ -485,7 +531,7 @@ async fn a_16_kb_token_works_and_one_past_the_cap_is_malformed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_invalid_anonymous_counts_the_address() {
     let keys = Keys::new();
-    let sluice = Sluice::start(&keys.yaml("")).await;
+    let sluice = Sluice::start(&keys.policy()).await;
     assert_eq!(status(&sluice, "/open", None).await, 200);
     assert_eq!(
         status(&sluice, "/open", None).await,
@@ -517,8 +563,8 @@ async fn on_invalid_anonymous_counts_the_address() {
 async fn a_tier_chosen_by_a_verified_claim_cannot_be_written_by_the_client() {
     let redis = Redis::start().await;
     let keys = Keys::new();
-    for store in [String::new(), redis_store_yaml(&redis.url())] {
-        let sluice = Sluice::start(&keys.yaml(&store)).await;
+    for policy in [keys.policy(), keys.policy().store_redis(&redis)] {
+        let sluice = Sluice::start(&policy).await;
         let paid = keys
             .rsa
             .token(&with(claims(json!("payer")), "plan", json!("paid")));
@@ -579,7 +625,7 @@ async fn a_tier_chosen_by_a_verified_claim_cannot_be_written_by_the_client() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_rotated_in_the_jwks_file_takes_effect_without_restart() {
     let keys = Keys::new();
-    let sluice = Sluice::start(&keys.yaml("")).await;
+    let sluice = Sluice::start(&keys.policy()).await;
     let old = keys.ec.token(&claims(json!("rotating-old")));
     assert_eq!(status(&sluice, "/api/r", Some(&old)).await, 200);
     let next = Signer::ec("ec-2");
@@ -635,7 +681,7 @@ async fn a_key_rotated_in_the_jwks_file_takes_effect_without_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_jwk_set_with_two_keys_of_one_kid_is_refused_and_the_last_good_keys_serve() {
     let keys = Keys::new();
-    let sluice = Sluice::start(&keys.yaml("")).await;
+    let sluice = Sluice::start(&keys.policy()).await;
     let old = keys.ec.token(&claims(json!("kid-old")));
     assert_eq!(status(&sluice, "/api/k", Some(&old)).await, 200);
     let reused = Signer::ec("ec");
@@ -681,28 +727,89 @@ async fn a_jwk_set_with_two_keys_of_one_kid_is_refused_and_the_last_good_keys_se
 #[test]
 fn check_refuses_bad_verifiers_with_their_position() {
     let keys = Keys::new();
-    let good = keys.yaml("");
+    let good = Setup::good(&keys);
     let listen = "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n";
     std::fs::write(keys.path("short.secret"), "too short").expect("write");
-    let secret = keys.path("hs.secret").display().to_string();
-    let short = keys.path("short.secret").display().to_string();
     let twice = json!({"keys": [keys.rsa.jwk(), keys.ec.jwk(), Signer::rsa("rsa", 2).jwk()]});
     std::fs::write(keys.path("twice.json"), twice.to_string()).expect("write");
-    let cases: Vec<(String, &str, &str)> = vec![
-        (good.replace("verifier: auth }\n    limits:\n      - { name: per-user, key: [\"jwt:sub\"], requests: 2",
-                      "verifier: nobody }\n    limits:\n      - { name: per-user, key: [\"jwt:sub\"], requests: 2"),
-         "routes[0].jwt.verifier", "unknown verifier `nobody`"),
-        (good.replacen("    jwt: { verifier: auth }\n", "", 1), "routes[0].limits[0].key[0]", "needs a verified token"),
-        (good.replacen("    jwt: { verifier: auth, on_invalid: anonymous }\n    limits:\n      - name: paid\n        key: [\"jwt:sub\"]", "    limits:\n      - name: paid\n        key: [client_ip]", 1),
-         "routes[2].limits[0].when[0].jwt", "needs a verified token"),
-        (good.replace("jwks.json", "missing.json"), "jwt[0].jwks_file", "missing.json"),
-        (good.replace(&secret, &short), "jwt[0].keys[0].secret_file", "at least 32 bytes"),
-        (good.replace("algorithm: HS256", "algorithm: HS512"), "jwt[0].keys[0]", "HS512"),
-        (good.replace("algorithm: RS256", "algorithm: ES256"), "jwt[0].keys[1].pem_file", "P-256"),
-        (good.replace("jwks.json", "twice.json"), "jwt[0].jwks_file", "keys[0] and keys[2] both have the `kid` `rsa`"),
-        (good.replace("kid: rsa-pem", "kid: ed"), "jwt[0].keys[1].kid", "the `kid` `ed` is already"),
+    let cases: Vec<(Setup, &str, &str)> = vec![
+        (
+            Setup {
+                api_verifier: "nobody",
+                ..good.clone()
+            },
+            "routes[0].jwt.verifier",
+            "unknown verifier `nobody`",
+        ),
+        (
+            Setup {
+                api_jwt: false,
+                ..good.clone()
+            },
+            "routes[0].limits[0].key[0]",
+            "needs a verified token",
+        ),
+        (
+            Setup {
+                tiers_jwt: false,
+                paid_key: "client_ip",
+                ..good.clone()
+            },
+            "routes[2].limits[0].when[0].jwt",
+            "needs a verified token",
+        ),
+        (
+            Setup {
+                jwks: keys.path("missing.json"),
+                ..good.clone()
+            },
+            "jwt[0].jwks_file",
+            "missing.json",
+        ),
+        (
+            Setup {
+                secret: keys.path("short.secret"),
+                ..good.clone()
+            },
+            "jwt[0].keys[0].secret_file",
+            "at least 32 bytes",
+        ),
+        (
+            Setup {
+                hs_algorithm: "HS512",
+                ..good.clone()
+            },
+            "jwt[0].keys[0]",
+            "HS512",
+        ),
+        (
+            Setup {
+                rs_algorithm: "ES256",
+                ..good.clone()
+            },
+            "jwt[0].keys[1].pem_file",
+            "P-256",
+        ),
+        (
+            Setup {
+                jwks: keys.path("twice.json"),
+                ..good.clone()
+            },
+            "jwt[0].jwks_file",
+            "keys[0] and keys[2] both have the `kid` `rsa`",
+        ),
+        (
+            Setup {
+                pem_kid: "ed",
+                ..good.clone()
+            },
+            "jwt[0].keys[1].kid",
+            "the `kid` `ed` is already",
+        ),
     ];
-    for (yaml, field, message) in cases {
+    let good = keys.policy_with(&good).to_yaml();
+    for (setup, field, message) in cases {
+        let yaml = keys.policy_with(&setup).to_yaml();
         assert_ne!(yaml, good, "the case changed nothing: {field}");
         let path = keys.path("policy.yaml");
         std::fs::write(&path, format!("{listen}{yaml}")).expect("write");
@@ -727,7 +834,7 @@ fn explain_reads_the_verified_claims() {
         &path,
         format!(
             "listen: 127.0.0.1:1\nadmin_listen: 127.0.0.1:2\n{}",
-            keys.yaml("")
+            keys.policy().to_yaml()
         ),
     )
     .expect("write");
@@ -762,7 +869,7 @@ fn explain_reads_the_verified_claims() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_token_fields_are_refused() {
     let keys = Keys::new();
-    let sluice = Sluice::start(&keys.yaml("")).await;
+    let sluice = Sluice::start(&keys.policy()).await;
     let valid = keys.hs.token(&claims(json!("twice")));
     let response = get_with(
         &sluice,

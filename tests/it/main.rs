@@ -44,6 +44,7 @@ mod limits;
 mod llm_sdks;
 mod local_store;
 mod logs;
+mod model_switch;
 mod overrides;
 mod partitions;
 mod paths;

@@ -12,19 +12,32 @@ use crate::support;
 use std::path::Path;
 
 use support::envoy::{python, Envoy};
+use support::policy::{Node, Policy};
 use support::{client, free_port, header, Redis, Sluice, Upstream};
 
 /// A sluice whose rate limit service listens on a free port with the envoyproxy/ratelimit
-/// file `rules` (written to `dir`), on `store` (a `store:` section or nothing).
-async fn sluice_rls(dir: &Path, rules: &str, store: &str, extra: &str) -> (Sluice, u16) {
+/// file `rules` (written to `dir`), on `policy`'s store, with `extra` fields of `rls:`.
+async fn sluice_rls(
+    dir: &Path,
+    rules: &str,
+    policy: Policy,
+    extra: Vec<(&str, Node)>,
+) -> (Sluice, u16) {
     let file = dir.join("ratelimit.yaml");
     std::fs::write(&file, rules).expect("write rules");
     let port = free_port();
-    let yaml = format!(
-        "{store}rls:\n  listen: 127.0.0.1:{port}\n  config: [{}]\n{extra}routes: []\n",
-        file.display()
-    );
-    (Sluice::start(&yaml).await, port)
+    let policy = policy.set("rls", rls_section(port, &file, extra));
+    (Sluice::start(&policy).await, port)
+}
+
+/// The `rls:` section: the service on `port`, serving the rule file `file`, and `extra`.
+fn rls_section(port: u16, file: &Path, extra: Vec<(&str, Node)>) -> Node {
+    let mut fields = vec![
+        ("listen", Node::from(format!("127.0.0.1:{port}"))),
+        ("config", Node::from([file.display().to_string()])),
+    ];
+    fields.extend(extra);
+    Node::map(fields)
 }
 
 /// `rate_limits` of Envoy's route: one descriptor from the `x-user` header, one from
@@ -58,8 +71,8 @@ descriptors:
 async fn envoy_admits_n_with_its_headers_and_answers_429_to_the_next() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = Redis::start().await;
-    let store = support::redis_store_yaml(&redis.url());
-    let (sluice, rls) = sluice_rls(dir.path(), USERS, &store, "").await;
+    let (sluice, rls) =
+        sluice_rls(dir.path(), USERS, Policy::new().store_redis(&redis), vec![]).await;
     let upstream = Upstream::start().await;
     let envoy = Envoy::start("users", rls, upstream.addr().port(), ACTIONS).await;
     for expected in [2, 1, 0] {
@@ -96,10 +109,11 @@ async fn two_sluices_behind_two_envoys_on_one_redis_stay_exact() {
     let _heavy = support::heavy().await;
     let dir = tempfile::tempdir().expect("dir");
     let redis = Redis::start().await;
-    let store = support::redis_store_yaml(&redis.url());
     let rules = "domain: users\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 25}\n";
-    let (sluice_a, rls_a) = sluice_rls(dir.path(), rules, &store, "").await;
-    let (sluice_b, rls_b) = sluice_rls(dir.path(), rules, &store, "").await;
+    let (sluice_a, rls_a) =
+        sluice_rls(dir.path(), rules, Policy::new().store_redis(&redis), vec![]).await;
+    let (sluice_b, rls_b) =
+        sluice_rls(dir.path(), rules, Policy::new().store_redis(&redis), vec![]).await;
     let upstream = Upstream::start().await;
     let up = upstream.addr().port();
     let envoy_a = Envoy::start("users", rls_a, up, ACTIONS).await;
@@ -168,7 +182,7 @@ descriptors:
 #[tokio::test]
 async fn the_readme_cases_through_envoy() {
     let dir = tempfile::tempdir().expect("dir");
-    let (sluice, rls) = sluice_rls(dir.path(), README, "", "").await;
+    let (sluice, rls) = sluice_rls(dir.path(), README, Policy::new(), vec![]).await;
     let upstream = Upstream::start().await;
     let envoy = Envoy::start("readme", rls, upstream.addr().port(), ACTIONS).await;
     let statuses = |user: &'static str, kind: Option<&'static str>, n: usize| {
@@ -257,9 +271,9 @@ for arg in sys.argv[2:]:
 async fn a_python_grpc_client_checks_without_counting_and_decides_all_or_nothing() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = Redis::start().await;
-    let store = support::redis_store_yaml(&redis.url());
     let rules = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2, name: u}\n  - key: org\n    rate_limit: {unit: hour, requests_per_unit: 5, name: o}\n";
-    let (_sluice, rls) = sluice_rls(dir.path(), rules, &store, "").await;
+    let (_sluice, rls) =
+        sluice_rls(dir.path(), rules, Policy::new().store_redis(&redis), vec![]).await;
     let target = format!("127.0.0.1:{rls}");
     let user = r#"{"domain":"api","descriptors":[{"entries":[["user","a"]]}]}"#;
     let check_only =
@@ -322,8 +336,13 @@ descriptors:
 async fn a_zero_limit_is_over_limit_through_envoy_without_the_store() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = Redis::start().await;
-    let store = support::redis_store_yaml(&redis.url());
-    let (sluice, rls) = sluice_rls(dir.path(), BLOCK_LIST, &store, "").await;
+    let (sluice, rls) = sluice_rls(
+        dir.path(),
+        BLOCK_LIST,
+        Policy::new().store_redis(&redis),
+        vec![],
+    )
+    .await;
     let upstream = Upstream::start().await;
     let envoy = Envoy::start("edge", rls, upstream.addr().port(), ACTIONS).await;
     for _ in 0..3 {
@@ -361,7 +380,6 @@ async fn a_zero_limit_is_over_limit_through_envoy_without_the_store() {
 async fn a_shared_wildcard_counts_every_value_it_matches_once_through_envoy() {
     let dir = tempfile::tempdir().expect("dir");
     let redis = Redis::start().await;
-    let store = support::redis_store_yaml(&redis.url());
     let rules = "
 domain: edge
 descriptors:
@@ -373,7 +391,8 @@ descriptors:
     value: own-*
     rate_limit: {unit: minute, requests_per_unit: 2}
 ";
-    let (_sluice, rls) = sluice_rls(dir.path(), rules, &store, "").await;
+    let (_sluice, rls) =
+        sluice_rls(dir.path(), rules, Policy::new().store_redis(&redis), vec![]).await;
     let upstream = Upstream::start().await;
     let envoy = Envoy::start("edge", rls, upstream.addr().port(), ACTIONS).await;
     let mut statuses = Vec::new();
@@ -399,14 +418,11 @@ async fn a_month_is_a_calendar_month() {
     let file = dir.path().join("ratelimit.yaml");
     std::fs::write(&file, "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: month, requests_per_unit: 1}\n").expect("write");
     let port = free_port();
-    let yaml = format!(
-        "rls:\n  listen: 127.0.0.1:{port}\n  config: [{}]\nroutes: []\n",
-        file.display()
-    );
+    let policy = Policy::new().set("rls", rls_section(port, &file, vec![]));
     // 3 s before February: a 30-day window (envoyproxy/ratelimit's month) would not end there.
     let started = std::time::Instant::now();
     let _sluice = Sluice::start_with_env(
-        &yaml,
+        &policy,
         &[("SLUICE_TEST_CLOCK_START", "2026-01-31T23:59:57Z")],
     )
     .await;
@@ -423,7 +439,7 @@ async fn rule_files_reload_with_the_policy_and_check_names_their_lines() {
     let rules = |n: u32| {
         format!("domain: api\ndescriptors:\n  - key: user\n    rate_limit: {{unit: minute, requests_per_unit: {n}}}\n")
     };
-    let (sluice, rls) = sluice_rls(dir.path(), &rules(1), "", "").await;
+    let (sluice, rls) = sluice_rls(dir.path(), &rules(1), Policy::new(), vec![]).await;
     assert_eq!(call_user(rls, "r"), "OK 0");
     assert_eq!(call_user(rls, "r"), "OVER_LIMIT 0");
     support::replace_file(&dir.path().join("ratelimit.yaml"), &rules(3));
@@ -488,9 +504,14 @@ async fn rule_files_reload_with_the_policy_and_check_names_their_lines() {
 async fn a_failed_store_answers_as_on_store_error_says() {
     let dir = tempfile::tempdir().expect("dir");
     let mut redis = Redis::start().await;
-    let store = support::redis_store_yaml(&redis.url());
     let rules = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 5}\n";
-    let (sluice, rls) = sluice_rls(dir.path(), rules, &store, "  on_store_error: deny\n").await;
+    let (sluice, rls) = sluice_rls(
+        dir.path(),
+        rules,
+        Policy::new().store_redis(&redis),
+        vec![("on_store_error", "deny".into())],
+    )
+    .await;
     sluice.expect_store_faults();
     assert_eq!(call_user(rls, "f"), "OK 4");
     redis.stop();
@@ -520,13 +541,12 @@ async fn the_service_speaks_tls_when_rls_tls_is_set() {
     std::fs::write(&cert, &leaf.cert).expect("cert");
     std::fs::write(&key, &leaf.key).expect("key");
     std::fs::write(&ca_file, ca.pem()).expect("ca");
-    let tls = format!(
-        "  tls: {{ cert: {}, key: {} }}\n",
-        cert.display(),
-        key.display()
-    );
+    let tls = Node::map([
+        ("cert", cert.display().to_string()),
+        ("key", key.display().to_string()),
+    ]);
     let rules = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
-    let (_sluice, rls) = sluice_rls(dir.path(), rules, "", &tls).await;
+    let (_sluice, rls) = sluice_rls(dir.path(), rules, Policy::new(), vec![("tls", tls)]).await;
     let call = r#"{"domain":"api","descriptors":[{"entries":[["user","t"]]}]}"#;
     let out = support::envoy::python_with_env(
         CLIENT,

@@ -38,8 +38,8 @@ use super::super::{Check, StoreError};
 use super::epochs::Epochs;
 use super::scripts::script_error;
 
-/// Most decisions in one call: enough to spread Redis's per-call cost thin (a GCRA script
-/// costs Redis 14–16 µs of CPU called alone and 6.8 µs pipelined 16 deep on the 2-core bench
+/// Most decisions in one call: enough to spread Redis's per-call cost thin (a token bucket's
+/// script costs Redis 14–16 µs of CPU called alone and 6.8 µs pipelined 16 deep on the 2-core bench
 /// machine, issue 29), few enough that one call stays short (a call of 32 decides in well
 /// under a millisecond).
 pub(super) const MAX_BATCH: usize = 32;

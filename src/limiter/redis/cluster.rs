@@ -299,7 +299,8 @@ pub(in crate::limiter) fn slot_groups(checks: &[Check]) -> Option<Vec<Vec<usize>
 /// An admitted request keeps the first group's admission for a later give-back (`count:`):
 /// every group recorded the same member, and no group delayed it (delays are off across
 /// slots), so only the decision time differs between the groups' masters — by their clock
-/// skew, which only a sliding window's give-back reads (to pick the window it counted in).
+/// skew, which only the weighted counter's give-back reads (to pick the window it counted
+/// in).
 pub(super) fn merge(checks: usize, groups: &[Vec<usize>], decisions: &[Decision]) -> Decision {
     let admitted = decisions.iter().all(|d| d.admitted);
     let mut merged = Decision {

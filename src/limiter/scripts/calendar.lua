@@ -45,11 +45,11 @@ local function calendar_record(key, now, requests, window, burst, cost, count, _
   return remaining, window
 end
 
--- Gives back `back` (release.lua) as fixed_window.lua does (DECRBY only if the key exists; at
--- zero the key goes). Exact here: the key names the request's period, so a give-back after
--- that period ended lands on a key that no longer counts.
+-- Gives back `back` (release.lua) as any counter does (prelude.lua's `counter_give_back`).
+-- Exact here: the key names the request's period, so a give-back after that period ended
+-- lands on a key that no longer counts.
 local function calendar_release(key, now, requests, window, back)
-  return fixed_window_release(key, now, requests, window, back)
+  return counter_give_back(key, back)
 end
 
 -- Charges `extra` more: INCRBY, if the period's key exists.

@@ -12,16 +12,16 @@
 -- ARGV[1]      n, the number of requests
 -- ARGV[2]      the lateness bound in microseconds: how long after this call sluice may still
 --              forward a request it admits (the store timeout, which bounds the whole
---              decision: a later answer is a store error). The exact logs (sliding_log,
---              weighted_log) record an admission that much later, so that what the upstream
+--              decision: a later answer is a store error). The exact logs (their
+--              record functions take it) record an admission that much later, so that what the upstream
 --              receives, not only what Redis decided, stays within the limit in any window
 -- then, per request r in order:
 --   member     a name unique to the request (instance id and sequence number), so two
 --              requests admitted in the same microsecond never collapse into one entry
 --   k_r        its number of keys (limits)
---   7 per key  the limit of its i-th key: algorithm (a label of the algorithm table:
---              sliding_log, weighted_log, gcra, concurrency ...), requests, window in
---              microseconds (for a calendar quota: the time left in its period), burst, cost,
+--   7 per key  the limit of its i-th key: algorithm (a label of the algorithm table),
+--              requests, window in microseconds (for a calendar quota: the time left in
+--              its period), burst, cost,
 --              flags (0 none; 1 shadow: the limit is counted but never rejects; 2 the
 --              identity's override, if any, replaces requests (prelude.lua's `overridden`);
 --              3 both), max delay in microseconds (`on_exceed: delay`; 0: a limit without room
@@ -41,7 +41,7 @@
 --   at_us           for an admission, when it is forwarded: now_us, or later for a request
 --                   delayed by a limit with a max delay (the longest wait among those limits;
 --                   every other limit must admit it now); the logs record it at at_us plus
---                   the lateness bound, gcra at at_us
+--                   the lateness bound, the token bucket at at_us
 --   remaining_i     requests (of cost 1) key i would still admit now
 --   reset_us_i      time until key i admits one more than now (0 when it holds nothing)
 --   rejecting_i     1 if key i had no room for the request (for a shadow limit: would have
@@ -53,8 +53,9 @@
 -- Each request is all-or-nothing, as if it had been sent alone: every key is checked before
 -- any is recorded, a rejection records nothing anywhere, and a later request of the batch
 -- sees what the earlier ones recorded. A shadow limit without room neither rejects the
--- request nor records it in itself. A delayed request is recorded at at_us in sliding_log
--- and gcra (see sliding_log.rs for why the log stays exact), at now in the counters. Every
+-- request nor records it in itself. A delayed request is recorded at at_us by the algorithms
+-- that delay in the store (the table's `delays_in_store`; their Rust modules say why they
+-- stay exact), at now in the counters. Every
 -- key written gets an expiry from its algorithm's record function. The clock is Redis TIME,
 -- so gateways with skewed clocks still agree.
 
@@ -129,7 +130,7 @@ for _ = 1, tonumber(argv[1]) do
     result[n + 5], result[n + 6], result[n + 7] = remaining, reset, (ok and 0 or 1) + 2 * override
     n = n + 7
   else
-    -- Whether some limit of the request may delay it: sliding_log keys may then hold future
+    -- Whether some limit of the request may delay it: a log's keys may then hold future
     -- entries, which their expiry must cover.
     local delays = false
     for i = 1, count do

@@ -56,14 +56,5 @@ end
 -- the give-back lands in the new window: at most `back` more, within the algorithm's
 -- documented twice the limit across a boundary.
 local function fixed_window_release(key, now, requests, window, back)
-  local count = tonumber(redis.call('GET', key) or '0')
-  if count <= 0 then
-    return false
-  end
-  if count > back then
-    redis.call('DECRBY', key, back)
-  else
-    redis.call('DEL', key)
-  end
-  return true
+  return counter_give_back(key, back)
 end

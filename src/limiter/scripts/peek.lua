@@ -3,8 +3,8 @@
 -- recording nothing. Concatenated after
 -- prelude.lua, every algorithm's file and the `check` and `peek_count` dispatchers generated
 -- from the algorithm table (src/limiter/algorithm.rs, src/limiter/redis/scripts.rs), like
--- decide.lua. The check functions drop what time has expired (the sliding log's old
--- entries, a dead instance's leases), which changes no decision.
+-- decide.lua. The check functions drop what time has expired (a log's old entries, a
+-- dead instance's leases), which changes no decision.
 --
 -- KEYS[1]   the limit's key, of the type its algorithm keeps
 -- ARGV[1]   algorithm (a label of the algorithm table)
@@ -17,10 +17,10 @@
 --           `overridden`); absent or 0: not
 --
 -- Returns {count, remaining, reset_us, wait_us, override}
---   count      requests counted against the limit now (see the table's `peek_count`): the
---              log's entries (the weighted log's units), the fixed window's counter, the
---              quota's count in its period, the leases held; for the sliding-window counter
---              and GCRA, the room used (capacity minus remaining)
+--   count      requests counted against the limit now, read as the algorithm's row of the
+--              table says (`peek_count`): the check's first value of state (a log's
+--              entries or units, a counter, the leases held), or the room used (capacity
+--              minus remaining) for an algorithm that keeps no count
 --   remaining  requests (of cost 1) the limit would still admit now
 --   reset_us   time until it admits one more than now (0 when it holds nothing)
 --   wait_us    time until a request of `cost` fits (0 when it fits now)

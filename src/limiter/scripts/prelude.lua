@@ -13,7 +13,7 @@ local floor, ceil, format = math.floor, math.ceil, string.format
 -- An identity's override of its limit's number (written by the admin API, see
 -- src/limiter/overrides.rs, which spells the same key): beside the counted key, in its Redis
 -- Cluster slot, the key up to its hash tag's close and ':o', holding the number. Returns the
--- requests and burst in force (a burst equal to requests, GCRA's default, follows the
+-- requests and burst in force (a burst equal to requests, the default burst, follows the
 -- override) and the override (0: none).
 local function overridden(key, requests, burst)
   local close = string.find(key, '}', 1, true)
@@ -26,4 +26,20 @@ local function overridden(key, requests, burst)
     burst = n
   end
   return n, burst, n
+end
+
+-- Gives back `back` units of a plain counter (a string key INCRBY'd by its algorithm):
+-- DECRBY, only if the key exists, so a key that expired is not re-created without an expiry;
+-- at zero the key goes. Returns whether the key held something.
+local function counter_give_back(key, back)
+  local count = tonumber(redis.call('GET', key) or '0')
+  if count <= 0 then
+    return false
+  end
+  if count > back then
+    redis.call('DECRBY', key, back)
+  else
+    redis.call('DEL', key)
+  end
+  return true
 end

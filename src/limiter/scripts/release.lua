@@ -32,7 +32,7 @@
 --
 -- Every key keeps an expiry: a key written here exists already and keeps its TTL (ZADD,
 -- INCRBY, DECRBY, HDEL and HSET leave it; SET is given PX). A key that would be re-created
--- is written only if it exists (see weighted_log_reweigh and concurrency_release).
+-- is written only if it exists (as the release functions that re-add an entry do).
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])

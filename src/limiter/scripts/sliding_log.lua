@@ -55,7 +55,7 @@ local function sliding_log_check(key, now, requests, window, burst, cost)
   return true, 0, remaining, reset, n, pivot
 end
 
--- A log (this file's, and weighted_log.lua's after it) lives until its newest entry leaves
+-- A log (this file's, and the weighted one's, which shares this) lives until its newest entry leaves
 -- the window. An entry lands after the others only on a route with a delay limit (which then
 -- applies to every request of the route: `sluice check` refuses `when:` on it), so only there
 -- is the newest entry read; otherwise it is `at`, the entry just added. (Every instance adds

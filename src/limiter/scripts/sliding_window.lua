@@ -1,9 +1,9 @@
--- Sliding window counter (approximation): the current fixed window's count plus the previous
--- window's, weighted by how much of the previous window the sliding window still covers.
+-- Weighted counter (approximation): the current window's count plus the previous window's,
+-- weighted by how much of the previous window a window ending now still covers.
 -- Part of decide.lua (concatenated at compile time, after prelude.lua, whose floor, ceil and
 -- format it uses).
 --
--- KEYS       the limit's hash: w = index of the current fixed window (now / window),
+-- KEYS       the limit's hash: w = index of the current window (now / window),
 --            c = its count, p = the previous window's count. Absent = both empty.
 -- limit      requests, window (us), burst (unused), cost
 -- Returns    check: ok, wait_us, remaining, reset_us, then its state for record: the current
@@ -64,7 +64,7 @@ local function sliding_window_record(key, now, requests, window, burst, cost, cu
   return sliding_window_state(cur, prev, elapsed, requests, window)
 end
 
--- Gives back `back` (release.lua): the count of the fixed window holding `decided` (current
+-- Gives back `back` (release.lua): the count of the window holding `decided` (current
 -- or previous counter) drops by back, never below 0; an older window weighs nothing.
 local function sliding_window_release(key, now, requests, window, back, keep, member, at,
                                       decided)

@@ -1,9 +1,9 @@
--- Weighted sliding-window log: the sliding log with one entry per request, weighted by its
--- cost, for limits whose unit is not the request (token budgets). Exact like the sliding
--- log (the same window, the same arithmetic over units), but a request reserving 4,000
+-- Weighted log: a log of admissions with one entry per request, weighted by its cost, for
+-- limits whose unit is not the request (token budgets). Exact like a log of one entry per
+-- unit (the same window, the same arithmetic over units), but a request reserving 4,000
 -- tokens is one entry, not 4,000. Part of decide.lua and peek.lua (concatenated at compile
--- time, after prelude.lua, whose floor, ceil and format it uses, and after sliding_log.lua,
--- whose log_expire it shares); defines the functions the driver calls, touches only the key
+-- time, after prelude.lua, whose floor, ceil and format it uses, and after the unweighted
+-- log's file, whose log_expire it shares); defines the functions the driver calls, touches only the key
 -- it is given.
 --
 -- KEYS       the limit's sorted set: one member per admitted request, `<member>#<weight>`
@@ -15,7 +15,7 @@
 --            in the window and its entries; record: remaining, reset_us
 --
 -- A check reads every entry of the window: O(requests in the window), which for a token
--- budget is a few hundred at most where the plain sliding log would hold one entry per token.
+-- budget is a few hundred at most where a log of one entry per unit would hold one per token.
 
 -- The entries of the window, oldest first, as a flat list weight_1, score_1, weight_2, ...
 -- (ZRANGE's own reply, its members replaced by their weights in place; the scores stay

@@ -73,6 +73,9 @@ pub struct Answer {
 #[derive(Default)]
 struct State {
     answers: Mutex<Vec<Answer>>,
+    /// The model each answer was asked for (the body's `model` as received), in the order of
+    /// `answers`.
+    asked: Mutex<Vec<String>>,
     bodies: Mutex<Vec<Bytes>>,
     /// Context held for stored responses and conversations, by id: what a later request
     /// that refers to it is billed on top of its own input.
@@ -120,6 +123,12 @@ impl LlmUpstream {
     /// Every answer so far, in the order they were made.
     pub fn answers(&self) -> Vec<Answer> {
         self.state.answers.lock().expect("answers").clone()
+    }
+
+    /// The model each answer was asked for, as the body named it, in the order of
+    /// [`LlmUpstream::answers`].
+    pub fn models(&self) -> Vec<String> {
+        self.state.asked.lock().expect("asked").clone()
     }
 
     /// The request bodies received, as received.
@@ -505,6 +514,8 @@ async fn answer(
     }
     let index = {
         let mut answers = state.answers.lock().expect("answers");
+        let asked = request["model"].as_str().unwrap_or_default().to_owned();
+        state.asked.lock().expect("asked").push(asked);
         let usage = if mode == "none" { 0 } else { usage };
         answers.push(Answer {
             at: arrived,
@@ -705,6 +716,11 @@ fn charged(
     let micro_usd = input as f64 * m.price_in + output as f64 * m.price_out;
     let id = {
         let mut answers = state.answers.lock().expect("answers");
+        state
+            .asked
+            .lock()
+            .expect("asked")
+            .push(charge.model.clone());
         answers.push(Answer {
             at: arrived,
             usage: input + output,
