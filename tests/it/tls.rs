@@ -809,6 +809,16 @@ fn check_names_the_file_line_column_and_field_of_each_bad_tls_setting() {
             "does not belong to the certificate",
         ),
         (
+            format!("{HEAD}tls:\n  cert: cert.pem\n  key: key.pem\n  client_ca: empty.pem\n{ROUTES}"),
+            "6:14: tls.client_ca",
+            "no PEM `CERTIFICATE` section",
+        ),
+        (
+            format!("{HEAD}tls:\n  cert: cert.pem\n  key: key.pem\n  client_ca: missing.pem\n{ROUTES}"),
+            "6:14: tls.client_ca",
+            "cannot read",
+        ),
+        (
             format!("{HEAD}upstreams:\n  api:\n    url: https://localhost\n    ca_file: empty.pem\n{ROUTES}"),
             "6:14: upstreams.api.ca_file",
             "no PEM `CERTIFICATE` section",
