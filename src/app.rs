@@ -28,6 +28,8 @@ pub enum StartError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Token(#[from] TokenError),
+    #[error(transparent)]
+    WebhookSecret(#[from] crate::notify::SecretError),
     #[error("cannot create the metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
     #[error("invalid Redis settings: {0}")]
@@ -112,6 +114,11 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         None
     };
     let metrics = Arc::new(Metrics::new()?);
+    // Before anything is bound too: a webhook whose secret cannot be read stops the start.
+    let notifier = match &config.webhook {
+        Some(webhook) => crate::notify::Notifier::start(webhook, &metrics)?,
+        None => crate::notify::Notifier::off(&metrics),
+    };
     let policy = policy.metered(&metrics);
     // In the background from now: the verifiers' routes answer 503 until their keys are in.
     verifiers.start(&jwks_metrics(&metrics));
@@ -135,7 +142,8 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     );
 
     let settings = server::Settings::new(&config.server);
-    let gateway = Arc::new(Gateway::new(policy, store, &config.server, &metrics));
+    let gateway =
+        Arc::new(Gateway::new(policy, store, &config.server, &metrics).notifying(notifier));
     let (request_log, store) = (gateway.request_log(), gateway.shared_store());
     let draining = Arc::new(AtomicBool::new(false));
     let (stop, stopping) = watch::channel(false);

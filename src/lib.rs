@@ -34,6 +34,7 @@ pub mod llm;
 pub mod log;
 pub mod metrics;
 pub mod model;
+pub mod notify;
 pub mod path;
 pub mod policy;
 pub mod proxy;

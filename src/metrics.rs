@@ -334,6 +334,9 @@ pub struct StoreFamilies {
     pub store_events: IntCounterVec,
     /// `sluice_override_changes_total`: overrides set and deleted through the admin API.
     pub override_changes: IntCounterVec,
+    /// `sluice_notifications_total`: threshold notifications and what became of them
+    /// (`crate::notify`).
+    pub notifications: IntCounterVec,
 }
 
 impl StoreFamilies {
@@ -397,8 +400,19 @@ impl StoreFamilies {
             ),
             &["action"],
         )?;
+        let notifications = IntCounterVec::new(
+            Opts::new(
+                "sluice_notifications_total",
+                "Threshold notifications (a limit's notify) this instance decided to send, by outcome: sent (the webhook answered 2xx), retried (one more try after a connection error, a timeout or a 5xx), failed (given up after the last retry, or refused with 4xx), dropped (the send queue was full).",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in ["sent", "retried", "failed", "dropped"] {
+            notifications.with_label_values(&[outcome]);
+        }
         registry.register(Box::new(store_events.clone()))?;
         registry.register(Box::new(override_changes.clone()))?;
+        registry.register(Box::new(notifications.clone()))?;
         registry.register(Box::new(store_call_duration.clone()))?;
         registry.register(Box::new(store_errors.clone()))?;
         registry.register(Box::new(local_keys.clone()))?;
@@ -418,6 +432,7 @@ impl StoreFamilies {
             store_fallback_decisions,
             store_events,
             override_changes,
+            notifications,
         })
     }
 }

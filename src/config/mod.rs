@@ -12,7 +12,8 @@
 //! `config/sluice.schema.json` with `SLUICE_UPDATE_SCHEMA=1 cargo test --test it schema::`.
 //!
 //! By job: `tree` holds the sections of the file and their defaults, `types`, `duration` and
-//! `admin` the values parsed from text, `topology` turns `store.redis` into a `Topology`,
+//! `admin` the values parsed from text, `topology` turns `store.redis` into a `Topology`, `webhook` is where threshold
+//! notifications go,
 //! `error` is `ConfigError` and its positions, `restart` says which fields only a restart
 //! applies, `load` reads a file (the parser's options and
 //! field paths as written), and `schema` describes it all as JSON Schema. Everything is
@@ -30,6 +31,7 @@ mod suggest;
 mod topology;
 mod tree;
 mod types;
+mod webhook;
 
 pub use serde_saphyr::Spanned;
 
@@ -67,3 +69,7 @@ pub use types::{
     Status, UpstreamUrl,
 };
 pub use types::{OnExceed, StatusMatch, HOP_BY_HOP};
+pub use webhook::{
+    NotifyConfig, WebhookConfig, WebhookUrl, DEFAULT_WEBHOOK_BACKOFF_MS, DEFAULT_WEBHOOK_QUEUE,
+    DEFAULT_WEBHOOK_RETRIES, DEFAULT_WEBHOOK_TIMEOUT_MS,
+};

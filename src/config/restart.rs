@@ -27,6 +27,8 @@ impl Config {
             log_format,
             // Whether there is one, its `listen` and `tls` (restart-only); its rules reload.
             rls,
+            // Its sender starts with the process (its queue, its secret read once).
+            webhook,
             // Applied by a reload.
             trusted_proxies: _,
             forwarded_header: _,
@@ -49,6 +51,9 @@ impl Config {
         }
         if let Some(field) = admin.restart_change(&new.admin) {
             return Some(format!("`admin.{field}` changed"));
+        }
+        if new.webhook != *webhook {
+            return Some("`webhook` changed".to_owned());
         }
         if new.log_format != *log_format {
             return Some("`log_format` changed".to_owned());

@@ -130,6 +130,13 @@ string_schema!(
     ["/", "/login", "/tenants/{tenant}/orders"]
 );
 string_schema!(
+    super::WebhookUrl,
+    "WebhookUrl",
+    r"^http://[^\s/?#@]+(/[^\s#]*)?$",
+    "Where threshold notifications are POSTed: `http://host:port/path`; no credentials.",
+    ["http://hooks.internal:8080/sluice"]
+);
+string_schema!(
     UpstreamUrl,
     "UpstreamUrl",
     r"^https?://[^\s/?#@]+(/[^\s?#]*)?$",

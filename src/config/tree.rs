@@ -134,6 +134,9 @@ pub struct Config {
     #[serde(default)]
     pub models: Vec<ModelConfig>,
     pub routes: Vec<RouteConfig>,
+    /// Where threshold notifications (a limit's `notify`) are POSTed, signed with a shared
+    /// secret (applied at start); absent: no limit may say `notify`.
+    pub webhook: Option<super::WebhookConfig>,
     /// Envoy's rate limit service on a listener of its own (`crate::rls`); absent: off.
     #[schemars(with = "Option<super::rls::RlsConfig>")]
     pub rls: Option<Spanned<super::rls::RlsConfig>>,
@@ -547,6 +550,11 @@ pub struct LimitConfig {
     /// in the store. Off by default: an override costs one more read per decision.
     #[serde(default)]
     pub overrides: bool,
+    /// POST to `webhook:` when an identity's use crosses these fractions of the limit in
+    /// force, once per identity, threshold and window or period, whichever instance admits
+    /// the crossing request.
+    #[schemars(with = "Option<super::NotifyConfig>")]
+    pub notify: Option<Spanned<super::NotifyConfig>>,
     /// Conditions on the request, all of which must hold for this limit to apply.
     #[serde(default)]
     #[schemars(with = "Vec<ConditionConfig>")]

@@ -222,6 +222,7 @@ impl DenyCache {
             limits,
             rejecting,
             admission: None,
+            crossed: Vec::new(),
         })
     }
 
@@ -348,6 +349,7 @@ mod tests {
                 .collect(),
             limits: states,
             admission: None,
+            crossed: Vec::new(),
         }
     }
 
@@ -404,6 +406,7 @@ mod tests {
             limits: vec![full(60)],
             rejecting: vec![false],
             admission: None,
+            crossed: Vec::new(),
         };
         cache.remember(&checks, &admitted, Instant::now());
         assert!(cache.answer(&checks, Instant::now()).is_none());

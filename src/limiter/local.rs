@@ -278,6 +278,10 @@ pub struct LocalStore {
     /// The identities' overrides (`super::overrides`), by override key: the number and when
     /// it expires (micros since `epoch`). At most `max_keys` of them.
     overrides: Mutex<HashMap<String, (u32, u64)>>,
+    /// The thresholds crossed (`Spec::notify`), as `decide.lua`'s markers: `key:nP` → when the
+    /// marker expires (micros since `epoch`). At most `max_keys`; when that many live, a
+    /// crossing is neither marked nor reported (at most once, never twice).
+    markers: Mutex<HashMap<String, u64>>,
 }
 
 impl LocalStore {
@@ -301,6 +305,7 @@ impl LocalStore {
             epoch,
             sequence: AtomicU64::new(0),
             overrides: Mutex::new(HashMap::new()),
+            markers: Mutex::new(HashMap::new()),
         }
     }
 
@@ -373,17 +378,27 @@ impl LocalStore {
         } else {
             String::new()
         };
+        let mut crossed = Vec::new();
         if admitted {
-            for (((check, &slot), state), &rejects) in checks
+            for (index, (((check, &slot), state), &rejects)) in checks
                 .iter()
                 .zip(&slot)
                 .zip(states.iter_mut())
                 .zip(&rejecting)
+                .enumerate()
             {
                 // Recorded: every limit with room, and every limit that delays it.
                 if !rejects || !check.spec.shadow {
                     let (spec, overridden) = self.in_force(check, now);
+                    let before = state.map_or(0, |s| s.remaining);
                     let recorded = self.record(&mut guards[slot], check, &spec, now, at, &member);
+                    if !spec.notify.is_empty() {
+                        let bits = self.crossed(check, &spec, before, recorded.remaining, now);
+                        if bits != 0 {
+                            crossed.resize(checks.len(), 0);
+                            crossed[index] = bits;
+                        }
+                    }
                     *state = Some(LimitState {
                         overridden,
                         ..recorded
@@ -403,7 +418,44 @@ impl LocalStore {
                 decided_us: now,
                 local: true,
             }),
+            crossed,
         }
+    }
+
+    /// The thresholds of `spec` (the limit in force) an admission that took the remaining
+    /// room from `before` to `after` crossed, each marked now for the window (or the period's
+    /// time left) unless it was marked already: as `decide.lua`'s `crossed`, under the locks of
+    /// the decision.
+    fn crossed(&self, check: &Check, spec: &Spec, before: u32, after: u32, now: u64) -> u8 {
+        let requests = u64::from(spec.requests);
+        let used = |remaining: u32| requests.saturating_sub(u64::from(remaining));
+        let bits = spec
+            .notify
+            .crossing(spec.requests, used(before), used(after));
+        if bits == 0 {
+            return 0;
+        }
+        let expires = now.saturating_add(spec.window_us().max(1));
+        let mut markers = lock(&self.markers);
+        let mut marked = 0;
+        for (index, permille) in spec.notify.permille().enumerate() {
+            if bits & 1 << index == 0 {
+                continue;
+            }
+            let marker = format!("{}:n{permille}", check.key);
+            if markers.get(&marker).is_some_and(|&until| until > now) {
+                continue;
+            }
+            if markers.len() >= self.shards.max_keys {
+                markers.retain(|_, &mut until| until > now);
+                if markers.len() >= self.shards.max_keys {
+                    continue;
+                }
+            }
+            markers.insert(marker, expires);
+            marked |= 1 << index;
+        }
+        marked
     }
 
     /// Settles what an admitted request recorded under `checks` to `keep` units of each:

@@ -25,6 +25,7 @@ pub mod overrides;
 mod redis;
 mod sliding_log;
 mod sliding_window;
+pub mod thresholds;
 mod weighted_log;
 
 use std::sync::Arc;
@@ -40,6 +41,7 @@ pub use self::leases::{Lease, LeaseHold};
 use self::local::{LocalMetrics, LocalStore};
 pub use self::redis::{slot_of, ClusterSettings};
 pub use self::redis::{RedisStore, SentinelSettings, Topology};
+pub use self::thresholds::Thresholds;
 use crate::metrics::Metrics;
 
 /// Every parameter of one limit that changes a decision: declared here once, carried by the
@@ -69,6 +71,10 @@ pub struct Spec {
     /// API, `limiter::overrides`); the store reads the override, if any, in the decision's
     /// own call, so one decision never mixes two numbers.
     pub overridable: bool,
+    /// `notify`: the fractions of the limit in force whose crossing the store reports, once
+    /// per identity and window or period (`thresholds`); empty: none, and nothing more is
+    /// done or sent.
+    pub notify: Thresholds,
 }
 
 impl Spec {
@@ -148,6 +154,10 @@ pub struct Decision {
     /// For an admitted request, what `Store::release` needs to give its places back; `None`
     /// for a rejection.
     pub admission: Option<Admission>,
+    /// The thresholds (`Spec::notify`) this admission newly crossed and marked, one set of
+    /// bits per check (bit i: the limit's i-th threshold); empty when it crossed none, as for
+    /// every limit without `notify`.
+    pub crossed: Vec<u8>,
 }
 
 impl Decision {

@@ -103,6 +103,9 @@ impl Compiled {
                 Err(err) => mistakes.push(err),
             }
         }
+        if config.webhook.is_none() {
+            mistakes.extend(notify_without_webhook(config, file));
+        }
         if !mistakes.is_empty() {
             return Err(ConfigError::all(mistakes));
         }
@@ -458,6 +461,7 @@ fn build_limit(
             cost: limit.cost.as_ref().map_or(1, |c| c.value.0),
             shadow: limit.shadow,
             overridable: limit.overrides,
+            notify: notify_thresholds(limit),
             max_delay: match (delays(limit), &limit.max_delay) {
                 (true, Some(max_delay)) => max_delay.value.0,
                 _ => Duration::ZERO,
@@ -477,6 +481,35 @@ fn build_limit(
             ipv6: prefix_bits(&limit.ipv6_prefix, DEFAULT_IPV6_PREFIX),
         },
     }
+}
+
+/// The first limit that says `notify` in a config without `webhook:`: nowhere to send to.
+fn notify_without_webhook(config: &Config, file: &Path) -> Option<ConfigError> {
+    config.routes.iter().enumerate().find_map(|(r, route)| {
+        route.limits.iter().enumerate().find_map(|(l, limit)| {
+            let notify = limit.notify.as_ref()?;
+            Some(ConfigError::invalid(
+                file,
+                Position::from(notify),
+                format!("routes[{r}].limits[{l}].notify"),
+                "notifications need somewhere to go: add a top-level `webhook: { url: \
+                 http://..., secret_env: NAME }`",
+            ))
+        })
+    })
+}
+
+/// The `notify` thresholds of a limit that passed the rules, in permille.
+fn notify_thresholds(limit: &LimitConfig) -> crate::limiter::Thresholds {
+    let permille: Vec<u16> = limit.notify.as_ref().map_or_else(Vec::new, |notify| {
+        notify.value.at.iter().map(|f| permille(f.value)).collect()
+    });
+    crate::limiter::Thresholds::new(&permille).unwrap_or_default()
+}
+
+/// A fraction of a limit in permille, as the rules and the stores read it.
+pub(super) fn permille(fraction: f64) -> u16 {
+    (fraction * 1000.0).round().clamp(0.0, 1000.0) as u16
 }
 
 /// A prefix length the rules accepted, or the default.

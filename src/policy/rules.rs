@@ -21,6 +21,8 @@ use crate::limiter::Algorithm;
 use crate::llm::config::{micro_amount, quota, reserve};
 use crate::llm::Models;
 
+use super::compile::permille;
+
 /// One limit as written, with what its rules read around it.
 pub(super) struct Seen<'a> {
     pub limit: &'a LimitConfig,
@@ -662,6 +664,72 @@ const LIMIT_RULES: &[LimitRule] = &[
         },
         says: Says::Text("list at least one status or class (e.g. [401, 403] or [5xx])"),
     },
+    // Threshold notifications: on a use counted in a window or a period, at fractions a
+    // store can mark apart (thousandths), few enough to ride in one flags slot.
+    Rule {
+        field: "notify",
+        broken: |s| {
+            let notify = s.limit.notify.as_ref()?;
+            // An algorithm that takes a burst keeps a rate, not a count of use.
+            let counts = s.limit.concurrent.is_none() && !s.limit.algorithm().traits().burst;
+            (!counts).then(|| at(notify))
+        },
+        says: Says::Made(|_, _| {
+            format!(
+                "`notify` counts use in a window or a period: a concurrency limit (places held \
+                 now) and `algorithm: {}` (a rate, no count) have none to cross",
+                Algorithm::labels_with(|t| t.burst)
+            )
+        }),
+    },
+    Rule {
+        field: "notify.at",
+        broken: |s| {
+            let notify = s.limit.notify.as_ref()?;
+            let n = notify.value.at.len();
+            (n == 0 || n > crate::limiter::thresholds::MAX).then(|| at(notify))
+        },
+        says: Says::Made(|_, _| {
+            format!(
+                "list 1 to {} fractions of the limit, like [0.5, 0.8, 1.0]",
+                crate::limiter::thresholds::MAX
+            )
+        }),
+    },
+    Rule {
+        field: "notify.at[]",
+        broken: |s| {
+            let at_list = &s.limit.notify.as_ref()?.value.at;
+            let index = at_list
+                .iter()
+                .position(|f| !(f.value > 0.0 && f.value <= 1.0) || permille(f.value) == 0)?;
+            Some(at_item(&at_list[index], index))
+        },
+        says: Says::Made(|s, at| {
+            let value = s
+                .limit
+                .notify
+                .as_ref()
+                .and_then(|n| n.value.at.get(at.index))
+                .map_or(0.0, |f| f.value);
+            format!("a fraction of the limit above 0 and at most 1 (to a thousandth), got {value}")
+        }),
+    },
+    Rule {
+        field: "notify.at[]",
+        broken: |s| {
+            let at_list = &s.limit.notify.as_ref()?.value.at;
+            // The first fraction not below the next one.
+            let index = (1..at_list.len())
+                .find(|&i| permille(at_list[i].value) <= permille(at_list[i - 1].value))?
+                - 1;
+            Some(at_item(&at_list[index], index))
+        },
+        says: Says::Text(
+            "list the fractions in ascending order, each once (to a thousandth): \
+             [0.5, 0.8, 1.0]",
+        ),
+    },
     // Client networks: a prefix fits its address; 0 would be `key: []` said obscurely.
     Rule {
         field: "ipv6_prefix",
@@ -1058,6 +1126,10 @@ mod tests {
         "requests: 5, window: 1m, on_exceed: delay, max_delay: 1h",
         "requests: 5, window: 1m, max_delay: 1s",
         "requests: 5, window: 1m, count: { status: [] }",
+        "concurrent: 5, notify: { at: [0.5] }",
+        "requests: 5, window: 1m, notify: { at: [] }",
+        "requests: 5, window: 1m, notify: { at: [1.5, 0.5] }",
+        "requests: 5, window: 1m, notify: { at: [0.8, 0.5] }",
         "requests: 5, window: 1m, ipv6_prefix: 0",
         "requests: 5, window: 1m, ipv4_prefix: 33",
         "requests: 5, window: 1m, key: [model]",

@@ -46,6 +46,7 @@ impl Decided<'_> {
 /// allows, nothing is kept: the request goes on undecided.
 pub async fn decide<'r>(
     store: &Arc<Store>,
+    notifier: &crate::notify::Notifier,
     waiting: &Waiting,
     log: &RequestLog,
     route: &'r Route,
@@ -70,6 +71,9 @@ pub async fn decide<'r>(
     // Admitted after waiting for a place: counted as delayed by the limits that waited.
     let waited = refused_first && decision.admitted;
     count(plan.limits.limits(), &decision, waited, exchange);
+    // The thresholds this admission crossed, marked by the store in the same step: only
+    // this instance heard of them, so only it sends (queued, off the request's path).
+    notifier.crossed(route.name.as_str(), plan.limits.iter(), &decision);
     let admitted = decision.admitted;
     let mut decided = Decided {
         limits: plan.limits,

@@ -93,6 +93,8 @@ pub struct Gateway {
     /// Requests waiting for a concurrency limit's place, by key (`in_flight`).
     waiting: in_flight::Waiting,
     finisher: Finisher,
+    /// Where the thresholds a decision crossed go (`notify`): a bounded queue, never waited on.
+    notifier: crate::notify::Notifier,
 }
 
 impl Gateway {
@@ -117,8 +119,14 @@ impl Gateway {
             request_ids: RequestIds::new(),
             jwt_invalid: metrics.jwt.jwt_invalid.clone(),
             waiting: in_flight::Waiting::default(),
+            notifier: crate::notify::Notifier::off(metrics),
             finisher: Finisher::new(metrics),
         }
+    }
+
+    /// The gateway, sending the thresholds its decisions cross to `notifier` (`webhook:`).
+    pub fn notifying(self, notifier: crate::notify::Notifier) -> Gateway {
+        Gateway { notifier, ..self }
     }
 
     /// The gateway's per-request log, to write its last report at shutdown.

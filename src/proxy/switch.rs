@@ -81,7 +81,16 @@ pub async fn reserve_and_decide<'r, B>(
     let prices = tokens::reserve(&mut plan, head, body)?;
     let log = &gateway.finisher.log;
     let store = &gateway.store;
-    let first = decide::decide(store, &gateway.waiting, log, again.route, plan, exchange).await;
+    let first = decide::decide(
+        store,
+        &gateway.notifier,
+        &gateway.waiting,
+        log,
+        again.route,
+        plan,
+        exchange,
+    )
+    .await;
     let (Err(Stop::Limited), Some(sent)) = (&first, sent) else {
         return first.map(|()| prices);
     };
@@ -130,7 +139,16 @@ pub async fn reserve_and_decide<'r, B>(
         Now::read().calendar,
     );
     let prices = tokens::reserve(&mut plan, head, body)?;
-    decide::decide(store, &gateway.waiting, log, again.route, plan, exchange).await?;
+    decide::decide(
+        store,
+        &gateway.notifier,
+        &gateway.waiting,
+        log,
+        again.route,
+        plan,
+        exchange,
+    )
+    .await?;
     Ok(prices)
 }
 

@@ -270,6 +270,7 @@ async fn check_room<'r>(
             limits: states,
             rejecting,
             admission: None,
+            crossed: Vec::new(),
         },
         lease: None,
     });

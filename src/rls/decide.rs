@@ -555,6 +555,7 @@ mod tests {
             limits: vec![state(1, 3), state(0, 7)],
             rejecting: vec![false, true],
             admission: None,
+            crossed: Vec::new(),
         };
         (planned, decision)
     }
@@ -748,6 +749,7 @@ descriptors:
             rejecting: vec![false],
             retry_after: Duration::ZERO,
             admission: None,
+            crossed: Vec::new(),
         };
         let (response, outcomes) = answer(&settings(false), &planned, Some(&decision), None);
         assert_eq!(codes(&response), (OK, vec![OK, OK]));

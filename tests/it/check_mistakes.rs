@@ -214,7 +214,7 @@ fn a_misspelt_limit_field() {
         "13:9: routes[0].limits[0].reqeusts",
         "unknown field `reqeusts`, expected one of name, key, requests, tokens, money, \
          currency, concurrent, lease, window, quota, time_zone, algorithm, burst, cost, shadow, \
-         overrides, when, on_exceed, max_delay, count, ipv6_prefix, ipv4_prefix, reserve, settle; \
+         overrides, notify, when, on_exceed, max_delay, count, ipv6_prefix, ipv4_prefix, reserve, settle; \
          did you mean `requests`?",
         "^^^^^^^^",
     );
@@ -295,5 +295,28 @@ fn burst_on_an_algorithm_without_it() {
         "15:16: routes[0].limits[0].burst",
         "`burst` applies to `algorithm: gcra` only, not `sliding_log`",
         "^",
+    );
+}
+
+#[test]
+fn notify_without_a_webhook() {
+    refused(
+        "window: 1m",
+        "window: 1m\n        notify: { at: [0.5, 0.8] }",
+        "15:17: routes[0].limits[0].notify",
+        "notifications need somewhere to go: add a top-level `webhook: { url: http://..., \
+         secret_env: NAME }`",
+        "^^^^",
+    );
+}
+
+#[test]
+fn notify_fractions_out_of_order() {
+    refused(
+        "window: 1m",
+        "window: 1m\n        notify: { at: [0.8, 0.8] }\nwebhook: { url: \"http://127.0.0.1:9/h\", secret_env: HOOK }",
+        "15:24: routes[0].limits[0].notify.at[0]",
+        "list the fractions in ascending order, each once (to a thousandth): [0.5, 0.8, 1.0]",
+        "^^^",
     );
 }

@@ -45,6 +45,7 @@ mod llm_sdks;
 mod local_store;
 mod logs;
 mod model_switch;
+mod notifications;
 mod overrides;
 mod partitions;
 mod paths;

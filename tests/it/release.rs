@@ -37,7 +37,22 @@ fn check(key: &str, algorithm: Algorithm, requests: u32, cost: u32) -> Check {
 async fn redis_store(redis: &Redis, metrics: &Metrics) -> Store {
     let store = RedisStore::new(&redis.url(), 1, Duration::from_secs(2)).expect("a store");
     store.load_script().await.expect("scripts load");
-    Store::redis(store, 1000, metrics)
+    let store = Store::redis(store, 1000, metrics);
+    // Denials are remembered only once the store's event channel is heard (so a reset
+    // elsewhere can end them): wait for it, or a test of the deny cache races the subscribe.
+    let subscribed = metrics
+        .store
+        .store_events
+        .with_label_values(&["subscribed"]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while subscribed.get() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never subscribed to the store's events"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    store
 }
 
 /// The key's stored value, whatever its type, without its expiry.

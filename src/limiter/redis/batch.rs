@@ -64,7 +64,7 @@ pub(super) struct Pending {
     /// The end of the leases `member` holds under `keys`, not a decision.
     end: bool,
     /// Per key: the algorithm's label and requests, window, burst, cost, flags (shadow,
-    /// overridable: `decide.lua`), max delay.
+    /// overridable, notify and its thresholds: `decide.lua`), max delay.
     limits: Vec<(&'static str, [u64; 6])>,
     reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
 }
@@ -90,7 +90,7 @@ impl Pending {
                     spec.window_us(),
                     epochs.flag(check),
                     u64::from(spec.cost),
-                    u64::from(spec.shadow) | u64::from(spec.overridable) << 1,
+                    flags(&spec),
                     delay,
                 ];
                 (spec.algorithm.label(), numbers)
@@ -131,6 +131,17 @@ impl Pending {
             4 + 3 * self.keys.len()
         }
     }
+}
+
+/// A check's flags slot in `decide.lua`: 1 shadow, 2 overridable, 4 notify, plus 8 times its
+/// packed thresholds (`Thresholds`) when it notifies.
+fn flags(spec: &crate::limiter::Spec) -> u64 {
+    let notify = if spec.notify.is_empty() {
+        0
+    } else {
+        4 | spec.notify.packed() << 3
+    };
+    u64::from(spec.shadow) | u64::from(spec.overridable) << 1 | notify
 }
 
 /// What a writer needs besides its connection.

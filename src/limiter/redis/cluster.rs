@@ -313,6 +313,13 @@ pub(super) fn merge(checks: usize, groups: &[Vec<usize>], decisions: &[Decision]
         } else {
             None
         },
+        // A threshold crossed in a slot whose part is given back (another slot refused) stays
+        // marked but unsent: at most once, never twice (the book's "Budget alerts, exactly once").
+        crossed: if admitted && decisions.iter().any(|d| !d.crossed.is_empty()) {
+            vec![0; checks]
+        } else {
+            Vec::new()
+        },
     };
     for (members, decision) in groups.iter().zip(decisions) {
         if !decision.admitted {
@@ -321,6 +328,12 @@ pub(super) fn merge(checks: usize, groups: &[Vec<usize>], decisions: &[Decision]
         for (position, &index) in members.iter().enumerate() {
             merged.limits[index] = decision.limits.get(position).copied().flatten();
             merged.rejecting[index] = decision.rejecting.get(position).copied().unwrap_or(false);
+            if let (Some(slot), Some(&bits)) = (
+                merged.crossed.get_mut(index),
+                decision.crossed.get(position),
+            ) {
+                *slot = bits;
+            }
         }
     }
     merged
@@ -392,6 +405,7 @@ mod tests {
                 limits: vec![Some(state(4)), Some(state(6))],
                 rejecting: vec![false, false],
                 admission: None,
+                crossed: Vec::new(),
             },
             Decision {
                 admitted: false,
@@ -399,6 +413,7 @@ mod tests {
                 limits: vec![Some(state(0))],
                 rejecting: vec![true],
                 admission: None,
+                crossed: Vec::new(),
             },
         ];
         let merged = merge(3, &groups, &decisions);

@@ -127,7 +127,7 @@ fn peek_count() -> String {
 }
 
 /// Reads the script's reply: `{admitted, retry_after_us, now_us, at_us, (remaining, reset_us,
-/// rejecting + 2 override) per check}`; `member` is the request's member prefix, kept for a release.
+/// rejecting + 2 crossed + 64 override) per check}`; `member` is the request's member prefix, kept for a release.
 pub(super) fn decision_from_reply(
     reply: &[i64],
     checks: usize,
@@ -147,12 +147,21 @@ pub(super) fn decision_from_reply(
             Some(LimitState {
                 remaining: u32::try_from(triple[0]).unwrap_or(0),
                 reset: micros(triple[1]),
-                // Twice the override in force, beside the rejecting bit.
-                overridden: u32::try_from(triple[2] >> 1).ok().filter(|&n| n > 0),
+                // 64 times the override in force, above the crossed thresholds' bits.
+                overridden: u32::try_from(triple[2] >> 6).ok().filter(|&n| n > 0),
             })
         })
         .collect();
     let rejecting = per_limit.chunks_exact(3).map(|t| t[2] & 1 == 1).collect();
+    // Bits 1 to 5: the thresholds this admission crossed; nothing kept when none did.
+    let crossed = if per_limit.chunks_exact(3).any(|t| t[2] & 0b11_1110 != 0) {
+        per_limit
+            .chunks_exact(3)
+            .map(|t| ((t[2] >> 1) & 0b1_1111) as u8)
+            .collect()
+    } else {
+        Vec::new()
+    };
     let admitted = *admitted == 1;
     let time = |v: i64| u64::try_from(v).unwrap_or(0);
     Ok(Decision {
@@ -167,6 +176,7 @@ pub(super) fn decision_from_reply(
             at_us: time(*at).max(time(*now)),
             local: false,
         }),
+        crossed,
     })
 }
 
@@ -210,6 +220,13 @@ mod tests {
         let d = decision_from_reply(&[1, 0, 100, 350, 0, 0, 1], 1, "m".to_owned()).unwrap();
         assert_eq!(d.delay(), Duration::from_micros(250));
         assert_eq!(d.admission.unwrap().member, "m");
+        assert!(d.crossed.is_empty());
+        // Rejecting 0, thresholds 0 and 2 crossed, override 40.
+        let d = decision_from_reply(&[1, 0, 1, 1, 3, 0, 0b101 << 1 | 40 << 6], 1, String::new())
+            .unwrap();
+        assert_eq!(d.crossed, [0b101]);
+        assert_eq!(d.limits[0].unwrap().overridden, Some(40));
+        assert_eq!(d.rejecting, [false]);
     }
 
     /// Every algorithm of the table is reachable from every entry point: decide (check and

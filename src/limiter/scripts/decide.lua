@@ -22,9 +22,10 @@
 --   7 per key  the limit of its i-th key: algorithm (a label of the algorithm table),
 --              requests, window in microseconds (for a calendar quota: the time left in
 --              its period), burst, cost,
---              flags (0 none; 1 shadow: the limit is counted but never rejects; 2 the
+--              flags (a sum: 1 shadow: the limit is counted but never rejects; 2 the
 --              identity's override, if any, replaces requests (prelude.lua's `overridden`);
---              3 both), max delay in microseconds (`on_exceed: delay`; 0: a limit without room
+--              4 `notify`: 8 times the thresholds, packed (see `crossed` below), follow),
+--              max delay in microseconds (`on_exceed: delay`; 0: a limit without room
 --              rejects)
 -- then         e, the number of lease ends (the ends of requests' concurrency leases queued
 --              on the same connection, `RedisStore::end_lease`), and per end: its lease id
@@ -45,8 +46,9 @@
 --   remaining_i     requests (of cost 1) key i would still admit now
 --   reset_us_i      time until key i admits one more than now (0 when it holds nothing)
 --   rejecting_i     1 if key i had no room for the request (for a shadow limit: would have
---                   rejected it), else 0; plus twice the identity's override when one was in
---                   force (0 without)
+--                   rejected it), else 0; plus twice the thresholds this admission newly
+--                   crossed (bit t for the limit's t-th threshold, 5 bits); plus 64 times the
+--                   identity's override when one was in force (0 without)
 --
 --          then per end, per key: 1 if the lease was there (HDEL), else 0
 --
@@ -75,10 +77,35 @@ local function number(text)
   return value
 end
 
--- Per limit of a request with several, 11 slots: requests, window, burst, cost, ok,
--- remaining, reset_us, the two values of state, whether it is a shadow limit and its
--- override.
+-- Per limit of a request with several, 12 slots: requests, window, burst, cost, ok,
+-- remaining, reset_us, the two values of state, whether it is a shadow limit, its override
+-- and its flags.
 local pending = {}
+
+-- Threshold notifications (`notify`, src/limiter/thresholds.rs packs them): `packed` holds up
+-- to 5 thresholds in permille of `requests` (the number in force), 10 bits each, lowest
+-- first. A threshold is crossed by the admission that takes the use (requests - remaining)
+-- from below it to at or past it; the first such admission of the window or period marks it
+-- with SET NX beside the key (same hash tag, same Cluster slot), expiring after `window`
+-- (microseconds: the window's length, a calendar quota's time left in its period), and only
+-- it reports the crossing. Returns the thresholds this call marked, as bits.
+local function crossed(key, packed, requests, window, before, after)
+  local bits, bit, px = 0, 1, nil
+  local used_before, used_after = requests - before, requests - after
+  while packed > 0 do
+    local permille = packed % 1024
+    packed = (packed - permille) / 1024
+    local need = permille * requests
+    if used_after * 1000 >= need and used_before * 1000 < need then
+      px = px or format('%d', math.max(1, ceil(window / 1000)))
+      if redis.call('SET', key .. ':n' .. format('%d', permille), '1', 'NX', 'PX', px) then
+        bits = bits + bit
+      end
+    end
+    bit = bit * 2
+  end
+  return bits
+end
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -97,7 +124,8 @@ for _ = 1, tonumber(argv[1]) do
     requests, window = numbers[requests] or number(requests), numbers[window] or number(window)
     burst, cost = numbers[burst] or number(burst), numbers[cost] or number(cost)
     local flags, override = argv[base + 5], 0
-    if flags >= '2' then
+    flags = numbers[flags] or number(flags)
+    if flags % 4 >= 2 then
       requests, burst, override = overridden(key, requests, burst)
     end
     local ok, wait, remaining, reset, a, b = check(algorithm, key, now, requests, window, burst,
@@ -105,7 +133,7 @@ for _ = 1, tonumber(argv[1]) do
     if ok == nil then
       return redis.error_reply('unknown algorithm ' .. tostring(algorithm))
     end
-    local shadow = flags == '1' or flags == '3'
+    local shadow = flags % 2 == 1
     local admitted, retry_after, delay = 1, 0, 0
     if not ok and not shadow then
       if wait <= tonumber(argv[base + 6]) then
@@ -123,11 +151,17 @@ for _ = 1, tonumber(argv[1]) do
     result[n + 1], result[n + 2], result[n + 3], result[n + 4] = admitted, retry_after, now, at
     -- Recorded: a limit with room, or one that delays the request. (Sluice sends integers:
     -- a max delay of '0' is none.)
+    local crossing = 0
     if admitted == 1 and (ok or not shadow) then
+      local before = remaining
       remaining, reset = record(algorithm, key, now, requests, window, burst, cost, a, b,
                                 member, at, argv[base + 6] ~= '0', argv[base + 4], lateness)
+      if flags >= 4 then
+        crossing = crossed(key, floor(flags / 8), requests, window, before, remaining)
+      end
     end
-    result[n + 5], result[n + 6], result[n + 7] = remaining, reset, (ok and 0 or 1) + 2 * override
+    result[n + 5], result[n + 6], result[n + 7] = remaining, reset,
+      (ok and 0 or 1) + 2 * crossing + 64 * override
     n = n + 7
   else
     -- Whether some limit of the request may delay it: a log's keys may then hold future
@@ -146,7 +180,8 @@ for _ = 1, tonumber(argv[1]) do
       requests, window = numbers[requests] or number(requests), numbers[window] or number(window)
       burst, cost = numbers[burst] or number(burst), numbers[cost] or number(cost)
       local flags, override = argv[at + 5], 0
-      if flags >= '2' then
+      flags = numbers[flags] or number(flags)
+      if flags % 4 >= 2 then
         requests, burst, override = overridden(keys[first + i], requests, burst)
       end
       local ok, wait, remaining, reset, a, b = check(argv[at], keys[first + i], now, requests,
@@ -154,7 +189,7 @@ for _ = 1, tonumber(argv[1]) do
       if ok == nil then
         return redis.error_reply('unknown algorithm ' .. tostring(argv[at]))
       end
-      local shadow = flags == '1' or flags == '3'
+      local shadow = flags % 2 == 1
       if not ok and not shadow then
         if wait <= tonumber(argv[at + 6]) then
           if wait > delay then
@@ -167,11 +202,12 @@ for _ = 1, tonumber(argv[1]) do
           retry_after = wait
         end
       end
-      local s = 11 * (i - 1)
+      local s = 12 * (i - 1)
       pending[s + 1], pending[s + 2], pending[s + 3], pending[s + 4] = requests, window, burst,
         cost
       pending[s + 5], pending[s + 6], pending[s + 7] = ok, remaining, reset
       pending[s + 8], pending[s + 9], pending[s + 10], pending[s + 11] = a, b, shadow, override
+      pending[s + 12] = flags
     end
     if admitted == 1 then
       retry_after = 0
@@ -180,18 +216,24 @@ for _ = 1, tonumber(argv[1]) do
     result[n + 1], result[n + 2], result[n + 3], result[n + 4] = admitted, retry_after, now, at
     n = n + 4
     for i = 1, count do
-      local s = 11 * (i - 1)
+      local s = 12 * (i - 1)
       local arg = base + 7 * (i - 1)
       local ok, remaining, reset = pending[s + 5], pending[s + 6], pending[s + 7]
+      local crossing = 0
       -- Recorded: every limit with room, and every limit that delays the request.
       if admitted == 1 and (ok or not pending[s + 10]) then
+        local before = remaining
         remaining, reset = record(argv[arg], keys[first + i], now, pending[s + 1],
                                   pending[s + 2], pending[s + 3], pending[s + 4],
                                   pending[s + 8], pending[s + 9], member, at, delays,
                                   argv[arg + 4], lateness)
+        if pending[s + 12] >= 4 then
+          crossing = crossed(keys[first + i], floor(pending[s + 12] / 8), pending[s + 1],
+                             pending[s + 2], before, remaining)
+        end
       end
       result[n + 1], result[n + 2], result[n + 3] = remaining, reset,
-        (ok and 0 or 1) + 2 * pending[s + 11]
+        (ok and 0 or 1) + 2 * crossing + 64 * pending[s + 11]
       n = n + 3
     end
   end
