@@ -336,7 +336,9 @@ async fn open_store(
             if let Err(err) = store.load_script().await {
                 tracing::warn!(error = %err, "Redis is not answering yet; limited routes follow their on_store_error until it does");
             }
-            Store::redis(store, max_keys, metrics)
+            let store = Store::redis(store, max_keys, metrics);
+            store.bound_usage(config.store.local.max_reported.0 as usize);
+            store
         }
         _ => Store::local(max_keys, metrics),
     })

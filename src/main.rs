@@ -65,6 +65,77 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         hits: u32,
     },
+    /// Ask a running sluice's admin API who uses a limit most (--route, --limit, --top), or
+    /// where one identity stands in every limit its key parts name (--part NAME=VALUE ...).
+    Usage {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// The route (with --limit: its top identities; with --part: only this route).
+        #[arg(long)]
+        route: Option<String>,
+        /// The limit whose top identities to list (`report: true` in the policy).
+        #[arg(long)]
+        limit: Option<String>,
+        /// How many identities to list.
+        #[arg(long, default_value_t = 10)]
+        top: usize,
+        /// One key part of the identity, `NAME=VALUE` as the admin API names them:
+        /// `client_ip=`, `header.NAME=`, `query.NAME=`, `cookie.NAME=`, `jwt.CLAIM=`, `path=`,
+        /// `method=`, `host=`, `model=` (repeatable).
+        #[arg(long = "part")]
+        parts: Vec<String>,
+        /// Print the admin API's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Per-identity overrides through a running sluice's admin API.
+    Overrides {
+        #[command(subcommand)]
+        action: OverridesAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum OverridesAction {
+    /// Load a file of JSON lines (`{"identity": {...}, "requests": N, "ttl": "30d"}`) as
+    /// overrides of one limit: every line is checked first, nothing is written if one is bad.
+    Load {
+        #[command(flatten)]
+        admin: AdminArgs,
+        #[arg(long)]
+        route: String,
+        #[arg(long)]
+        limit: String,
+        /// Print the admin API's JSON answer.
+        #[arg(long)]
+        json: bool,
+        /// The JSON lines file.
+        file: PathBuf,
+    },
+}
+
+/// Where the admin API of a running sluice is.
+#[derive(clap::Args)]
+struct AdminArgs {
+    /// The admin listener, `http://host:port` (default: `SLUICE_ADMIN`, else
+    /// `http://127.0.0.1:9090`).
+    #[arg(long)]
+    admin: Option<String>,
+    /// A file holding the admin token; without it, the token in `SLUICE_ADMIN_TOKEN`.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+}
+
+impl AdminArgs {
+    fn flags(self) -> cli::AdminFlags {
+        cli::AdminFlags {
+            admin: self
+                .admin
+                .or_else(|| std::env::var("SLUICE_ADMIN").ok())
+                .unwrap_or_else(|| "http://127.0.0.1:9090".to_owned()),
+            token_file: self.token_file,
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -106,6 +177,34 @@ fn main() -> ExitCode {
         } => sluice::runtime::clock::init()
             .map_err(anyhow::Error::from)
             .and_then(|_| cli::explain_rls(&config, &domain, &descriptors, hits))
+            .map(|text| print!("{text}")),
+        Command::Usage {
+            admin,
+            route,
+            limit,
+            top,
+            parts,
+            json,
+        } => {
+            let question = cli::UsageQuestion {
+                route,
+                limit,
+                top,
+                parts,
+                json,
+            };
+            cli::usage(&admin.flags(), &question).map(|text| print!("{text}"))
+        }
+        Command::Overrides {
+            action:
+                OverridesAction::Load {
+                    admin,
+                    route,
+                    limit,
+                    json,
+                    file,
+                },
+        } => cli::load_overrides(&admin.flags(), &route, &limit, &file, json)
             .map(|text| print!("{text}")),
         Command::Run { config } => run(&config),
     };

@@ -334,6 +334,10 @@ pub struct StoreFamilies {
     pub store_events: IntCounterVec,
     /// `sluice_override_changes_total`: overrides set and deleted through the admin API.
     pub override_changes: IntCounterVec,
+    /// `sluice_usage_index_dropped_total`: admissions a full usage map did not note.
+    pub usage_index_dropped: IntCounter,
+    /// `sluice_usage_index_flushes_total`: pipelines sent to the usage index, by outcome.
+    pub usage_index_flushes: IntCounterVec,
     /// `sluice_notifications_total`: threshold notifications and what became of them
     /// (`crate::notify`).
     pub notifications: IntCounterVec,
@@ -400,6 +404,22 @@ impl StoreFamilies {
             ),
             &["action"],
         )?;
+        let usage_index_dropped = IntCounter::new(
+            "sluice_usage_index_dropped_total",
+            "Admissions of report: true limits that this instance did not add to the usage index because its map of identities since the last flush was full (store.local.max_keys entries); such an identity may be missing from usage reports.",
+        )?;
+        let usage_index_flushes = IntCounterVec::new(
+            Opts::new(
+                "sluice_usage_index_flushes_total",
+                "Pipelines this instance sent to the store's usage index (one per reported limit and time bucket, once a second), by outcome (ok, failed: that second's notes are lost to the index).",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in ["ok", "failed"] {
+            usage_index_flushes.with_label_values(&[outcome]);
+        }
+        registry.register(Box::new(usage_index_dropped.clone()))?;
+        registry.register(Box::new(usage_index_flushes.clone()))?;
         let notifications = IntCounterVec::new(
             Opts::new(
                 "sluice_notifications_total",
@@ -432,6 +452,8 @@ impl StoreFamilies {
             store_fallback_decisions,
             store_events,
             override_changes,
+            usage_index_dropped,
+            usage_index_flushes,
             notifications,
         })
     }

@@ -7,10 +7,12 @@
 //! a web page could send it (DNS rebinding, cross-site posts) before anything else.
 
 mod auth;
+mod bulk;
 mod config_view;
 mod guard;
 mod limits;
 mod overrides;
+mod usage;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -55,7 +57,11 @@ pub struct Api {
 const API_PREFIX: &str = "/admin/v1/";
 
 impl Admin {
-    pub async fn handle<B>(&self, request: Request<B>) -> Response<ProxyBody> {
+    pub async fn handle<B>(&self, request: Request<B>) -> Response<ProxyBody>
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         let local = request.extensions().get::<LocalAddr>().map(|l| l.0);
         let path = request.uri().path();
         let guarded = if path.starts_with(API_PREFIX) && self.api.is_some() {
@@ -75,7 +81,11 @@ impl Admin {
         }
         if request.uri().path().starts_with(API_PREFIX) {
             return match &self.api {
-                Some(api) => self.api(api, &request).await,
+                Some(api) => {
+                    // Kept aside for the one endpoint that reads a body (`bulk`).
+                    let request = request.map(bulk::Body::new);
+                    self.api(api, &request).await
+                }
                 None => problem(
                     StatusCode::NOT_FOUND,
                     "the admin API is off (admin.api: false)",
@@ -146,7 +156,7 @@ impl Admin {
 }
 
 impl Admin {
-    async fn api<B>(&self, api: &Api, request: &Request<B>) -> Response<ProxyBody> {
+    async fn api(&self, api: &Api, request: &Request<bulk::Body>) -> Response<ProxyBody> {
         let path = request.uri().path();
         if let Some(token) = &api.token {
             if !token.admits(request.headers().get(AUTHORIZATION)) {
@@ -206,7 +216,26 @@ impl Admin {
                 let query = request.uri().query().unwrap_or_default();
                 self.overrides_of((route, limit), query, path).await
             }
-            ["limits", _, _, "overrides"] => not_allowed(path, "GET"),
+            ["limits", route, limit, "overrides"] if method == Method::POST => {
+                let by = if api.token.is_some() {
+                    "admin token"
+                } else {
+                    "loopback (no token)"
+                };
+                self.load_overrides((route, limit), request.body(), path, by)
+                    .await
+            }
+            ["limits", _, _, "overrides"] => not_allowed(path, "GET, POST"),
+            ["limits", route, limit, "usage"] if method == Method::GET => {
+                let query = request.uri().query().unwrap_or_default();
+                self.usage_top((route, limit), query, path).await
+            }
+            ["limits", _, _, "usage"] => not_allowed(path, "GET"),
+            ["usage"] if method == Method::GET => {
+                let query = request.uri().query().unwrap_or_default();
+                self.usage_of(query, path).await
+            }
+            ["usage"] => not_allowed(path, "GET"),
             _ => problem(
                 StatusCode::NOT_FOUND,
                 "no such admin endpoint: try /admin/v1/limits/{route}/{limit}?key=..., \

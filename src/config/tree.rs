@@ -335,12 +335,20 @@ pub struct LocalConfig {
     #[serde(deserialize_with = "count_within::<1_024, 100_000_000, _>")]
     #[schemars(schema_with = "schema::count_within::<1_024, 100_000_000>")]
     pub max_keys: Positive,
+    /// With Redis, most identities of `report: true` limits each instance notes between two
+    /// flushes of the usage index (once a second); one more is not noted, and counted in
+    /// `sluice_usage_index_dropped_total`.
+    #[serde(default = "default_max_reported")]
+    #[serde(deserialize_with = "count_within::<1, 10_000_000, _>")]
+    #[schemars(schema_with = "schema::count_within::<1, 10_000_000>")]
+    pub max_reported: Positive,
 }
 
 impl Default for LocalConfig {
     fn default() -> Self {
         LocalConfig {
             max_keys: default_local_max_keys(),
+            max_reported: default_max_reported(),
         }
     }
 }
@@ -550,6 +558,11 @@ pub struct LimitConfig {
     /// in the store. Off by default: an override costs one more read per decision.
     #[serde(default)]
     pub overrides: bool,
+    /// Keep an index of who used this limit, for the admin API's usage reports (`GET
+    /// /admin/v1/limits/{route}/{limit}/usage?top=N`, `sluice usage`). Off by default: with
+    /// Redis each instance adds its identities' use to a sorted set once a second.
+    #[serde(default)]
+    pub report: bool,
     /// POST to `webhook:` when an identity's use crosses these fractions of the limit in
     /// force, once per identity, threshold and window or period, whichever instance admits
     /// the crossing request.
@@ -948,6 +961,10 @@ fn default_shutdown_grace() -> ConfigDuration {
 }
 fn default_local_max_keys() -> Positive {
     Positive(DEFAULT_LOCAL_MAX_KEYS)
+}
+
+fn default_max_reported() -> Positive {
+    Positive(100_000)
 }
 
 /// A size checked against bounds as it is read, so the error points at the value.

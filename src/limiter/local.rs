@@ -679,6 +679,27 @@ impl LocalStore {
         }
     }
 
+    /// The identities holding a key that starts with `prefix` (one limit's keys), each once:
+    /// what a usage report of the in-process store reads. One pass over the keys held, at
+    /// most `store.local.max_keys`, one shard locked at a time.
+    pub fn identities_under(&self, prefix: &str) -> Vec<String> {
+        let mut found = std::collections::HashSet::new();
+        for shard in &self.shards.shards {
+            let logs = lock(shard);
+            for (key, _) in logs.iter() {
+                if let Some(rest) = key
+                    .strip_prefix(prefix)
+                    .filter(|rest| rest.starts_with('{'))
+                {
+                    if let Some(identity) = super::usage::identity_of(rest) {
+                        found.insert(identity.to_owned());
+                    }
+                }
+            }
+        }
+        found.into_iter().collect()
+    }
+
     /// Forgets everything recorded under `key`; whether there was anything.
     pub fn forget(&self, key: &str) -> bool {
         let mut logs = lock(&self.shards.shards[self.shards.index(key)]);

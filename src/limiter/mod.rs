@@ -26,6 +26,7 @@ mod redis;
 mod sliding_log;
 mod sliding_window;
 pub mod thresholds;
+pub mod usage;
 mod weighted_log;
 
 use std::sync::Arc;
@@ -326,6 +327,9 @@ enum Backend {
         fallback: LocalStore,
         /// The concurrency leases this instance holds in Redis, renewed by a task of their own.
         leases: Arc<Held>,
+        /// Who used the reported limits since the last flush (`usage`), flushed by a task of
+        /// its own.
+        usage: Arc<usage::UsageIndex>,
     },
 }
 
@@ -369,6 +373,15 @@ impl Store {
             let events = metrics.store.store_events.clone();
             move |event| heard(&denials, &events, event)
         }));
+        let usage = Arc::new(usage::UsageIndex::new(
+            usage::DEFAULT_MAX_PENDING,
+            metrics.store.usage_index_dropped.clone(),
+        ));
+        tokio::spawn(flush_usage(
+            Arc::downgrade(&usage),
+            Arc::downgrade(&store),
+            metrics.store.usage_index_flushes.clone(),
+        ));
         let timeout = store.timeout();
         let backend = Backend::Redis {
             store,
@@ -384,6 +397,7 @@ impl Store {
             )),
             fallback: local_store(max_keys, metrics),
             leases,
+            usage,
         };
         Store::with_backend(backend, "redis", metrics)
     }
@@ -835,4 +849,91 @@ fn local_store(max_keys: usize, metrics: &Metrics) -> LocalStore {
             evictions: metrics.store.local_evictions.clone(),
         },
     )
+}
+
+/// Usage reports (`usage`): the index of who used a reported limit, and where each stands.
+impl Store {
+    /// Notes that the identity of `key` used `units` of its limit (nominal window `window`):
+    /// with Redis, into this instance's map for the next flush (no store call); in process,
+    /// nothing (the store's own keys answer a report).
+    pub fn note_usage(&self, key: &str, window: Duration, units: u64) {
+        if let Backend::Redis { usage, .. } = &self.backend {
+            let now = u64::try_from(crate::runtime::clock::now().as_second()).unwrap_or(0);
+            usage.note(key, window, units, now);
+        }
+    }
+
+    /// Bounds this instance's map of identities between two flushes of the usage index
+    /// (`store.local.max_reported`); in process there is no such map.
+    pub fn bound_usage(&self, max: usize) {
+        if let Backend::Redis { usage, .. } = &self.backend {
+            usage.bound(max);
+        }
+    }
+
+    /// Up to `most` identities per bucket (`usage::buckets_to_read`) that used the limit
+    /// whose keys are `key`'s, best first, with what the index counts for them (in process:
+    /// every identity the store holds a key of for the limit, counted 0; the caller peeks
+    /// each). Reads no keyspace: with Redis one `ZREVRANGE` per bucket.
+    pub async fn usage_candidates(
+        &self,
+        key: &str,
+        window: Duration,
+        calendar: bool,
+        most: usize,
+    ) -> Result<Vec<(String, f64)>, StoreError> {
+        let prefix = key.find('{').map_or(key, |brace| &key[..brace]);
+        match &self.backend {
+            Backend::Local(store) => Ok(store
+                .identities_under(prefix)
+                .into_iter()
+                .map(|identity| (identity, 0.0))
+                .collect()),
+            Backend::Redis { store, .. } => {
+                let now = u64::try_from(crate::runtime::clock::now().as_second()).unwrap_or(0);
+                let mut found: Vec<(String, f64)> = Vec::new();
+                for bucket in usage::buckets_to_read(window, now, calendar) {
+                    let index = usage::index_key(key, bucket);
+                    for (identity, score) in store.top_usage(&index, most).await? {
+                        match found.iter_mut().find(|(seen, _)| *seen == identity) {
+                            Some((_, total)) => *total += score,
+                            None => found.push((identity, score)),
+                        }
+                    }
+                }
+                found.sort_by(|a, b| b.1.total_cmp(&a.1));
+                Ok(found)
+            }
+        }
+    }
+}
+
+/// Adds what this instance noted (`usage`) to the store's index every `usage::FLUSH_EVERY`,
+/// off the request path, until the store is dropped. A failed flush loses that second's
+/// notes (counted): the index names candidates, the report's numbers come from the store.
+async fn flush_usage(
+    index: std::sync::Weak<usage::UsageIndex>,
+    store: std::sync::Weak<RedisStore>,
+    flushes: prometheus::IntCounterVec,
+) {
+    let mut every = tokio::time::interval(usage::FLUSH_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let (Some(index), Some(store)) = (index.upgrade(), store.upgrade()) else {
+            return;
+        };
+        let pending = index.take();
+        drop(index);
+        for (key, one) in pending.indexes() {
+            let outcome = match store.add_usage(&key, one.identities.iter(), one.ttl).await {
+                Ok(()) => "ok",
+                Err(err) => {
+                    tracing::debug!(%err, index = key, "usage index: flush failed");
+                    "failed"
+                }
+            };
+            flushes.with_label_values(&[outcome]).inc();
+        }
+    }
 }

@@ -470,6 +470,7 @@ fn build_limit(
             returnable: limit.count.is_some() || limit.tokens.is_some() || limit.money.is_some(),
         },
         tokens: crate::llm::config::budget(limit, models).map(Box::new),
+        report: limit.report,
         count: limit
             .count
             .as_ref()

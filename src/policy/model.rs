@@ -201,6 +201,9 @@ pub struct LimitSettings {
     /// `tokens:`: the limit counts LLM tokens, reserved from the request body and settled
     /// from the response; `None`: it counts requests.
     pub tokens: Option<Box<crate::llm::TokenBudget>>,
+    /// `report: true`: each admission is added to the limit's usage index (`limiter::usage`),
+    /// for the admin API's usage reports.
+    pub report: bool,
 }
 
 /// The prefix lengths client addresses count by: every address of one network is one

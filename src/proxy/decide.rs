@@ -81,11 +81,22 @@ pub async fn decide<'r>(
         lease: None,
     };
     decided.lease = lease(store, &decided, sent);
+    if admitted {
+        note_usage(store, &decided);
+    }
     exchange.decided = Some(decided);
     if admitted {
         Ok(())
     } else {
         Err(Stop::Limited)
+    }
+}
+
+/// Notes the admission in the usage index of each `report: true` limit it was recorded in
+/// (`limiter::usage`): no store call, an entry in this instance's map for the next flush.
+fn note_usage(store: &Store, decided: &Decided<'_>) {
+    for (limit, check) in decided.recorded(|limit| limit.report) {
+        store.note_usage(&check.key, limit.spec.window, u64::from(check.spec.cost));
     }
 }
 

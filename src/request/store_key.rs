@@ -352,6 +352,7 @@ pub(crate) mod tests {
                 quota: None,
                 client_prefix: ClientPrefix::default(),
                 tokens: None,
+                report: false,
             },
             metrics: metrics.for_limit("r", "l"),
         }

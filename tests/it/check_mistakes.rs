@@ -214,7 +214,7 @@ fn a_misspelt_limit_field() {
         "13:9: routes[0].limits[0].reqeusts",
         "unknown field `reqeusts`, expected one of name, key, requests, tokens, money, \
          currency, concurrent, lease, window, quota, time_zone, algorithm, burst, cost, shadow, \
-         overrides, notify, when, on_exceed, max_delay, count, ipv6_prefix, ipv4_prefix, reserve, settle; \
+         overrides, report, notify, when, on_exceed, max_delay, count, ipv6_prefix, ipv4_prefix, reserve, settle; \
          did you mean `requests`?",
         "^^^^^^^^",
     );

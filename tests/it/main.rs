@@ -69,6 +69,7 @@ mod token_bodies;
 mod token_bounds;
 mod token_budgets;
 mod token_mix;
+mod usage;
 mod websocket;
 mod weighted_log;
 mod workers;

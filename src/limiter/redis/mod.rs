@@ -30,7 +30,7 @@
 //! the lease renewal, each one script call or one per cluster slot; a concurrency lease's
 //! end rides in its connection's batch), `epochs` (whether Redis forgot a concurrency limit's
 //! leases: the flag its checks carry), `socket` (the TCP settings that get a connection out
-//! of a silent partition).
+//! of a silent partition), `usage` (the usage index's flush and read).
 
 mod batch;
 mod calls;
@@ -42,6 +42,7 @@ mod follow;
 mod scripts;
 mod sentinel;
 mod socket;
+mod usage;
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
