@@ -13,6 +13,7 @@ use tokio::sync::watch;
 
 use crate::admin::{Admin, Api, Guard, Token, TokenError};
 use crate::config::{ConfigError, Source};
+use crate::health::Health;
 use crate::limiter::{RedisStore, Store, StoreError};
 use crate::metrics::Metrics;
 use crate::proxy::Gateway;
@@ -147,7 +148,24 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     let draining = Arc::new(AtomicBool::new(false));
     let (stop, stopping) = watch::channel(false);
     let gateway_settings = gateway_settings(&settings, listener_tls, &metrics, &stopping);
-    let rls = start_rls(rls, bound.rls, rls_tls, &gateway, &metrics, &stopping)?;
+    let health_reporter = tonic_health::server::HealthReporter::new();
+    let rls = start_rls(
+        rls,
+        bound.rls,
+        rls_tls,
+        health_reporter.clone(),
+        &gateway,
+        &metrics,
+        &stopping,
+    )?;
+    let health = Arc::new(Health {
+        draining: Arc::clone(&draining),
+        gateway: Arc::clone(&gateway),
+        rls: rls.clone(),
+    });
+    if rls.is_some() {
+        tokio::spawn(Arc::clone(&health).report(health_reporter, stopping.clone()));
+    }
     let (admin_api, admin_hosts) = (config.admin.api, config.admin.hosts.clone());
     let listen = config.listen;
     let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
@@ -161,6 +179,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         gateway: Arc::clone(&gateway),
         metrics: Arc::clone(&metrics),
         draining: Arc::clone(&draining),
+        health,
         api: admin_api.then(|| Api {
             token,
             reload: reloader.handle(),
@@ -241,12 +260,14 @@ fn gateway_settings(
     gateway_settings
 }
 
-/// The rate limit service, serving on its listener from now until `stopping`, when the
-/// version has rules for it (`rls:`, whose listener `bind` bound).
+/// The rate limit service, serving on its listener (with `grpc.health.v1.Health` from
+/// `health`) from now until `stopping`, when the version has rules for it (`rls:`, whose
+/// listener `bind` bound); its TLS files are watched until then.
 fn start_rls(
     rls: Option<crate::rls::Compiled>,
     listener: Option<tokio::net::TcpListener>,
     tls: Option<crate::tls::ListenerTls>,
+    health: tonic_health::server::HealthReporter,
     gateway: &Gateway,
     metrics: &Metrics,
     stopping: &watch::Receiver<bool>,
@@ -260,10 +281,16 @@ fn start_rls(
         gateway.shared_store(),
         rls_metrics,
     ));
+    let acceptor = tls.map(|tls| {
+        let acceptor = tls.acceptor();
+        tokio::spawn(tls.watch(metrics.listeners.tls_cert_reloads.clone(), stopping.clone()));
+        acceptor
+    });
     tokio::spawn(crate::rls::serve(
         Arc::clone(&service),
+        health,
         listener,
-        tls.map(|tls| tls.acceptor()),
+        acceptor,
         stopping.clone(),
     ));
     Ok(Some(service))

@@ -11,7 +11,8 @@
 //!   that counts by outcome, the token settlement, and `finish`, the one place an answer is
 //!   completed (`response` spells sluice's own answers, `body` carries them).
 //! - `policy` is the compiled policy the phases read; `config` reads the policy file.
-//! - `metrics` observe each step and `admin` serves them with the admin API; `log` writes
+//! - `metrics` observe each step and `admin` serves them with the admin API (and `health`'s
+//!   probe, which the rate limit service, `rls`, serves over gRPC too); `log` writes
 //!   lines that never block a request.
 //! - `version` loads one version of the policy (for `run`, `check`, a reload and `explain`
 //!   alike); `app` wires the running process from it and `cli` holds the other commands;
@@ -26,6 +27,7 @@ pub mod app;
 pub mod body;
 pub mod cli;
 pub mod config;
+pub mod health;
 pub mod jwt;
 pub mod limiter;
 pub mod llm;

@@ -1,5 +1,6 @@
-//! The admin listener: `/metrics` for Prometheus, `/healthz` (the process is up) and `/readyz`
-//! (this instance should get traffic) for orchestrators — open, so scrapers and probes need
+//! The admin listener: `/metrics` for Prometheus, `/healthz` (the process is up), `/readyz`
+//! (this instance should get traffic) and `/healthcheck` (envoyproxy/ratelimit's probe,
+//! `crate::health`) for orchestrators — open, so scrapers and probes need
 //! no credentials — and the admin API under `/admin/v1/`, behind a bearer token: one
 //! identity's quota (`limits`), the policy in force (`config`), a reload (`reload`). Kept on
 //! its own address so it is never exposed through the gateway's routes; `guard` refuses what
@@ -24,6 +25,7 @@ use serde_json::json;
 pub use self::auth::{Token, TokenError};
 pub use self::guard::Guard;
 use crate::config::ConfigError;
+use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::proxy::{Gateway, ProxyBody};
 use crate::reload::{ReloadError, ReloadHandle};
@@ -36,6 +38,8 @@ pub struct Admin {
     pub metrics: Arc<Metrics>,
     /// Set on SIGTERM: `/readyz` answers 503 from then on.
     pub draining: Arc<AtomicBool>,
+    /// `/healthcheck`'s answer (the gRPC health service's too).
+    pub health: Arc<Health>,
     /// `None` with `admin: { api: false }`: `/admin/v1/*` is not served.
     pub api: Option<Api>,
     /// Refuses what a web page sends: foreign `Host`s and `Origin`s, changes without
@@ -105,9 +109,17 @@ impl Admin {
             }
             "/healthz" => text(StatusCode::OK, "ok\n"),
             "/readyz" => self.readiness().await,
+            // envoyproxy/ratelimit's probe, with its answers: 200 `OK`, 500 when not serving.
+            "/healthcheck" => match self.health.check().await {
+                Ok(()) => text(StatusCode::OK, "OK"),
+                Err(why) => text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    &format!("not serving: {why}\n"),
+                ),
+            },
             _ => text(
                 StatusCode::NOT_FOUND,
-                "not found: try /metrics, /healthz or /readyz\n",
+                "not found: try /metrics, /healthz, /readyz or /healthcheck\n",
             ),
         }
     }

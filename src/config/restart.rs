@@ -81,15 +81,27 @@ impl Config {
     }
 }
 
-/// A listener's TLS certificate and key files.
-type TlsFiles = (std::path::PathBuf, std::path::PathBuf);
+/// A listener's TLS certificate and key files, and its client CA bundle.
+type TlsFiles = (
+    std::path::PathBuf,
+    std::path::PathBuf,
+    Option<std::path::PathBuf>,
+);
 
 /// Which files a listener's TLS reads, if it has TLS: their contents are watched and reloaded
 /// on their own (`tls::listener`), which files (or whether there is TLS) only at start.
 fn tls_files(tls: &Option<Spanned<ListenerTlsConfig>>) -> Option<TlsFiles> {
     tls.as_ref().map(|tls| {
-        let ListenerTlsConfig { cert, key } = &tls.value;
-        (cert.value.clone(), key.value.clone())
+        let ListenerTlsConfig {
+            cert,
+            key,
+            client_ca,
+        } = &tls.value;
+        (
+            cert.value.clone(),
+            key.value.clone(),
+            client_ca.as_ref().map(|ca| ca.value.clone()),
+        )
     })
 }
 

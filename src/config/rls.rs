@@ -17,8 +17,9 @@ use super::{OnStoreError, RlsAlgorithm, Spanned};
 pub struct RlsConfig {
     /// The gRPC listener: HTTP/2 without TLS (h2c), or with `tls`.
     pub listen: SocketAddr,
-    /// TLS on `listen`, with the same fields and checks as the gateway's `tls:` (applied at
-    /// start; the files are read once).
+    /// TLS on `listen`, with the same fields, checks and rotation as the gateway's `tls:`
+    /// (`client_ca`: mutual TLS, as Envoy Gateway's Deployment asks). Which files is read at
+    /// start; their contents are watched.
     #[schemars(with = "Option<super::ListenerTlsConfig>")]
     pub tls: Option<Spanned<super::ListenerTlsConfig>>,
     /// envoyproxy/ratelimit configuration files, or directories whose `*.yaml` / `*.yml` files

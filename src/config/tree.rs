@@ -400,7 +400,7 @@ pub struct ClusterConfig {
 
 /// `tls:` of the gateway listener: a PEM certificate chain (leaf first) and its private key
 /// (PKCS#8, PKCS#1 RSA or SEC1 EC). Relative paths are relative to the config file's
-/// directory. The files are watched: a valid new pair serves new handshakes.
+/// directory. The files are watched: a valid new pair (and CA) serves new handshakes.
 #[derive(Debug, Clone, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListenerTlsConfig {
@@ -408,6 +408,12 @@ pub struct ListenerTlsConfig {
     pub cert: Spanned<PathBuf>,
     #[schemars(with = "PathBuf")]
     pub key: Spanned<PathBuf>,
+    /// Mutual TLS: a PEM bundle of the CAs client certificates must chain to. With it, every
+    /// client must present a certificate from one of them, or its handshake fails
+    /// (envoyproxy/ratelimit's `GRPC_SERVER_TLS_CA_CERT` / `GRPC_CLIENT_TLS_CACERT` on
+    /// `rls.tls`). Watched with the certificate: a valid new bundle verifies new handshakes.
+    #[schemars(with = "Option<PathBuf>")]
+    pub client_ca: Option<Spanned<PathBuf>>,
 }
 
 #[derive(Debug, Deserialize, schemars::JsonSchema)]

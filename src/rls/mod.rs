@@ -4,7 +4,8 @@
 //! `file` reads those files as they are, `rules` compiles them into a tree per domain and
 //! finds a descriptor's rule, `key` builds a descriptor's store key and window, `decide`
 //! turns one call into checks decided in one store call and maps the decision to Envoy's
-//! answer, `service` is the gRPC listener (`tls` its TLS accept loop), `metrics` the counters (sluice's and
+//! answer, `service` is the gRPC listener with its health service (`tls` its TLS accept
+//! loop), `metrics` the counters (sluice's and
 //! envoyproxy/ratelimit's names). The rules are compiled with the rest of the config file
 //! (`version::version`), so `check`, `run` and a reload accept and refuse the same files;
 //! `explain` shows what one call would do (`sluice explain-rls`).

@@ -1,5 +1,6 @@
 //! The gRPC side: `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit` served with
-//! tonic on `rls.listen` (HTTP/2 without TLS), answering from the rules in force (swapped on
+//! tonic on `rls.listen` (HTTP/2, with or without TLS), beside `grpc.health.v1.Health`
+//! (`tonic-health`, whose statuses `crate::health` keeps), answering from the rules in force (swapped on
 //! reload) and sluice's one `Store` (shared with the HTTP routes: the same Redis, deny cache
 //! and breaker).
 
@@ -40,6 +41,15 @@ impl Service {
     /// are refused (UNAVAILABLE) until one has.
     pub fn install(&self, compiled: Option<Compiled>) {
         self.active.store(compiled.map(Arc::new));
+    }
+
+    /// Whether an answer fails closed when the store does not answer (`on_store_error:
+    /// deny`); `None` while no rules are in force (calls are refused).
+    pub fn fails_closed(&self) -> Option<bool> {
+        self.active
+            .load()
+            .as_ref()
+            .map(|active| active.settings.on_store_error == crate::config::OnStoreError::Deny)
     }
 
     /// Answers one call.
@@ -131,10 +141,12 @@ impl RateLimitService for Handler {
     }
 }
 
-/// Serves `service` on `listener` (with TLS when `tls` is given) until `stopping` turns
+/// Serves `service` and `grpc.health.v1.Health` (the statuses `health` reports, kept by
+/// `crate::health`) on `listener` (with TLS when `tls` is given) until `stopping` turns
 /// true, then finishes the calls in flight.
 pub async fn serve(
     service: Arc<Service>,
+    health: tonic_health::server::HealthReporter,
     listener: tokio::net::TcpListener,
     tls: Option<tokio_rustls::TlsAcceptor>,
     mut stopping: watch::Receiver<bool>,
@@ -142,8 +154,12 @@ pub async fn serve(
     let stop = async move {
         let _ = stopping.wait_for(|stop| *stop).await;
     };
+    let health = tonic_health::pb::health_server::HealthServer::new(
+        tonic_health::server::HealthService::from_health_reporter(health),
+    );
     let router = tonic::transport::Server::builder()
-        .add_service(RateLimitServiceServer::new(Handler(service)));
+        .add_service(RateLimitServiceServer::new(Handler(service)))
+        .add_service(health);
     let served = match tls {
         None => {
             let incoming =

@@ -1,7 +1,8 @@
 //! TLS on `rls.listen` (`rls.tls`): connections are accepted and their handshakes run in
 //! tasks of their own (a slow client holds only its own handshake, for at most
 //! `HANDSHAKE_TIMEOUT`), then handed to tonic's server as a stream. The acceptor is the
-//! gateway listener's (`tls::ListenerTls`): the same files, checks and ALPN (`h2` first).
+//! gateway listener's (`tls::ListenerTls`): the same files, checks, ALPN (`h2` first),
+//! rotation and client certificates (`client_ca`), verified in the handshake.
 
 use std::io;
 use std::pin::Pin;

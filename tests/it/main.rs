@@ -57,6 +57,7 @@ mod redis_path;
 mod release;
 mod reload;
 mod rls;
+mod rls_probes;
 mod schema;
 mod script_flush;
 mod sentinel;

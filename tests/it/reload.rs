@@ -648,6 +648,7 @@ const FIELD_CHANGES: &[FieldChange] = &[
     FieldChange { field: "admin.hosts", yaml: "admin:\n  hosts: [sluice-admin.internal]\n", refused: Some("`admin.hosts` changed") },
     FieldChange { field: "tls.cert", yaml: "tls:\n  cert: c.pem\n  key: k.pem\n", refused: Some("`tls` changed") },
     FieldChange { field: "tls.key", yaml: "tls:\n  cert: c.pem\n  key: k.pem\n", refused: Some("`tls` changed") },
+    FieldChange { field: "tls.client_ca", yaml: "tls:\n  cert: c.pem\n  key: k.pem\n  client_ca: ca.pem\n", refused: Some("`tls` changed") },
     FieldChange { field: "log_format", yaml: "log_format: json\n", refused: Some("`log_format` changed") },
     FieldChange { field: "server.max_request_line", yaml: "server:\n  max_request_line: 1000\n", refused: Some("`server.max_request_line` changed") },
     FieldChange { field: "server.max_header_bytes", yaml: "server:\n  max_header_bytes: 2000\n", refused: Some("`server.max_header_bytes` changed") },

@@ -4,6 +4,7 @@
 //!   TLS, a client that never finishes its handshake is closed by the header-read timeout;
 //! - certificate rotation: new handshakes get the new certificate, a connection opened before
 //!   keeps working, a bad new pair keeps the old one serving (and is counted);
+//! - mutual TLS (`tls.client_ca`): a client certificate of that CA required;
 //! - keys in PKCS#8, PKCS#1 (RSA) and SEC1 (EC) PEM;
 //! - https upstreams: trusted through `ca_file` (with SNI from the upstream host), refused when
 //!   untrusted (502), mTLS with `client_cert`/`client_key` against an upstream that requires a
@@ -231,6 +232,44 @@ async fn https_over_http1_and_http2_through_alpn_with_reqwest_and_curl() {
     assert!(
         refused.is_err(),
         "a client that trusts another CA connected"
+    );
+    assert_eq!(upstream.hits(), hits);
+}
+
+#[tokio::test]
+async fn with_client_ca_the_listener_admits_only_clients_with_a_certificate_of_that_ca() {
+    let (ca, files, upstream) = (Ca::new("test CA"), Files::new(), Upstream::start().await);
+    let leaf = ca.server("sluice one");
+    let (clients, stranger) = (Ca::new("clients CA"), Ca::new("stranger CA"));
+    let policy = Policy::new()
+        .mtls(
+            &files.write("cert.pem", &leaf.cert),
+            &files.write("key.pem", &leaf.key),
+            &files.write("clients.pem", &clients.pem()),
+        )
+        .upstream("api", upstream.url())
+        .route(Route::new("default", "/").upstream("api"));
+    let sluice = Sluice::start(&policy).await;
+    let url = format!("https://localhost:{}/users/1", sluice.addr().port());
+    let with = |identity: Option<&Leaf>| {
+        let mut builder = https_client(&ca.pem(), sluice.addr());
+        if let Some(leaf) = identity {
+            let pem = format!("{}{}", leaf.cert, leaf.key);
+            builder = builder.identity(reqwest::Identity::from_pem(pem.as_bytes()).unwrap());
+        }
+        let client = builder.build().unwrap();
+        let url = url.clone();
+        async move { client.get(url).send().await.map(|r| r.status()) }
+    };
+    assert_eq!(
+        with(Some(&clients.client("app"))).await.ok(),
+        Some(StatusCode::OK)
+    );
+    let hits = upstream.hits();
+    assert!(with(None).await.is_err(), "no client certificate");
+    assert!(
+        with(Some(&stranger.client("app"))).await.is_err(),
+        "a certificate of another CA"
     );
     assert_eq!(upstream.hits(), hits);
 }
@@ -768,6 +807,16 @@ fn check_names_the_file_line_column_and_field_of_each_bad_tls_setting() {
             listener("cert.pem", "other-key.pem"),
             "5:8: tls.key",
             "does not belong to the certificate",
+        ),
+        (
+            format!("{HEAD}tls:\n  cert: cert.pem\n  key: key.pem\n  client_ca: empty.pem\n{ROUTES}"),
+            "6:14: tls.client_ca",
+            "no PEM `CERTIFICATE` section",
+        ),
+        (
+            format!("{HEAD}tls:\n  cert: cert.pem\n  key: key.pem\n  client_ca: missing.pem\n{ROUTES}"),
+            "6:14: tls.client_ca",
+            "cannot read",
         ),
         (
             format!("{HEAD}upstreams:\n  api:\n    url: https://localhost\n    ca_file: empty.pem\n{ROUTES}"),

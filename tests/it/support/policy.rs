@@ -424,6 +424,23 @@ impl Policy {
         )
     }
 
+    /// `tls:` with `client_ca` (mutual TLS): clients must present a certificate of that CA.
+    pub fn mtls(
+        self,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        client_ca: &std::path::Path,
+    ) -> Policy {
+        self.set(
+            "tls",
+            Node::map([
+                ("cert", cert.display().to_string()),
+                ("key", key.display().to_string()),
+                ("client_ca", client_ca.display().to_string()),
+            ]),
+        )
+    }
+
     /// One JWT verifier of `jwt:`, after those already added.
     pub fn jwt(mut self, verifier: Jwt) -> Policy {
         match self.fields.iter_mut().find(|(k, _)| k == "jwt") {
