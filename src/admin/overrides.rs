@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::{find_limit, json_response, limits, merge, problem, Admin};
 use crate::config::ConfigDuration;
-use crate::limiter::overrides::{OverrideError, DEFAULT_TTL, MAX_TTL};
+use crate::limiter::overrides::{registry_of, OverrideError, DEFAULT_TTL, MAX_TTL};
 use crate::proxy::ProxyBody;
 use crate::request::store_key;
 
@@ -197,7 +197,8 @@ impl Admin {
                 );
             };
             let ttl = change.ttl.unwrap_or(DEFAULT_TTL);
-            match store.set_override(&check, requests, ttl).await {
+            let registry = registry_of(&policy.key_prefix);
+            match store.set_override(&check, requests, ttl, &registry).await {
                 Ok((old, told)) => {
                     audit("set", old, Some(requests));
                     merge(&mut body, json!({
