@@ -166,11 +166,12 @@ impl Admin {
         by: &str,
     ) -> Response<ProxyBody> {
         let store = self.gateway.store();
+        let registry = crate::limiter::overrides::registry_of(&self.gateway.policy().key_prefix);
         let mut results = Vec::with_capacity(checked.len());
         for chunk in checked.chunks(IN_FLIGHT) {
             let mut writes = Vec::with_capacity(chunk.len());
             for one in chunk {
-                writes.push(store.set_override(&one.check, one.requests, one.ttl));
+                writes.push(store.set_override(&one.check, one.requests, one.ttl, &registry));
             }
             results.extend(chunk.iter().zip(join_all(writes).await));
         }

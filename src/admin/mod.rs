@@ -11,6 +11,7 @@ mod bulk;
 mod config_view;
 mod guard;
 mod limits;
+mod overridden;
 mod overrides;
 mod usage;
 
@@ -236,11 +237,15 @@ impl Admin {
                 self.usage_of(query, path).await
             }
             ["usage"] => not_allowed(path, "GET"),
+            ["overrides"] if method == Method::GET => self.overridden(path).await,
+            ["overrides"] => not_allowed(path, "GET"),
             _ => problem(
                 StatusCode::NOT_FOUND,
                 "no such admin endpoint: try /admin/v1/limits/{route}/{limit}?key=..., \
-                 /admin/v1/limits/{route}/{limit}/override?key=..., /admin/v1/config or \
-                 /admin/v1/reload",
+                 /admin/v1/limits/{route}/{limit}/override?key=..., \
+                 /admin/v1/limits/{route}/{limit}/overrides, \
+                 /admin/v1/limits/{route}/{limit}/usage, /admin/v1/usage?key=..., \
+                 /admin/v1/overrides, /admin/v1/config or /admin/v1/reload",
                 path,
                 &[],
             ),

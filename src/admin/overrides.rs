@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::{json_response, limits, merge, problem, Admin};
 use crate::config::ConfigDuration;
-use crate::limiter::overrides::{OverrideError, DEFAULT_TTL, MAX_TTL};
+use crate::limiter::overrides::{registry_of, OverrideError, DEFAULT_TTL, MAX_TTL};
 use crate::limiter::{Check, Store};
 use crate::proxy::ProxyBody;
 use crate::request::store_key;
@@ -185,7 +185,10 @@ impl Admin {
                 );
             };
             let answer = match *method {
-                Method::PUT => set(store, &check, &change, path).await,
+                Method::PUT => {
+                    let registry = registry_of(&policy.key_prefix);
+                    set(store, &check, &change, &registry, path).await
+                }
                 Method::DELETE => delete(store, &check).await,
                 _ => get(store, &check).await,
             };
@@ -218,8 +221,15 @@ enum Failed {
     Store(String),
 }
 
-/// `PUT`: sets the identity's override to `change`'s number, for its `ttl`.
-async fn set(store: &Store, check: &Check, change: &Change, path: &str) -> Result<Answer, Failed> {
+/// `PUT`: sets the identity's override to `change`'s number, for its `ttl`, noting its limit in
+/// `registry` (the list of limits holding overrides).
+async fn set(
+    store: &Store,
+    check: &Check,
+    change: &Change,
+    registry: &str,
+    path: &str,
+) -> Result<Answer, Failed> {
     let Some(requests) = change.requests else {
         return Err(Failed::Refused(problem(
             StatusCode::BAD_REQUEST,
@@ -229,7 +239,7 @@ async fn set(store: &Store, check: &Check, change: &Change, path: &str) -> Resul
         )));
     };
     let ttl = change.ttl.unwrap_or(DEFAULT_TTL);
-    match store.set_override(check, requests, ttl).await {
+    match store.set_override(check, requests, ttl, registry).await {
         Ok((old, told)) => Ok(Answer {
             outcome: json!({
                 "old": old,

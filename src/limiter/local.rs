@@ -653,6 +653,21 @@ impl LocalStore {
         listed
     }
 
+    /// The limits holding overrides in force, at most `most`, each with how many.
+    pub fn overridden_limits(&self, most: usize) -> Vec<super::overrides::Holder> {
+        let now = micros_since(self.epoch);
+        let overrides = lock(&self.overrides);
+        let mut counts = std::collections::BTreeMap::<String, u64>::new();
+        for (key, _) in overrides.iter().filter(|(_, &(_, expires))| expires > now) {
+            *counts.entry(super::overrides::index_of(key)).or_default() += 1;
+        }
+        counts
+            .into_iter()
+            .take(most)
+            .map(|(index, overrides)| super::overrides::Holder { index, overrides })
+            .collect()
+    }
+
     /// Deletes the override at `key`; the one it was.
     pub fn delete_override(&self, key: &str) -> Option<u32> {
         let now = micros_since(self.epoch);

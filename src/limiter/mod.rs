@@ -699,20 +699,22 @@ impl Store {
 
 /// Overrides of one identity's limit (`overrides`), for the admin API.
 impl Store {
-    /// Sets the override of `check`'s identity to `requests` for `ttl`: the override it
-    /// replaced, and how many instances were told to forget their denials of the
-    /// identity (`None` in process, or when that could not be published).
+    /// Sets the override of `check`'s identity to `requests` for `ttl`, its limit noted in
+    /// `registry` (`overrides::registry_of`): the override it replaced, and how many
+    /// instances were told to forget their denials of the identity (`None` in process, or
+    /// when that could not be published).
     pub async fn set_override(
         &self,
         check: &Check,
         requests: u32,
         ttl: Duration,
+        registry: &str,
     ) -> Result<(Option<u32>, Option<u64>), overrides::OverrideError> {
         let key = override_key(check)?;
         match &self.backend {
             Backend::Local(store) => Ok((store.set_override(&key, requests, ttl)?, None)),
             Backend::Redis { store, denials, .. } => {
-                let old = store.set_override(&key, requests, ttl).await?;
+                let old = store.set_override(&key, requests, ttl, registry).await?;
                 Ok((old, changed(store, denials, &check.key).await))
             }
         }
@@ -727,6 +729,19 @@ impl Store {
         match &self.backend {
             Backend::Local(store) => Ok(store.get_override(&key)),
             Backend::Redis { store, .. } => store.get_override(&key).await,
+        }
+    }
+
+    /// The limits holding overrides (noted in `registry` in Redis), at most `most`, whether
+    /// or not the policy still has them.
+    pub async fn overridden_limits(
+        &self,
+        registry: &str,
+        most: usize,
+    ) -> Result<Vec<overrides::Holder>, StoreError> {
+        match &self.backend {
+            Backend::Local(store) => Ok(store.overridden_limits(most)),
+            Backend::Redis { store, .. } => store.overridden_limits(registry, most).await,
         }
     }
 

@@ -53,6 +53,22 @@ pub fn index_of(key: &str) -> String {
     format!("{limit}overrides")
 }
 
+/// The list of the limits that hold overrides, so that those of a limit no longer in the
+/// policy are found (the admin API's `GET /admin/v1/overrides`) without reading the keyspace:
+/// a sorted set `{key_prefix}:overridden`, member a limit's index ([`index_of`]), score when
+/// its last override written expires (ms since the epoch). Kept for [`MAX_TTL`] after its last
+/// write. (No counted key has two segments, so it meets none.)
+pub fn registry_of(key_prefix: &str) -> String {
+    format!("{key_prefix}:overridden")
+}
+
+/// One limit that holds overrides: its index ([`index_of`]) and how many are in force.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub index: String,
+    pub overrides: u64,
+}
+
 /// The identity an override key is of: the text between its braces.
 pub fn identity_of(overrides: &str) -> &str {
     let open = overrides.find('{').map_or(0, |brace| brace + 1);

@@ -263,6 +263,83 @@ async fn an_override_expires_on_its_own_and_outlives_a_restart() {
     );
 }
 
+/// `GET /admin/v1/overrides` on `sluice`: (route, limit, overrides) of the policy's limits
+/// holding some, and (index, overrides) of those the policy does not have.
+async fn holders(sluice: &Sluice) -> (Vec<(String, String, u64)>, Vec<(String, u64)>) {
+    let response = support::client()
+        .get(format!("{}/admin/v1/overrides", sluice.admin_url()))
+        .send()
+        .await
+        .expect("the admin API answers");
+    assert_eq!(response.status(), 200);
+    let body: serde_json::Value = response.json().await.expect("JSON");
+    let text = |value: &serde_json::Value| value.as_str().unwrap_or_default().to_owned();
+    let limits = body["limits"].as_array().expect("a list");
+    let gone = body["not_in_policy"].as_array().expect("a list");
+    (
+        limits
+            .iter()
+            .map(|l| {
+                (
+                    text(&l["route"]),
+                    text(&l["limit"]),
+                    l["overrides"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect(),
+        gone.iter()
+            .map(|l| (text(&l["index"]), l["overrides"].as_u64().unwrap_or(0)))
+            .collect(),
+    )
+}
+
+/// A limit removed from the policy (here: renamed, on a second instance of the same Redis)
+/// keeps its overrides until they expire, applied to nothing: the renamed limit counts with
+/// the policy's number, and the admin API lists the removed limit's overrides apart, while an
+/// instance whose policy still has the limit names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_limits_overrides_are_listed_apart_and_applied_to_nothing() {
+    let redis = Redis::start().await;
+    let up = Upstream::start().await;
+    let old = Sluice::start(&policy(&up, hourly()).store_redis(&redis)).await;
+    for key in ["a", "b"] {
+        let (status, body) = admin(
+            &old,
+            reqwest::Method::PUT,
+            &format!("key=h:x-api-key={key}&requests=10"),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let renamed = Limit::requests("per-hour", 3, "1h").set("overrides", true);
+    let new = Sluice::start(&policy(&up, renamed).store_redis(&redis)).await;
+    let client = support::client();
+    for _ in 0..3 {
+        assert_eq!(hit(&client, &new, "a").await.status(), 200);
+    }
+    assert_eq!(
+        hit(&client, &new, "a").await.status(),
+        429,
+        "the removed limit's override of 10 is not the renamed limit's"
+    );
+    assert_eq!(
+        holders(&old).await,
+        (vec![("api".to_owned(), "hourly".to_owned(), 2)], vec![])
+    );
+    let (named, gone) = holders(&new).await;
+    assert_eq!(named, vec![]);
+    assert_eq!(gone.len(), 1, "{gone:?}");
+    assert!(gone[0].0.contains(":hourly:"), "{gone:?}");
+    assert_eq!(gone[0].1, 2);
+    assert!(
+        redis
+            .assert_every_key_expires(Duration::from_secs(400 * 86_400))
+            .await
+            > 0,
+        "the list of limits holding overrides expires too"
+    );
+}
+
 /// In process: the same endpoint, the override kept in sluice's memory; a limit without
 /// `overrides: true` refuses one with 409 and says how to allow it; a bad number is a 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

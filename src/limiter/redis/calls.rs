@@ -329,13 +329,14 @@ impl RedisStore {
         })
     }
 
-    /// Sets the override at `key` (`overrides::key_of`) to `requests` for `ttl`; the override
-    /// it replaced, if any.
+    /// Sets the override at `key` (`overrides::key_of`) to `requests` for `ttl`, its limit
+    /// noted in `registry` (`overrides::registry_of`); the override it replaced, if any.
     pub async fn set_override(
         &self,
         key: &str,
         requests: u32,
         ttl: Duration,
+        registry: &str,
     ) -> Result<Option<u32>, StoreError> {
         let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
         let mut cmd = redis::cmd("SET");
@@ -355,7 +356,46 @@ impl RedisStore {
         let _: i64 = self
             .run(redis::cmd("PEXPIRE").arg(&index).arg(max_ms), None)
             .await?;
+        // The limit among those holding overrides, until its latest override expires.
+        let mut note = redis::cmd("ZADD");
+        note.arg(registry)
+            .arg("GT")
+            .arg(now_ms.saturating_add(ttl_ms))
+            .arg(&index);
+        let _: i64 = self.run(&note, None).await?;
+        let _: i64 = self
+            .run(redis::cmd("PEXPIRE").arg(registry).arg(max_ms), None)
+            .await?;
         Ok(old)
+    }
+
+    /// The limits noted in `registry` that hold overrides in force, at most `most`, each
+    /// with how many (one `ZCOUNT` of its index each).
+    pub async fn overridden_limits(
+        &self,
+        registry: &str,
+        most: usize,
+    ) -> Result<Vec<overrides::Holder>, StoreError> {
+        let now_ms = unix_ms();
+        let mut range = redis::cmd("ZRANGEBYSCORE");
+        range
+            .arg(registry)
+            .arg(format!("({now_ms}"))
+            .arg("+inf")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(most);
+        let indexes: Vec<String> = self.run(&range, None).await?;
+        let mut holders = Vec::with_capacity(indexes.len());
+        for index in indexes {
+            let mut count = redis::cmd("ZCOUNT");
+            count.arg(&index).arg(format!("({now_ms}")).arg("+inf");
+            let overrides: u64 = self.run(&count, None).await?;
+            if overrides > 0 {
+                holders.push(overrides::Holder { index, overrides });
+            }
+        }
+        Ok(holders)
     }
 
     /// The overrides of the limit whose keys start as `key`'s, at most `most`, soonest to
