@@ -125,20 +125,12 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     let store = open_store(config, &metrics).await?;
     let workers = config.server.workers.resolve();
     let bound = bind(config, workers)?;
-    tracing::info!(
-        listen = %config.listen,
+    log_serving(
+        config,
         workers,
-        tls = config.tls.is_some(),
-        admin_listen = %config.admin_listen.value,
-        admin_listen_default = config.admin_listen.referenced == serde_saphyr::Location::UNKNOWN,
-        routes = policy.routes.len(),
-        store = store.name(),
-        admin_api = match (config.admin.api, &token) {
-            (false, _) => "off",
-            (true, Some(_)) => "bearer token",
-            (true, None) => "open (loopback, no token)",
-        },
-        "sluice is serving"
+        policy.routes.len(),
+        store.name(),
+        token.as_ref(),
     );
 
     let settings = server::Settings::new(&config.server);
@@ -163,9 +155,7 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         gateway: Arc::clone(&gateway),
         rls: rls.clone(),
     });
-    if rls.is_some() {
-        tokio::spawn(Arc::clone(&health).report(health_reporter, stopping.clone()));
-    }
+    report_health(&health, health_reporter, &stopping);
     let (admin_api, admin_hosts) = (config.admin.api, config.admin.hosts.clone());
     let listen = config.listen;
     let shutdown_delay = config.server.shutdown_delay.map_or(Duration::ZERO, |d| d.0);
@@ -193,14 +183,10 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
         async move { gateway.handle(request, peer).await }
     };
     let counters = gateway_counters(&metrics);
-    let server::Workers { first, others } = server::start_workers(
-        bound.gateway,
-        handler,
-        gateway_settings,
-        counters,
-        stopping.clone(),
-    )
-    .map_err(|err| workers_error(err, listen))?;
+    let (listeners, stopped) = (bound.gateway, stopping.clone());
+    let server::Workers { first, others } =
+        server::start_workers(listeners, handler, gateway_settings, counters, stopped)
+            .map_err(|err| workers_error(err, listen))?;
     let admin = serve_admin(admin, bound.admin, settings, &metrics, stopping);
     tokio::join!(first, admin);
     others.drained().await;
@@ -210,6 +196,44 @@ pub async fn serve(file: &Path, loaded: Version) -> Result<(), StartError> {
     // The counts since the last report, so a rejection summary is never lost at exit.
     request_log.report();
     Ok(())
+}
+
+/// Reports `health` over gRPC's health service on the rate limit service's port, when there
+/// is one, until the server stops.
+fn report_health(
+    health: &Arc<Health>,
+    reporter: tonic_health::server::HealthReporter,
+    stopping: &watch::Receiver<bool>,
+) {
+    if health.rls.is_some() {
+        tokio::spawn(Arc::clone(health).report(reporter, stopping.clone()));
+    }
+}
+
+/// The line that says sluice is serving, and how: its listeners, workers, routes, store and
+/// admin API.
+fn log_serving(
+    config: &crate::config::Config,
+    workers: usize,
+    routes: usize,
+    store: &str,
+    token: Option<&Token>,
+) {
+    tracing::info!(
+        listen = %config.listen,
+        workers,
+        tls = config.tls.is_some(),
+        admin_listen = %config.admin_listen.value,
+        admin_listen_default = config.admin_listen.referenced == serde_saphyr::Location::UNKNOWN,
+        routes,
+        store,
+        admin_api = match (config.admin.api, token) {
+            (false, _) => "off",
+            (true, Some(_)) => "bearer token",
+            (true, None) => "open (loopback, no token)",
+        },
+        "sluice is serving"
+    );
 }
 
 /// Why the workers did not start, as a start error: a gateway listener that cannot be

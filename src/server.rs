@@ -336,30 +336,10 @@ pub async fn serve<H, F, B>(
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let Counters { open, accepted } = counters;
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(settings.header_read_timeout)
-        .max_buf_size(settings.parser_max_head_bytes)
-        .max_headers(settings.parser_max_headers);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(settings.parser_max_head_bytes).unwrap_or(u32::MAX));
-    let builder = Arc::new(builder);
+    let builder = Arc::new(connection_builder(&settings));
     loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(err) => {
-                    // Usually out of file descriptors: wait instead of spinning.
-                    tracing::warn!(error = %err, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = shutdown.wait_for(|stop| *stop) => break,
+        let Some((stream, peer)) = accept(&listener, &mut shutdown).await else {
+            break;
         };
         let slot = tokio::select! {
             slot = Arc::clone(&slots).acquire_owned() => match slot {
@@ -371,16 +351,6 @@ pub async fn serve<H, F, B>(
         if let Some(accepted) = &accepted {
             accepted.inc();
         }
-        let _ = stream.set_nodelay(true);
-        let accepted = Instant::now();
-        let handler = handler.clone();
-        let first_request = Arc::new(AtomicBool::new(false));
-        let over_tls = settings.tls.is_some();
-        let local = settings
-            .local_addr
-            .then(|| stream.local_addr().ok())
-            .flatten()
-            .map(LocalAddr);
         open.inc();
         let hold = ConnectionHold {
             idle_timeout: settings.idle_timeout,
@@ -389,72 +359,9 @@ pub async fn serve<H, F, B>(
                 open: open.clone(),
             }),
         };
-        // The streams of this connection reading a body whole (HTTP/2 only: an HTTP/1.1
-        // connection reads one request at a time).
-        let readers = ConnectionReaders::default();
-        let service = {
-            let first_request = Arc::clone(&first_request);
-            service_fn(move |mut request: Request<Incoming>| {
-                first_request.store(true, Ordering::Relaxed);
-                if request.version() == http::Version::HTTP_2 {
-                    request.extensions_mut().insert(readers.clone());
-                }
-                if over_tls {
-                    request.extensions_mut().insert(crate::tls::ClientTls);
-                }
-                if let Some(local) = local {
-                    request.extensions_mut().insert(local);
-                }
-                if request.headers().contains_key(http::header::UPGRADE) {
-                    request.extensions_mut().insert(hold.clone());
-                }
-                // Boxed once here, so what hyper stores and moves into place on every request
-                // is a pointer, not the handler's ~6 KB future; and `map`, not an async block
-                // awaiting it: a future captured by an async block takes its room twice.
-                Box::pin(handler(request, peer)).map(Ok::<_, Infallible>)
-            })
-        };
+        let handler = handler.clone();
         let builder = Arc::clone(&builder);
-        let shutdown = shutdown.clone();
-        let idle_timeout = settings.idle_timeout;
-        let head_due = accepted + settings.header_read_timeout;
-        let tls = settings.tls.clone();
-        tokio::spawn(async move {
-            let activity = Activity::default();
-            let stream = StampedIo::new(stream, &activity);
-            let stream = match tls {
-                None => MaybeTls::Plain(stream),
-                // The handshake is part of what must arrive by `head_due`: a client that
-                // opens TLS and stalls holds a slot no longer than one that sends no head.
-                Some(tls) => {
-                    let handshake =
-                        tokio::time::timeout_at(head_due.into(), tls.acceptor.accept(stream));
-                    match handshake.await {
-                        Ok(Ok(stream)) => MaybeTls::Tls(Box::new(stream)),
-                        Ok(Err(err)) => {
-                            tls.handshake_errors.inc();
-                            tracing::debug!(%peer, error = %err, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => {
-                            tls.handshake_errors.inc();
-                            tracing::debug!(%peer, "TLS handshake not done within the header-read timeout");
-                            return;
-                        }
-                    }
-                }
-            };
-            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            let closer = ConnectionCloser {
-                idle: IdleWatch::new(activity, idle_timeout),
-                head_due,
-                first_request,
-                shutdown,
-            };
-            if let Err(err) = closer.run(connection).await {
-                tracing::debug!(%peer, error = %err, "connection ended with an error");
-            }
-        });
+        spawn_connection(stream, peer, handler, hold, &settings, builder, &shutdown);
     }
     drop(listener);
     // Every open connection holds a slot: all of them back means every connection is done
@@ -465,6 +372,144 @@ pub async fn serve<H, F, B>(
         .is_err()
     {
         tracing::warn!("some connections were still busy after {grace:?}; closing them");
+    }
+}
+
+/// The HTTP/1.1 and HTTP/2 connection builder of a listener: its timers, its header-read
+/// timeout and the parser's caps on a request head.
+fn connection_builder(settings: &Settings) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(settings.header_read_timeout)
+        .max_buf_size(settings.parser_max_head_bytes)
+        .max_headers(settings.parser_max_headers);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(settings.parser_max_head_bytes).unwrap_or(u32::MAX));
+    builder
+}
+
+/// The next connection, or `None` once `shutdown` turns true. A failed accept (usually out
+/// of file descriptors) waits a little instead of spinning.
+async fn accept(
+    listener: &TcpListener,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Option<(TcpStream, SocketAddr)> {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => return Some(accepted),
+                Err(err) => {
+                    tracing::warn!(error = %err, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = shutdown.wait_for(|stop| *stop) => return None,
+        }
+    }
+}
+
+/// Serves one accepted connection on a task of its own: its TLS handshake (if any), then its
+/// requests through `handler`, until `ConnectionCloser` ends it. `hold` keeps its slot.
+fn spawn_connection<H, F, B>(
+    stream: TcpStream,
+    peer: SocketAddr,
+    handler: H,
+    hold: ConnectionHold,
+    settings: &Settings,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    shutdown: &watch::Receiver<bool>,
+) where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let _ = stream.set_nodelay(true);
+    let accepted = Instant::now();
+    let first_request = Arc::new(AtomicBool::new(false));
+    let local = settings
+        .local_addr
+        .then(|| stream.local_addr().ok())
+        .flatten()
+        .map(LocalAddr);
+    let service = {
+        let first_request = Arc::clone(&first_request);
+        let over_tls = settings.tls.is_some();
+        // The streams of this connection reading a body whole (HTTP/2 only: an HTTP/1.1
+        // connection reads one request at a time).
+        let readers = ConnectionReaders::default();
+        service_fn(move |mut request: Request<Incoming>| {
+            first_request.store(true, Ordering::Relaxed);
+            if request.version() == http::Version::HTTP_2 {
+                request.extensions_mut().insert(readers.clone());
+            }
+            if over_tls {
+                request.extensions_mut().insert(crate::tls::ClientTls);
+            }
+            if let Some(local) = local {
+                request.extensions_mut().insert(local);
+            }
+            if request.headers().contains_key(http::header::UPGRADE) {
+                request.extensions_mut().insert(hold.clone());
+            }
+            // Boxed once here, so what hyper stores and moves into place on every request
+            // is a pointer, not the handler's ~6 KB future; and `map`, not an async block
+            // awaiting it: a future captured by an async block takes its room twice.
+            Box::pin(handler(request, peer)).map(Ok::<_, Infallible>)
+        })
+    };
+    let shutdown = shutdown.clone();
+    let idle_timeout = settings.idle_timeout;
+    let head_due = accepted + settings.header_read_timeout;
+    let tls = settings.tls.clone();
+    tokio::spawn(async move {
+        let activity = Activity::default();
+        let stream = StampedIo::new(stream, &activity);
+        let Some(stream) = handshake(stream, tls, head_due, peer).await else {
+            return;
+        };
+        let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+        let closer = ConnectionCloser {
+            idle: IdleWatch::new(activity, idle_timeout),
+            head_due,
+            first_request,
+            shutdown,
+        };
+        if let Err(err) = closer.run(connection).await {
+            tracing::debug!(%peer, error = %err, "connection ended with an error");
+        }
+    });
+}
+
+/// The connection as the listener serves it: plain, or after its TLS handshake (`None`:
+/// the handshake failed, counted). The handshake is part of what must arrive by `head_due`:
+/// a client that opens TLS and stalls holds a slot no longer than one that sends no head.
+async fn handshake(
+    stream: Watched,
+    tls: Option<ServerTls>,
+    head_due: Instant,
+    peer: SocketAddr,
+) -> Option<Accepted<Watched>> {
+    let Some(tls) = tls else {
+        return Some(MaybeTls::Plain(stream));
+    };
+    let handshake = tokio::time::timeout_at(head_due.into(), tls.acceptor.accept(stream));
+    match handshake.await {
+        Ok(Ok(stream)) => Some(MaybeTls::Tls(Box::new(stream))),
+        Ok(Err(err)) => {
+            tls.handshake_errors.inc();
+            tracing::debug!(%peer, error = %err, "TLS handshake failed");
+            None
+        }
+        Err(_) => {
+            tls.handshake_errors.inc();
+            tracing::debug!(%peer, "TLS handshake not done within the header-read timeout");
+            None
+        }
     }
 }
 

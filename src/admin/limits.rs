@@ -150,89 +150,16 @@ fn from_parts(
     named: NamedIdentity,
     shape: &str,
 ) -> Result<String, String> {
-    let mut headers = HeaderMap::new();
-    let mut query = String::new();
-    let (mut method, mut path) = (Method::GET, String::from("/"));
-    // A verified token's claims, as the operator names them: the key the gateway would
-    // build for a request whose token carries them.
-    let mut claims = serde_json::Map::new();
-    let mut model = None;
-    for (part, value) in &named.parts {
-        if !limit.key.contains(part) {
-            return Err(format!("{shape}: it has no {}", part));
-        }
-        let header_value = || {
-            HeaderValue::from_bytes(value)
-                .map_err(|_| format!("{}: not a valid header value", part))
-        };
-        match part {
-            KeyPart::Header(name) => {
-                headers.append(name.clone(), header_value()?);
-            }
-            KeyPart::Cookie(name) => {
-                let mut field = name.clone().into_bytes();
-                field.push(b'=');
-                field.extend_from_slice(value);
-                let field = HeaderValue::from_bytes(&field)
-                    .map_err(|_| format!("cookie:{name}: not a valid cookie value"))?;
-                headers.append(COOKIE, field);
-            }
-            KeyPart::Host => {
-                headers.insert(HOST, header_value()?);
-            }
-            KeyPart::Query(name) => {
-                if !query.is_empty() {
-                    query.push('&');
-                }
-                encode_into(&mut query, name.as_bytes());
-                query.push('=');
-                encode_into(&mut query, value);
-            }
-            KeyPart::Method => {
-                method = Method::from_bytes(value)
-                    .map_err(|_| "method: not an HTTP method".to_owned())?;
-            }
-            KeyPart::Path => {
-                let text = std::str::from_utf8(value).map_err(|_| "path: not UTF-8".to_owned())?;
-                path = crate::path::normalize(text)
-                    .map_err(|err| format!("path: {err}"))?
-                    .into_owned();
-            }
-            KeyPart::Jwt(claim) => {
-                let text =
-                    std::str::from_utf8(value).map_err(|_| format!("jwt:{claim}: not UTF-8"))?;
-                claims.insert(claim.clone(), serde_json::Value::from(text));
-            }
-            KeyPart::Model => {
-                let text = std::str::from_utf8(value).map_err(|_| "model: not UTF-8".to_owned())?;
-                model = Some(crate::model::normalise(text));
-            }
-            KeyPart::ClientIp | KeyPart::Param(_) => {}
-        }
-    }
-    let claims = crate::jwt::Claims::new(claims);
-    let given_path = named.parts.iter().any(|(p, _)| *p == KeyPart::Path);
-    for part in &limit.key {
-        let needed = match part {
-            KeyPart::ClientIp => named.client_ip.is_none().then_some("client_ip="),
-            KeyPart::Method => (!named.parts.iter().any(|(p, _)| p == part)).then_some("method="),
-            KeyPart::Host => (!named.parts.iter().any(|(p, _)| p == part)).then_some("host="),
-            KeyPart::Path | KeyPart::Param(_) => (!given_path).then_some("path="),
-            _ => None,
-        };
-        if let Some(needed) = needed {
-            return Err(format!("{shape}: give {needed} for its {}", part));
-        }
-        if let KeyPart::Param(name) = part {
-            let bare = crate::path::without_parameters(&path);
-            if route.matcher.param(&bare, name).is_none() {
-                return Err(format!(
-                    "path=`{path}` does not give param:{name}: give a path route `{}` matches",
-                    route.name
-                ));
-            }
-        }
-    }
+    let sketch = Sketch::of(limit, &named, shape)?;
+    check_needed(route, limit, &named, &sketch.path, shape)?;
+    let Sketch {
+        headers,
+        query,
+        method,
+        path,
+        claims,
+        model,
+    } = sketch;
     let target = if query.is_empty() {
         path.clone()
     } else {
@@ -259,6 +186,128 @@ fn from_parts(
         }
     }
     Ok(store_key::build(policy, route, limit, &request))
+}
+
+/// The parts of a request the key builder reads, made from the values an identity names.
+struct Sketch {
+    headers: HeaderMap,
+    query: String,
+    method: Method,
+    path: String,
+    /// A verified token's claims, as the operator names them: the key the gateway would
+    /// build for a request whose token carries them.
+    claims: crate::jwt::Claims,
+    model: Option<String>,
+}
+
+impl Sketch {
+    /// The request `named`'s parts describe, each part one of `limit`'s key (`shape`: the
+    /// key's parts, for errors).
+    fn of(limit: &Limit, named: &NamedIdentity, shape: &str) -> Result<Sketch, String> {
+        let mut headers = HeaderMap::new();
+        let mut query = String::new();
+        let (mut method, mut path) = (Method::GET, String::from("/"));
+        let mut claims = serde_json::Map::new();
+        let mut model = None;
+        for (part, value) in &named.parts {
+            if !limit.key.contains(part) {
+                return Err(format!("{shape}: it has no {}", part));
+            }
+            let header_value = || {
+                HeaderValue::from_bytes(value)
+                    .map_err(|_| format!("{}: not a valid header value", part))
+            };
+            match part {
+                KeyPart::Header(name) => {
+                    headers.append(name.clone(), header_value()?);
+                }
+                KeyPart::Cookie(name) => {
+                    let mut field = name.clone().into_bytes();
+                    field.push(b'=');
+                    field.extend_from_slice(value);
+                    let field = HeaderValue::from_bytes(&field)
+                        .map_err(|_| format!("cookie:{name}: not a valid cookie value"))?;
+                    headers.append(COOKIE, field);
+                }
+                KeyPart::Host => {
+                    headers.insert(HOST, header_value()?);
+                }
+                KeyPart::Query(name) => {
+                    if !query.is_empty() {
+                        query.push('&');
+                    }
+                    encode_into(&mut query, name.as_bytes());
+                    query.push('=');
+                    encode_into(&mut query, value);
+                }
+                KeyPart::Method => {
+                    method = Method::from_bytes(value)
+                        .map_err(|_| "method: not an HTTP method".to_owned())?;
+                }
+                KeyPart::Path => {
+                    let text =
+                        std::str::from_utf8(value).map_err(|_| "path: not UTF-8".to_owned())?;
+                    path = crate::path::normalize(text)
+                        .map_err(|err| format!("path: {err}"))?
+                        .into_owned();
+                }
+                KeyPart::Jwt(claim) => {
+                    let text = std::str::from_utf8(value)
+                        .map_err(|_| format!("jwt:{claim}: not UTF-8"))?;
+                    claims.insert(claim.clone(), serde_json::Value::from(text));
+                }
+                KeyPart::Model => {
+                    let text =
+                        std::str::from_utf8(value).map_err(|_| "model: not UTF-8".to_owned())?;
+                    model = Some(crate::model::normalise(text));
+                }
+                KeyPart::ClientIp | KeyPart::Param(_) => {}
+            }
+        }
+        Ok(Sketch {
+            headers,
+            query,
+            method,
+            path,
+            claims: crate::jwt::Claims::new(claims),
+            model,
+        })
+    }
+}
+
+/// Refuses an identity that leaves out a part of `limit`'s key the request cannot do
+/// without (its client ip, method, host or path), or whose `path` does not give a `param:`
+/// the key reads.
+fn check_needed(
+    route: &Route,
+    limit: &Limit,
+    named: &NamedIdentity,
+    path: &str,
+    shape: &str,
+) -> Result<(), String> {
+    let given_path = named.parts.iter().any(|(p, _)| *p == KeyPart::Path);
+    for part in &limit.key {
+        let needed = match part {
+            KeyPart::ClientIp => named.client_ip.is_none().then_some("client_ip="),
+            KeyPart::Method => (!named.parts.iter().any(|(p, _)| p == part)).then_some("method="),
+            KeyPart::Host => (!named.parts.iter().any(|(p, _)| p == part)).then_some("host="),
+            KeyPart::Path | KeyPart::Param(_) => (!given_path).then_some("path="),
+            _ => None,
+        };
+        if let Some(needed) = needed {
+            return Err(format!("{shape}: give {needed} for its {}", part));
+        }
+        if let KeyPart::Param(name) = part {
+            let bare = crate::path::without_parameters(path);
+            if route.matcher.param(&bare, name).is_none() {
+                return Err(format!(
+                    "path=`{path}` does not give param:{name}: give a path route `{}` matches",
+                    route.name
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Percent-encodes every byte but the unreserved ones, so the key builder decodes exactly

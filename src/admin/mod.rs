@@ -261,113 +261,51 @@ impl Admin {
         query: &str,
         path: &str,
     ) -> Response<ProxyBody> {
-        let policy = self.gateway.policy();
-        let (found, rule) = match find_limit(&policy, route, limit, path) {
-            Ok(found) => found,
-            Err(response) => return *response,
-        };
-        let key = match limits::store_key(&policy, found, rule, query) {
-            Ok(key) => key,
-            Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
-        };
-        let check = store_key::check(rule, key, crate::runtime::clock::now());
-        let store = self.gateway.store();
-        let identity = store_key::identity_of(&policy, found, rule, &check.key);
-        let concurrent = rule.spec.algorithm == crate::limiter::Algorithm::Concurrency;
-        let failed = |err: crate::limiter::StoreError| {
-            problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("{} store: {err}", store.name()),
-                path,
-                &[],
-            )
-        };
-        let outcome = if let Some(lease) = lease {
-            if !concurrent {
-                return problem(
-                    StatusCode::NOT_FOUND,
-                    &format!("limit `{limit}` is not a concurrency limit: it holds no leases"),
+        self.on_limit((route, limit), path, async |policy, found, rule| {
+            let key = match limits::store_key(policy, found, rule, query) {
+                Ok(key) => key,
+                Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
+            };
+            let check = store_key::check(rule, key, crate::runtime::clock::now());
+            let store = self.gateway.store();
+            let identity = store_key::identity_of(policy, found, rule, &check.key);
+            let concurrent = rule.spec.algorithm == crate::limiter::Algorithm::Concurrency;
+            let failed = |err: crate::limiter::StoreError| {
+                problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("{} store: {err}", store.name()),
                     path,
                     &[],
-                );
-            }
-            match store.end_lease(&check, lease).await {
-                Ok(ended) => {
-                    tracing::info!(route, limit, identity = %crate::log::key_hash(&check.key), lease, ended, "admin API: concurrency lease ended");
-                    json!({ "store": store.name(), "lease": lease, "ended": ended })
-                }
-                Err(err) => return failed(err),
-            }
-        } else if method == Method::DELETE {
-            match store.reset(&check).await {
-                Ok(forgotten) => {
-                    tracing::info!(route, limit, identity = %crate::log::key_hash(&check.key), "admin API: quota reset");
-                    json!({
-                        "store": store.name(),
-                        "forgotten": {
-                            "store_key": forgotten.store_key,
-                            "deny_cache": forgotten.deny_cache,
-                            "local_fallback": forgotten.fallback,
-                        },
-                        "instances_told": forgotten.instances_told,
-                    })
-                }
-                Err(err) => {
+                )
+            };
+            let outcome = match lease {
+                Some(_) if !concurrent => {
                     return problem(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        &format!(
-                            "{} store: {err}; this instance's deny cache and local fallback \
-                             state for the key were forgotten, the store's key was not",
-                            store.name()
-                        ),
+                        StatusCode::NOT_FOUND,
+                        &format!("limit `{limit}` is not a concurrency limit: it holds no leases"),
                         path,
                         &[],
                     )
                 }
+                Some(lease) => end_lease(store, &check, (route, limit, lease)).await,
+                None if method == Method::DELETE => reset(store, &check, (route, limit)).await,
+                None => peek(store, &check).await,
+            };
+            let outcome = match outcome {
+                Ok(outcome) => outcome,
+                Err(detail) => return problem(StatusCode::SERVICE_UNAVAILABLE, &detail, path, &[]),
+            };
+            let mut body = limit_view((route, limit), rule, &check, identity);
+            if concurrent && lease.is_none() && method == Method::GET {
+                match store.holders(&check).await {
+                    Ok((holders, _)) => merge(&mut body, holders_view(rule, &holders)),
+                    Err(err) => return failed(err),
+                }
             }
-        } else {
-            match store.peek(&check).await {
-                Ok((peek, answered)) => json!({
-                    "count": peek.count,
-                    "remaining": peek.remaining,
-                    "reset": peek.reset.as_secs_f64(),
-                    "store": answered,
-                }),
-                Err(err) => return failed(err),
-            }
-        };
-        let mut body = json!({
-            "route": route,
-            "limit": limit,
-            "algorithm": rule.spec.algorithm.label(),
-            "key": check.key,
-            "identity": identity,
-            "requests": rule.spec.requests,
-            "window": rule.spec.window.as_secs_f64(),
-            "burst": rule.spec.burst,
-            "cost": rule.spec.cost,
-            "unit": rule.unit(),
-        });
-        if let Some(quota) = &rule.quota {
-            merge(
-                &mut body,
-                json!({
-                    "quota": quota.period.label(),
-                    "time_zone": quota.zone_name,
-                    "period": check.key.rsplit(':').next(),
-                    "window": check.spec.window.as_secs_f64(),
-                    "resets_at": crate::response::reset_instant(quota, check.spec.window),
-                }),
-            );
-        }
-        if concurrent && lease.is_none() && method == Method::GET {
-            match store.holders(&check).await {
-                Ok((holders, _)) => merge(&mut body, holders_view(rule, &holders)),
-                Err(err) => return failed(err),
-            }
-        }
-        merge(&mut body, outcome);
-        json_response(StatusCode::OK, &body)
+            merge(&mut body, outcome);
+            json_response(StatusCode::OK, &body)
+        })
+        .await
     }
 
     async fn reload(&self, api: &Api, path: &str) -> Response<ProxyBody> {
@@ -454,6 +392,122 @@ fn holders_view(
         "window": serde_json::Value::Null,
         "holders": holders,
     })
+}
+
+/// What `GET` and `DELETE` of a limit answer besides their outcome: the limit as the policy
+/// states it, and the identity's key (with its calendar quota's period, if it has one).
+fn limit_view(
+    (route, limit): (&str, &str),
+    rule: &crate::policy::Limit,
+    check: &crate::limiter::Check,
+    identity: &str,
+) -> serde_json::Value {
+    let mut body = json!({
+        "route": route,
+        "limit": limit,
+        "algorithm": rule.spec.algorithm.label(),
+        "key": check.key,
+        "identity": identity,
+        "requests": rule.spec.requests,
+        "window": rule.spec.window.as_secs_f64(),
+        "burst": rule.spec.burst,
+        "cost": rule.spec.cost,
+        "unit": rule.unit(),
+    });
+    if let Some(quota) = &rule.quota {
+        merge(
+            &mut body,
+            json!({
+                "quota": quota.period.label(),
+                "time_zone": quota.zone_name,
+                "period": check.key.rsplit(':').next(),
+                "window": check.spec.window.as_secs_f64(),
+                "resets_at": crate::response::reset_instant(quota, check.spec.window),
+            }),
+        );
+    }
+    body
+}
+
+/// Ends one lease of a concurrency limit's identity; `Err`: why the store could not.
+async fn end_lease(
+    store: &crate::limiter::Store,
+    check: &crate::limiter::Check,
+    (route, limit, lease): (&str, &str, &str),
+) -> Result<serde_json::Value, String> {
+    match store.end_lease(check, lease).await {
+        Ok(ended) => {
+            tracing::info!(route, limit, identity = %crate::log::key_hash(&check.key), lease, ended, "admin API: concurrency lease ended");
+            Ok(json!({ "store": store.name(), "lease": lease, "ended": ended }))
+        }
+        Err(err) => Err(format!("{} store: {err}", store.name())),
+    }
+}
+
+/// Resets one identity of a limit: its key in the store, and what every instance remembers
+/// of it; `Err`: why the store could not.
+async fn reset(
+    store: &crate::limiter::Store,
+    check: &crate::limiter::Check,
+    (route, limit): (&str, &str),
+) -> Result<serde_json::Value, String> {
+    match store.reset(check).await {
+        Ok(forgotten) => {
+            tracing::info!(route, limit, identity = %crate::log::key_hash(&check.key), "admin API: quota reset");
+            Ok(json!({
+                "store": store.name(),
+                "forgotten": {
+                    "store_key": forgotten.store_key,
+                    "deny_cache": forgotten.deny_cache,
+                    "local_fallback": forgotten.fallback,
+                },
+                "instances_told": forgotten.instances_told,
+            }))
+        }
+        Err(err) => Err(format!(
+            "{} store: {err}; this instance's deny cache and local fallback state for the key \
+             were forgotten, the store's key was not",
+            store.name()
+        )),
+    }
+}
+
+/// One identity's count, what remains and when it resets; `Err`: why the store could not.
+async fn peek(
+    store: &crate::limiter::Store,
+    check: &crate::limiter::Check,
+) -> Result<serde_json::Value, String> {
+    match store.peek(check).await {
+        Ok((peek, answered)) => Ok(json!({
+            "count": peek.count,
+            "remaining": peek.remaining,
+            "reset": peek.reset.as_secs_f64(),
+            "store": answered,
+        })),
+        Err(err) => Err(format!("{} store: {err}", store.name())),
+    }
+}
+
+impl Admin {
+    /// Answers a request on `route`'s `limit` in the policy in force with `answer` (given the
+    /// policy, the route and the limit), or with the 404 that says which of the two the
+    /// policy lacks: the one place the limit endpoints find what they are about.
+    async fn on_limit(
+        &self,
+        (route, limit): (&str, &str),
+        path: &str,
+        answer: impl AsyncFnOnce(
+            &crate::policy::Policy,
+            &crate::policy::Route,
+            &crate::policy::Limit,
+        ) -> Response<ProxyBody>,
+    ) -> Response<ProxyBody> {
+        let policy = self.gateway.policy();
+        match find_limit(&policy, route, limit, path) {
+            Ok((found, rule)) => answer(&policy, found, rule).await,
+            Err(response) => *response,
+        }
+    }
 }
 
 /// `route`'s `limit` in `policy`, or the 404 that says which is missing.

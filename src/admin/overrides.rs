@@ -8,9 +8,10 @@ use std::time::Duration;
 use http::{Method, Response, StatusCode};
 use serde_json::json;
 
-use super::{find_limit, json_response, limits, merge, problem, Admin};
+use super::{json_response, limits, merge, problem, Admin};
 use crate::config::ConfigDuration;
 use crate::limiter::overrides::{registry_of, OverrideError, DEFAULT_TTL, MAX_TTL};
+use crate::limiter::{Check, Store};
 use crate::proxy::ProxyBody;
 use crate::request::store_key;
 
@@ -66,62 +67,62 @@ impl Admin {
         query: &str,
         path: &str,
     ) -> Response<ProxyBody> {
-        let policy = self.gateway.policy();
-        let (found, rule) = match find_limit(&policy, route, limit, path) {
-            Ok(found) => found,
-            Err(response) => return *response,
-        };
-        let most = match query.split('&').find_map(|pair| pair.strip_prefix("max=")) {
-            None => DEFAULT_LISTED,
-            Some(text) => match text.parse::<usize>() {
-                Ok(n) if (1..=MOST_LISTED).contains(&n) => n,
-                _ => {
-                    return problem(
-                        StatusCode::BAD_REQUEST,
-                        &format!("max=`{text}`: expected a whole number from 1 to {MOST_LISTED}"),
-                        path,
-                        &[],
+        self.on_limit((route, limit), path, async |policy, found, rule| {
+            let most = match query.split('&').find_map(|pair| pair.strip_prefix("max=")) {
+                None => DEFAULT_LISTED,
+                Some(text) => match text.parse::<usize>() {
+                    Ok(n) if (1..=MOST_LISTED).contains(&n) => n,
+                    _ => {
+                        return problem(
+                            StatusCode::BAD_REQUEST,
+                            &format!(
+                                "max=`{text}`: expected a whole number from 1 to {MOST_LISTED}"
+                            ),
+                            path,
+                            &[],
+                        )
+                    }
+                },
+            };
+            let check = crate::limiter::Check {
+                key: store_key::prefix(policy, found, rule),
+                spec: rule.spec,
+            };
+            let store = self.gateway.store();
+            match store.list_overrides(&check, most).await {
+                Ok(listed) => {
+                    let overrides: Vec<_> = listed
+                        .iter()
+                        .map(|entry| {
+                            json!({
+                                "identity": crate::limiter::overrides::identity_of(&entry.key),
+                                "requests": entry.requests,
+                                "expires_in": entry.expires_in.as_secs_f64(),
+                            })
+                        })
+                        .collect();
+                    json_response(
+                        StatusCode::OK,
+                        &json!({
+                            "route": route,
+                            "limit": limit,
+                            "unit": rule.unit(),
+                            "policy_requests": rule.spec.requests,
+                            "store": store.name(),
+                            "truncated": overrides.len() == most,
+                            "overrides": overrides,
+                        }),
                     )
                 }
-            },
-        };
-        let check = crate::limiter::Check {
-            key: store_key::prefix(&policy, found, rule),
-            spec: rule.spec,
-        };
-        let store = self.gateway.store();
-        match store.list_overrides(&check, most).await {
-            Ok(listed) => {
-                let overrides: Vec<_> = listed
-                    .iter()
-                    .map(|entry| {
-                        json!({
-                            "identity": crate::limiter::overrides::identity_of(&entry.key),
-                            "requests": entry.requests,
-                            "expires_in": entry.expires_in.as_secs_f64(),
-                        })
-                    })
-                    .collect();
-                json_response(
-                    StatusCode::OK,
-                    &json!({
-                        "route": route,
-                        "limit": limit,
-                        "unit": rule.unit(),
-                        "policy_requests": rule.spec.requests,
-                        "store": store.name(),
-                        "truncated": overrides.len() == most,
-                        "overrides": overrides,
-                    }),
-                )
+                Err(err) => problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("{} store: {err}", store.name()),
+                    path,
+                    &[],
+                ),
             }
-            Err(err) => problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("{} store: {err}", store.name()),
-                path,
-                &[],
-            ),
-        }
+        })
+        .await
     }
 
     pub(super) async fn override_of(
@@ -132,115 +133,157 @@ impl Admin {
         path: &str,
         by: &str,
     ) -> Response<ProxyBody> {
-        let policy = self.gateway.policy();
-        let (found, rule) = match find_limit(&policy, route, limit, path) {
-            Ok(found) => found,
-            Err(response) => return *response,
-        };
-        if !rule.spec.overridable {
-            return problem(
-                StatusCode::CONFLICT,
-                &format!(
-                    "limit `{limit}` of route `{route}` takes no overrides: set `overrides: true` \
-                     on it in the policy"
-                ),
-                path,
-                &[("route", route), ("limit", limit)],
-            );
-        }
-        let (change, identity_query) = match change_of(query) {
-            Ok(split) => split,
-            Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
-        };
-        let key = match limits::store_key(&policy, found, rule, &identity_query) {
-            Ok(key) => key,
-            Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
-        };
-        let check = store_key::check(rule, key, crate::runtime::clock::now());
-        let identity = store_key::identity_of(&policy, found, rule, &check.key).to_owned();
-        let store = self.gateway.store();
-        let failed = |detail: String| problem(StatusCode::SERVICE_UNAVAILABLE, &detail, path, &[]);
-        let mut body = json!({
-            "route": route,
-            "limit": limit,
-            "identity": identity,
-            "unit": rule.unit(),
-            "policy_requests": rule.spec.requests,
-            "store": store.name(),
-        });
-        let audit = |action: &str, old: Option<u32>, new: Option<u32>| {
-            self.metrics
-                .store
-                .override_changes
-                .with_label_values(&[action])
-                .inc();
-            tracing::info!(
-                target: "sluice::audit",
-                by,
-                action,
-                route,
-                limit,
-                identity = %crate::log::key_hash(&check.key),
-                old = ?old,
-                new = ?new,
-                ttl_s = change.ttl.unwrap_or(DEFAULT_TTL).as_secs(),
-                "admin API: override {action}"
-            );
-        };
-        if *method == Method::PUT {
-            let Some(requests) = change.requests else {
+        self.on_limit((route, limit), path, async |policy, found, rule| {
+            if !rule.spec.overridable {
                 return problem(
-                    StatusCode::BAD_REQUEST,
-                    "PUT needs requests=N: the identity's number, in the limit's unit",
+                    StatusCode::CONFLICT,
+                    &format!(
+                        "limit `{limit}` of route `{route}` takes no overrides: set `overrides: true` \
+                         on it in the policy"
+                    ),
                     path,
-                    &[],
+                    &[("route", route), ("limit", limit)],
+                );
+            }
+            let (change, identity_query) = match change_of(query) {
+                Ok(split) => split,
+                Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
+            };
+            let key = match limits::store_key(policy, found, rule, &identity_query) {
+                Ok(key) => key,
+                Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, path, &[]),
+            };
+            let check = store_key::check(rule, key, crate::runtime::clock::now());
+            let identity = store_key::identity_of(policy, found, rule, &check.key).to_owned();
+            let store = self.gateway.store();
+            let failed = |detail: String| problem(StatusCode::SERVICE_UNAVAILABLE, &detail, path, &[]);
+            let mut body = json!({
+                "route": route,
+                "limit": limit,
+                "identity": identity,
+                "unit": rule.unit(),
+                "policy_requests": rule.spec.requests,
+                "store": store.name(),
+            });
+            let audit = |action: &str, old: Option<u32>, new: Option<u32>| {
+                self.metrics
+                    .store
+                    .override_changes
+                    .with_label_values(&[action])
+                    .inc();
+                tracing::info!(
+                    target: "sluice::audit",
+                    by,
+                    action,
+                    route,
+                    limit,
+                    identity = %crate::log::key_hash(&check.key),
+                    old = ?old,
+                    new = ?new,
+                    ttl_s = change.ttl.unwrap_or(DEFAULT_TTL).as_secs(),
+                    "admin API: override {action}"
                 );
             };
-            let ttl = change.ttl.unwrap_or(DEFAULT_TTL);
-            let registry = registry_of(&policy.key_prefix);
-            match store.set_override(&check, requests, ttl, &registry).await {
-                Ok((old, told)) => {
-                    audit("set", old, Some(requests));
-                    merge(&mut body, json!({
-                        "old": old,
-                        "requests": requests,
-                        "expires_in": ttl.as_secs_f64(),
-                        "instances_told": told,
-                    }));
+            let answer = match *method {
+                Method::PUT => {
+                    let registry = registry_of(&policy.key_prefix);
+                    set(store, &check, &change, &registry, path).await
                 }
-                Err(OverrideError::Full(bound)) => {
-                    return problem(
-                        StatusCode::INSUFFICIENT_STORAGE,
-                        &format!("the in-process store holds {bound} overrides, its bound (store.local.max_keys)"),
-                        path,
-                        &[],
-                    )
+                Method::DELETE => delete(store, &check).await,
+                _ => get(store, &check).await,
+            };
+            match answer {
+                Ok(Answer { outcome, audited }) => {
+                    if let Some((action, old, new)) = audited {
+                        audit(action, old, new);
+                    }
+                    merge(&mut body, outcome);
                 }
-                Err(OverrideError::Store(err)) => return failed(format!("{} store: {err}", store.name())),
+                Err(Failed::Refused(response)) => return response,
+                Err(Failed::Store(detail)) => return failed(detail),
             }
-        } else if *method == Method::DELETE {
-            match store.delete_override(&check).await {
-                Ok((old, told)) => {
-                    audit("deleted", old, None);
-                    merge(
-                        &mut body,
-                        json!({ "old": old, "requests": null, "instances_told": told }),
-                    );
-                }
-                Err(err) => return failed(format!("{} store: {err}", store.name())),
-            }
-        } else {
-            match store.get_override(&check).await {
-                Ok(found) => merge(
-                    &mut body,
-                    json!({
-                        "requests": found.map(|o| o.requests),
-                        "expires_in": found.map(|o| o.expires_in.as_secs_f64()),
-                    }),
-                ),
-                Err(err) => return failed(format!("{} store: {err}", store.name())),
-            }
+            json_response(StatusCode::OK, &body)
+        })
+        .await
+    }
+}
+
+/// What a change of an override answers, and what it changed for the audit line: the
+/// action, the old and the new number.
+struct Answer {
+    outcome: serde_json::Value,
+    audited: Option<(&'static str, Option<u32>, Option<u32>)>,
+}
+
+/// Why a request on an override failed: refused as asked (its answer), or the store's fault.
+enum Failed {
+    Refused(Response<ProxyBody>),
+    Store(String),
+}
+
+/// `PUT`: sets the identity's override to `change`'s number, for its `ttl`, noting its limit in
+/// `registry` (the list of limits holding overrides).
+async fn set(
+    store: &Store,
+    check: &Check,
+    change: &Change,
+    registry: &str,
+    path: &str,
+) -> Result<Answer, Failed> {
+    let Some(requests) = change.requests else {
+        return Err(Failed::Refused(problem(
+            StatusCode::BAD_REQUEST,
+            "PUT needs requests=N: the identity's number, in the limit's unit",
+            path,
+            &[],
+        )));
+    };
+    let ttl = change.ttl.unwrap_or(DEFAULT_TTL);
+    match store.set_override(check, requests, ttl, registry).await {
+        Ok((old, told)) => Ok(Answer {
+            outcome: json!({
+                "old": old,
+                "requests": requests,
+                "expires_in": ttl.as_secs_f64(),
+                "instances_told": told,
+            }),
+            audited: Some(("set", old, Some(requests))),
+        }),
+        Err(OverrideError::Full(bound)) => Err(Failed::Refused(problem(
+            StatusCode::INSUFFICIENT_STORAGE,
+            &format!(
+                "the in-process store holds {bound} overrides, its bound (store.local.max_keys)"
+            ),
+            path,
+            &[],
+        ))),
+        Err(OverrideError::Store(err)) => {
+            Err(Failed::Store(format!("{} store: {err}", store.name())))
         }
-        json_response(StatusCode::OK, &body)
+    }
+}
+
+/// `DELETE`: removes the identity's override.
+async fn delete(store: &Store, check: &Check) -> Result<Answer, Failed> {
+    match store.delete_override(check).await {
+        Ok((old, told)) => Ok(Answer {
+            outcome: json!({ "old": old, "requests": null, "instances_told": told }),
+            audited: Some(("deleted", old, None)),
+        }),
+        Err(err) => Err(Failed::Store(format!("{} store: {err}", store.name()))),
+    }
+}
+
+/// `GET`: the identity's override, if it has one.
+async fn get(store: &Store, check: &Check) -> Result<Answer, Failed> {
+    match store.get_override(check).await {
+        Ok(found) => Ok(Answer {
+            outcome: json!({
+                "requests": found.map(|o| o.requests),
+                "expires_in": found.map(|o| o.expires_in.as_secs_f64()),
+            }),
+            audited: None,
+        }),
+        Err(err) => Err(Failed::Store(format!("{} store: {err}", store.name()))),
     }
 }

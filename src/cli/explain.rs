@@ -13,13 +13,14 @@ use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Uri};
 
 use crate::config::{ConfigError, KeyPart};
+use crate::jwt::Claims;
 use crate::limiter::Check;
 use crate::metrics::Metrics;
 use crate::policy::{Action, Limit, Route};
 use crate::proxy::Stop;
 use crate::request::client::client_network;
 use crate::request::store_key::{self, RequestParts};
-use crate::request::{self, HeadLimits, Now, Why};
+use crate::request::{self, HeadLimits, Now, Plan, Why};
 use crate::version::{self, ListenerFiles};
 
 /// The request to explain, as given on the command line.
@@ -90,27 +91,10 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
     let route = planned.route;
     write_route(&mut out, route, &head);
     let claims = planned.claims;
-    if let Some(jwt) = &route.jwt {
-        let verdict = match &claims {
-            Some(_) => "valid: its claims are read below",
-            None => "missing or invalid: the limits of an anonymous client (on_invalid: anonymous)",
-        };
-        let _ = writeln!(
-            out,
-            "jwt:        verifier `{}`: token {verdict}",
-            jwt.verifier.name
-        );
-    }
+    write_jwt(&mut out, route, claims.as_ref());
     let plan = planned.plan;
     let client_ip = plan.client_ip;
-    if client_ip != question.from.to_canonical() {
-        let _ = writeln!(
-            out,
-            "client ip:  {client_ip} (from a trusted proxy's forwarded-for header)"
-        );
-    } else {
-        let _ = writeln!(out, "client ip:  {client_ip}");
-    }
+    write_client_ip(&mut out, client_ip, question.from);
     if route.limits.is_empty() {
         let _ = writeln!(out, "limits:     none");
         return Ok(out);
@@ -121,18 +105,7 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         .redis
         .as_ref()
         .is_some_and(|redis| redis.value.cluster.is_some());
-    if cluster && crate::limiter::spans_slots(plan.limits.checks()) {
-        let _ = writeln!(
-            out,
-            "limits:     in different Redis Cluster slots: each slot decided by its own call, \
-             and what one admits given back when another rejects"
-        );
-    } else {
-        let _ = writeln!(
-            out,
-            "limits:     all that apply decided together, in one store call"
-        );
-    }
+    write_store_calls(&mut out, cluster, &plan);
     let request = RequestParts {
         claims: claims.as_ref(),
         method: &head.method,
@@ -147,7 +120,62 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
         request: &request,
         cluster,
     };
-    for limit in &route.limits {
+    write_limits(&mut out, &plan, &context);
+    let _ = writeln!(
+        out,
+        "on store error: {}\nnothing was sent to the store or the upstream.",
+        route.on_store_error.label()
+    );
+    Ok(out)
+}
+
+/// The route's `jwt:` verifier, and whether the request's token was taken (`claims`).
+fn write_jwt(out: &mut String, route: &Route, claims: Option<&Claims>) {
+    let Some(jwt) = &route.jwt else {
+        return;
+    };
+    let verdict = match claims {
+        Some(_) => "valid: its claims are read below",
+        None => "missing or invalid: the limits of an anonymous client (on_invalid: anonymous)",
+    };
+    let _ = writeln!(
+        out,
+        "jwt:        verifier `{}`: token {verdict}",
+        jwt.verifier.name
+    );
+}
+
+/// The client's address as the limits read it, and whether a trusted proxy said it.
+fn write_client_ip(out: &mut String, client_ip: IpAddr, from: IpAddr) {
+    if client_ip != from.to_canonical() {
+        let _ = writeln!(
+            out,
+            "client ip:  {client_ip} (from a trusted proxy's forwarded-for header)"
+        );
+    } else {
+        let _ = writeln!(out, "client ip:  {client_ip}");
+    }
+}
+
+/// How many store calls decide the request: one, unless its keys span Redis Cluster slots.
+fn write_store_calls(out: &mut String, cluster: bool, plan: &Plan<'_>) {
+    if cluster && crate::limiter::spans_slots(plan.limits.checks()) {
+        let _ = writeln!(
+            out,
+            "limits:     in different Redis Cluster slots: each slot decided by its own call, \
+             and what one admits given back when another rejects"
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "limits:     all that apply decided together, in one store call"
+        );
+    }
+}
+
+/// Each of the route's limits: its check, or why it has none.
+fn write_limits(out: &mut String, plan: &Plan<'_>, context: &LimitContext<'_>) {
+    for limit in &context.route.limits {
         let Some(check) = plan.limits.check_of(limit) else {
             let why = if plan.deferred.iter().any(|l| std::ptr::eq(*l, limit)) {
                 "reads the body's `model`: planned once the body is read (explain reads no body)"
@@ -157,15 +185,8 @@ pub fn explain(file: &Path, question: &Question<'_>) -> Result<String, ExplainEr
             let _ = writeln!(out, "  {}: {why}", limit.name);
             continue;
         };
-        write_limit(&mut out, limit, check, &context);
+        write_limit(out, limit, check, context);
     }
-
-    let _ = writeln!(
-        out,
-        "on store error: {}\nnothing was sent to the store or the upstream.",
-        route.on_store_error.label()
-    );
-    Ok(out)
 }
 
 /// The request's head as the gateway would receive it, and the target as sent.

@@ -168,15 +168,19 @@ fn registry() -> &'static Mutex<HashMap<[u8; 32], Weak<Jwks>>> {
     REGISTRY.get_or_init(Default::default)
 }
 
-impl Jwks {
-    /// The fetcher of verifier `config` (its `jwks_url` is `url`), checked; the one already
-    /// alive for the same name and settings if there is one. Fetches nothing.
-    pub fn from_config(
-        config: &JwtConfig,
-        url: &Spanned<String>,
-        file: &Path,
-        field: &str,
-    ) -> Result<Arc<Jwks>, ConfigError> {
+/// Where a `jwks_url` points: its host and port, the path asked for, the `Host` field and
+/// the TLS server name.
+struct Endpoint {
+    host: String,
+    port: u16,
+    path: Uri,
+    host_field: HeaderValue,
+    server_name: ServerName<'static>,
+}
+
+impl Endpoint {
+    /// `url`, checked: an https URL with a host and no user information.
+    fn of(url: &Spanned<String>, file: &Path, field: &str) -> Result<Endpoint, ConfigError> {
         let bad_url = |message: String| {
             ConfigError::invalid(
                 file,
@@ -215,31 +219,67 @@ impl Jwks {
             .path_and_query()
             .cloned()
             .map_or_else(|| Uri::from_static("/"), Uri::from);
-        let duration =
-            |value: Option<crate::config::ConfigDuration>, default| value.map_or(default, |d| d.0);
-        let min_refresh = duration(config.min_refresh, DEFAULT_MIN_REFRESH);
-        let max_refresh = duration(config.max_refresh, DEFAULT_MAX_REFRESH);
-        let timeout = duration(config.fetch_timeout, DEFAULT_FETCH_TIMEOUT);
-        let at = Position::from(&config.name);
-        if min_refresh < Duration::from_secs(1) || min_refresh > max_refresh {
-            return Err(ConfigError::invalid(
-                file,
-                at,
-                format!("{field}.min_refresh"),
-                format!(
-                    "min_refresh ({min_refresh:?}) is at least 1s and at most max_refresh \
-                     ({max_refresh:?})"
-                ),
-            ));
-        }
-        if timeout.is_zero() {
-            return Err(ConfigError::invalid(
-                file,
-                at,
-                format!("{field}.fetch_timeout"),
-                "fetch_timeout cannot be zero",
-            ));
-        }
+        Ok(Endpoint {
+            host,
+            port,
+            path,
+            host_field,
+            server_name: server_name.to_owned(),
+        })
+    }
+}
+
+/// A verifier's `min_refresh`, `max_refresh` and `fetch_timeout`, defaulted and checked.
+fn refresh_bounds(
+    config: &JwtConfig,
+    file: &Path,
+    field: &str,
+) -> Result<(Duration, Duration, Duration), ConfigError> {
+    let duration =
+        |value: Option<crate::config::ConfigDuration>, default| value.map_or(default, |d| d.0);
+    let min_refresh = duration(config.min_refresh, DEFAULT_MIN_REFRESH);
+    let max_refresh = duration(config.max_refresh, DEFAULT_MAX_REFRESH);
+    let timeout = duration(config.fetch_timeout, DEFAULT_FETCH_TIMEOUT);
+    let at = Position::from(&config.name);
+    if min_refresh < Duration::from_secs(1) || min_refresh > max_refresh {
+        return Err(ConfigError::invalid(
+            file,
+            at,
+            format!("{field}.min_refresh"),
+            format!(
+                "min_refresh ({min_refresh:?}) is at least 1s and at most max_refresh \
+                 ({max_refresh:?})"
+            ),
+        ));
+    }
+    if timeout.is_zero() {
+        return Err(ConfigError::invalid(
+            file,
+            at,
+            format!("{field}.fetch_timeout"),
+            "fetch_timeout cannot be zero",
+        ));
+    }
+    Ok((min_refresh, max_refresh, timeout))
+}
+
+impl Jwks {
+    /// The fetcher of verifier `config` (its `jwks_url` is `url`), checked; the one already
+    /// alive for the same name and settings if there is one. Fetches nothing.
+    pub fn from_config(
+        config: &JwtConfig,
+        url: &Spanned<String>,
+        file: &Path,
+        field: &str,
+    ) -> Result<Arc<Jwks>, ConfigError> {
+        let Endpoint {
+            host,
+            port,
+            path,
+            host_field,
+            server_name,
+        } = Endpoint::of(url, file, field)?;
+        let (min_refresh, max_refresh, timeout) = refresh_bounds(config, file, field)?;
         let (client, tls_fingerprint) = crate::tls::upstream::fetch_client(
             config.jwks_ca_file.as_ref(),
             file,
@@ -270,7 +310,7 @@ impl Jwks {
             port,
             path,
             host_field,
-            server_name: server_name.to_owned(),
+            server_name,
             tls: TlsConnector::from(client),
             min_refresh,
             max_refresh,

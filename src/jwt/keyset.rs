@@ -61,24 +61,10 @@ pub fn verifier(
     field: &str,
     fetched: impl FnOnce(&Spanned<String>) -> Result<super::KeySource, ConfigError>,
 ) -> Result<Verifier, ConfigError> {
-    let at = Position::from(&config.name);
     let invalid = |position: Position, name: &str, message: String| {
         ConfigError::invalid(file, position, format!("{field}.{name}"), message)
     };
-    if config.issuer.is_empty() {
-        return Err(invalid(
-            at,
-            "issuer",
-            "the issuer cannot be empty".to_owned(),
-        ));
-    }
-    if config.audiences.value.is_empty() || config.audiences.value.iter().any(String::is_empty) {
-        return Err(invalid(
-            Position::from(&config.audiences),
-            "audiences",
-            "list at least one audience, none empty".to_owned(),
-        ));
-    }
+    check_claims(config, file, field)?;
     let clock_skew = config
         .clock_skew
         .map_or(Duration::from_secs(30), |skew| skew.0);
@@ -108,6 +94,45 @@ pub fn verifier(
         }
         return Ok(verifier(fetched(url)?));
     }
+    refuse_fetch_settings(config, file, field)?;
+    let keys = fixed_keys(config, file, field)?;
+    Ok(verifier(super::KeySource::Fixed(std::sync::Arc::new(
+        super::KeySet {
+            keys,
+            generation: 0,
+        },
+    ))))
+}
+
+/// Refuses a verifier without an issuer or an audience.
+fn check_claims(config: &JwtConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
+    let invalid = |position: Position, name: &str, message: String| {
+        ConfigError::invalid(file, position, format!("{field}.{name}"), message)
+    };
+    let at = Position::from(&config.name);
+    if config.issuer.is_empty() {
+        return Err(invalid(
+            at,
+            "issuer",
+            "the issuer cannot be empty".to_owned(),
+        ));
+    }
+    if config.audiences.value.is_empty() || config.audiences.value.iter().any(String::is_empty) {
+        return Err(invalid(
+            Position::from(&config.audiences),
+            "audiences",
+            "list at least one audience, none empty".to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses the settings of a `jwks_url` on a verifier whose keys are fixed.
+fn refuse_fetch_settings(config: &JwtConfig, file: &Path, field: &str) -> Result<(), ConfigError> {
+    let invalid = |position: Position, name: &str, message: String| {
+        ConfigError::invalid(file, position, format!("{field}.{name}"), message)
+    };
+    let at = Position::from(&config.name);
     for (name, set) in [
         ("jwks_ca_file", config.jwks_ca_file.is_some()),
         ("min_refresh", config.min_refresh.is_some()),
@@ -122,6 +147,16 @@ pub fn verifier(
             ));
         }
     }
+    Ok(())
+}
+
+/// The fixed keys of a verifier without `jwks_url`: its `jwks_file`'s and its `keys`, each
+/// `kid` once, at least one, and with several, each with a `kid`.
+fn fixed_keys(config: &JwtConfig, file: &Path, field: &str) -> Result<Vec<Key>, ConfigError> {
+    let invalid = |position: Position, name: &str, message: String| {
+        ConfigError::invalid(file, position, format!("{field}.{name}"), message)
+    };
+    let at = Position::from(&config.name);
     let mut keys = Vec::new();
     if let Some(jwks) = &config.jwks_file {
         keys.extend(jwks_file(jwks, file, &format!("{field}.jwks_file"))?);
@@ -157,12 +192,7 @@ pub fn verifier(
                 .to_owned(),
         ));
     }
-    Ok(verifier(super::KeySource::Fixed(std::sync::Arc::new(
-        super::KeySet {
-            keys,
-            generation: 0,
-        },
-    ))))
+    Ok(keys)
 }
 
 fn read(

@@ -51,113 +51,14 @@ impl Compiled {
                 format!("must differ from `listen` ({})", config.listen),
             ));
         }
-        let upstreams: HashMap<&Name, Arc<Upstream>> = config
-            .upstreams
-            .iter()
-            .map(|(name, upstream)| {
-                let compiled = Upstream {
-                    name: name.clone(),
-                    authority: upstream.url.authority.clone(),
-                    base_path: upstream.url.base_path.clone(),
-                    connect_timeout: upstream.connect_timeout.0,
-                    timeout: upstream.timeout.0,
-                    tls: upstream_tls(name, upstream.url.https, tls, file)?,
-                    http2: upstream.http2,
-                };
-                Ok((name, Arc::new(compiled)))
-            })
-            .collect::<Result<_, ConfigError>>()?;
-        let mut seen: HashMap<&Name, Position> = HashMap::new();
-        let mut actions = Vec::with_capacity(config.routes.len());
-        let mut conditions = Vec::with_capacity(config.routes.len());
-        let mut jwts = Vec::with_capacity(config.routes.len());
+        let upstreams = compile_upstreams(config, tls, file)?;
         let models = crate::llm::config::models(config, file)?;
-        // Every route is checked, each to its first mistake, so one reading reports them all.
-        let mut mistakes = Vec::new();
-        for (index, route) in config.routes.iter().enumerate() {
-            let field = format!("routes[{index}]");
-            let mut compile_route = || {
-                if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
-                    return Err(ConfigError::invalid(
-                        file,
-                        Position::from(&route.name),
-                        format!("{field}.name"),
-                        format!(
-                            "duplicate route name `{}` (first used at line {})",
-                            route.name.value, first.line
-                        ),
-                    ));
-                }
-                Ok((
-                    compile_action(route, &upstreams, file, &field)?,
-                    check_limits(route, &models, file, &field)?,
-                    route_jwt(route, verifiers, file, &field)?,
-                ))
-            };
-            match compile_route() {
-                Ok((action, condition, jwt)) => {
-                    actions.push(action);
-                    conditions.push(condition);
-                    jwts.push(jwt);
-                }
-                Err(err) => mistakes.push(err),
-            }
-        }
-        if config.webhook.is_none() {
-            mistakes.extend(notify_without_webhook(config, file));
-        }
-        if !mistakes.is_empty() {
-            return Err(ConfigError::all(mistakes));
-        }
+        let checked = check_routes(config, &upstreams, &models, verifiers, file)?;
         let routes: Vec<Route<Unmetered>> = config
             .routes
             .iter()
-            .zip(actions)
-            .zip(conditions)
-            .zip(jwts)
-            .map(|(((route, action), conditions), jwt)| {
-                let limits = build_limits(route, conditions, &models);
-                let mut fields = fields::read_by(&limits);
-                // The token is read once too: two of its fields would be two readings.
-                if let Some(field) = jwt.as_ref().and_then(|jwt| token_field(&jwt.verifier)) {
-                    if !fields.contains(&field) {
-                        fields.push(field);
-                    }
-                }
-                let settings = RouteSettings {
-                    name: route.name.value.clone(),
-                    matcher: Matcher::new(&route.matcher),
-                    action,
-                    max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
-                    body_pace: BodyPace {
-                        timeout: route.body_timeout.unwrap_or(config.server.body_timeout).0,
-                        min_rate: route.body_min_rate.unwrap_or(config.server.body_min_rate).0,
-                        grace: config.server.body_rate_grace.0,
-                    },
-                    on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
-                    response_headers: route.response_headers.unwrap_or(config.response_headers),
-                    should_retry_within: route
-                        .should_retry_within
-                        .or(config.should_retry_within)
-                        .map_or(crate::config::DEFAULT_SHOULD_RETRY_WITHIN, |d| d.0),
-                    max_delayed: route
-                        .max_delayed
-                        .as_ref()
-                        .map_or(DEFAULT_MAX_DELAYED, |m| m.value.0),
-                    rate_limit_policy: if limits.iter().any(|l| !l.when.is_empty()) {
-                        None
-                    } else {
-                        rate_limit_policy(limits.iter())
-                    },
-                    fields,
-                    jwt,
-                };
-                Route {
-                    settings,
-                    limits,
-                    metrics: (),
-                }
-            })
+            .zip(checked)
+            .map(|(route, checked)| build_route(config, route, checked, &models))
             .collect();
         let index = RouteIndex::new(routes.iter().map(|route| &route.matcher));
         let connection_guarded = fields::connection_guarded(
@@ -254,6 +155,139 @@ fn upstream_tls(
             format!("upstreams.{name}.url"),
             "the TLS settings of this https upstream were not loaded",
         )),
+    }
+}
+
+/// The upstreams of `config`, by name, each with its TLS settings (from `tls`).
+fn compile_upstreams<'c>(
+    config: &'c Config,
+    tls: &UpstreamTlsSet,
+    file: &Path,
+) -> Result<HashMap<&'c Name, Arc<Upstream>>, ConfigError> {
+    config
+        .upstreams
+        .iter()
+        .map(|(name, upstream)| {
+            let compiled = Upstream {
+                name: name.clone(),
+                authority: upstream.url.authority.clone(),
+                base_path: upstream.url.base_path.clone(),
+                connect_timeout: upstream.connect_timeout.0,
+                timeout: upstream.timeout.0,
+                tls: upstream_tls(name, upstream.url.https, tls, file)?,
+                http2: upstream.http2,
+            };
+            Ok((name, Arc::new(compiled)))
+        })
+        .collect()
+}
+
+/// What checking one route made of it: its action, each limit's conditions, its `jwt:`.
+struct CheckedRoute {
+    action: Action,
+    conditions: Vec<Vec<Condition>>,
+    jwt: Option<RouteJwt>,
+}
+
+/// Checks every route of `config` (a unique name, an upstream that exists, its limits by the
+/// rules, a verifier that exists), each to its first mistake, so one reading reports them
+/// all; one `CheckedRoute` per route, in order, when none has a mistake.
+fn check_routes(
+    config: &Config,
+    upstreams: &HashMap<&Name, Arc<Upstream>>,
+    models: &crate::llm::Models,
+    verifiers: &Verifiers,
+    file: &Path,
+) -> Result<Vec<CheckedRoute>, ConfigError> {
+    let mut seen: HashMap<&Name, Position> = HashMap::new();
+    let mut checked = Vec::with_capacity(config.routes.len());
+    let mut mistakes = Vec::new();
+    for (index, route) in config.routes.iter().enumerate() {
+        let field = format!("routes[{index}]");
+        let mut check_route = || {
+            if let Some(first) = seen.insert(&route.name.value, Position::from(&route.name)) {
+                return Err(ConfigError::invalid(
+                    file,
+                    Position::from(&route.name),
+                    format!("{field}.name"),
+                    format!(
+                        "duplicate route name `{}` (first used at line {})",
+                        route.name.value, first.line
+                    ),
+                ));
+            }
+            Ok(CheckedRoute {
+                action: compile_action(route, upstreams, file, &field)?,
+                conditions: check_limits(route, models, file, &field)?,
+                jwt: route_jwt(route, verifiers, file, &field)?,
+            })
+        };
+        match check_route() {
+            Ok(route) => checked.push(route),
+            Err(err) => mistakes.push(err),
+        }
+    }
+    if config.webhook.is_none() {
+        mistakes.extend(notify_without_webhook(config, file));
+    }
+    if !mistakes.is_empty() {
+        return Err(ConfigError::all(mistakes));
+    }
+    Ok(checked)
+}
+
+/// One route that passed `check_routes`, its settings defaulted from `config`'s.
+fn build_route(
+    config: &Config,
+    route: &RouteConfig,
+    checked: CheckedRoute,
+    models: &Arc<crate::llm::Models>,
+) -> Route<Unmetered> {
+    let CheckedRoute {
+        action,
+        conditions,
+        jwt,
+    } = checked;
+    let limits = build_limits(route, conditions, models);
+    let mut fields = fields::read_by(&limits);
+    // The token is read once too: two of its fields would be two readings.
+    if let Some(field) = jwt.as_ref().and_then(|jwt| token_field(&jwt.verifier)) {
+        if !fields.contains(&field) {
+            fields.push(field);
+        }
+    }
+    let settings = RouteSettings {
+        name: route.name.value.clone(),
+        matcher: Matcher::new(&route.matcher),
+        action,
+        max_body: route.max_body.or(config.server.max_body).map(|size| size.0),
+        body_pace: BodyPace {
+            timeout: route.body_timeout.unwrap_or(config.server.body_timeout).0,
+            min_rate: route.body_min_rate.unwrap_or(config.server.body_min_rate).0,
+            grace: config.server.body_rate_grace.0,
+        },
+        on_store_error: route.on_store_error.unwrap_or(config.store.on_store_error),
+        response_headers: route.response_headers.unwrap_or(config.response_headers),
+        should_retry_within: route
+            .should_retry_within
+            .or(config.should_retry_within)
+            .map_or(crate::config::DEFAULT_SHOULD_RETRY_WITHIN, |d| d.0),
+        max_delayed: route
+            .max_delayed
+            .as_ref()
+            .map_or(DEFAULT_MAX_DELAYED, |m| m.value.0),
+        rate_limit_policy: if limits.iter().any(|l| !l.when.is_empty()) {
+            None
+        } else {
+            rate_limit_policy(limits.iter())
+        },
+        fields,
+        jwt,
+    };
+    Route {
+        settings,
+        limits,
+        metrics: (),
     }
 }
 

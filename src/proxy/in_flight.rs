@@ -28,6 +28,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::sync::Semaphore;
 
+use super::{Answered, Stop};
 use crate::body::ProxyBody;
 use crate::limiter::{Algorithm, LeaseHold};
 use crate::policy::Limit;
@@ -49,6 +50,29 @@ pub struct LeasedBody {
     /// The last frame, handed over once the release is done.
     last: Option<Frame<Bytes>>,
     done: bool,
+}
+
+/// Hands a request's concurrency lease (if it holds one) to its answer: the answer's body
+/// holds it until its last byte (`LeasedBody`). With no answer of the upstream's to hold it,
+/// it is freed before sluice's own answer goes; a WebSocket's 101 has no body to hold it: its
+/// tunnel does.
+pub async fn ride_with_answer(
+    lease: Option<LeaseHold>,
+    mut acted: Result<Answered, Stop>,
+) -> Result<Answered, Stop> {
+    let Some(lease) = lease else {
+        return acted;
+    };
+    match &mut acted {
+        Err(_) => Box::pin(lease.0.end()).await,
+        Ok(answered) if answered.response.status() == http::StatusCode::SWITCHING_PROTOCOLS => {}
+        Ok(answered) => {
+            let body =
+                std::mem::replace(answered.response.body_mut(), ProxyBody::full(Bytes::new()));
+            *answered.response.body_mut() = LeasedBody::wrap(body, lease);
+        }
+    }
+    acted
 }
 
 impl LeasedBody {

@@ -30,6 +30,7 @@ mod upstream;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -49,7 +50,8 @@ use self::upstream::forward::{self, ForwardError, UpstreamClient};
 use self::upstream::grpc;
 pub use crate::body::ProxyBody;
 use crate::config::OnStoreError;
-use crate::limiter::Store;
+use crate::limiter::{LeaseHold, Store};
+use crate::llm::Prices;
 use crate::log::RequestLog;
 use crate::metrics::{Metrics, Outcome};
 use crate::policy::{Action, BodyPace, DirectResponse, Policy, Route, Upstream};
@@ -177,6 +179,9 @@ impl Gateway {
         self.finisher.finish(exchange, result)
     }
 
+    /// The request's phases, in the order `crate::request` states: `request::plan` (head,
+    /// route, identify, plan), then tokens → decide and hold → act → give back and settle →
+    /// the lease handed to the answer. A phase that cannot go on returns its `Stop`.
     async fn run<'r, B: ForwardBody>(
         &self,
         active: &'r Active,
@@ -197,15 +202,9 @@ impl Gateway {
         let planned = match planned {
             Ok(planned) => planned,
             Err(refused) => {
-                exchange.route = refused.route;
-                if let (Some(route), request::Why::Unauthenticated(reason)) =
-                    (refused.route, &refused.why)
-                {
-                    self.count_invalid(route, *reason);
-                }
                 let body = ClientBody::Streaming(body);
-                return exchange
-                    .refuse(head.version, body, refused.why.into())
+                return self
+                    .refuse_unplanned(exchange, head.version, body, refused)
                     .await;
             }
         };
@@ -215,13 +214,8 @@ impl Gateway {
             invalid,
             mut plan,
         } = planned;
-        exchange.route = Some(route);
-        if let Some(reason) = invalid {
-            self.count_invalid(route, reason);
-        }
-        // The upstream gets the id too.
-        head.headers
-            .insert(X_REQUEST_ID, exchange.request_id.clone());
+        self.note_planned(exchange, route, invalid, &mut head);
+        // tokens: a token budget's body, read before deciding.
         let mut model = None;
         let mut body = match tokens::read_limit(route, &plan) {
             None => ClientBody::Streaming(body),
@@ -247,88 +241,142 @@ impl Gateway {
                 body
             }
         };
-        let decided = async {
-            // On a token route, a soft limit may switch the request to another model and
-            // decide it again (`switch`).
-            let again = switch::Replan {
-                policy: &active.policy,
-                route,
-                peer: peer.ip(),
-                claims: claims.as_ref(),
-                model: model.as_deref(),
-            };
-            let decide =
-                switch::reserve_and_decide(self, &again, plan, &mut head, &mut body, exchange);
-            let prices = decide.await?;
-            if let Some(decided) = &exchange.decided {
-                hold::hold(&self.store, route, decided).await?;
-            }
-            Ok(prices)
-        }
-        .await;
-        let prices = match decided {
-            Ok(prices) => prices,
-            Err(stop) => {
-                // A request admitted, then refused (held too long): its places are free
-                // before the answer goes, as for any request that ends.
-                if let Some(lease) = exchange.decided.as_ref().and_then(|d| d.lease.clone()) {
-                    Box::pin(lease.0.end()).await;
-                }
-                return exchange.refuse(head.version, body, stop).await;
-            }
+        // On a token route, a soft limit may switch the request to another model and decide
+        // it again (`switch`).
+        let again = switch::Replan {
+            policy: &active.policy,
+            route,
+            peer: peer.ip(),
+            claims: claims.as_ref(),
+            model: model.as_deref(),
         };
+        let prices = match self
+            .decide_and_hold(&again, plan, &mut head, &mut body, exchange)
+            .await
+        {
+            Ok(prices) => prices,
+            Err(stop) => return exchange.refuse_admitted(head.version, body, stop).await,
+        };
+        // act: while a concurrency lease is held, only until the store reclaims it.
         let lease = exchange.decided.as_ref().and_then(|d| d.lease.clone());
-        let mut acted = match &lease {
-            None => {
-                let request = Request::from_parts(head, body);
-                self.act(active, route, request, peer, &mut exchange.connection)
+        let request = Request::from_parts(head, body);
+        let connection = &mut exchange.connection;
+        let acted = match &lease {
+            None => self.act(active, route, request, peer, connection).await,
+            Some(lease) => {
+                self.act_unless_lost(active, route, request, peer, connection, lease)
                     .await
             }
-            // Boxed: only a request holding a lease takes this branch.
-            Some(lease) => {
-                if upstream::tunnel::asks_websocket(head.version, &head.headers) {
-                    // The tunnel holds it until it closes.
-                    head.extensions.insert(lease.clone());
-                }
-                let request = Request::from_parts(head, body);
-                let act = self.act(active, route, request, peer, &mut exchange.connection);
-                let lost = lease.0.lost();
-                Box::pin(async {
-                    tokio::select! {
-                        acted = act => acted,
-                        // The store will give its place to another request.
-                        () = lost => Err(Stop::LeaseLost),
-                    }
-                })
-                .await
-            }
         };
+        let acted = self
+            .give_back_and_settle(route, exchange, acted, prices.as_ref())
+            .await;
+        in_flight::ride_with_answer(lease, acted).await
+    }
+
+    /// Refuses a request `request::plan` refused (`refused.why`), counting a token that was
+    /// not taken.
+    async fn refuse_unplanned<'r, B: ForwardBody>(
+        &self,
+        exchange: &mut Exchange<'r>,
+        version: http::Version,
+        body: ClientBody<B>,
+        refused: request::Refused<'r>,
+    ) -> Result<Answered, Stop> {
+        exchange.route = refused.route;
+        if let (Some(route), request::Why::Unauthenticated(reason)) = (refused.route, &refused.why)
+        {
+            self.count_invalid(route, *reason);
+        }
+        exchange.refuse(version, body, refused.why.into()).await
+    }
+
+    /// Notes a planned request's route, counts a token an anonymous route did not take
+    /// (`invalid`), and gives the request's id to the upstream too.
+    fn note_planned<'r>(
+        &self,
+        exchange: &mut Exchange<'r>,
+        route: &'r Route,
+        invalid: Option<crate::jwt::Invalid>,
+        head: &mut http::request::Parts,
+    ) {
+        exchange.route = Some(route);
+        if let Some(reason) = invalid {
+            self.count_invalid(route, reason);
+        }
+        head.headers
+            .insert(X_REQUEST_ID, exchange.request_id.clone());
+    }
+
+    /// The token reservation and the decision in one store call, again at a soft limit's
+    /// fallback model if only soft limits refused (`switch::reserve_and_decide`, as `again`
+    /// says), then the wait of `on_exceed: delay` (`hold`). Returns the prices the
+    /// settlement uses.
+    async fn decide_and_hold<'r, B>(
+        &self,
+        again: &switch::Replan<'_, 'r>,
+        plan: request::Plan<'r>,
+        head: &mut http::request::Parts,
+        body: &mut ClientBody<B>,
+        exchange: &mut Exchange<'r>,
+    ) -> Result<Option<Prices>, Stop> {
+        let decide = switch::reserve_and_decide(self, again, plan, head, body, exchange);
+        let prices = decide.await?;
         if let Some(decided) = &exchange.decided {
-            let status = match &acted {
-                Ok(answered) => answered.response.status(),
-                Err(stop) => stop.status(),
-            };
-            give_back::give_back_uncounted(&self.store, route, decided, status).await;
-            if route.limits.iter().any(|limit| limit.tokens.is_some()) {
-                acted =
-                    Box::pin(tokens::settle(&self.store, decided, acted, prices.as_ref())).await;
+            hold::hold(&self.store, again.route, decided).await?;
+        }
+        Ok(prices)
+    }
+
+    /// The act phase (`act`) of a request holding a concurrency lease, cut short if the
+    /// store reclaims the lease meanwhile. Boxed: only a request holding a lease takes this
+    /// way, and inline its future would make every request's larger.
+    fn act_unless_lost<'a, B: ForwardBody>(
+        &'a self,
+        active: &'a Active,
+        route: &'a Route,
+        mut request: Request<ClientBody<B>>,
+        peer: SocketAddr,
+        connection: &'a mut unread_body::Connection,
+        lease: &LeaseHold,
+    ) -> Pin<Box<impl Future<Output = Result<Answered, Stop>> + 'a>> {
+        if upstream::tunnel::asks_websocket(request.version(), request.headers()) {
+            // The tunnel holds it until it closes.
+            request.extensions_mut().insert(lease.clone());
+        }
+        let act = self.act(active, route, request, peer, connection);
+        let lost = lease.0.lost();
+        Box::pin(async {
+            tokio::select! {
+                acted = act => acted,
+                // The store will give its place to another request.
+                () = lost => Err(Stop::LeaseLost),
             }
+        })
+    }
+
+    /// Gives back what `count:` does not keep (`give_back`), then settles a token budget at
+    /// what the answer reports it used (`tokens::settle`; `prices`: the model's, for a
+    /// money limit).
+    async fn give_back_and_settle(
+        &self,
+        route: &Route,
+        exchange: &Exchange<'_>,
+        acted: Result<Answered, Stop>,
+        prices: Option<&Prices>,
+    ) -> Result<Answered, Stop> {
+        let Some(decided) = &exchange.decided else {
+            return acted;
+        };
+        let status = match &acted {
+            Ok(answered) => answered.response.status(),
+            Err(stop) => stop.status(),
+        };
+        give_back::give_back_uncounted(&self.store, route, decided, status).await;
+        if !route.limits.iter().any(|limit| limit.tokens.is_some()) {
+            return acted;
         }
-        // A WebSocket's 101 has no body to hold it: its tunnel does.
-        let switched = |a: &Answered| a.response.status() == http::StatusCode::SWITCHING_PROTOCOLS;
-        if let (Some(lease), Err(_)) = (&lease, &acted) {
-            // No answer of the upstream's to hold the lease: free before sluice's own goes.
-            Box::pin(lease.0.end()).await;
-        }
-        if let (Some(lease), Ok(answered)) = (lease, &mut acted) {
-            if switched(answered) {
-                return acted;
-            }
-            let body =
-                std::mem::replace(answered.response.body_mut(), ProxyBody::full(Bytes::new()));
-            *answered.response.body_mut() = in_flight::LeasedBody::wrap(body, lease);
-        }
-        acted
+        Box::pin(tokens::settle(&self.store, decided, acted, prices)).await
     }
 
     /// Counts a token that was not taken (`sluice_jwt_invalid_total`), by route and reason.
@@ -496,6 +544,20 @@ impl Exchange<'_> {
     ) -> Result<T, Stop> {
         self.connection = unread_body::drop_unread(version, body, self.expects_continue).await;
         Err(stop)
+    }
+
+    /// Refuses a request after its decision (held too long): an admitted request's places
+    /// are free before the answer goes, as for any request that ends.
+    async fn refuse_admitted<B: ForwardBody, T>(
+        &mut self,
+        version: http::Version,
+        body: ClientBody<B>,
+        stop: Stop,
+    ) -> Result<T, Stop> {
+        if let Some(lease) = self.decided.as_ref().and_then(|d| d.lease.clone()) {
+            Box::pin(lease.0.end()).await;
+        }
+        self.refuse(version, body, stop).await
     }
 
     fn note_shadow_rejection(&mut self, limit: &str) {

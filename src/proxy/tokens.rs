@@ -523,29 +523,7 @@ pub async fn settle(
     let Some(admission) = decided.decision.admission.as_ref() else {
         return acted;
     };
-    let mut by_header: Vec<(Reserved, &http::HeaderName)> = Vec::new();
-    let mut by_usage: Vec<Reserved> = Vec::new();
-    for (limit, check) in decided.recorded(|limit| limit.tokens.is_some()) {
-        let Some(budget) = &limit.tokens else {
-            continue;
-        };
-        let metrics = limit.metrics.tokens.clone();
-        if let Some(metrics) = &metrics {
-            metrics.reserved.inc_by(u64::from(check.spec.cost));
-        }
-        let reserved = Reserved {
-            check: check.clone(),
-            metrics,
-            prices: match budget.unit {
-                Unit::Tokens => None,
-                Unit::Money { .. } => prices.cloned(),
-            },
-        };
-        match &budget.usage_from {
-            UsageFrom::Header(name) => by_header.push((reserved, name)),
-            UsageFrom::Usage => by_usage.push(reserved),
-        }
-    }
+    let (by_header, by_usage) = reservations(decided, prices);
     if by_header.is_empty() && by_usage.is_empty() {
         return acted;
     }
@@ -599,37 +577,79 @@ pub async fn settle(
         return Ok(answered);
     }
     for (reserved, name) in by_header {
-        let used = answered
-            .response
-            .headers()
-            .get(name)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|text| text.trim().parse::<u64>().ok())
-            .map(|total| Usage {
-                total: Some(total),
-                ..Usage::default()
-            });
+        let used = header_usage(&answered.response, name);
         settlement(vec![reserved]).settle(used).await;
     }
     if !by_usage.is_empty() {
-        // A compressed answer is read through a decoder; the client gets its bytes as sent.
-        let headers = answered.response.headers();
-        let scanner = DecodingScanner::new(
-            headers.get(CONTENT_TYPE).map(HeaderValue::as_bytes),
-            headers.get(CONTENT_ENCODING).map(HeaderValue::as_bytes),
-        );
-        let settlement = settlement(by_usage);
-        let body = std::mem::replace(answered.response.body_mut(), ProxyBody::full(Bytes::new()));
-        *answered.response.body_mut() = ProxyBody::stream(SettlingBody {
-            inner: body,
-            scanner,
-            settlement: Some(settlement),
-            settling: None,
-            held: None,
-            done: false,
-        });
+        settle_as_read(&mut answered.response, settlement(by_usage));
     }
     Ok(answered)
+}
+
+/// The request's token reservations (`decided`'s recorded token limits), counted as
+/// reserved: those settled by a header of the answer, with its name, and those settled by
+/// the usage its body reports. A money limit's carry the model's `prices`.
+fn reservations<'d>(
+    decided: &'d Decided<'_>,
+    prices: Option<&Prices>,
+) -> (Vec<(Reserved, &'d http::HeaderName)>, Vec<Reserved>) {
+    let mut by_header: Vec<(Reserved, &http::HeaderName)> = Vec::new();
+    let mut by_usage: Vec<Reserved> = Vec::new();
+    for (limit, check) in decided.recorded(|limit| limit.tokens.is_some()) {
+        let Some(budget) = &limit.tokens else {
+            continue;
+        };
+        let metrics = limit.metrics.tokens.clone();
+        if let Some(metrics) = &metrics {
+            metrics.reserved.inc_by(u64::from(check.spec.cost));
+        }
+        let reserved = Reserved {
+            check: check.clone(),
+            metrics,
+            prices: match budget.unit {
+                Unit::Tokens => None,
+                Unit::Money { .. } => prices.cloned(),
+            },
+        };
+        match &budget.usage_from {
+            UsageFrom::Header(name) => by_header.push((reserved, name)),
+            UsageFrom::Usage => by_usage.push(reserved),
+        }
+    }
+    (by_header, by_usage)
+}
+
+/// The tokens the answer's header `name` says were used, if it says a whole number.
+fn header_usage(response: &http::Response<ProxyBody>, name: &http::HeaderName) -> Option<Usage> {
+    response
+        .headers()
+        .get(name)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|text| text.trim().parse::<u64>().ok())
+        .map(|total| Usage {
+            total: Some(total),
+            ..Usage::default()
+        })
+}
+
+/// Settles `settlement` by the usage the answer's body reports, as the body goes to the
+/// client (`SettlingBody`). A compressed answer is read through a decoder; the client gets
+/// its bytes as sent.
+fn settle_as_read(response: &mut http::Response<ProxyBody>, settlement: Settlement) {
+    let headers = response.headers();
+    let scanner = DecodingScanner::new(
+        headers.get(CONTENT_TYPE).map(HeaderValue::as_bytes),
+        headers.get(CONTENT_ENCODING).map(HeaderValue::as_bytes),
+    );
+    let body = std::mem::replace(response.body_mut(), ProxyBody::full(Bytes::new()));
+    *response.body_mut() = ProxyBody::stream(SettlingBody {
+        inner: body,
+        scanner,
+        settlement: Some(settlement),
+        settling: None,
+        held: None,
+        done: false,
+    });
 }
 
 /// An answer's body on its way to the client, frame by frame as it arrives, read by a usage

@@ -34,7 +34,7 @@ use crate::limiter::{Algorithm, Check, Decision, Spec, Store};
 
 use super::file::UnitName;
 use super::key;
-use super::rules::{Counted, Rule, RuleLimit, Rules};
+use super::rules::{Counted, RlsRule, RuleLimit, Rules};
 
 /// The settings of the service that are not in the rule files.
 #[derive(Debug, Clone)]
@@ -64,13 +64,13 @@ pub enum Applies {
     /// No rule: OK, not counted.
     Nothing,
     /// A rule another one in the same call replaces (`replaces:`): OK, not counted.
-    Replaced(Arc<Rule>),
+    Replaced(Arc<RlsRule>),
     /// `unlimited: true`: OK, not counted.
-    Unlimited(Arc<Rule>),
+    Unlimited(Arc<RlsRule>),
     /// A limit of 0: OVER_LIMIT (unless in shadow mode), never asks the store.
     Blocked {
         /// The rule, `None` for the descriptor's own `limit` override.
-        rule: Option<Arc<Rule>>,
+        rule: Option<Arc<RlsRule>>,
         limit: Counted,
         hits: u32,
     },
@@ -79,7 +79,7 @@ pub enum Applies {
     /// Counted in `checks[check]`.
     Counted {
         /// The rule, `None` for the descriptor's own `limit` override.
-        rule: Option<Arc<Rule>>,
+        rule: Option<Arc<RlsRule>>,
         limit: Counted,
         hits: u32,
         check: usize,
@@ -88,18 +88,18 @@ pub enum Applies {
 
 /// The descriptors' rules and the checks of the counted ones, before the store is asked.
 #[derive(Debug)]
-pub struct Planned {
+pub struct PlannedCall {
     pub applies: Vec<Applies>,
     pub checks: Vec<Check>,
 }
 
 /// Finds each descriptor's rule and builds the checks, reading sluice's wall clock for
 /// calendar and epoch windows.
-pub fn plan(
+pub fn plan_call(
     rules: &Rules,
     settings: &Settings,
     request: &RateLimitRequest,
-) -> Result<Planned, Invalid> {
+) -> Result<PlannedCall, Invalid> {
     if request.domain.is_empty() {
         return Err(Invalid::NoDomain);
     }
@@ -161,7 +161,7 @@ pub fn plan(
             ));
         }
     }
-    Ok(Planned { applies, checks })
+    Ok(PlannedCall { applies, checks })
 }
 
 fn applies_to(
@@ -199,7 +199,7 @@ fn applies_to(
 }
 
 /// A counted limit, or a blocked one when it admits nothing.
-fn counted(rule: Option<Arc<Rule>>, limit: Counted, hits: u32) -> Applies {
+fn counted(rule: Option<Arc<RlsRule>>, limit: Counted, hits: u32) -> Applies {
     if limit.requests == 0 {
         Applies::Blocked { rule, limit, hits }
     } else {
@@ -247,7 +247,7 @@ fn build_check(
     settings: &Settings,
     domain: &str,
     descriptor: &RateLimitDescriptor,
-    rule: Option<&Rule>,
+    rule: Option<&RlsRule>,
     limit: Counted,
     hits: u32,
     now: jiff::Timestamp,
@@ -291,7 +291,7 @@ fn build_check(
 pub async fn decide(
     store: &Store,
     settings: &Settings,
-    planned: &Planned,
+    planned: &PlannedCall,
     fallback: impl FnOnce(OnStoreError),
 ) -> Result<Option<Decision>, StoreFailed> {
     if planned.checks.is_empty() {
@@ -330,7 +330,7 @@ pub enum Outcome {
 /// Envoy's answer for `planned` and its decision (`None` with `failed`: the store failed).
 pub fn answer(
     settings: &Settings,
-    planned: &Planned,
+    planned: &PlannedCall,
     decision: Option<&Decision>,
     failed: Option<&StoreFailed>,
 ) -> (RateLimitResponse, Vec<Outcome>) {
@@ -450,7 +450,7 @@ fn ok_without_limit(remaining: u32) -> DescriptorStatus {
     }
 }
 
-fn current_limit(rule: Option<&Rule>, limit: Counted) -> RateLimit {
+fn current_limit(rule: Option<&RlsRule>, limit: Counted) -> RateLimit {
     RateLimit {
         name: rule.map(|r| r.name.clone()).unwrap_or_default(),
         requests_per_unit: limit.requests,
@@ -497,8 +497,8 @@ mod tests {
     use super::*;
     use crate::limiter::LimitState;
 
-    fn rule(shadow: bool) -> Arc<Rule> {
-        Arc::new(Rule {
+    fn rule(shadow: bool) -> Arc<RlsRule> {
+        Arc::new(RlsRule {
             domain: "d".into(),
             name: "r".into(),
             path: "k".into(),
@@ -527,14 +527,14 @@ mod tests {
     }
 
     /// Two counted descriptors; the second had no room.
-    fn planned(shadow_rule: bool) -> (Planned, Decision) {
+    fn planned(shadow_rule: bool) -> (PlannedCall, Decision) {
         let counted = |check, rule| Applies::Counted {
             rule: Some(rule),
             limit: LIMIT,
             hits: 1,
             check,
         };
-        let planned = Planned {
+        let planned = PlannedCall {
             applies: vec![
                 counted(0, rule(false)),
                 counted(1, rule(shadow_rule)),
@@ -615,7 +615,7 @@ mod tests {
         );
     }
 
-    fn planned_global() -> (Planned, Decision) {
+    fn planned_global() -> (PlannedCall, Decision) {
         let (planned, mut decision) = planned(false);
         decision.admitted = true;
         (planned, decision)
@@ -687,7 +687,7 @@ descriptors:
             ("remote_address", "50.0.0.5"),
             ("remote_address", "50.0.0.1"),
         ]);
-        let planned = plan(&rules, &settings(false), &request).expect("valid");
+        let planned = plan_call(&rules, &settings(false), &request).expect("valid");
         assert!(
             planned.checks.is_empty(),
             "the store is not asked: {:?}",
@@ -719,7 +719,7 @@ descriptors:
         assert_eq!(outcomes, [Outcome::Over, Outcome::NotCounted]);
 
         // Any other address is counted as before.
-        let planned = plan(
+        let planned = plan_call(
             &rules,
             &settings(false),
             &call(&[("remote_address", "50.0.0.1")]),
@@ -733,7 +733,7 @@ descriptors:
     fn a_zero_limit_in_shadow_mode_refuses_nothing() {
         let rules = rules_of(BLOCK_LIST);
         let request = call(&[("quiet", "q"), ("remote_address", "50.0.0.1")]);
-        let planned = plan(&rules, &settings(false), &request).expect("valid");
+        let planned = plan_call(&rules, &settings(false), &request).expect("valid");
         assert_eq!(planned.checks.len(), 1, "the other descriptor is counted");
         assert!(matches!(
             planned.applies[1],
@@ -760,7 +760,7 @@ descriptors:
             ("remote_address", "50.0.0.5"),
             ("remote_address", "50.0.0.1"),
         ]);
-        let planned = plan(&rules, &settings(true), &request).expect("valid");
+        let planned = plan_call(&rules, &settings(true), &request).expect("valid");
         assert_eq!(planned.checks.len(), 1);
         let (response, _) = answer(&settings(true), &planned, Some(&decision), None);
         assert_eq!(codes(&response), (OK, vec![OVER, OK]));
@@ -775,7 +775,7 @@ descriptors:
             requests_per_unit: 0,
             unit: 2,
         });
-        let planned = plan(&rules, &settings(false), &request).expect("accepted");
+        let planned = plan_call(&rules, &settings(false), &request).expect("accepted");
         assert!(planned.checks.is_empty());
         let (response, _) = answer(&settings(false), &planned, None, None);
         assert_eq!(codes(&response), (OVER, vec![OVER]));
@@ -784,7 +784,7 @@ descriptors:
             unit: 99,
         });
         assert_eq!(
-            plan(&rules, &settings(false), &request).map(|_| ()),
+            plan_call(&rules, &settings(false), &request).map(|_| ()),
             Err(Invalid::BadOverride(0))
         );
     }
@@ -829,7 +829,7 @@ descriptors:
                     .collect(),
                 hits_addend: 0,
             };
-            let planned = plan(&rules, &settings(false), &request).expect("valid");
+            let planned = plan_call(&rules, &settings(false), &request).expect("valid");
             planned
                 .checks
                 .iter()
@@ -892,7 +892,7 @@ descriptors:
                 .collect(),
             hits_addend: 0,
         };
-        let planned = plan(&rules, &settings(false), &request).expect("valid");
+        let planned = plan_call(&rules, &settings(false), &request).expect("valid");
         let counted: Vec<(Algorithm, Duration)> = planned
             .checks
             .iter()

@@ -1,7 +1,7 @@
 //! `sluice explain-rls`: what the rate limit service would answer to one `ShouldRateLimit`
 //! call, from the files alone: each descriptor's rule (file and line, stat key, name), its
 //! limit and algorithm, whether another rule replaces it, and the exact store key it would
-//! touch. It runs the service's own planning (`decide::plan`), so it cannot tell a
+//! touch. It runs the service's own planning (`decide::plan_call`), so it cannot tell a
 //! different story, and sends nothing to the store.
 
 use std::fmt::Write as _;
@@ -10,9 +10,10 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 
-use super::decide::{plan, Applies};
-use super::rules::Rule;
+use super::decide::{plan_call, Applies};
+use super::rules::RlsRule;
 use super::Compiled;
+use crate::limiter::Check;
 
 /// Why a descriptor given on the command line cannot be read.
 #[derive(Debug, thiserror::Error)]
@@ -54,7 +55,7 @@ pub fn explain(
         descriptors,
         hits_addend: hits,
     };
-    let planned = plan(&compiled.rules, &compiled.settings, &request)
+    let planned = plan_call(&compiled.rules, &compiled.settings, &request)
         .map_err(|err| DescriptorError::Invalid(err.to_string()))?;
     let mut out = String::new();
     if !compiled.rules.has_domain(domain) {
@@ -72,85 +73,7 @@ pub fn explain(
             .map(|e| format!("{}={}", e.key, e.value))
             .collect();
         let _ = writeln!(out, "descriptor {index}: {}", entries.join(","));
-        match applied {
-            Applies::Nothing => {
-                let _ = writeln!(out, "  no rule applies (none matches, or it ends where there is no rate_limit): OK, not counted");
-            }
-            Applies::Replaced(rule) => {
-                let _ = writeln!(
-                    out,
-                    "  rule {} name={} is replaced by another rule in this call: OK, not counted",
-                    written(rule),
-                    rule.name
-                );
-            }
-            Applies::Unlimited(rule) => {
-                let _ = writeln!(out, "  rule {}: unlimited: OK, not counted", written(rule));
-            }
-            Applies::Blocked { rule, limit, .. } => {
-                match rule {
-                    Some(rule) => {
-                        let _ = writeln!(out, "  rule {}", written(rule));
-                    }
-                    None => {
-                        let _ = writeln!(out, "  the descriptor's own limit override");
-                    }
-                }
-                let shadow =
-                    compiled.settings.shadow_mode || rule.as_ref().is_some_and(|r| r.shadow);
-                let _ = writeln!(
-                    out,
-                    "  limit: 0 per {}: OVER_LIMIT{}, the store is not asked",
-                    limit.unit.label(),
-                    if shadow {
-                        " (shadow mode: the call is not refused)"
-                    } else {
-                        ""
-                    }
-                );
-            }
-            Applies::Unasked => {
-                let _ = writeln!(
-                    out,
-                    "  a limit of 0 refuses this call: not asked of the store, OK, not counted"
-                );
-            }
-            Applies::Counted {
-                rule,
-                limit,
-                hits,
-                check,
-            } => {
-                match rule {
-                    Some(rule) => {
-                        let name = if rule.name.is_empty() {
-                            String::new()
-                        } else {
-                            format!(" name={}", rule.name)
-                        };
-                        let _ = writeln!(out, "  rule {}{name}", written(rule));
-                    }
-                    None => {
-                        let _ = writeln!(out, "  the descriptor's own limit override");
-                    }
-                }
-                let check = &planned.checks[*check];
-                let _ = writeln!(
-                    out,
-                    "  limit: {} per {}, counted with {} (window now {} s), {hits} hit(s){}",
-                    limit.requests,
-                    limit.unit.label(),
-                    check.spec.algorithm.label(),
-                    check.spec.window.as_secs(),
-                    if check.spec.shadow {
-                        ", shadow mode: never OVER_LIMIT"
-                    } else {
-                        ""
-                    }
-                );
-                let _ = writeln!(out, "  store key: {}", check.key);
-            }
-        }
+        write_applied(&mut out, compiled, applied, &planned.checks);
     }
     let counted = planned.checks.len();
     let _ = writeln!(
@@ -160,7 +83,88 @@ pub fn explain(
     Ok(out)
 }
 
+/// What applies to one descriptor (`applied`), and how it is counted (`checks`: the call's).
+fn write_applied(out: &mut String, compiled: &Compiled, applied: &Applies, checks: &[Check]) {
+    match applied {
+        Applies::Nothing => {
+            let _ = writeln!(out, "  no rule applies (none matches, or it ends where there is no rate_limit): OK, not counted");
+        }
+        Applies::Replaced(rule) => {
+            let _ = writeln!(
+                out,
+                "  rule {} name={} is replaced by another rule in this call: OK, not counted",
+                written(rule),
+                rule.name
+            );
+        }
+        Applies::Unlimited(rule) => {
+            let _ = writeln!(out, "  rule {}: unlimited: OK, not counted", written(rule));
+        }
+        Applies::Blocked { rule, limit, .. } => {
+            write_rule(out, rule.as_deref(), false);
+            let shadow = compiled.settings.shadow_mode || rule.as_ref().is_some_and(|r| r.shadow);
+            let _ = writeln!(
+                out,
+                "  limit: 0 per {}: OVER_LIMIT{}, the store is not asked",
+                limit.unit.label(),
+                if shadow {
+                    " (shadow mode: the call is not refused)"
+                } else {
+                    ""
+                }
+            );
+        }
+        Applies::Unasked => {
+            let _ = writeln!(
+                out,
+                "  a limit of 0 refuses this call: not asked of the store, OK, not counted"
+            );
+        }
+        Applies::Counted {
+            rule,
+            limit,
+            hits,
+            check,
+        } => {
+            write_rule(out, rule.as_deref(), true);
+            let check = &checks[*check];
+            let _ = writeln!(
+                out,
+                "  limit: {} per {}, counted with {} (window now {} s), {hits} hit(s){}",
+                limit.requests,
+                limit.unit.label(),
+                check.spec.algorithm.label(),
+                check.spec.window.as_secs(),
+                if check.spec.shadow {
+                    ", shadow mode: never OVER_LIMIT"
+                } else {
+                    ""
+                }
+            );
+            let _ = writeln!(out, "  store key: {}", check.key);
+        }
+    }
+}
+
+/// The rule that limits a descriptor (with its name, if `named` and it has one), or the
+/// descriptor's own limit override (`None`).
+fn write_rule(out: &mut String, rule: Option<&RlsRule>, named: bool) {
+    match rule {
+        Some(rule) => {
+            let name = if named && !rule.name.is_empty() {
+                format!(" name={}", rule.name)
+            } else {
+                String::new()
+            };
+            let _ = writeln!(out, "  rule {}{name}", written(rule));
+        }
+        None => {
+            let _ = writeln!(out, "  the descriptor's own limit override");
+        }
+    }
+}
+
 /// A rule as explain names it: its path and where it is written, `key_value.key2 (file:line)`.
-fn written(rule: &Rule) -> String {
+fn written(rule: &RlsRule) -> String {
     format!("{} ({}:{})", rule.path, rule.file.display(), rule.line)
 }

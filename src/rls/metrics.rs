@@ -11,7 +11,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts};
 use crate::metrics::Metrics;
 
 use super::decide::Outcome;
-use super::rules::Rule;
+use super::rules::RlsRule;
 
 /// The handles the service counts into.
 #[derive(Clone)]
@@ -88,7 +88,7 @@ impl RlsMetrics {
     }
 
     /// One descriptor's hits under `rule`.
-    pub fn rule(&self, rule: &Rule, hits: u32, outcome: Outcome, global_shadow: bool) {
+    pub fn rule(&self, rule: &RlsRule, hits: u32, outcome: Outcome, global_shadow: bool) {
         let labels = [rule.domain.as_str(), rule.path.as_str()];
         let hits = u64::from(hits);
         self.total_hits.with_label_values(&labels).inc_by(hits);

@@ -23,9 +23,9 @@ use std::path::{Path, PathBuf};
 
 use crate::config::{Config, ConfigError};
 
-pub use decide::{answer, plan, Applies, Planned, Settings};
+pub use decide::{answer, plan_call, Applies, PlannedCall, Settings};
 pub use metrics::RlsMetrics;
-pub use rules::{Rule, RuleLimit, Rules};
+pub use rules::{RlsRule, RuleLimit, Rules};
 pub use service::{serve, Service};
 
 /// One version of the service's rules and settings, compiled from the config file.

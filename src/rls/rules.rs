@@ -39,7 +39,7 @@ pub struct Rules {
 /// One level of a domain's tree.
 #[derive(Debug, Default)]
 struct Node {
-    rule: Option<Arc<Rule>>,
+    rule: Option<Arc<RlsRule>>,
     children: HashMap<String, Branch>,
 }
 
@@ -55,7 +55,7 @@ struct Branch {
 
 /// What applies to a descriptor that ends at a node with `rate_limit`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rule {
+pub struct RlsRule {
     pub domain: String,
     /// `rate_limit.name`, empty when none.
     pub name: String,
@@ -129,7 +129,7 @@ impl Rules {
     }
 
     /// The rule a descriptor with these `(key, value)` entries falls under, if any.
-    pub fn find<'a, I>(&self, domain: &str, entries: I) -> Option<&Arc<Rule>>
+    pub fn find<'a, I>(&self, domain: &str, entries: I) -> Option<&Arc<RlsRule>>
     where
         I: IntoIterator<Item = (&'a str, &'a str)>,
     {
@@ -338,7 +338,7 @@ impl Walk<'_> {
         field: &str,
         stat: &str,
         shared: &[Option<String>],
-    ) -> Result<Option<Arc<Rule>>, ConfigError> {
+    ) -> Result<Option<Arc<RlsRule>>, ConfigError> {
         let Some(spanned) = &rule.rate_limit else {
             return Ok(None);
         };
@@ -371,7 +371,7 @@ impl Walk<'_> {
                 ))
             }
         };
-        Ok(Some(Arc::new(Rule {
+        Ok(Some(Arc::new(RlsRule {
             domain: self.domain.to_owned(),
             name: limit
                 .name

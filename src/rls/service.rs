@@ -68,7 +68,7 @@ impl Service {
         } else {
             "unknown"
         };
-        let planned = match decide::plan(&active.rules, &active.settings, request) {
+        let planned = match decide::plan_call(&active.rules, &active.settings, request) {
             Ok(planned) => planned,
             Err(invalid) => {
                 self.metrics

@@ -35,6 +35,7 @@ mod faults;
 mod framing;
 mod grpc;
 mod hostile_requests;
+mod house;
 mod identities;
 mod ipv6_prefixes;
 mod jwks_url;

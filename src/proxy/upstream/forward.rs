@@ -100,28 +100,8 @@ pub async fn forward(
     Result<Response<UpstreamBody>, ForwardError>,
     unread_body::Connection,
 ) {
-    // Extended CONNECT (RFC 8441) is not supported, so an HTTP/2 upstream gets no upgrade.
-    let upgrade = (!upstream.http2 && tunnel::is_websocket_upgrade(&request))
-        .then(|| tunnel::ClientSide::take(&mut request));
-    if upgrade.is_none() {
-        // Only a tunnel may hold the client's connection slot; the upstream client must not.
-        request
-            .extensions_mut()
-            .remove::<crate::server::ConnectionHold>();
-        // Nor a concurrency lease: it rides with the answer, not the upstream's request.
-        request
-            .extensions_mut()
-            .remove::<crate::limiter::LeaseHold>();
-    }
-    // `TE: trailers` is the one TE allowed in HTTP/2, and gRPC servers require it.
-    let wants_trailers = upstream.http2
-        && request
-            .headers()
-            .get_all(TE)
-            .iter()
-            .filter_map(|value| value.to_str().ok())
-            .flat_map(|value| value.split(','))
-            .any(|item| item.trim().eq_ignore_ascii_case("trailers"));
+    let upgrade = take_upgrade(upstream, &mut request);
+    let wants_trailers = upstream.http2 && asks_trailers(&request);
     let (parts, body) = request.into_parts();
     let version = parts.version;
     let (body, progress) = RequestBody::new(
@@ -148,25 +128,18 @@ pub async fn forward(
         Err(err) => return (Err(err), connection(false)),
     }
 
-    // The upstream speaks its own version whatever the client spoke; the client sets Host
-    // (HTTP/1.1) or :authority (HTTP/2) from the URI.
-    *request.version_mut() = if upstream.http2 {
-        Version::HTTP_2
-    } else {
-        Version::HTTP_11
+    let origin = ClientOrigin {
+        peer,
+        host,
+        tls_client,
     };
-    let headers = request.headers_mut();
-    // One pass over the names for both edits.
-    let found = headers::scan(headers);
-    headers::remove_scanned(headers, &found);
-    if let Some(upgrade) = &upgrade {
-        tunnel::set_upgrade_fields(headers, upgrade.protocol.clone());
-    }
-    if wants_trailers {
-        headers.insert(TE, HeaderValue::from_static("trailers"));
-    }
-    headers::add_forwarded(headers, &found, peer.ip(), host, tls_client);
-
+    rewrite_head(
+        &mut request,
+        upstream,
+        upgrade.as_ref(),
+        wants_trailers,
+        origin,
+    );
     let sent = client.connector.send(request, upgrade.is_some());
     let result = match tokio::time::timeout(upstream.timeout, sent).await {
         Ok(result) => result,
@@ -174,16 +147,7 @@ pub async fn forward(
     };
     match result {
         Ok(mut response) => {
-            let switched = upgrade.filter(|_| response.status() == StatusCode::SWITCHING_PROTOCOLS);
-            let protocol = response.headers().get(http::header::UPGRADE).cloned();
-            headers::remove_hop_by_hop(response.headers_mut());
-            let tunnel = switched.is_some();
-            if let Some(client_side) = switched {
-                let protocol = protocol.unwrap_or_else(|| client_side.protocol.clone());
-                tunnel::set_upgrade_fields(response.headers_mut(), protocol);
-                let upstream_side = hyper::upgrade::on(&mut response);
-                tunnel::spawn(client_side, upstream_side, route.name.as_str().to_owned());
-            }
+            let tunnel = upstream_answer(&mut response, upgrade, route);
             (Ok(response), connection(tunnel))
         }
         Err(err) => {
@@ -195,6 +159,105 @@ pub async fn forward(
             (Err(err), connection(false))
         }
     }
+}
+
+/// The client's side of a WebSocket upgrade to tunnel, taken out of `request`, if it asks
+/// for one `upstream` can take. Without one, the request's extensions lose what only a
+/// tunnel may hold: the client's connection slot, and a concurrency lease (it rides with the
+/// answer, not the upstream's request).
+fn take_upgrade(
+    upstream: &Upstream,
+    request: &mut Request<ClientBody<Incoming>>,
+) -> Option<tunnel::ClientSide> {
+    // Extended CONNECT (RFC 8441) is not supported, so an HTTP/2 upstream gets no upgrade.
+    let upgrade = (!upstream.http2 && tunnel::is_websocket_upgrade(request))
+        .then(|| tunnel::ClientSide::take(request));
+    if upgrade.is_none() {
+        request
+            .extensions_mut()
+            .remove::<crate::server::ConnectionHold>();
+        request
+            .extensions_mut()
+            .remove::<crate::limiter::LeaseHold>();
+    }
+    upgrade
+}
+
+/// Whether the request sends `TE: trailers`: the one TE allowed in HTTP/2, and gRPC servers
+/// require it.
+fn asks_trailers<B>(request: &Request<B>) -> bool {
+    request
+        .headers()
+        .get_all(TE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .any(|item| item.trim().eq_ignore_ascii_case("trailers"))
+}
+
+/// What the upstream is told of where the request came from (`headers::add_forwarded`).
+struct ClientOrigin {
+    peer: SocketAddr,
+    /// The client's `Host` (or its URI's authority).
+    host: Option<HeaderValue>,
+    /// The client spoke TLS to sluice.
+    tls_client: bool,
+}
+
+/// The request's version and fields as the upstream gets them: the upstream's own version,
+/// no hop-by-hop fields, the upgrade's and `TE: trailers` (`wants_trailers`) sent on, and the
+/// forwarded fields.
+fn rewrite_head(
+    request: &mut Request<RequestBody>,
+    upstream: &Upstream,
+    upgrade: Option<&tunnel::ClientSide>,
+    wants_trailers: bool,
+    origin: ClientOrigin,
+) {
+    // The upstream speaks its own version whatever the client spoke; the client sets Host
+    // (HTTP/1.1) or :authority (HTTP/2) from the URI.
+    *request.version_mut() = if upstream.http2 {
+        Version::HTTP_2
+    } else {
+        Version::HTTP_11
+    };
+    let headers = request.headers_mut();
+    // One pass over the names for both edits.
+    let found = headers::scan(headers);
+    headers::remove_scanned(headers, &found);
+    if let Some(upgrade) = upgrade {
+        tunnel::set_upgrade_fields(headers, upgrade.protocol.clone());
+    }
+    if wants_trailers {
+        headers.insert(TE, HeaderValue::from_static("trailers"));
+    }
+    let ClientOrigin {
+        peer,
+        host,
+        tls_client,
+    } = origin;
+    headers::add_forwarded(headers, &found, peer.ip(), host, tls_client);
+}
+
+/// The upstream's response as the client gets it: without hop-by-hop fields, and, when it
+/// accepts the client's WebSocket `upgrade`, with the tunnel between them started (named
+/// after `route`). Returns whether it did.
+fn upstream_answer(
+    response: &mut Response<UpstreamBody>,
+    upgrade: Option<tunnel::ClientSide>,
+    route: &Route,
+) -> bool {
+    let switched = upgrade.filter(|_| response.status() == StatusCode::SWITCHING_PROTOCOLS);
+    let protocol = response.headers().get(http::header::UPGRADE).cloned();
+    headers::remove_hop_by_hop(response.headers_mut());
+    let Some(client_side) = switched else {
+        return false;
+    };
+    let protocol = protocol.unwrap_or_else(|| client_side.protocol.clone());
+    tunnel::set_upgrade_fields(response.headers_mut(), protocol);
+    let upstream_side = hyper::upgrade::on(response);
+    tunnel::spawn(client_side, upstream_side, route.name.as_str().to_owned());
+    true
 }
 
 fn upstream_uri(upstream: &Upstream, original: &Uri) -> Result<Uri, ForwardError> {
