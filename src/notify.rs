@@ -307,7 +307,7 @@ impl Sender {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let signed = signature(&self.key, unix, &body);
-        let tcp = match TcpStream::connect(self.url.authority.as_str()).await {
+        let tcp = match TcpStream::connect(self.url.connect.as_str()).await {
             Ok(tcp) => tcp,
             Err(err) => return Tried::Again(format!("cannot connect: {err}")),
         };

@@ -64,6 +64,8 @@ pub struct NotifyConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WebhookUrl {
     pub authority: Authority,
+    /// Where to connect: the authority's host and port, port 80 when the URL names none.
+    pub connect: String,
     /// The path and query of the POST (`/` when the URL has none).
     pub path: String,
 }
@@ -97,7 +99,13 @@ impl FromStr for WebhookUrl {
         let path = uri
             .path_and_query()
             .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned());
+        let connect = format!(
+            "{}:{}",
+            authority.host(),
+            authority.port_u16().unwrap_or(80)
+        );
         Ok(WebhookUrl {
+            connect,
             authority,
             path: if path.is_empty() {
                 "/".to_owned()
@@ -142,8 +150,14 @@ mod tests {
             .expect("valid");
         assert_eq!(url.authority.as_str(), "hooks.internal:8080");
         assert_eq!(url.path, "/sluice?x=1");
+        assert_eq!(url.connect, "hooks.internal:8080");
         let bare: WebhookUrl = "http://127.0.0.1:9".parse().expect("valid");
         assert_eq!(bare.path, "/");
+        // No port: http's own (a socket address needs one).
+        let default: WebhookUrl = "http://hooks.internal/sluice".parse().expect("valid");
+        assert_eq!(default.connect, "hooks.internal:80");
+        let v6: WebhookUrl = "http://[::1]/".parse().expect("valid");
+        assert_eq!(v6.connect, "[::1]:80");
         for bad in ["https://x", "ftp://x", "x", "http://u:p@x/"] {
             assert!(bad.parse::<WebhookUrl>().is_err(), "{bad}");
         }
