@@ -23,6 +23,8 @@ use hyper_util::rt::TokioIo;
 use prometheus::IntCounter;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
+use tokio_rustls::rustls::pki_types::ServerName;
+use tokio_rustls::TlsConnector;
 
 use crate::config::{WebhookConfig, WebhookUrl};
 use crate::limiter::{Check, Decision};
@@ -78,7 +80,7 @@ pub struct Notifier {
     dropped: IntCounter,
 }
 
-/// Why the webhook's secret could not be read at start.
+/// Why the webhook's sender could not start: its secret, or its TLS client.
 #[derive(Debug, thiserror::Error)]
 pub enum SecretError {
     #[error("webhook.secret_env names the environment variable `{0}`, which is not set or empty: set it to the webhook's shared secret")]
@@ -89,6 +91,9 @@ pub enum SecretError {
     EmptyFile(String),
     #[error("webhook: give the shared secret as exactly one of `secret_env` and `secret_file`")]
     NotOne,
+    /// The `https://` client could not be built (`webhook.ca_file`, the host's name).
+    #[error("{0}")]
+    Tls(String),
 }
 
 impl Notifier {
@@ -103,10 +108,24 @@ impl Notifier {
     /// Reads the secret and starts the sender task on the current runtime.
     pub fn start(config: &WebhookConfig, metrics: &Metrics) -> Result<Notifier, SecretError> {
         let secret = read_secret(config)?;
+        let tls = if config.url.value.tls {
+            let (client, _) = crate::tls::upstream::fetch_client(
+                config.ca_file.as_ref(),
+                std::path::Path::new("the config file"),
+                "webhook.ca_file",
+            )
+            .map_err(|err| SecretError::Tls(err.to_string()))?;
+            let name = ServerName::try_from(config.url.value.host.clone())
+                .map_err(|err| SecretError::Tls(format!("webhook.url's host: {err}")))?;
+            Some((TlsConnector::from(client), name))
+        } else {
+            None
+        };
         let outcomes = outcomes(metrics);
         let (queue, receiver) = mpsc::channel(config.queue.0 as usize);
         let sender = Sender {
             url: config.url.value.clone(),
+            tls,
             key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &secret),
             timeout: config.timeout.0,
             retries: config.retries,
@@ -238,6 +257,8 @@ pub fn signature(key: &ring::hmac::Key, unix: u64, body: &[u8]) -> String {
 /// The task that POSTs the queue's notifications, one at a time.
 struct Sender {
     url: WebhookUrl,
+    /// For an `https://` URL: the client and the name the certificate must have.
+    tls: Option<(TlsConnector, ServerName<'static>)>,
     key: ring::hmac::Key,
     timeout: Duration,
     retries: u32,
@@ -307,15 +328,10 @@ impl Sender {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let signed = signature(&self.key, unix, &body);
-        let tcp = match TcpStream::connect(self.url.authority.as_str()).await {
+        let tcp = match TcpStream::connect(self.url.connect.as_str()).await {
             Ok(tcp) => tcp,
             Err(err) => return Tried::Again(format!("cannot connect: {err}")),
         };
-        let (mut sender, connection) =
-            match hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await {
-                Ok(pair) => pair,
-                Err(err) => return Tried::Again(err.to_string()),
-            };
         let request = Request::post(self.url.path.as_str())
             .header(HOST, self.url.authority.as_str())
             .header(CONTENT_TYPE, "application/json")
@@ -327,29 +343,48 @@ impl Sender {
             Ok(request) => request,
             Err(err) => return Tried::Again(err.to_string()),
         };
-        // Driven beside the request, as the JWK fetch does: nothing outlives the timeout.
-        let mut connection = pin!(connection);
-        let mut connection_done = false;
-        let mut sent = pin!(sender.send_request(request));
-        let response = loop {
-            tokio::select! {
-                response = &mut sent => break response,
-                ended = &mut connection, if !connection_done => {
-                    connection_done = true;
-                    if let Err(err) = ended {
-                        return Tried::Again(err.to_string());
-                    }
+        match &self.tls {
+            None => exchange(TokioIo::new(tcp), request).await,
+            Some((connector, name)) => match connector.connect(name.clone(), tcp).await {
+                Ok(tls) => exchange(TokioIo::new(tls), request).await,
+                Err(err) => Tried::Again(format!("TLS with {}: {err}", self.url.host)),
+            },
+        }
+    }
+}
+
+/// One request and its answer's status on the connection `io`, driven beside it as the JWK
+/// fetch does (nothing outlives the caller's timeout).
+async fn exchange<T>(io: T, request: Request<Full<Bytes>>) -> Tried
+where
+    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = match hyper::client::conn::http1::handshake(io).await {
+        Ok(pair) => pair,
+        Err(err) => return Tried::Again(err.to_string()),
+    };
+    // Driven beside the request, as the JWK fetch does: nothing outlives the timeout.
+    let mut connection = pin!(connection);
+    let mut connection_done = false;
+    let mut sent = pin!(sender.send_request(request));
+    let response = loop {
+        tokio::select! {
+            response = &mut sent => break response,
+            ended = &mut connection, if !connection_done => {
+                connection_done = true;
+                if let Err(err) = ended {
+                    return Tried::Again(err.to_string());
                 }
             }
-        };
-        match response {
-            Ok(response) if response.status().is_success() => Tried::Sent,
-            Ok(response) if response.status().is_server_error() => {
-                Tried::Again(format!("answered {}", response.status()))
-            }
-            Ok(response) => Tried::Refused(response.status()),
-            Err(err) => Tried::Again(err.to_string()),
         }
+    };
+    match response {
+        Ok(response) if response.status().is_success() => Tried::Sent,
+        Ok(response) if response.status().is_server_error() => {
+            Tried::Again(format!("answered {}", response.status()))
+        }
+        Ok(response) => Tried::Refused(response.status()),
+        Err(err) => Tried::Again(err.to_string()),
     }
 }
 

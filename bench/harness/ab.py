@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import AB_SCENARIOS, REDIS_ALGORITHMS, ROOT, SLUICE_BIN
-from .context import HarnessError, progress
+from .context import progress
+from .errors import HarnessError
 from .layout import Pinned
 from .load import check_sane, in_turns, run_wrk
 from .peers import (

@@ -16,7 +16,8 @@ from .ab import ab, ab_text, binary_label
 from .config import (
     BENCH, CONCURRENCY_TARGET, LATENCY_SHARE, PINNED_SCENARIOS, SCENARIOS, SLUICE_BIN
 )
-from .context import Context, HarnessError, Options, progress
+from .context import Context, Options, progress
+from .errors import HarnessError
 from .layout import Pinned, pinned_layout, shared_layout
 from .load import closed_loop, latency_rates, open_loop, run_wrk
 from .peers import knows_workers, preflight, start_targets, start_upstream

@@ -10,13 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+
 if TYPE_CHECKING:
     from .redis_server import Redis
     from .servers import Server, Servers
 
 
-class HarnessError(Exception):
-    """The harness itself is broken: a target did not start, a scenario gave no numbers."""
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from .config import (
     ADMIT_KEYS, CLOSED_LOOP, LATENCY_SHARE, LOADGEN_BIN, MIXED_ABUSERS, MIXED_ABUSE_PERCENT, WRK
 )
-from .context import HarnessError, progress
+from .context import progress
+from .errors import HarnessError
 from .procfs import cpu_seconds, cpu_times, process_tree
 from .servers import log_tail
 

@@ -18,7 +18,7 @@ from .config import (
     BENCH, CONCURRENCY_LIMIT, CONCURRENCY_TARGET, ENVOY_BIN, FLOOR_BIN, LIMIT_REQUESTS,
     LIMIT_WINDOW_S, PEERS, REDIS_ALGORITHMS, SLUICE_BIN, TRAEFIK_BIN, workers
 )
-from .context import HarnessError
+from .errors import HarnessError
 from .servers import http_get, render, wait_until
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from .config import CLK_TCK
-from .context import HarnessError
+from .errors import HarnessError
 
 
 def _stat_fields(pid: int) -> list[str]:

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .context import HarnessError
+from .errors import HarnessError
 from .servers import wait_until
 
 if TYPE_CHECKING:

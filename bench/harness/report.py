@@ -32,7 +32,7 @@ from .tables import (
 if TYPE_CHECKING:
     from .context import Context
     from .layout import Layout
-    from .summary import Row
+    from .row import Row
 
 
 def command_output(argv: list[str]) -> str:

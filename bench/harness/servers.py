@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ROOT
-from .context import HarnessError
+from .errors import HarnessError
 
 
 @dataclass

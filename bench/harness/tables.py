@@ -12,7 +12,7 @@ from .goals import goals, round_ratios, spread_text, target_verdicts
 from .steps.leases import leases_text
 
 if TYPE_CHECKING:
-    from .summary import Row
+    from .row import Row
 
 
 def algorithms_table(rows: list[Row]) -> str:

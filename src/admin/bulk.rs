@@ -96,15 +96,7 @@ impl Admin {
             Err(response) => return *response,
         };
         if !rule.spec.overridable {
-            return problem(
-                StatusCode::CONFLICT,
-                &format!(
-                    "limit `{limit}` of route `{route}` takes no overrides: set `overrides: true` \
-                     on it in the policy"
-                ),
-                path,
-                &[("route", route), ("limit", limit)],
-            );
+            return super::overrides::takes_none(route, limit, path);
         }
         let text = match read(body).await {
             Ok(text) => text,
@@ -291,9 +283,9 @@ fn check_line(
         if !query.is_empty() {
             query.push('&');
         }
-        super::usage::encode_into(&mut query, name);
+        super::limits::encode_into(&mut query, name.as_bytes());
         query.push('=');
-        super::usage::encode_into(&mut query, &value);
+        super::limits::encode_into(&mut query, value.as_bytes());
     }
     let key = key_of(&query).map_err(|err| format!("identity: {err}"))?;
     Ok((key, line.requests, ttl))

@@ -312,7 +312,7 @@ fn check_needed(
 
 /// Percent-encodes every byte but the unreserved ones, so the key builder decodes exactly
 /// `bytes` back.
-fn encode_into(out: &mut String, bytes: &[u8]) {
+pub(super) fn encode_into(out: &mut String, bytes: &[u8]) {
     for &byte in bytes {
         if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
             out.push(char::from(byte));

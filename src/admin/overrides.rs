@@ -135,15 +135,7 @@ impl Admin {
     ) -> Response<ProxyBody> {
         self.on_limit((route, limit), path, async |policy, found, rule| {
             if !rule.spec.overridable {
-                return problem(
-                    StatusCode::CONFLICT,
-                    &format!(
-                        "limit `{limit}` of route `{route}` takes no overrides: set `overrides: true` \
-                         on it in the policy"
-                    ),
-                    path,
-                    &[("route", route), ("limit", limit)],
-                );
+                return takes_none(route, limit, path);
             }
             let (change, identity_query) = match change_of(query) {
                 Ok(split) => split,
@@ -156,7 +148,8 @@ impl Admin {
             let check = store_key::check(rule, key, crate::runtime::clock::now());
             let identity = store_key::identity_of(policy, found, rule, &check.key).to_owned();
             let store = self.gateway.store();
-            let failed = |detail: String| problem(StatusCode::SERVICE_UNAVAILABLE, &detail, path, &[]);
+            let failed =
+                |detail: String| problem(StatusCode::SERVICE_UNAVAILABLE, &detail, path, &[]);
             let mut body = json!({
                 "route": route,
                 "limit": limit,
@@ -286,4 +279,16 @@ async fn get(store: &Store, check: &Check) -> Result<Answer, Failed> {
         }),
         Err(err) => Err(Failed::Store(format!("{} store: {err}", store.name()))),
     }
+}
+/// The `409` of an override asked of a limit without `overrides: true`.
+pub(super) fn takes_none(route: &str, limit: &str, path: &str) -> Response<ProxyBody> {
+    problem(
+        StatusCode::CONFLICT,
+        &format!(
+            "limit `{limit}` of route `{route}` takes no overrides: set `overrides: true` on it \
+             in the policy"
+        ),
+        path,
+        &[("route", route), ("limit", limit)],
+    )
 }

@@ -339,9 +339,9 @@ fn query_for(rule: &Limit, named: &Named) -> Option<String> {
             if !query.is_empty() {
                 query.push('&');
             }
-            encode_into(&mut query, name);
+            super::limits::encode_into(&mut query, name.as_bytes());
             query.push('=');
-            encode_into(&mut query, value);
+            super::limits::encode_into(&mut query, value.as_bytes());
         }
     }
     Some(query)
@@ -350,17 +350,6 @@ fn query_for(rule: &Limit, named: &Named) -> Option<String> {
 /// The store key `query` names for `rule`, built as a live request's is.
 fn key_of(policy: &Policy, route: &Route, rule: &Limit, query: &str) -> Result<String, String> {
     limits::store_key(policy, route, rule, query)
-}
-
-/// Percent-encodes all but the unreserved bytes of `text`.
-pub(super) fn encode_into(out: &mut String, text: &str) {
-    for &byte in text.as_bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(byte));
-        } else {
-            let _ = write!(out, "%{byte:02X}");
-        }
-    }
 }
 
 #[cfg(test)]

@@ -23,7 +23,8 @@ pub const DEFAULT_WEBHOOK_QUEUE: u32 = 1_024;
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookConfig {
-    /// Where each notification is POSTed (`http://host:port/path`).
+    /// Where each notification is POSTed (`https://hooks.example.com/sluice`, or
+    /// `http://host:port/path` on a private network).
     #[schemars(with = "WebhookUrl")]
     pub url: Spanned<WebhookUrl>,
     /// The environment variable holding the shared secret the `sluice-signature` header is
@@ -48,6 +49,10 @@ pub struct WebhookConfig {
     /// dropped and counted as `dropped`, never waited for by a request.
     #[serde(default = "default_queue")]
     pub queue: Positive,
+    /// For an `https://` URL: a PEM bundle of the CAs that may sign the receiver's
+    /// certificate; the Mozilla roots built into sluice when not given.
+    #[schemars(with = "Option<PathBuf>")]
+    pub ca_file: Option<Spanned<PathBuf>>,
 }
 
 /// A limit's `notify`: the fractions of its number (the identity's override when one is in
@@ -60,10 +65,17 @@ pub struct NotifyConfig {
     pub at: Vec<Spanned<f64>>,
 }
 
-/// The webhook's address: `http://`, an authority, a path and query sent as they are.
+/// The webhook's address: `https://` or `http://`, an authority, a path and query sent as they are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WebhookUrl {
     pub authority: Authority,
+    /// Where to connect: the authority's host and port, the scheme's port (443, 80) when the
+    /// URL names none.
+    pub connect: String,
+    /// Whether the POST goes over TLS (`https://`), the certificate checked for `host`.
+    pub tls: bool,
+    /// The host, as the receiver's certificate must name it.
+    pub host: String,
     /// The path and query of the POST (`/` when the URL has none).
     pub path: String,
 }
@@ -75,20 +87,15 @@ impl FromStr for WebhookUrl {
         let uri: Uri = text
             .parse()
             .map_err(|e| format!("`{text}` is not a URL: {e}"))?;
-        match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") => {
-                return Err(format!(
-                    "`{text}`: sluice POSTs notifications over plain http only; send them to a \
-                     receiver (or a local relay) on a private network"
-                ))
-            }
+        let tls = match uri.scheme_str() {
+            Some("https") => true,
+            Some("http") => false,
             _ => {
                 return Err(format!(
-                    "expected a URL like http://hooks.internal:8080/sluice, got `{text}`"
+                    "expected a URL like https://hooks.example.com/sluice, got `{text}`"
                 ))
             }
-        }
+        };
         let authority = uri
             .authority()
             .filter(|a| !a.as_str().contains('@'))
@@ -97,7 +104,14 @@ impl FromStr for WebhookUrl {
         let path = uri
             .path_and_query()
             .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned());
+        let port = authority.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        let connect = format!("{}:{port}", authority.host());
+        // The certificate names the host without an IPv6 literal's brackets.
+        let host = authority.host().trim_matches(['[', ']']).to_owned();
         Ok(WebhookUrl {
+            connect,
+            tls,
+            host,
             authority,
             path: if path.is_empty() {
                 "/".to_owned()
@@ -142,9 +156,21 @@ mod tests {
             .expect("valid");
         assert_eq!(url.authority.as_str(), "hooks.internal:8080");
         assert_eq!(url.path, "/sluice?x=1");
+        assert_eq!(url.connect, "hooks.internal:8080");
         let bare: WebhookUrl = "http://127.0.0.1:9".parse().expect("valid");
         assert_eq!(bare.path, "/");
-        for bad in ["https://x", "ftp://x", "x", "http://u:p@x/"] {
+        // No port: http's own (a socket address needs one).
+        let default: WebhookUrl = "http://hooks.internal/sluice".parse().expect("valid");
+        assert_eq!(default.connect, "hooks.internal:80");
+        let v6: WebhookUrl = "http://[::1]/".parse().expect("valid");
+        assert_eq!(v6.connect, "[::1]:80");
+        let secure: WebhookUrl = "https://hooks.example.com/s".parse().expect("valid");
+        assert_eq!(
+            (secure.connect.as_str(), secure.tls, secure.host.as_str()),
+            ("hooks.example.com:443", true, "hooks.example.com")
+        );
+        assert!(!default.tls);
+        for bad in ["ftp://x", "x", "http://u:p@x/"] {
             assert!(bad.parse::<WebhookUrl>().is_err(), "{bad}");
         }
     }

@@ -15,6 +15,11 @@
 
 /// Most thresholds one limit may have: 5 × 10 bits + 3 flag bits stay below 2^53, the largest
 /// integer a Lua number (a double) holds exactly.
+/// A fraction of a limit in permille, as the policy's rules and the stores read it.
+pub fn permille(fraction: f64) -> u16 {
+    (fraction * 1000.0).round().clamp(0.0, 1000.0) as u16
+}
+
 pub const MAX: usize = 5;
 
 /// Up to [`MAX`] thresholds in permille (1..=1000), ascending, packed lowest first; 0: none.

@@ -537,14 +537,14 @@ fn notify_without_webhook(config: &Config, file: &Path) -> Option<ConfigError> {
 /// The `notify` thresholds of a limit that passed the rules, in permille.
 fn notify_thresholds(limit: &LimitConfig) -> crate::limiter::Thresholds {
     let permille: Vec<u16> = limit.notify.as_ref().map_or_else(Vec::new, |notify| {
-        notify.value.at.iter().map(|f| permille(f.value)).collect()
+        notify
+            .value
+            .at
+            .iter()
+            .map(|f| crate::limiter::thresholds::permille(f.value))
+            .collect()
     });
     crate::limiter::Thresholds::new(&permille).unwrap_or_default()
-}
-
-/// A fraction of a limit in permille, as the rules and the stores read it.
-pub(super) fn permille(fraction: f64) -> u16 {
-    (fraction * 1000.0).round().clamp(0.0, 1000.0) as u16
 }
 
 /// A prefix length the rules accepted, or the default.

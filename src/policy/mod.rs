@@ -3,7 +3,7 @@
 //! a reload (upstream connection pools, the store) lives outside it, so nothing here needs the
 //! proxy.
 //!
-//! By job: `model` holds the types the request path reads (`Policy`, `Route`, `Limit`,
+//! By job: `routes` holds the types the request path reads (`Policy`, `Route`, `Limit`,
 //! `Upstream`), `index` finds the route a path matches (through `matcher`'s trie of
 //! prefixes), `compile` turns a parsed config into a policy (a pure function of it and of the TLS settings and JWT
 //! verifiers read beforehand: it reads no file and creates no metric series) and attaches the
@@ -17,10 +17,10 @@ mod condition;
 mod fields;
 mod index;
 mod matcher;
-mod model;
+mod routes;
 mod rules;
 
 pub use self::condition::{Condition, HeaderTest};
 pub use self::fields::Field;
 pub use self::matcher::Matcher;
-pub use self::model::*;
+pub use self::routes::*;

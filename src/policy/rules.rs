@@ -21,7 +21,7 @@ use crate::limiter::Algorithm;
 use crate::llm::config::{micro_amount, quota, reserve};
 use crate::llm::Models;
 
-use super::compile::permille;
+use crate::limiter::thresholds::permille;
 
 /// One limit as written, with what its rules read around it.
 pub(super) struct Seen<'a> {

@@ -24,6 +24,11 @@ use crate::metrics::{Metrics, Outcome};
 use crate::policy::Route;
 use crate::response::{self, retry_after_seconds};
 
+/// On an answer whose request a soft limit sent to another model (`super::switch`):
+/// `gpt-4o -> gpt-4o-mini` (the model the body named, normalised, then the fallback as the
+/// policy writes it).
+const MODEL_SWITCHED: HeaderName = HeaderName::from_static("sluice-model-switched");
+
 /// What an answer from the upstream or a direct response is counted as.
 pub struct Answered {
     pub outcome: Outcome,
@@ -104,7 +109,7 @@ impl Finisher {
         if let Some(switched) = &exchange.switched {
             response
                 .headers_mut()
-                .insert(super::switch::MODEL_SWITCHED, switched.clone());
+                .insert(MODEL_SWITCHED, switched.clone());
         }
         // hyper closes an HTTP/1.x connection whose request body was left unread after
         // this answer: the answer says so, and no client sends its next request into it.

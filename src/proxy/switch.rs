@@ -30,7 +30,7 @@
 
 use std::net::IpAddr;
 
-use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH};
+use http::header::{HeaderValue, CONTENT_LENGTH};
 use http::request::Parts;
 use http::StatusCode;
 
@@ -43,10 +43,6 @@ use crate::llm::switch::Fallback;
 use crate::llm::Prices;
 use crate::policy::{Limit, Policy, Route};
 use crate::request::{self, Now, Plan};
-
-/// On an answer whose request a soft limit sent to another model: `gpt-4o -> gpt-4o-mini`
-/// (the model the body named, normalised, then the fallback as the policy writes it).
-pub const MODEL_SWITCHED: HeaderName = HeaderName::from_static("sluice-model-switched");
 
 /// The longest model name the header repeats from a body: a longer one is left out.
 const MOST_NAME_BYTES: usize = 128;

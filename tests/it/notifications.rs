@@ -33,13 +33,19 @@ struct Receiver {
 impl Receiver {
     /// Answers 503 to the first `failing` tries, then 200.
     async fn start(failing: usize) -> Receiver {
+        Receiver::serve(failing, None).await
+    }
+
+    /// The same over TLS (`https://localhost:port/...`), with the certificate `tls` presents.
+    async fn serve(failing: usize, tls: Option<tokio_rustls::TlsAcceptor>) -> Receiver {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let url = format!(
-            "http://{}/hooks/sluice",
-            listener.local_addr().expect("addr")
-        );
+        let port = listener.local_addr().expect("addr").port();
+        let url = match tls {
+            Some(_) => format!("https://localhost:{port}/hooks/sluice"),
+            None => format!("http://127.0.0.1:{port}/hooks/sluice"),
+        };
         let tries = Arc::new(AtomicUsize::new(0));
         let accepted = Arc::new(Mutex::new(Vec::new()));
         let (t, a) = (Arc::clone(&tries), Arc::clone(&accepted));
@@ -49,6 +55,7 @@ impl Receiver {
                     return;
                 };
                 let (tries, accepted) = (Arc::clone(&t), Arc::clone(&a));
+                let tls = tls.clone();
                 tokio::spawn(async move {
                     let service = service_fn(move |request| {
                         let (tries, accepted) = (Arc::clone(&tries), Arc::clone(&accepted));
@@ -59,9 +66,23 @@ impl Receiver {
                             Ok::<_, Infallible>(response)
                         }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
+                    let builder = hyper::server::conn::http1::Builder::new();
+                    match &tls {
+                        None => {
+                            let _ = builder
+                                .serve_connection(TokioIo::new(stream), service)
+                                .await;
+                        }
+                        Some(acceptor) => {
+                            // A client that does not speak TLS, or does not trust us, is
+                            // not a try that reached the receiver.
+                            if let Ok(stream) = acceptor.accept(stream).await {
+                                let _ = builder
+                                    .serve_connection(TokioIo::new(stream), service)
+                                    .await;
+                            }
+                        }
+                    }
                 });
             }
         });
@@ -461,6 +482,68 @@ async fn a_failing_receiver_still_gets_exactly_one() {
         ),
         (1.0, 2.0, 0.0)
     );
+}
+
+/// An `https://` webhook: the POST goes over TLS, the receiver's certificate checked against
+/// `webhook.ca_file`; without it (the built-in Mozilla roots, which do not know the test CA)
+/// nothing is delivered and every try fails. Seeded: a sender that spoke plain HTTP to the
+/// https URL delivered nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_webhook_is_posted_over_tls_to_a_trusted_receiver() {
+    let ca = support::certs::Ca::new("webhook test CA");
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).expect("write the CA");
+    let leaf = ca.server("hooks");
+    let redis = Redis::start().await;
+    let up = Upstream::start().await;
+    let client = support::client();
+    for trusted in [true, false] {
+        let receiver = Receiver::serve(0, Some(leaf.acceptor(&[b"http/1.1"]))).await;
+        let mut hook = vec![
+            ("url", Node::from(receiver.url.as_str())),
+            ("secret_env", Node::from(SECRET_ENV)),
+            ("retries", Node::from(3u32)),
+            ("backoff", Node::from("100ms")),
+        ];
+        if trusted {
+            hook.push(("ca_file", Node::from(ca_file.to_str().expect("utf-8"))));
+        }
+        let hook = Node::map(hook);
+        let yaml = Policy::new()
+            .set("webhook", hook)
+            .upstream("api", up.url())
+            .route(
+                Route::new("api", "/").upstream("api").limit(
+                    Limit::requests("hourly", 2, "1h")
+                        .key(["header:x-api-key"])
+                        .set("notify", notify(&[0.5])),
+                ),
+            )
+            .store_redis(&redis);
+        let sluice = start(&yaml).await;
+        // One identity each: the first one's marker is in the shared Redis.
+        let key = if trusted { "a" } else { "b" };
+        assert_eq!(hit(&client, &sluice, key).await, 200);
+        if trusted {
+            let posts = receiver.wait_for(1, Duration::from_millis(300)).await;
+            assert_eq!(
+                crossings(&posts),
+                [("h:x-api-key=a".to_owned(), "0.5".to_owned(), 1, 1)]
+            );
+        } else {
+            // 1 + 3 retries, 100 ms doubling: over within a second.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let posts = receiver.accepted();
+            assert_eq!(
+                posts,
+                Vec::<Value>::new(),
+                "an untrusted receiver got a POST"
+            );
+            let metrics = all_metrics(std::slice::from_ref(&sluice)).await;
+            assert_eq!((sum(&metrics, "sent"), sum(&metrics, "failed")), (0.0, 1.0));
+        }
+    }
 }
 
 /// A marker lives as long as the window: a limit of 4 per 2 s notifying at 100 % sends once

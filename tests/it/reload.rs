@@ -682,6 +682,7 @@ const FIELD_CHANGES: &[FieldChange] = &[
     FieldChange { field: "webhook.timeout", yaml: "webhook:\n  url: http://127.0.0.1:9/hook\n  secret_env: SLUICE_RELOAD_WEBHOOK\n  timeout: 1s\n", refused: Some("`webhook` changed") },
     FieldChange { field: "webhook.retries", yaml: "webhook:\n  url: http://127.0.0.1:9/hook\n  secret_env: SLUICE_RELOAD_WEBHOOK\n  retries: 1\n", refused: Some("`webhook` changed") },
     FieldChange { field: "webhook.backoff", yaml: "webhook:\n  url: http://127.0.0.1:9/hook\n  secret_env: SLUICE_RELOAD_WEBHOOK\n  backoff: 2s\n", refused: Some("`webhook` changed") },
+    FieldChange { field: "webhook.ca_file", yaml: "webhook:\n  url: https://127.0.0.1:9/hook\n  secret_env: SLUICE_RELOAD_WEBHOOK\n  ca_file: hooks-ca.pem\n", refused: Some("`webhook` changed") },
     FieldChange { field: "webhook.queue", yaml: "webhook:\n  url: http://127.0.0.1:9/hook\n  secret_env: SLUICE_RELOAD_WEBHOOK\n  queue: 10\n", refused: Some("`webhook` changed") },
     FieldChange { field: "trusted_proxies", yaml: "trusted_proxies: [10.0.0.0/8]\n", refused: None },
     FieldChange { field: "forwarded_header", yaml: "forwarded_header: forwarded\n", refused: None },

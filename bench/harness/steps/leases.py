@@ -10,7 +10,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ..config import LOADGEN_BIN, SLUICE_BIN
-from ..context import HarnessError, progress
+from ..context import progress
+from ..errors import HarnessError
 from ..peers import redis_store, sluice_concurrency_limit
 from ..redis_server import Redis
 from ..servers import http_get, wait_until

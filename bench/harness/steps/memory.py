@@ -9,7 +9,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ..config import LIMIT_REQUESTS
-from ..context import HarnessError, progress
+from ..context import progress
+from ..errors import HarnessError
 from ..load import wrk_command
 from ..peers import local_store, redis_store, sluice_limit, start_sluice
 from ..procfs import rss_bytes

@@ -13,7 +13,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ..config import ADMIT_KEYS, RELAY_BIN
-from ..context import HarnessError, progress
+from ..context import progress
+from ..errors import HarnessError
 from ..goals import one_goal
 from ..load import check_sane, in_turns, run_wrk
 from ..peers import Target, preflight, sluice_limit, start_sluice

@@ -11,7 +11,8 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ..config import REDIS_ALGORITHMS, SLUICE_BIN, workers
-from ..context import HarnessError, progress
+from ..context import progress
+from ..errors import HarnessError
 from ..goals import spread_text
 from ..load import in_turns, run_wrk, wrk_command
 from ..peers import Target, local_store, redis_store

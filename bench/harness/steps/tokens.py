@@ -10,7 +10,8 @@ import subprocess
 from typing import TYPE_CHECKING
 
 from ..config import LOADGEN_BIN, SLUICE_BIN
-from ..context import HarnessError, progress
+from ..context import progress
+from ..errors import HarnessError
 from ..peers import redis_store
 from ..procfs import cpu_seconds, process_tree
 from ..servers import http_get, wait_until

@@ -1,5 +1,5 @@
-//! The runtime model of a policy: routes, their actions and limits, and the upstreams they
-//! forward to, as the request path reads them.
+//! The policy as the request path reads it: routes, their actions and limits, and the upstreams
+//! they forward to.
 
 use std::ops::Deref;
 use std::sync::Arc;
