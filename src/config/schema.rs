@@ -132,9 +132,13 @@ string_schema!(
 string_schema!(
     super::WebhookUrl,
     "WebhookUrl",
-    r"^http://[^\s/?#@]+(/[^\s#]*)?$",
-    "Where threshold notifications are POSTed: `http://host:port/path`; no credentials.",
-    ["http://hooks.internal:8080/sluice"]
+    r"^https?://[^\s/?#@]+(/[^\s#]*)?$",
+    "Where threshold notifications are POSTed: `https://host[:port]/path` (or `http://` on a \
+     private network); no credentials.",
+    [
+        "https://hooks.example.com/sluice",
+        "http://hooks.internal:8080/sluice"
+    ]
 );
 string_schema!(
     UpstreamUrl,
